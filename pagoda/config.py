@@ -1,0 +1,135 @@
+"""Engine configuration: small frozen dataclasses, validated where they are built.
+
+Each component receives only the sub-config it needs: the scheduler gets `SchedulerConfig`,
+the KV cache manager `CacheConfig`, the model runner `ModelConfig` + `CacheConfig`.
+Values come from the user through `LLM(...)` or the CLI, so every check names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+}
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "gguf")
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Map a user dtype (string or torch.dtype) to one of `_DTYPES`."""
+    name = str(dtype).removeprefix("torch.").lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how. `hf_config` is the transformers `PretrainedConfig`."""
+
+    model: str
+    hf_config: Any
+    dtype: str  # resolved: float32 | float16 | bfloat16
+    max_model_len: int
+    load_format: str = "auto"
+    seed: int = 0
+    gguf_file: str | None = None  # set when the model is a single GGUF file
+    quantization: dict | None = None  # the checkpoint's quantization_config, if any
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"ModelConfig.dtype must be resolved, got {self.dtype!r}")
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format={self.load_format!r} is not supported; use one of "
+                f"{', '.join(LOAD_FORMATS)}"
+            )
+
+    @property
+    def text_config(self) -> Any:
+        """The language-model part of the config (VL models nest it)."""
+        return getattr(self.hf_config, "text_config", None) or self.hf_config
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.text_config
+        head_dim = getattr(cfg, "head_dim", None)
+        return head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.text_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.text_config.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing. `kv_cache_memory` (bytes) overrides the utilization rule."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_blocks_override is not None and self.num_blocks_override < 2:
+            raise ValueError(
+                f"num_blocks_override must be >= 2 (one is the null block), "
+                f"got {self.num_blocks_override}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token budget per step, concurrency cap and the context limit."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Execution options of the model runner."""
+
+    device: str = "cpu"
+    enforce_eager: bool = False
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    cuda_graph_sizes: tuple[int, ...] = field(default_factory=tuple)

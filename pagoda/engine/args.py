@@ -1,0 +1,136 @@
+"""User-facing engine options, shared by `LLM(...)`, the CLI and the server.
+
+`EngineArgs` holds what a user may pass (vLLM's names); `create_configs()` validates them,
+resolves the model's files and defaults (dtype, context length, device) and returns the frozen
+sub-configs each component takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pagoda.config import (
+    CacheConfig,
+    ModelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+    normalize_dtype,
+)
+from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: Any = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    num_gpu_blocks_override: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    device: str = "auto"
+    load_format: str = "auto"
+    quantization: str | None = None
+    skip_tokenizer_init: bool = False
+    disable_log_stats: bool = True
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_configs(
+        self,
+    ) -> tuple[ModelSource, ModelConfig, CacheConfig, SchedulerConfig, RunnerConfig]:
+        from pagoda.worker.model_runner import resolve_device
+
+        for name in ("max_num_seqs", "block_size", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
+        source = resolve_model(self.model)
+        hf_config = load_hf_config(source)
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        device = resolve_device(self.device)
+
+        dtype = normalize_dtype(self.dtype)
+        if dtype == "auto":
+            if device.type == "cpu":
+                dtype = "float32"  # CPU kernels for half types are slow or missing
+            else:
+                cfg_dtype = getattr(text_config, "dtype", None) or getattr(
+                    text_config, "torch_dtype", None
+                )
+                dtype = normalize_dtype(cfg_dtype or "bfloat16")
+                if dtype == "float32":
+                    dtype = "bfloat16"
+
+        max_pos = getattr(text_config, "max_position_embeddings", None) or 4096
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(max_pos, 32768)
+        elif isinstance(max_model_len, bool) or not isinstance(max_model_len, int):
+            raise TypeError(f"max_model_len must be an integer, got {max_model_len!r}")
+        elif max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len={max_model_len} is larger than the model's "
+                f"max_position_embeddings={max_pos}"
+            )
+
+        load_format = self.load_format
+        if source.kind == "config":
+            load_format = "dummy"
+        elif source.kind == "gguf":
+            if load_format not in ("auto", "gguf", "dummy"):
+                raise ValueError(f"load_format={load_format!r} cannot load a GGUF file")
+            if load_format == "auto":
+                load_format = "gguf"
+
+        quant = quantization_config(hf_config)
+        if self.quantization is not None and quant is None and source.quant_override is None:
+            raise ValueError(
+                f"quantization={self.quantization!r} was requested but the checkpoint has no "
+                "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
+                "`pagoda quantize`)"
+            )
+
+        model_config = ModelConfig(
+            model=source.path,
+            hf_config=hf_config,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            load_format=load_format,
+            seed=self.seed,
+            gguf_file=source.path if source.kind == "gguf" else None,
+            quantization=quant,
+        )
+        max_batched = self.max_num_batched_tokens
+        if max_batched is None:
+            max_batched = 8192 if device.type == "cuda" else 2048
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory=self.kv_cache_memory,
+            num_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        runner_config = RunnerConfig(
+            device=str(device),
+            enforce_eager=self.enforce_eager,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max_batched,
+        )
+        return source, model_config, cache_config, scheduler_config, runner_config

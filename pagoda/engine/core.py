@@ -1,0 +1,57 @@
+"""EngineCore: one iteration of continuous batching per `step()`.
+
+schedule → execute on the model runner → update requests (append tokens, stop checks, free
+finished blocks). It takes `Request`s in and gives `EngineCoreOutput`s out and holds no
+reference to any front end, so it could move to its own process unchanged.
+"""
+
+from __future__ import annotations
+
+from pagoda.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from pagoda.engine.kv_cache_manager import KVCacheManager
+from pagoda.engine.request import Request, RequestStatus
+from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
+from pagoda.worker.memory import MemoryReport
+from pagoda.worker.model_runner import ModelRunner
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        runner_config: RunnerConfig,
+    ) -> None:
+        self.runner = ModelRunner(model_config, cache_config, runner_config)
+        self.runner.load_model()
+        self.memory_report: MemoryReport = self.runner.initialize_kv_cache(
+            scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
+        )
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=self.memory_report.num_blocks + 1,  # + the null block
+            block_size=cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.num_steps = 0
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return []
+        runner_out = self.runner.execute_model(sched_out)
+        self.num_steps += 1
+        return self.scheduler.update_from_output(sched_out, runner_out)

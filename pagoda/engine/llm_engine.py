@@ -1,0 +1,275 @@
+"""LLMEngine: requests in, `RequestOutput`s out, around one `EngineCore`.
+
+It owns what sits between users and the core: prompt processing, fan-out of `n > 1` into
+sibling requests (which share prompt blocks through the prefix cache), incremental
+detokenization with stop strings, logprob formatting and per-request timing. Outputs are
+cumulative by default, or deltas (only what is new) for streaming.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagoda.engine.args import EngineArgs
+from pagoda.engine.core import EngineCore
+from pagoda.engine.detokenizer import IncrementalDetokenizer
+from pagoda.engine.input_processor import InputProcessor, ProcessedPrompt
+from pagoda.engine.request import Request, RequestStatus
+from pagoda.engine.scheduler import EngineCoreOutput
+from pagoda.model_files import eos_token_ids, load_tokenizer
+from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.worker.memory import MemoryReport
+
+logger = logging.getLogger("pagoda")
+
+
+@dataclass
+class _Child:
+    """One sample of a request (index i of n)."""
+
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    delta: bool
+    metrics: RequestMetrics
+    children: list[_Child] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        t0 = time.perf_counter()
+        source, model_config, cache_config, sched_config, runner_config = args.create_configs()
+        self.source = source
+        self.model_config = model_config
+        self.scheduler_config = sched_config
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source)
+        if args.tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        self.eos_token_ids = eos_token_ids(source, model_config.hf_config, self.tokenizer)
+        self.core = EngineCore(model_config, cache_config, sched_config, runner_config)
+        self.input_processor = InputProcessor(
+            self.tokenizer, model_config.text_config.vocab_size, model_config.max_model_len
+        )
+        self._parents: dict[str, _Parent] = {}
+        self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
+        self._counter = itertools.count()
+        self.startup_time_s = time.perf_counter() - t0
+
+    @property
+    def memory_report(self) -> MemoryReport:
+        return self.core.memory_report
+
+    # ------------------------------------------------------------------ requests
+
+    def next_request_id(self) -> str:
+        return str(next(self._counter))
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        delta: bool = False,
+        processed: ProcessedPrompt | None = None,
+    ) -> None:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = processed or self.input_processor.process(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        arrival = arrival_time if arrival_time is not None else time.time()
+        parent = _Parent(request_id, processed, params, delta, RequestMetrics(arrival))
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        extra_eos = [t for t in self.eos_token_ids[1:] if t not in (params.stop_token_ids or [])]
+        for i in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            if extra_eos and not params.ignore_eos:
+                child_params.stop_token_ids = list(params.stop_token_ids or []) + extra_eos
+            if params.seed is not None and params.n > 1:
+                child_params.seed = params.seed + i  # siblings must not draw identical samples
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(
+                request_id=child_id,
+                prompt_token_ids=list(processed.prompt_token_ids),
+                sampling_params=child_params,
+                eos_token_id=eos,
+                arrival_time=arrival,
+            )
+            detok = None
+            if self.tokenizer is not None and params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer,
+                    processed.prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    stop=params.stop or [],
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+            child = _Child(
+                index=i,
+                request=req,
+                detok=detok,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            parent.children.append(child)
+            self._child_to_parent[child_id] = (parent, child)
+        self._parents[request_id] = parent
+        for child in parent.children:
+            self.core.add_request(child.request)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        child_ids = []
+        for rid in ids:
+            parent = self._parents.pop(rid, None)
+            if parent is None:
+                continue
+            for c in parent.children:
+                child_ids.append(c.request.request_id)
+                self._child_to_parent.pop(c.request.request_id, None)
+        self.core.abort_requests(child_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.core.step()
+        now = time.time()
+        touched: dict[str, _Parent] = {}
+        stopped_by_string: list[str] = []
+        for out in outputs:
+            entry = self._child_to_parent.get(out.req_id)
+            if entry is None:
+                continue
+            parent, child = entry
+            if self._apply(parent, child, out, now):
+                stopped_by_string.append(out.req_id)
+            touched[parent.request_id] = parent
+        if stopped_by_string:
+            self.core.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
+        results = []
+        for parent in touched.values():
+            finished = parent.finished
+            if finished:
+                parent.metrics.finished_time = now
+                self._parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self._child_to_parent.pop(c.request.request_id, None)
+            results.append(self._make_output(parent, finished))
+        return results
+
+    def _apply(self, parent: _Parent, child: _Child, out: EngineCoreOutput, now: float) -> bool:
+        """Fold one core output into the child; True if a stop string ended it."""
+        if out.new_token_ids:
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            parent.metrics.last_token_time = now
+        if child.logprobs is not None and out.new_logprobs:
+            for ids, lps, rank in out.new_logprobs:
+                entry: dict[int, Logprob] = {}
+                for j, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
+                    if tid in entry:
+                        continue
+                    entry[tid] = Logprob(
+                        logprob=lp,
+                        rank=rank if j == 0 else j,
+                        decoded_token=self._decode_token(tid),
+                    )
+                child.logprobs.append(entry)
+                child.cumulative_logprob += lps[0]
+        stop_hit = False
+        if child.detok is not None and out.new_token_ids and child.finish_reason is None:
+            matched = child.detok.update(out.new_token_ids)
+            if matched is not None and out.finish_reason is None:
+                child.finish_reason, child.stop_reason = "stop", matched
+                stop_hit = True
+            elif matched is not None:
+                child.finish_reason, child.stop_reason = "stop", matched
+        if out.finish_reason is not None and child.finish_reason is None:
+            child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+        return stop_hit
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
+        completions = []
+        for c in parent.children:
+            req = c.request
+            done = c.finish_reason is not None
+            if c.detok is not None:
+                text = c.detok.get_next_output_text(done, False)
+            else:
+                text = ""
+            tokens = list(req.output_token_ids)
+            logprobs = c.logprobs
+            if parent.delta:
+                new_text = text[c.sent_text_len :]
+                c.sent_text_len = max(c.sent_text_len, len(text))
+                new_tokens = tokens[c.sent_tokens :]
+                c.sent_tokens = len(tokens)
+                if logprobs is not None:
+                    new_lp = logprobs[c.sent_logprobs :]
+                    c.sent_logprobs = len(logprobs)
+                    logprobs = new_lp
+                text, tokens = new_text, new_tokens
+            completions.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=text,
+                    token_ids=tokens,
+                    cumulative_logprob=c.cumulative_logprob,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        first = parent.children[0].request
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt.prompt,
+            prompt_token_ids=parent.prompt.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=parent.metrics,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )

