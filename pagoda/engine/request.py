@@ -1,0 +1,115 @@
+"""One generation request as the engine core sees it: token ids in, token ids out.
+
+`Request` is mutated in place by the scheduler (`num_computed_tokens`, `status`) and by the
+KV cache manager (`block_hashes`). It holds no text and no tensors, so the scheduler and the
+KV cache manager stay pure Python; detokenization lives elsewhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from pagoda.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle of a request. Every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish reason of a final status, None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)  # identity semantics: two requests with equal fields are still distinct
+class Request:
+    """A request's tokens, progress and status; see docs/architecture.md for the contract."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.time)
+    lora_key: str | None = None  # adapter identity, part of every block hash
+    # (offset, length, hash) of each image's placeholder tokens.
+    mm_hashes: list[tuple[int, int, str]] = field(default_factory=list)
+
+    all_token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(init=False, default_factory=list)
+    num_computed_tokens: int = field(init=False, default=0)
+    num_cached_tokens: int = field(init=False, default=-1)
+    status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
+    stop_reason: int | str | None = field(init=False, default=None)
+    block_hashes: list[bytes] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        # A separate list: outputs are appended here while the prompt stays untouched.
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
+        else:
+            token_ids = list(token_ids)
+            self.output_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
+
+    def extra_keys(self, start: int, end: int) -> tuple:
+        """What besides token ids identifies the KV of tokens [start, end).
+
+        The adapter changes every layer's KV, and image placeholder tokens are identical across
+        images, so both must be part of the block hash for a prefix hit to be correct.
+        """
+        if self.lora_key is None and not self.mm_hashes:
+            return ()  # the common case, kept allocation-free
+        keys: list = [] if self.lora_key is None else [self.lora_key]
+        # A handful of images per request at most: a linear scan is cheaper than bisecting.
+        for offset, length, mm_hash in self.mm_hashes:
+            if offset < end and offset + length > start:
+                keys.append(mm_hash)
+        return tuple(keys)

@@ -1,0 +1,290 @@
+"""Continuous-batching scheduler: one token budget per step, no prefill or decode phases.
+
+Running requests catch up first (a decode is one token, an unfinished prompt gets the rest of
+it or what the budget allows), then waiting requests are admitted in arrival order. Chunked
+prefill, prefix-cache hits, mixed batches and preemption by recompute all follow from that rule.
+Pure Python: the runner's output is duck-typed so the engine never imports the worker.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from pagoda.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from pagoda.config import SchedulerConfig
+    from pagoda.engine.kv_cache_manager import KVCacheManager
+    from pagoda.sampling_params import SamplingParams
+
+
+class RunnerOutput(Protocol):
+    """What `update_from_output` reads from `pagoda.worker.model_runner.ModelRunnerOutput`."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, tuple[list[int], list[float], int]]
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step. The lists are live references, not copies."""
+
+    req_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int  # before this step, prefix-cache hits included
+    num_new_tokens: int  # tokens computed this step: a prompt chunk, or 1 for a decode
+    block_ids: list[int]  # covers all computed + new tokens
+    sampling_params: SamplingParams
+    prompt_len: int
+    output_token_ids: list[int]
+    eos_token_id: int | None = None  # the sampler masks it until min_tokens are out
+
+    @property
+    def do_sample(self) -> bool:
+        """True when this step reaches the last known token, so its logits give the next one."""
+        return self.num_computed_tokens + self.num_new_tokens == len(self.all_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # running first, then newly admitted, FCFS
+    total_num_scheduled_tokens: int
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)  # since the previous schedule()
+
+
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list | None = None  # one (ids, logprobs, rank) entry per new token
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+
+class Scheduler:
+    """Decides every step which requests run and how many tokens each computes."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.requests: dict[str, Request] = {}  # unfinished requests only
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self._finished_req_ids: set[str] = set()
+
+    # -- queries ---------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} prompt tokens, more "
+                f"than max_model_len={self.max_model_len}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Drop requests wherever they are; unknown or already finished ids are ignored."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step loop (abort, a stop string matched)."""
+        assert status.is_finished, f"{status!r} is not a final status"
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        # A dict: the same id listed twice must not be released twice.
+        finished = {rid: self.requests[rid] for rid in request_ids if rid in self.requests}
+        if not finished:
+            return
+        gone = {id(r) for r in finished.values()}
+        # One filtering pass per queue rather than a list.remove per request.
+        if any(r.status == RequestStatus.RUNNING for r in finished.values()):
+            self.running = [r for r in self.running if id(r) not in gone]
+        if any(r.status != RequestStatus.RUNNING for r in finished.values()):
+            self.waiting = deque(r for r in self.waiting if id(r) not in gone)
+        for request in finished.values():
+            request.status = status
+            self._release(request)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted_ids: list[str] = []
+
+        # 1. Running requests, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.max_model_len - request.num_computed_tokens,
+            )
+            assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            if not self._allocate_or_preempt(request, num_new, preempted_ids):
+                break  # the request preempted itself: it was the last running one
+            scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, FCFS. After a preemption the pool is known to be short: admitting
+        # would only preempt again next step.
+        if not preempted_ids:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                hit_ids: list[int] = []
+                num_hit = 0
+                if request.num_computed_tokens == 0:
+                    hit_ids, num_hit = kv.get_computed_blocks(request)
+                num_computed = request.num_computed_tokens + num_hit
+                num_new = request.num_tokens - num_computed
+                if num_new > budget and not self.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget, self.max_model_len - num_computed)
+                if kv.allocate_slots(request, num_new, hit_ids) is None:
+                    break  # stays at the head of the queue: FCFS, no overtaking
+                self.waiting.popleft()
+                self.running.append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit
+                scheduled.append(self._scheduled(request, num_computed, num_new))
+                budget -= num_new
+
+        finished_ids, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            preempted_req_ids=preempted_ids,
+            finished_req_ids=finished_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance progress, append sampled tokens, apply stop rules, release finished ones."""
+        sampled = runner_output.sampled_token_ids
+        logprobs = runner_output.logprobs or {}
+        outputs: list[EngineCoreOutput] = []
+        finished: list[Request] = []
+        for sched in scheduler_output.scheduled:
+            request = self.requests.get(sched.req_id)
+            if request is None:
+                continue  # aborted between schedule() and now
+            assert request.num_computed_tokens == sched.num_computed_tokens
+            request.num_computed_tokens += sched.num_new_tokens
+            token_id = sampled.get(sched.req_id)
+            if token_id is None:
+                continue  # a prompt chunk that does not reach the end: nothing to sample
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request, token_id):
+                finished.append(request)
+            token_logprobs = logprobs.get(sched.req_id)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=sched.req_id,
+                    new_token_ids=[token_id],
+                    new_logprobs=None if token_logprobs is None else [token_logprobs],
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished()]
+            for request in finished:
+                self._release(request)
+        return outputs
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Apply the stop rules to the token just appended; set status and stop_reason."""
+        params = request.sampling_params
+        if request.num_output_tokens >= (params.min_tokens or 0):
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if request.num_tokens >= self.max_model_len:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, preempted_ids: list[str]
+    ) -> bool:
+        """Get blocks for a running request, preempting from the newest end until it fits.
+
+        Returns False when `request` itself had to be preempted.
+        """
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            # Recompute is cheaper to implement than swapping and, with prefix caching, often
+            # finds the victim's blocks still cached when it is re-admitted.
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        """Forget a finished request; the runner hears of it in the next SchedulerOutput."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
+
+    def _scheduled(self, request: Request, num_computed: int, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            req_id=request.request_id,
+            all_token_ids=request.all_token_ids,
+            num_computed_tokens=num_computed,
+            num_new_tokens=num_new,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            prompt_len=request.num_prompt_tokens,
+            output_token_ids=request.output_token_ids,
+            eos_token_id=request.eos_token_id,
+        )
