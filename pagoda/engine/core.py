@@ -28,6 +28,7 @@ class EngineCore:
         self.memory_report: MemoryReport = self.runner.initialize_kv_cache(
             scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
         )
+        self.runner.capture_cuda_graphs(scheduler_config.max_num_seqs)
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.memory_report.num_blocks + 1,  # + the null block
             block_size=cache_config.block_size,
@@ -35,6 +36,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.num_steps = 0
+        self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -50,6 +52,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         sched_out = self.scheduler.schedule()
+        self.num_preemptions += len(sched_out.preempted_req_ids)
         if not sched_out.scheduled:
             return []
         runner_out = self.runner.execute_model(sched_out)

@@ -250,19 +250,20 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
 
-    def _build_metadata(
+    def _prepare_arrays(
         self,
         num_computed: list[int],
         num_new: list[int],
         block_ids: list[list[int]],
         num_tokens: int,
-    ) -> AttentionMetadata:
+    ) -> dict[str, np.ndarray]:
+        """Host-side batch arrays: query offsets, lengths, block table, positions, slots."""
         bs = self.block_size
         num_reqs = len(num_new)
         qsl = np.zeros(num_reqs + 1, dtype=np.int32)
         np.cumsum(num_new, out=qsl[1:])
         seq_lens = np.asarray(num_computed, dtype=np.int32) + np.asarray(num_new, dtype=np.int32)
-        max_blocks = max(-(-int(s) // bs) for s in seq_lens)
+        max_blocks = int(-(-int(seq_lens.max()) // bs))
         table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
         for i, ids in enumerate(block_ids):
             n = min(len(ids), max_blocks)
@@ -271,17 +272,28 @@ class ModelRunner:
         req_idx = np.repeat(np.arange(num_reqs), num_new)
         pos = np.arange(num_tokens) - np.repeat(qsl[:-1], num_new) + np.repeat(num_computed, num_new)
         slots = table[req_idx, pos // bs].astype(np.int64) * bs + pos % bs
-        dev = self.device
+        return dict(qsl=qsl, seq_lens=seq_lens, table=table, positions=pos.astype(np.int64),
+                    slots=slots)
+
+    def _build_metadata(
+        self,
+        num_computed: list[int],
+        num_new: list[int],
+        block_ids: list[list[int]],
+        num_tokens: int,
+        arrays: dict[str, np.ndarray] | None = None,
+    ) -> AttentionMetadata:
+        a = arrays or self._prepare_arrays(num_computed, num_new, block_ids, num_tokens)
         return AttentionMetadata(
             num_actual_tokens=num_tokens,
-            query_start_loc=self._to_dev(qsl),
-            seq_lens=self._to_dev(seq_lens),
-            block_tables=self._to_dev(table),
-            slot_mapping=self._to_dev(slots) if dev.type == "cuda" else torch.from_numpy(slots),
+            query_start_loc=self._to_dev(a["qsl"]),
+            seq_lens=self._to_dev(a["seq_lens"]),
+            block_tables=self._to_dev(a["table"]),
+            slot_mapping=self._to_dev(a["slots"]),
             max_query_len=int(max(num_new)),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            max_seq_len=int(a["seq_lens"].max()),
+            query_start_loc_cpu=a["qsl"].tolist(),
+            seq_lens_cpu=a["seq_lens"].tolist(),
         )
 
     def _to_dev(self, arr: np.ndarray) -> torch.Tensor:
@@ -289,6 +301,27 @@ class ModelRunner:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
+
+    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
+        """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report."""
+        if self.device.type != "cuda" or self.runner_config.enforce_eager:
+            return
+        from pagoda.worker.cuda_graphs import CudaGraphRunner
+
+        self.graph_runner = CudaGraphRunner(
+            self.model,
+            max_num_seqs=max_num_seqs,
+            max_model_len=self.model_config.max_model_len,
+            block_size=self.block_size,
+            hidden_size=self.model_config.text_config.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        stats = self.graph_runner.capture()
+        if self.memory_report is not None:
+            self.memory_report.cuda_graph_capture_time_s = stats.capture_time_s
+            self.memory_report.cuda_graph_bytes = stats.memory_bytes
+            self.memory_report.cuda_graph_sizes = stats.sizes
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -306,26 +339,29 @@ class ModelRunner:
             start, n = r.num_computed_tokens, r.num_new_tokens
             token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
             offset += n
-        md = self._build_metadata(num_computed, num_new, [r.block_ids for r in reqs], num_tokens)
-        positions_np = (
-            np.arange(num_tokens)
-            - np.repeat(np.asarray(md.query_start_loc_cpu[:-1]), num_new)
-            + np.repeat(num_computed, num_new)
-        )
-        input_ids = self._to_dev(token_ids)
-        positions = self._to_dev(positions_np.astype(np.int64))
-
-        if self.graph_runner is not None and self.graph_runner.can_run(md):
-            hidden = self.graph_runner.run(input_ids, positions, md)
+        arrays = self._prepare_arrays(num_computed, num_new, [r.block_ids for r in reqs], num_tokens)
+        graph_size = None
+        if self.graph_runner is not None and num_tokens == len(reqs):  # decode-only step
+            graph_size = self.graph_runner.padded_size(len(reqs))
+        if graph_size is not None:
+            hidden = self.graph_runner.run(
+                graph_size, token_ids, arrays["positions"], arrays["slots"],
+                arrays["seq_lens"], arrays["table"],
+            )
         else:
-            hidden = self.model(input_ids, positions, md)
+            md = self._build_metadata(num_computed, num_new, [], num_tokens, arrays)
+            hidden = self.model(self._to_dev(token_ids), self._to_dev(arrays["positions"]), md)
 
         sampling = [i for i, r in enumerate(reqs) if r.do_sample]
         out = ModelRunnerOutput()
         if not sampling:
             return out
-        last_idx = np.asarray(md.query_start_loc_cpu[1:], dtype=np.int64)[sampling] - 1
-        logits = self.model.compute_logits(hidden[self._to_dev(last_idx)])
+        if len(sampling) == len(reqs) and num_tokens == len(reqs):
+            last_hidden = hidden  # decode-only: every row samples
+        else:
+            last_idx = arrays["qsl"][1:].astype(np.int64)[sampling] - 1
+            last_hidden = hidden[self._to_dev(last_idx)]
+        logits = self.model.compute_logits(last_hidden)
         sreqs = [reqs[i] for i in sampling]
         smd = self._sampling_metadata(sreqs)
         result = self.sampler(logits, smd)

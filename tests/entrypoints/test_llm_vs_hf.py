@@ -71,6 +71,7 @@ def test_greedy_matches_transformers(model_and_reference, variant):
                 assert abs(lp.logprob - ref[tid].item()) < 1e-3, (arch, variant, i, step)
     if variant == "preemption":
         assert llm.memory_report().num_blocks == 8
+        assert llm.llm_engine.core.num_preemptions > 0
     if variant == "default":
         # the two prompts sharing 20 tokens: the second one reused the first full block
         assert max(o.num_cached_tokens for o in outs[4:]) == 16

@@ -1,0 +1,148 @@
+"""CUDA graphs for decode-only steps: one captured forward per padded batch size.
+
+A decode step launches hundreds of small kernels; replaying a captured graph removes the launch
+gaps. Inputs live in static buffers that each step overwrites; a batch of n requests runs the
+graph of the smallest captured size >= n, the padding rows being one-token "sequences" that read
+the null block and write nowhere (slot -1). Attention's split-KV factor is fixed per graph at
+capture (chunks are sized from the real lengths at replay), so one graph serves every length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagoda.layers.attention import AttentionMetadata
+
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,
+                         448, 512)
+
+
+@dataclass
+class GraphCaptureStats:
+    sizes: list[int]
+    capture_time_s: float
+    memory_bytes: int
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
+    ) -> None:
+        self.model = model
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.device = device
+        self.sizes = sorted({s for s in sizes if s <= max_num_seqs} | {min(max_num_seqs, 512)})
+        max_bs = self.sizes[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        # [max_bs] static inputs; a replay reads whatever the step copied in
+        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.stats: GraphCaptureStats | None = None
+
+    def _metadata(self, size: int) -> AttentionMetadata:
+        from pagoda.kernels.triton_paged_attention import choose_num_splits
+
+        num_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return AttentionMetadata(
+            num_actual_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=[1] * size,
+            num_splits=choose_num_splits(size, num_kv_heads, 1, self.max_model_len, sms),
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> GraphCaptureStats:
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+            md = self._metadata(size)
+            args = (self.input_ids[:size], self.positions[:size], md)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: autotuning and lazy init stay out of the graph
+                    self.model(*args)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(*args)
+            self.graphs[size] = graph
+            self.outputs[size] = out
+        torch.cuda.synchronize(self.device)
+        self.stats = GraphCaptureStats(
+            sizes=list(self.sizes),
+            capture_time_s=time.perf_counter() - t0,
+            memory_bytes=max(0, free_before - torch.cuda.mem_get_info(self.device)[0]),
+        )
+        return self.stats
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        for s in self.sizes:
+            if s >= num_reqs:
+                return s
+        return None
+
+    def run(
+        self,
+        size: int,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+    ) -> torch.Tensor:
+        """Replay the graph of `size` for n = len(token_ids) decode tokens; hidden [n, H]."""
+        n = len(token_ids)
+        pad = size - n
+        ids = np.pad(token_ids, (0, pad))
+        pos = np.pad(positions, (0, pad))
+        slot = np.pad(slots, (0, pad), constant_values=-1)
+        lens = np.pad(seq_lens, (0, pad), constant_values=1)
+        nb = block_table.shape[1]
+        table = np.zeros((size, nb), dtype=np.int32)
+        table[:n] = block_table
+        # Columns past `nb` may hold stale ids from earlier steps: never read, since a row only
+        # reads the blocks its seq_len covers (padding rows: column 0, set to the null block).
+        self.input_ids[:size].copy_(_pinned(ids), non_blocking=True)
+        self.positions[:size].copy_(_pinned(pos), non_blocking=True)
+        self.slot_mapping[:size].copy_(_pinned(slot), non_blocking=True)
+        self.seq_lens[:size].copy_(_pinned(lens), non_blocking=True)
+        self.block_tables[:size, :nb].copy_(_pinned(table), non_blocking=True)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]
+
+
+def _pinned(arr: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(arr)).pin_memory()
