@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+# Without a GPU, Triton kernels run in the interpreter. The variable is read when `@triton.jit`
+# decorates a kernel, so it must be set before anything (transformers included) imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -40,7 +40,7 @@ def _save(tmp_path: Path, name: str, layers: int) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-3b.json", "qwen2.5-7b.json"])
+@pytest.mark.parametrize("name", ["qwen2.5-7b.json", "qwen2.5-3b.json"])
 @pytest.mark.parametrize("eager", [True, False])
 def test_engine_greedy_equals_transformers_gpu(tmp_path, name, eager):
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,103 @@
+"""Torch reference kernels for the paged KV cache: cache write and paged attention.
+
+These are the correctness oracles for the Triton kernels in `triton_*.py` and the CPU backend.
+The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V);
+token slot = `block_id * block_size + offset`. Attention is computed in float32 and returned in
+the query dtype. Only these references loop over sequences; models and layers never do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T'] int64, T' <= T; -1 = padding, not written
+) -> None:
+    """Write K/V of the first `len(slot_mapping)` tokens into their cache slots, in place."""
+    num_tokens = slot_mapping.shape[0]
+    key = key[:num_tokens]
+    value = value[:num_tokens]
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    # Flat views share storage with the cache, so index_copy_ writes through.
+    k_flat = kv_cache[0].view(num_blocks * block_size, *kv_cache.shape[3:])  # [N*bs, Hkv, D]
+    v_flat = kv_cache[1].view(num_blocks * block_size, *kv_cache.shape[3:])
+    slots = slot_mapping.to(device=kv_cache.device, dtype=torch.int64)
+    valid = slots >= 0
+    # Mask instead of branching on `valid.all()` so no host sync is needed.
+    idx = slots[valid]
+    k_flat.index_copy_(0, idx, key[valid].to(kv_cache.dtype))
+    v_flat.index_copy_(0, idx, value[valid].to(kv_cache.dtype))
+
+
+def _gather_seq_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the first `seq_len` positions of one sequence: two [seq_len, Hkv, D]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].to(device=kv_cache.device, dtype=torch.int64)
+    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, Hkv, D]
+    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def _attend(
+    q: torch.Tensor,  # [Q, H, D]
+    k: torch.Tensor,  # [S, Hkv, D]
+    v: torch.Tensor,  # [S, Hkv, D]
+    scale: float,
+    q_offset: int,  # position of q[0]; q[i] sees keys at positions <= q_offset + i
+) -> torch.Tensor:
+    """Causal GQA attention in float32; returns [Q, H, D] float32."""
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    qf = q.float().transpose(0, 1)  # [H, Q, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Q, S]
+    q_pos = q_offset + torch.arange(q.shape[0], device=q.device)
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    mask = k_pos[None, :] > q_pos[:, None]  # [Q, S], True = hidden
+    scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vf).transpose(0, 1)  # [Q, H, D]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]
+    query_start_loc_cpu: list[int],  # [B+1]
+    seq_lens_cpu: list[int],  # [B], context length incl. this step's tokens
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [>=T, H, D]; rows past the last query are untouched
+) -> torch.Tensor:
+    """Causal attention of each sequence's queries over its cached keys (prefix + new)."""
+    if out is None:
+        out = torch.zeros_like(q)
+    for b, seq_len in enumerate(seq_lens_cpu):
+        start, end = query_start_loc_cpu[b], query_start_loc_cpu[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {b}: query length {q_len} exceeds seq_len {seq_len}")
+        k, v = _gather_seq_kv(kv_cache, block_tables[b], seq_len)
+        out[start:end] = _attend(q[start:end], k, v, scale, seq_len - q_len).to(out.dtype)
+    return out
+
+
+def causal_attention_ref(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    scale: float,
+) -> torch.Tensor:
+    """Plain causal attention over all tokens as one sequence (no cache): [T, H, D] in q.dtype."""
+    return _attend(q, k, v, scale, 0).to(q.dtype)

@@ -1,0 +1,142 @@
+"""Attention over the paged KV cache, and the metadata that describes one step's batch.
+
+`Attention` writes this step's K/V into its layer's cache (bound by the runner as
+`module.kv_cache`, `[2, num_blocks, block_size, Hkv, D]`) and attends each sequence's queries to
+its cached prefix + new tokens. CUDA tensors use the Triton kernels, the CPU the torch
+references. `attn_metadata=None` means no cache: causal attention over all tokens as one sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat batch layout of one step, shared by every attention layer."""
+
+    num_actual_tokens: int  # T; inputs may be padded beyond it (CUDA graphs)
+    query_start_loc: torch.Tensor  # [B+1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 (the null block)
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding tokens (not written)
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]  # host copies: the reference path needs no device sync
+    seq_lens_cpu: list[int]
+    # Split-KV factor for the Triton kernel; None = chosen per call. CUDA graphs fix it at
+    # capture time because the automatic choice depends on host values of the step.
+    num_splits: int | None = None
+
+
+@functools.cache
+def _triton_kernels() -> tuple[Callable, Callable] | None:
+    """(write_kv_cache_triton, paged_attention_triton), or None when Triton is unusable.
+
+    Cached so a failed import is not retried by every layer of every step.
+    """
+    try:
+        from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
+        from pagoda.kernels.triton_paged_attention import paged_attention_triton
+    except ImportError:
+        return None
+    return write_kv_cache_triton, paged_attention_triton
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention of one layer; q, k, v come already projected."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        # Bound by the model runner once the cache is allocated; a plain attribute, not a
+        # buffer, so it is never part of state_dict() nor moved by .to().
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H*D]
+        k: torch.Tensor,  # [T, Hkv*D]
+        v: torch.Tensor,  # [T, Hkv*D]
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:  # [T, H*D]
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if attn_metadata is None:
+            return self._forward_no_cache(q, k, v).reshape(num_tokens, -1)
+        if self.kv_cache is None:
+            raise RuntimeError("Attention.kv_cache is not bound; the runner must set it first")
+
+        n = attn_metadata.num_actual_tokens
+        kernels = _triton_kernels() if q.is_cuda else None
+        # Padding rows stay zero: their values are never read, but must not be garbage (NaN).
+        out = torch.zeros_like(q)  # [T, H, D]
+        if kernels is not None:
+            write_kv_cache, paged_attention = kernels
+            write_kv_cache(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
+            paged_attention(
+                q[:n],
+                self.kv_cache,
+                attn_metadata.query_start_loc,
+                attn_metadata.seq_lens,
+                attn_metadata.block_tables,
+                self.scale,
+                attn_metadata.max_query_len,
+                attn_metadata.max_seq_len,
+                out=out[:n],
+                num_splits=attn_metadata.num_splits,
+            )
+        else:
+            write_kv_cache_ref(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
+            paged_attention_ref(
+                q[:n],
+                self.kv_cache,
+                attn_metadata.query_start_loc_cpu,
+                attn_metadata.seq_lens_cpu,
+                attn_metadata.block_tables,
+                self.scale,
+                out=out[:n],
+            )
+        return out.view(num_tokens, -1)
+
+    def _forward_no_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:  # [T, H, D]
+        # SDPA picks a flash / memory-efficient kernel, so the profiling forward over a full
+        # token budget never materialises a [H, T, T] score matrix. K/V are expanded to all
+        # heads explicitly because not every fused backend accepts GQA shapes.
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)  # [T, H, D]
+            v = v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [H, T, D]
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=self.scale,
+        )
+        return out.transpose(0, 1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, scale={self.scale:.4g}"
+        )

@@ -1,0 +1,122 @@
+"""Rotary position embedding (RoPE), neox style (rotate halves) as Hugging Face applies it.
+
+The cos/sin table is built once in float32 for all positions up to `max_position`, then rows are
+gathered by position each step (no Python loop over tokens). Supported HF rope types: "default",
+"linear" and "llama3" (Llama-3.1/3.2 configs); others raise NotImplementedError. Configs of
+transformers >= 5 keep theta and scaling in `rope_parameters`, older ones in `rope_theta` /
+`rope_scaling`; `get_rope` reads both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.kernels import fused_ops
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # [D/2] float32
+    # Same expression as HF so the float32 values are bit-identical.
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    return 1.0 / (theta**exponent)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent interpolation (HF `_compute_llama3_parameters`)."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by the factor, short ones kept, the middle band interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H*D] and k [T, Hkv*D] at `positions` [T]."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"rotary head_dim must be even, got {head_dim}")
+        scaling = dict(rope_scaling or {})
+        rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(
+                f"rope type {rope_type!r} is not supported; pagoda implements "
+                f"{', '.join(_SUPPORTED_ROPE_TYPES)}"
+            )
+        if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            raise NotImplementedError("partial rotary embeddings are not supported")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        self.rope_theta = rope_theta
+        self.rope_type = rope_type
+
+        inv_freq = _base_inv_freq(head_dim, rope_theta)
+        if rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.to(positions.device))  # [P, D/2]
+        # float32 whatever the model dtype: rows are cast to q's dtype when applied (as HF does).
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, D]; cos/sin [T, 1, D/2]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:  # one Triton kernel rotates q and k in place
+            return fused_ops.apply_rotary(
+                positions, q, k, self.cos_cache, self.sin_cache, self.head_dim
+            )
+        num_tokens = positions.shape[0]
+        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        q_rot = self._rotate(q.view(num_tokens, -1, self.head_dim), cos, sin)
+        k_rot = self._rotate(k.view(num_tokens, -1, self.head_dim), cos, sin)
+        return q_rot.view_as(q), k_rot.view_as(k)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, max_position={self.max_position}, "
+            f"theta={self.rope_theta}, type={self.rope_type}"
+        )
+
+
+def rope_params_from_config(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from an HF config of transformers 4.x or 5.x."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = dict(params) if params else {}
+    theta = params.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    return float(theta), (params if rope_type != "default" else None)
+
+
+def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
+    """The RotaryEmbedding an HF decoder config describes."""
+    theta, scaling = rope_params_from_config(config)
+    return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)

@@ -1,0 +1,343 @@
+"""Llama-family decoder (Llama 3 / 3.1, SmolLM2) and the shared skeleton of Qwen2 / Qwen3.
+
+One implementation with `DecoderOptions` (qkv / o_proj / MLP bias, per-head q/k RMSNorm)
+covers all three architectures; `Qwen2ForCausalLM` and `Qwen3ForCausalLM` only pick options.
+Module names mirror Hugging Face so checkpoints load by name; q/k/v and gate/up are fused into
+`qkv_proj` / `gate_up_proj` and `load_weights` routes each HF tensor to its shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.layers.activation import SiluAndMul
+from pagoda.layers.attention import Attention, AttentionMetadata
+from pagoda.layers.embedding import LMHead, VocabEmbedding
+from pagoda.layers.linear import (
+    LinearMethodFactory,
+    MergedColumnLinear,
+    QKVLinear,
+    ReplicatedLinear,
+    default_linear_method_factory,
+)
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import RotaryEmbedding, get_rope
+
+# Checkpoint tensors that are derived state, never parameters.
+_SKIPPED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """Where the supported architectures differ."""
+
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+
+def _text_config(hf_config: Any) -> Any:
+    # Vision-language configs nest the decoder's config.
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    """qkv_proj -> (q/k norm) -> RoPE -> paged attention -> o_proj."""
+
+    def __init__(
+        self,
+        config: Any,
+        options: DecoderOptions,
+        rotary_emb: RotaryEmbedding,
+        linear_method_factory: LinearMethodFactory,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = _head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size,
+            self.head_dim,
+            self.num_heads,
+            self.num_kv_heads,
+            bias=options.qkv_bias,
+            linear_method=linear_method_factory(f"{prefix}.qkv_proj"),
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = ReplicatedLinear(
+            self.q_size,
+            config.hidden_size,
+            bias=options.o_proj_bias,
+            linear_method=linear_method_factory(f"{prefix}.o_proj"),
+            prefix=f"{prefix}.o_proj",
+        )
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table per model
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hidden]
+        attn_metadata: AttentionMetadata | None,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            num_tokens = hidden.shape[0]
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.contiguous(), attn_metadata)  # [T, H*D]
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    """SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x)) with gate/up fused."""
+
+    def __init__(
+        self,
+        config: Any,
+        options: DecoderOptions,
+        linear_method_factory: LinearMethodFactory,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act={config.hidden_act!r}; only 'silu' is supported")
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size,
+            [config.intermediate_size] * 2,
+            bias=options.mlp_bias,
+            linear_method=linear_method_factory(f"{prefix}.gate_up_proj"),
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = ReplicatedLinear(
+            config.intermediate_size,
+            config.hidden_size,
+            bias=options.mlp_bias,
+            linear_method=linear_method_factory(f"{prefix}.down_proj"),
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the following RMSNorm."""
+
+    def __init__(
+        self,
+        config: Any,
+        options: DecoderOptions,
+        rotary_emb: RotaryEmbedding,
+        linear_method_factory: LinearMethodFactory,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(
+            config, options, rotary_emb, linear_method_factory, f"{prefix}.self_attn"
+        )
+        self.mlp = DecoderMLP(config, options, linear_method_factory, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None,  # [T, hidden]; None before the first layer
+        attn_metadata: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens -> layers -> norm (HF's `model.` submodule)."""
+
+    def __init__(
+        self,
+        config: Any,
+        options: DecoderOptions,
+        linear_method_factory: LinearMethodFactory,
+        prefix: str = "model",
+    ) -> None:
+        super().__init__()
+        layer_types = getattr(config, "layer_types", None) or ()
+        if "sliding_attention" in layer_types:
+            raise NotImplementedError("sliding-window attention layers are not supported")
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # Registered here (as HF does) and referenced from every layer's self_attn.
+        self.rotary_emb = get_rope(config, _head_dim(config))
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                config, options, self.rotary_emb, linear_method_factory, f"{prefix}.layers.{i}"
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T]
+        positions: torch.Tensor,  # [T]
+        attn_metadata: AttentionMetadata | None,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden], replaces input_ids
+    ) -> torch.Tensor:  # [T, hidden]
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM: `forward` returns hidden states, `compute_logits` the float32 logits."""
+
+    # HF projection names fused into each of our layers, in shard order.
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    # (our param fragment, HF fragment, shard id) used by load_weights.
+    _stacked_params: tuple[tuple[str, str, int | str], ...] = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    @classmethod
+    def decoder_options(cls, config: Any) -> DecoderOptions:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return DecoderOptions(
+            qkv_bias=attention_bias,
+            o_proj_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+    def __init__(
+        self, hf_config: Any, linear_method_factory: LinearMethodFactory | None = None
+    ) -> None:
+        super().__init__()
+        config = _text_config(hf_config)
+        self.config = config
+        factory = linear_method_factory or default_linear_method_factory
+        self.model = DecoderModel(config, self.decoder_options(config), factory)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # The LM head stays unquantized whatever the factory says (logit quality, and tying).
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn_metadata: AttentionMetadata | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] f32
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        """Every Attention module in layer order (the runner binds `kv_cache` to each)."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def _param_name_and_shard(self, hf_name: str) -> tuple[str, int | str | None]:
+        """Our parameter name for an HF tensor name, and its shard when it lands in a fused one."""
+        for ours, theirs, shard in self._stacked_params:
+            if theirs in hf_name:
+                return hf_name.replace(theirs, ours), shard
+        return hf_name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns our parameter names that were fully loaded.
+
+        Raises ValueError for tensors matching no parameter and for parameters left unloaded.
+        """
+        params = dict(self.named_parameters())
+        shards_needed = {
+            name: {shard for ours, _, shard in self._stacked_params if ours in f".{name}"}
+            for name in params
+        }
+        shards_loaded: dict[str, set[int | str]] = {}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_SKIPPED_WEIGHT_SUFFIXES):
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # same tensor as the embedding
+            param_name, shard = self._param_name_and_shard(name)
+            param = params.get(param_name)
+            if param is None:
+                unexpected.append(name)
+                continue
+            loader = getattr(param, "weight_loader", _default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+                loaded.add(param_name)
+            else:
+                loader(param, tensor, shard)
+                shards_loaded.setdefault(param_name, set()).add(shard)
+                if shards_loaded[param_name] == shards_needed[param_name]:
+                    loaded.add(param_name)
+        if unexpected:
+            raise ValueError(
+                f"checkpoint tensors match no parameter of {type(self).__name__}: "
+                f"{_name_list(unexpected)}"
+            )
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing weights for {type(self).__name__}: {_name_list(missing)}"
+            )
+        return loaded
+
+
+def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    if param.shape != loaded_weight.shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded_weight.shape)} does not fit parameter of "
+            f"shape {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded_weight)
+
+
+def _name_list(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" ... ({len(names)} in all)" if len(names) > limit else "")

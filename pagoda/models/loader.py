@@ -1,0 +1,141 @@
+"""Builds a model from a `ModelConfig` and fills its weights.
+
+Load formats: "auto" / "safetensors" (a HF directory of `*.safetensors`, sharded or not, read
+one file at a time), "gguf" (dequantized to HF-named tensors by transformers' GGUF reader) and
+"dummy" (deterministic random weights from the config alone, for benchmarks with real shapes).
+The model is built directly in the target dtype on the target device and returned in eval mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagoda.config import ModelConfig
+from pagoda.layers.linear import LinearBase
+from pagoda.models.registry import architectures_of, get_model_class
+
+_INDEX_FILE = "model.safetensors.index.json"
+# Dummy weights: small enough that activations stay O(1) through every layer, large enough that
+# logits are well separated and greedy decoding does not flip on rounding noise.
+_DUMMY_RANGE = 0.05
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's files: those named by the shard index, else every *.safetensors."""
+    index_path = model_dir / _INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path}: not a valid safetensors index ({e})") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ValueError(f"{file}: listed in {_INDEX_FILE} but missing")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files found")
+    return files
+
+
+def iter_safetensors_weights(
+    model_dir: str | os.PathLike[str], device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a HF checkpoint directory, one file open at a time."""
+    from safetensors import SafetensorError, safe_open
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"{model_dir}: model directory does not exist")
+    for file in _safetensors_files(model_dir):
+        # Consumer exceptions are raised in the caller's frame, never inside this try, so only
+        # read errors of this file are rewritten.
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file}: cannot read safetensors file ({e})") from e
+
+
+def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield HF-named, dequantized tensors of `model_config.gguf_file`."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    gguf_path = model_config.gguf_file
+    if gguf_path is None:
+        raise ValueError('load_format="gguf" needs ModelConfig.gguf_file')
+    if not os.path.isabs(gguf_path) and not os.path.isfile(gguf_path):
+        gguf_path = os.path.join(model_config.model, gguf_path)
+    if not os.path.isfile(gguf_path):
+        raise ValueError(f"{gguf_path}: GGUF file not found")
+    # transformers maps GGUF tensor names through an HF model's state_dict; a meta-device
+    # instance gives it the names without allocating memory.
+    with torch.device("meta"):
+        hf_skeleton = AutoModelForCausalLM.from_config(model_config.hf_config)
+    try:
+        parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=hf_skeleton)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"{gguf_path}: cannot read GGUF checkpoint ({e})") from e
+    tensors: dict[str, torch.Tensor] = parsed["tensors"]
+    while tensors:
+        # Pop so each dequantized float32 tensor is freed once copied into the model.
+        name = next(iter(tensors))
+        yield name, tensors.pop(name)
+
+
+def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Deterministic random weights: U(±r) for matrices and biases, 1 + U(±r) for norms."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if not param.is_floating_point():
+            continue  # packed quantized weights are not drawn here
+        data = param.data
+        data.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)
+        if data.dim() == 1 and name.endswith("norm.weight"):
+            data.add_(1.0)
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
+    """Build the model of `model_config` on `device` and load its weights (eval mode)."""
+    if model_config.quantization is not None:
+        raise NotImplementedError("quantized checkpoints are not supported by this loader yet")
+    device = torch.device(device)
+    model_cls = get_model_class(architectures_of(model_config.hf_config))
+    dtype = getattr(torch, model_config.dtype)
+    with _default_dtype(dtype), device:
+        model = model_cls(model_config.hf_config)
+
+    load_format = model_config.load_format
+    if load_format == "dummy":
+        _init_dummy_weights(model, model_config.seed, device)
+    elif load_format == "gguf" or (load_format == "auto" and model_config.gguf_file):
+        model.load_weights(iter_gguf_weights(model_config))
+    elif load_format in ("auto", "safetensors"):
+        model.load_weights(iter_safetensors_weights(model_config.model))
+    else:
+        raise ValueError(f"load_format={load_format!r} is not supported")
+
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.linear_method.process_weights_after_loading(module)
+    return model.eval()
