@@ -8,6 +8,7 @@ Everything here works offline: nothing is fetched from a hub.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -153,17 +154,18 @@ def eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any | None) ->
 
     gen_path = Path(source.directory) / "generation_config.json"
     if source.kind == "hf_dir" and gen_path.is_file():
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             add(json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id"))
-        except json.JSONDecodeError:
-            pass
     text_config = getattr(hf_config, "text_config", None) or hf_config
     add(getattr(text_config, "eos_token_id", None))
     if source.kind != "gguf":  # the GGUF tokenizer's eos is unreliable (see above)
         add(getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None)
     elif tokenizer is not None:
-        add(tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in
-            tokenizer.get_vocab() else None)
+        add(
+            tokenizer.convert_tokens_to_ids("<|im_end|>")
+            if "<|im_end|>" in tokenizer.get_vocab()
+            else None
+        )
     return ids
 
 

@@ -45,7 +45,7 @@ def save_tiny_model(arch: str, path: Path, seed: int = 0, **overrides) -> Path:
     # HF initialises with std 0.02: logits are then nearly flat and greedy picks hinge on
     # rounding. A larger spread gives decisive (but still random) predictions.
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.15)
     model.save_pretrained(path)

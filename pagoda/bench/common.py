@@ -33,7 +33,12 @@ class Workload:
 
 
 def random_workload(
-    num_requests: int, min_len: int, max_len: int, min_out: int, max_out: int, vocab: int,
+    num_requests: int,
+    min_len: int,
+    max_len: int,
+    min_out: int,
+    max_out: int,
+    vocab: int,
     seed: int = 0,
 ) -> Workload:
     """The nano-vllm protocol: prompt and output lengths uniform in a range, random ids."""

@@ -26,8 +26,12 @@ from pagoda.bench.common import (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="model dir, .gguf, or config:benchmarks/configs/qwen2.5-7b.json")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model dir, .gguf, or config:benchmarks/configs/qwen2.5-7b.json",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, default=1)
@@ -52,7 +56,13 @@ def _decode_bytes(llm: Any, prompt_len: int, output_len: int, batch: int) -> tup
     tied = getattr(cfg.text_config, "tie_word_embeddings", False)
     if emb is not None and not tied:  # an untied input embedding is gathered, not read whole
         weights -= sum(p.numel() * p.element_size() for p in emb.parameters())
-    per_token_kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * llm.llm_engine.core.runner.dtype.itemsize
+    per_token_kv = (
+        2
+        * cfg.num_layers
+        * cfg.num_kv_heads
+        * cfg.head_dim
+        * llm.llm_engine.core.runner.dtype.itemsize
+    )
     mean_ctx = prompt_len + output_len / 2
     return float(weights), float(per_token_kv * mean_ctx * batch)
 
@@ -61,14 +71,21 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
     from pagoda import LLM, SamplingParams
 
     llm = LLM(
-        ns.model, dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len,
-        gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        max_num_seqs=max(ns.batch_size, 8), skip_tokenizer_init=True,
+        ns.model,
+        dtype=ns.dtype,
+        device=ns.device,
+        max_model_len=ns.max_model_len,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enforce_eager=ns.enforce_eager,
+        max_num_seqs=max(ns.batch_size, 8),
+        skip_tokenizer_init=True,
     )
     rng = random.Random(0)
     vocab = llm.llm_engine.model_config.text_config.vocab_size
-    prompts = [[rng.randrange(0, min(vocab, 10000)) for _ in range(ns.prompt_len)]
-               for _ in range(ns.batch_size)]
+    prompts = [
+        [rng.randrange(0, min(vocab, 10000)) for _ in range(ns.prompt_len)]
+        for _ in range(ns.batch_size)
+    ]
     full = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.llm_engine.core.kv_cache_manager.reset_prefix_cache()
@@ -85,8 +102,10 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
         steps = ns.output_len - 1
         step_times.append(decode_time / steps)
         decode_rates.append(steps * ns.batch_size / decode_time)
-        print(f"  iter {i}: TTFT {ttfts[-1] * 1e3:.1f} ms, decode {decode_rates[-1]:.1f} tok/s",
-              file=sys.stderr)
+        print(
+            f"  iter {i}: TTFT {ttfts[-1] * 1e3:.1f} ms, decode {decode_rates[-1]:.1f} tok/s",
+            file=sys.stderr,
+        )
     w_bytes, kv_bytes = _decode_bytes(llm, ns.prompt_len, ns.output_len, ns.batch_size)
     report = llm.memory_report().to_dict()
     step = statistics.median(step_times)
@@ -109,8 +128,9 @@ def run_transformers(ns: argparse.Namespace) -> dict[str, Any]:
 
     args = EngineArgs(model=ns.model, dtype=ns.dtype, device=ns.device)
     _, model_config, *_ = args.create_configs()
-    device = torch.device("cuda" if ns.device in ("auto", "cuda") and torch.cuda.is_available()
-                          else "cpu")
+    device = torch.device(
+        "cuda" if ns.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    )
     dtype = getattr(torch, model_config.dtype)
     model = hf_model_from_config(model_config.hf_config, dtype, device)
     model.generation_config.eos_token_id = None
@@ -120,7 +140,7 @@ def run_transformers(ns: argparse.Namespace) -> dict[str, Any]:
     ids = torch.randint(0, min(vocab, 10000), (ns.batch_size, ns.prompt_len), generator=g)
     ids = ids.to(device)
 
-    def gen(n: int) -> float:
+    def gen(n: int, model: Any = model) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         import time
@@ -145,8 +165,9 @@ def run_transformers(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(ns: argparse.Namespace) -> int:
-    device = torch.device("cuda" if ns.device in ("auto", "cuda") and torch.cuda.is_available()
-                          else "cpu")
+    device = torch.device(
+        "cuda" if ns.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    )
     bw = copy_bandwidth(device)
     result: dict[str, Any] = {
         "benchmark": "latency",
@@ -169,10 +190,15 @@ def main(ns: argparse.Namespace) -> int:
         result["speedup_decode"] = p["decode_tok_s"] / hf["decode_tok_s"]
         result["speedup_ttft"] = hf["ttft_s"] / p["ttft_s"]
         if bw == bw:
-            hf["mbu"] = (p["weight_bytes_per_step"] + p["kv_bytes_per_step"]) * hf[
-                "decode_tok_s"] / ns.batch_size / bw
-    rows = [("pagoda", p)] + ([("transformers", result["transformers"])]
-                              if "transformers" in result else [])
+            hf["mbu"] = (
+                (p["weight_bytes_per_step"] + p["kv_bytes_per_step"])
+                * hf["decode_tok_s"]
+                / ns.batch_size
+                / bw
+            )
+    rows = [("pagoda", p)] + (
+        [("transformers", result["transformers"])] if "transformers" in result else []
+    )
     print(f"\n{'engine':<14}{'TTFT ms':>10}{'decode tok/s':>14}{'MBU':>8}")
     for name, r in rows:
         mbu = f"{r['mbu'] * 100:.1f}%" if "mbu" in r else "-"

@@ -41,8 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
-    p.add_argument("--baseline-requests", type=int, default=None,
-                   help="run transformers on the first N requests only (it is slow)")
+    p.add_argument(
+        "--baseline-requests",
+        type=int,
+        default=None,
+        help="run transformers on the first N requests only (it is slow)",
+    )
     p.add_argument("--out", default=None)
 
 
@@ -51,9 +55,14 @@ def run_pagoda(ns: argparse.Namespace, workloads: list[Workload]) -> list[dict[s
     from pagoda import LLM, SamplingParams
 
     llm = LLM(
-        ns.model, dtype=ns.dtype, device=ns.device, max_model_len=ns.max_model_len,
-        gpu_memory_utilization=ns.gpu_memory_utilization, enforce_eager=ns.enforce_eager,
-        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        ns.model,
+        dtype=ns.dtype,
+        device=ns.device,
+        max_model_len=ns.max_model_len,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enforce_eager=ns.enforce_eager,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
         skip_tokenizer_init=True,
     )
     warm = SamplingParams(temperature=ns.temperature, max_tokens=16, ignore_eos=True)
@@ -71,14 +80,16 @@ def run_pagoda(ns: argparse.Namespace, workloads: list[Workload]) -> list[dict[s
         elapsed = time.perf_counter() - t0
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         assert produced == wl.num_output_tokens, (produced, wl.num_output_tokens)
-        results.append({
-            "num_requests": len(wl.prompts),
-            "elapsed_s": elapsed,
-            "output_tok_s": produced / elapsed,
-            "total_tok_s": (produced + wl.num_prompt_tokens) / elapsed,
-            "steps": llm.llm_engine.core.num_steps - steps0,
-            "preemptions": llm.llm_engine.core.num_preemptions,
-        })
+        results.append(
+            {
+                "num_requests": len(wl.prompts),
+                "elapsed_s": elapsed,
+                "output_tok_s": produced / elapsed,
+                "total_tok_s": (produced + wl.num_prompt_tokens) / elapsed,
+                "steps": llm.llm_engine.core.num_steps - steps0,
+                "preemptions": llm.llm_engine.core.num_preemptions,
+            }
+        )
     results[0]["memory_report"] = llm.memory_report().to_dict()
     del llm, outs
     free_device_memory()
@@ -90,22 +101,26 @@ def run_transformers(ns: argparse.Namespace, wl: Workload) -> dict[str, Any]:
 
     from pagoda.engine.args import EngineArgs
 
-    _, model_config, *_ = EngineArgs(model=ns.model, dtype=ns.dtype,
-                                     device=ns.device).create_configs()
+    _, model_config, *_ = EngineArgs(
+        model=ns.model, dtype=ns.dtype, device=ns.device
+    ).create_configs()
     device = torch.device("cuda" if torch.cuda.is_available() and ns.device != "cpu" else "cpu")
-    model = hf_model_from_config(model_config.hf_config, getattr(torch, model_config.dtype),
-                                 device)
+    model = hf_model_from_config(model_config.hf_config, getattr(torch, model_config.dtype), device)
     gen_cfg = GenerationConfig(
-        max_new_tokens=max(wl.output_lens), do_sample=ns.temperature > 0,
-        temperature=ns.temperature if ns.temperature > 0 else None, eos_token_id=None,
+        max_new_tokens=max(wl.output_lens),
+        do_sample=ns.temperature > 0,
+        temperature=ns.temperature if ns.temperature > 0 else None,
+        eos_token_id=None,
         pad_token_id=0,
     )
     manager = model.init_continuous_batching(generation_config=gen_cfg)
     manager.start()
     try:
         t0 = time.perf_counter()
-        ids = [manager.add_request(p, max_new_tokens=n)
-               for p, n in zip(wl.prompts, wl.output_lens, strict=True)]
+        ids = [
+            manager.add_request(p, max_new_tokens=n)
+            for p, n in zip(wl.prompts, wl.output_lens, strict=True)
+        ]
         produced, done = 0, 0
         while done < len(ids):
             r = manager.get_result(timeout=60)
@@ -136,8 +151,15 @@ def main(ns: argparse.Namespace) -> int:
     from pagoda.engine.args import EngineArgs
 
     _, mc, *_ = EngineArgs(model=ns.model, device=ns.device).create_configs()
-    wl = random_workload(ns.num_requests, ns.min_len, ns.max_len, ns.min_out, ns.max_out,
-                         mc.text_config.vocab_size, seed=0)
+    wl = random_workload(
+        ns.num_requests,
+        ns.min_len,
+        ns.max_len,
+        ns.min_out,
+        ns.max_out,
+        mc.text_config.vocab_size,
+        seed=0,
+    )
     result: dict[str, Any] = {
         "benchmark": "throughput",
         "model": ns.model,
@@ -163,18 +185,24 @@ def main(ns: argparse.Namespace) -> int:
     for name in ("pagoda", "transformers"):
         if name in result:
             r = result[name]
-            print(f"{name:<14}{r['elapsed_s']:>9.1f}{r['output_tok_s']:>14.1f}"
-                  f"{r['total_tok_s']:>13.1f}")
+            print(
+                f"{name:<14}{r['elapsed_s']:>9.1f}{r['output_tok_s']:>14.1f}"
+                f"{r['total_tok_s']:>13.1f}"
+            )
     if "pagoda_on_baseline_subset" in result:
         r = result["pagoda_on_baseline_subset"]
-        print(f"{'pagoda (' + str(n) + ')':<14}{r['elapsed_s']:>9.1f}{r['output_tok_s']:>14.1f}"
-              f"{r['total_tok_s']:>13.1f}")
+        print(
+            f"{'pagoda (' + str(n) + ')':<14}{r['elapsed_s']:>9.1f}{r['output_tok_s']:>14.1f}"
+            f"{r['total_tok_s']:>13.1f}"
+        )
     if "transformers" in result:
         hf = result["transformers"]["output_tok_s"]
         result["speedup_output_tok_s"] = p["output_tok_s"] / hf
         same = result.get("pagoda_on_baseline_subset", p)["output_tok_s"] / hf
         result["speedup_output_tok_s_same_requests"] = same
-        print(f"output tok/s vs transformers: {result['speedup_output_tok_s']:.1f}x "
-              f"({same:.1f}x on the same {n} requests)")
+        print(
+            f"output tok/s vs transformers: {result['speedup_output_tok_s']:.1f}x "
+            f"({same:.1f}x on the same {n} requests)"
+        )
     write_result(ns.out, result)
     return 0

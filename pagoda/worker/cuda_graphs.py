@@ -18,8 +18,27 @@ import torch
 
 from pagoda.layers.attention import AttentionMetadata
 
-DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384,
-                         448, 512)
+DEFAULT_CAPTURE_SIZES = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+)
 
 
 @dataclass

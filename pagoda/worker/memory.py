@@ -67,17 +67,25 @@ class MemoryReport:
             ("device", f"{self.device} ({self.dtype})"),
             ("weights", f"{self.weights_bytes / GiB:.3f} GiB (loaded in {self.load_time_s:.2f} s)"),
             ("peak activations", f"{self.peak_activation_bytes / GiB:.3f} GiB"),
-            ("KV cache", f"{self.kv_cache_bytes / GiB:.3f} GiB = {self.num_blocks} blocks of "
-                         f"{self.block_size} tokens"),
+            (
+                "KV cache",
+                f"{self.kv_cache_bytes / GiB:.3f} GiB = {self.num_blocks} blocks of "
+                f"{self.block_size} tokens",
+            ),
             ("KV token capacity", f"{self.kv_token_capacity:,} tokens"),
-            ("max concurrency", f"{self.max_concurrency:.2f}x at max_model_len="
-                                f"{self.max_model_len}"),
+            (
+                "max concurrency",
+                f"{self.max_concurrency:.2f}x at max_model_len={self.max_model_len}",
+            ),
         ]
         if self.cuda_graph_sizes:
             rows.append(
-                ("CUDA graphs", f"{len(self.cuda_graph_sizes)} sizes in "
-                                f"{self.cuda_graph_capture_time_s:.2f} s, "
-                                f"{self.cuda_graph_bytes / GiB:.3f} GiB")
+                (
+                    "CUDA graphs",
+                    f"{len(self.cuda_graph_sizes)} sizes in "
+                    f"{self.cuda_graph_capture_time_s:.2f} s, "
+                    f"{self.cuda_graph_bytes / GiB:.3f} GiB",
+                )
             )
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

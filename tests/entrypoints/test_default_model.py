@@ -51,9 +51,12 @@ def test_greedy_equals_transformers_on_dequantized_weights(llm):
     ).eval()
     with torch.no_grad():
         ref = hf.generate(
-            torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=2,
+            torch.tensor([ids]),
+            max_new_tokens=40,
+            do_sample=False,
+            eos_token_id=2,
             pad_token_id=2,
-        )[0, len(ids):].tolist()
+        )[0, len(ids) :].tolist()
     ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     assert ours[0].outputs[0].token_ids == ref
 
@@ -72,8 +75,10 @@ def test_seeded_sampling_reproducible_across_batches(llm):
     assert alone.outputs[0].token_ids == again.outputs[0].token_ids
     # and an unseeded run with the same settings is (almost surely) different
     free = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20)
-    draws = {tuple(o.outputs[0].token_ids) for o in llm.generate(
-        ["The best thing about Paris is"] * 3, free, use_tqdm=False)}
+    draws = {
+        tuple(o.outputs[0].token_ids)
+        for o in llm.generate(["The best thing about Paris is"] * 3, free, use_tqdm=False)
+    }
     assert len(draws) > 1
 
 
@@ -82,8 +87,10 @@ def test_stream_matches_non_streamed_korean(llm):
     params = SamplingParams(temperature=0.0, max_tokens=48)
     full = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
     processed = llm.llm_engine.input_processor.process_chat(messages)
-    deltas = [o.outputs[0].text for o in llm.stream(
-        {"prompt_token_ids": processed.prompt_token_ids}, params)]
+    deltas = [
+        o.outputs[0].text
+        for o in llm.stream({"prompt_token_ids": processed.prompt_token_ids}, params)
+    ]
     assert "".join(deltas) == full
     assert all("\ufffd" not in d for d in deltas)
     assert any("\uac00" <= ch <= "\ud7a3" for ch in full), full  # Hangul was produced
@@ -91,9 +98,21 @@ def test_stream_matches_non_streamed_korean(llm):
 
 def test_cli_chat_answers():
     proc = subprocess.run(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "chat", "--message",
-         "What is the capital of France?", "--max-tokens", "40", "--max-model-len", "1024"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pagoda.entrypoints.cli",
+            "chat",
+            "--message",
+            "What is the capital of France?",
+            "--max-tokens",
+            "40",
+            "--max-model-len",
+            "1024",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
@@ -102,9 +121,18 @@ def test_cli_chat_answers():
 
 def test_cli_bad_input_is_a_clear_error():
     proc = subprocess.run(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "generate", "hi", "--model",
-         "/no/such/model"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pagoda.entrypoints.cli",
+            "generate",
+            "hi",
+            "--model",
+            "/no/such/model",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "not found" in proc.stderr and "Traceback" not in proc.stderr

@@ -55,18 +55,31 @@ def test_engine_greedy_equals_transformers_gpu(tmp_path, name, eager):
     ref, ref_logits = [], []
     for p in prompts:
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16,
-                              do_sample=False, pad_token_id=0, output_logits=True,
-                              return_dict_in_generate=True)
-        ref.append(out.sequences[0, len(p):].tolist())
+            out = hf.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=16,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        ref.append(out.sequences[0, len(p) :].tolist())
         ref_logits.append([s[0].float() for s in out.logits])
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(str(path), dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
-              enforce_eager=eager, skip_tokenizer_init=True, max_num_batched_tokens=256,
-              print_memory_report=False)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)
+    llm = LLM(
+        str(path),
+        dtype="bfloat16",
+        max_model_len=1024,
+        gpu_memory_utilization=0.3,
+        enforce_eager=eager,
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=256,
+        print_memory_report=False,
+    )
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     got = [o.outputs[0].token_ids for o in outs]
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         if g == r:
@@ -76,4 +89,4 @@ def test_engine_greedy_equals_transformers_gpu(tmp_path, name, eager):
         k = next(j for j in range(len(r)) if g[j] != r[j])
         logits = ref_logits[i][k]
         gap = (logits[r[k]] - logits[g[k]]).item()
-        assert gap <= 2 ** -7 * abs(logits[r[k]].item()) + 1e-3, (i, k, gap, g, r)
+        assert gap <= 2**-7 * abs(logits[r[k]].item()) + 1e-3, (i, k, gap, g, r)

@@ -82,10 +82,16 @@ def test_engine_logits_match_hf_closely(tmp_path):
     path = save_tiny_model("qwen2", tmp_path)
     prompt = list(range(3, 40))
     _, ref = hf_greedy(path, [prompt], 1)
-    llm = LLM(str(path), device="cpu", skip_tokenizer_init=True, max_model_len=128,
-              print_memory_report=False)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=20),
-                       use_tqdm=False)[0]
+    llm = LLM(
+        str(path),
+        device="cpu",
+        skip_tokenizer_init=True,
+        max_model_len=128,
+        print_memory_report=False,
+    )
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, logprobs=20), use_tqdm=False
+    )[0]
     entry = out.outputs[0].logprobs[0]
     got = torch.tensor([lp.logprob for lp in entry.values()])
     want = ref[0][0][list(entry.keys())]

@@ -1,0 +1,370 @@
+"""`pagoda bench serve`: load a running OpenAI-compatible server and measure what clients see.
+
+Streams `--num-prompts` requests (random-word or `--prompts-file` prompts) at a fixed
+`--concurrency` or as a Poisson process at `--request-rate`, and reports req/s, output tok/s and
+TTFT / TPOT / ITL / end-to-end latency (mean, p50, p99) plus errors, as a table and `--out JSON`.
+Works against pagoda, vLLM or any server that speaks the OpenAI streaming API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Common English words: nearly every one is a single token (with its leading space) in the
+# Llama / Qwen / SmolLM2 vocabularies, so `--input-len` words give about as many tokens. The
+# server's usage numbers (not this estimate) are what the results report.
+_WORD_TEXT = (
+    "the of and to in is was for on that with as by at from his her they be this which or "
+    "had are but not have an one were their all has been it more its also who new time "
+    "first other only after two into most some over many year years city people state world "
+    "would there what about out made used these when where while during such school later "
+    "through part small large water house music game power light story place river early "
+    "family local north south east west high long great night number group found under "
+    "court "
+)
+
+MAX_PROMPTS = 100_000
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.latency_s is None or self.output_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="server base URL (default: http://127.0.0.1:8000)",
+    )
+    parser.add_argument("--model", default=None, help="model name (default: the server's first)")
+    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--concurrency", type=int, default=None, help="requests in flight at once (default: 16)"
+    )
+    mode.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals at this many requests per second",
+    )
+    parser.add_argument("--input-len", type=int, default=128, help="prompt length in words")
+    parser.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
+    parser.add_argument(
+        "--prompts-file",
+        default=None,
+        help="text file (one prompt a line) or .jsonl with a 'prompt' field",
+    )
+    parser.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let requests stop at EOS (default: always --output-len tokens)",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=None, help="bearer key (default: $PAGODA_API_KEY)")
+    parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument(
+        "--max-duration",
+        type=float,
+        default=1800.0,
+        help="stop the run after this many seconds; unfinished requests count as errors",
+    )
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def _check(ns: argparse.Namespace) -> None:
+    if not ns.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must start with http:// or https://, got {ns.url!r}")
+    if not 1 <= ns.num_prompts <= MAX_PROMPTS:
+        raise ValueError(f"--num-prompts must be in [1, {MAX_PROMPTS}], got {ns.num_prompts}")
+    if ns.concurrency is not None and ns.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {ns.concurrency}")
+    if ns.request_rate is not None and not (ns.request_rate > 0 and math.isfinite(ns.request_rate)):
+        raise ValueError(f"--request-rate must be a positive number, got {ns.request_rate}")
+    for name in ("input_len", "output_len"):
+        if getattr(ns, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    for name in ("request_timeout", "max_duration"):
+        if not getattr(ns, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+
+
+def make_prompts(ns: argparse.Namespace) -> list[str]:
+    rng = random.Random(ns.seed)
+    if ns.prompts_file:
+        path = Path(ns.prompts_file)
+        lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+        if path.suffix == ".jsonl":
+            texts = []
+            for i, ln in enumerate(lines):
+                item = json.loads(ln)
+                if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+                    raise ValueError(f"{path}:{i + 1}: each line needs a string 'prompt' field")
+                texts.append(item["prompt"])
+        else:
+            texts = lines
+        if not texts:
+            raise ValueError(f"{path} holds no prompts")
+        return [texts[i % len(texts)] for i in range(ns.num_prompts)]
+    words = _WORD_TEXT.split()
+    return [" ".join(rng.choices(words, k=ns.input_len)) for _ in range(ns.num_prompts)]
+
+
+def _payload(ns: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": ns.output_len,
+        "temperature": ns.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if not ns.no_ignore_eos:
+        body["ignore_eos"] = True  # vLLM / pagoda extension: fixed-length outputs
+    if ns.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+async def _one(client: Any, url: str, payload: dict[str, Any], chat: bool) -> RequestResult:
+    res = RequestResult()
+    start = time.perf_counter()
+    last: float | None = None
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=payload) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                res.error = f"HTTP {resp.status_code}: {body[:300]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    res.ok = res.error is None
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    res.error = str(event["error"].get("message", event["error"]))
+                    continue
+                if event.get("usage"):
+                    res.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = event["usage"].get("completion_tokens", 0)
+                for choice in event.get("choices", []):
+                    text = (
+                        (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    )
+                    if not text:
+                        continue
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft_s = now - start
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                    chunks += 1
+    except Exception as e:  # network errors are results, not crashes of the benchmark
+        res.error = f"{type(e).__name__}: {e}"
+    res.latency_s = time.perf_counter() - start
+    if res.ok and not res.output_tokens:
+        res.output_tokens = chunks  # a server without usage: one token per chunk
+    if res.error is not None:
+        res.ok = False
+    elif not res.ok:
+        res.error = "the stream ended without [DONE]"
+    return res
+
+
+async def _fetch_model(client: Any, base: str) -> str:
+    resp = await client.get(f"{base}/v1/models")
+    if resp.status_code != 200:
+        raise ValueError(f"GET {base}/v1/models answered {resp.status_code}: {resp.text[:200]}")
+    data = resp.json().get("data") or []
+    if not data:
+        raise ValueError(f"{base}/v1/models lists no model; pass --model")
+    return data[0]["id"]
+
+
+async def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    base = ns.url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
+    api_key = ns.api_key or os.environ.get("PAGODA_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    concurrency = ns.concurrency if ns.request_rate is None else None
+    if concurrency is None and ns.request_rate is None:
+        concurrency = 16
+    prompts = make_prompts(ns)
+    limits = httpx.Limits(max_connections=concurrency or 1000, max_keepalive_connections=None)
+    timeout = httpx.Timeout(ns.request_timeout)
+    path = "/v1/chat/completions" if ns.endpoint == "chat" else "/v1/completions"
+    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+        model = ns.model or await _fetch_model(client, base)
+        rng = random.Random(ns.seed + 1)
+        sem = asyncio.Semaphore(concurrency) if concurrency else None
+
+        async def task(prompt: str) -> RequestResult:
+            payload = _payload(ns, model, prompt)
+            if sem is None:
+                return await _one(client, base + path, payload, ns.endpoint == "chat")
+            async with sem:
+                return await _one(client, base + path, payload, ns.endpoint == "chat")
+
+        tasks: list[asyncio.Task[RequestResult]] = []
+
+        async def launch() -> None:
+            for i, prompt in enumerate(prompts):
+                if ns.request_rate is not None and i:
+                    await asyncio.sleep(rng.expovariate(ns.request_rate))
+                tasks.append(asyncio.ensure_future(task(prompt)))
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        start = time.perf_counter()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(launch(), ns.max_duration)
+        duration = time.perf_counter() - start
+        results = []
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is None:
+                results.append(t.result())
+            else:
+                t.cancel()
+                results.append(RequestResult(error=f"not finished within {ns.max_duration} s"))
+        results += [
+            RequestResult(error=f"not started within {ns.max_duration} s")
+            for _ in range(len(prompts) - len(tasks))
+        ]
+    return summarize(ns, model, results, duration, concurrency)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    import numpy as np
+
+    arr = np.asarray(values) * 1000.0
+    return {
+        "mean": float(arr.mean()),
+        "p50": float(np.percentile(arr, 50)),
+        "p99": float(np.percentile(arr, 99)),
+    }
+
+
+def summarize(
+    ns: argparse.Namespace,
+    model: str,
+    results: list[RequestResult],
+    duration: float,
+    concurrency: int | None,
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    errors = [r.error for r in results if not r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "config": {
+            "url": ns.url,
+            "model": model,
+            "endpoint": ns.endpoint,
+            "num_prompts": len(results),
+            "concurrency": concurrency,
+            "request_rate": ns.request_rate,
+            "input_len": None if ns.prompts_file else ns.input_len,
+            "output_len": ns.output_len,
+            "prompts_file": ns.prompts_file,
+            "ignore_eos": not ns.no_ignore_eos,
+            "temperature": ns.temperature,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+        "completed": len(ok),
+        "errors": len(errors),
+        "error_examples": sorted(set(e for e in errors if e))[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": out_tokens / duration if duration > 0 else 0.0,
+        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_ms": _stats_ms([x for r in ok for x in r.itl_s]),
+        "e2e_ms": _stats_ms([r.latency_s for r in ok if r.latency_s is not None]),
+    }
+
+
+def format_table(s: dict[str, Any]) -> str:
+    c = s["config"]
+    mode = (
+        f"request rate {c['request_rate']}/s (Poisson)"
+        if c["request_rate"]
+        else f"concurrency {c['concurrency']}"
+    )
+    lines = [
+        "=" * 60,
+        f"pagoda bench serve: {c['model']} at {c['url']} ({c['endpoint']})",
+        f"{c['num_prompts']} requests, {mode}, input {c['input_len'] or 'file'} words, "
+        f"output {c['output_len']} tokens",
+        "-" * 60,
+        f"{'completed / errors':<28}{s['completed']} / {s['errors']}",
+        f"{'duration (s)':<28}{s['duration_s']:.2f}",
+        f"{'request throughput (req/s)':<28}{s['request_throughput']:.2f}",
+        f"{'output throughput (tok/s)':<28}{s['output_throughput']:.1f}",
+        f"{'total throughput (tok/s)':<28}{s['total_token_throughput']:.1f}",
+        f"{'input / output tokens':<28}{s['total_input_tokens']} / {s['total_output_tokens']}",
+        "-" * 60,
+        f"{'(ms)':<12}{'mean':>12}{'p50':>12}{'p99':>12}",
+    ]
+    for key, label in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_ms", "E2E"),
+    ):
+        row = s[key]
+        cells = "".join(f"{'-' if row[k] is None else f'{row[k]:.1f}':>12}" for k in row)
+        lines.append(f"{label:<12}{cells}")
+    for err in s["error_examples"]:
+        lines.append(f"error: {err}")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def main(ns: argparse.Namespace) -> int:
+    _check(ns)
+    summary = asyncio.run(run_benchmark(ns))
+    print(format_table(summary))
+    if ns.out:
+        Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(ns.out).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        print(f"results written to {ns.out}", file=sys.stderr)
+    return 0 if summary["completed"] else 1
