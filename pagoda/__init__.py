@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -16,10 +16,12 @@ _EXPORTS = {
     "SamplingParams": "pagoda.sampling_params",
     "RequestOutput": "pagoda.outputs",
     "CompletionOutput": "pagoda.outputs",
+    "LoRARequest": "pagoda.lora.request",
 }
 
 if TYPE_CHECKING:
     from pagoda.entrypoints.llm import LLM
+    from pagoda.lora.request import LoRARequest
     from pagoda.outputs import CompletionOutput, RequestOutput
     from pagoda.sampling_params import SamplingParams
 

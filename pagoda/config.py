@@ -109,6 +109,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    max_loras: int | None = None  # distinct adapters among running requests; None: no LoRA
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -125,6 +126,80 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Unmerged LoRA serving: adapter slots on the device, their rank, adapters kept on host."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras < self.max_loras:
+            # fewer would re-read active adapters from disk every time a slot changes hands
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """Image inputs of vision-language models: how many per prompt, how large, from where."""
+
+    limit_per_prompt: int = 4  # images per prompt (vLLM's limit_mm_per_prompt={"image": N})
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # min_pixels / max_pixels
+    allow_remote_images: bool = False  # fetch http(s) image URLs (off: servers must opt in)
+    image_fetch_timeout_s: float = 10.0
+    max_image_bytes: int = 20 << 20  # encoded size, for URLs, data URLs, files and bytes
+    max_image_pixels: int = 1 << 26  # decoded width * height, checked before decoding
+
+    def __post_init__(self) -> None:
+        limit = self.limit_per_prompt
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {limit!r}")
+        allowed = {"min_pixels", "max_pixels"}
+        unknown = set(self.processor_kwargs) - allowed
+        if unknown:
+            raise ValueError(
+                f"mm_processor_kwargs: unknown key(s) {', '.join(sorted(unknown))}; "
+                f"supported: {', '.join(sorted(allowed))}"
+            )
+        for key, value in self.processor_kwargs.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"mm_processor_kwargs[{key!r}] must be an integer > 0, got {value!r}"
+                )
+        lo, hi = self.processor_kwargs.get("min_pixels"), self.processor_kwargs.get("max_pixels")
+        if lo is not None and hi is not None and lo > hi:
+            raise ValueError(f"mm_processor_kwargs: min_pixels ({lo}) > max_pixels ({hi})")
+        if not self.image_fetch_timeout_s > 0:
+            raise ValueError(f"image_fetch_timeout must be > 0 s, got {self.image_fetch_timeout_s}")
+        for name in ("max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_user(
+        cls,
+        limit_mm_per_prompt: dict[str, int] | None,
+        mm_processor_kwargs: dict[str, Any] | None,
+        **options: Any,
+    ) -> MultiModalConfig:
+        """Validate vLLM-style options (`{"image": N}`; other modalities are not supported)."""
+        limits = dict(limit_mm_per_prompt or {})
+        unknown = set(limits) - {"image"}
+        if unknown:
+            raise ValueError(
+                f"limit_mm_per_prompt: unsupported modality {', '.join(sorted(unknown))}; "
+                "pagoda accepts images only: {'image': N}"
+            )
+        if "image" in limits:
+            options["limit_per_prompt"] = limits["image"]
+        return cls(processor_kwargs=dict(mm_processor_kwargs or {}), **options)
+
+
+@dataclass(frozen=True)
 class RunnerConfig:
     """Execution options of the model runner."""
 
@@ -133,3 +208,5 @@ class RunnerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     cuda_graph_sizes: tuple[int, ...] = field(default_factory=tuple)
+    lora: LoRAConfig | None = None  # None: LoRA serving off
+    multimodal: MultiModalConfig | None = None  # None: a text-only model

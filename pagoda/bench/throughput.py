@@ -71,8 +71,8 @@ def run_pagoda(ns: argparse.Namespace, workloads: list[Workload]) -> list[dict[s
     for wl in workloads:
         llm.llm_engine.core.kv_cache_manager.reset_prefix_cache()
         params = [
-            SamplingParams(temperature=ns.temperature, max_tokens=n, ignore_eos=True, seed=i)
-            for i, n in enumerate(wl.output_lens)
+            SamplingParams(temperature=ns.temperature, max_tokens=n, ignore_eos=True)
+            for n in wl.output_lens
         ]
         steps0 = llm.llm_engine.core.num_steps
         t0 = time.perf_counter()

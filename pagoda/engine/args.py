@@ -12,12 +12,32 @@ from typing import Any
 
 from pagoda.config import (
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     RunnerConfig,
     SchedulerConfig,
     normalize_dtype,
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
+
+
+# `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128).
+_DUMMY_QUANT_BITS = {"w4a16": 4, "w8a16": 8}
+
+
+def _dummy_quantization_config(num_bits: int) -> dict[str, Any]:
+    """A compressed-tensors config like `pagoda quantize` writes (symmetric, group 128)."""
+    weights = {"num_bits": num_bits, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": 128, "actorder": None}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        # Vision towers stay in the model dtype, as in llmcompressor's recipes for VL models.
+        "ignore": ["lm_head", "re:.*visual.*"],
+    }
 
 
 @dataclass
@@ -41,6 +61,16 @@ class EngineArgs:
     quantization: str | None = None
     skip_tokenizer_init: bool = False
     disable_log_stats: bool = True
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    # Vision-language models (ignored for text-only ones); see MultiModalConfig.
+    limit_mm_per_prompt: dict[str, int] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    allow_remote_images: bool = False
+    image_fetch_timeout: float = 10.0
+    max_image_bytes: int = 20 << 20
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -100,6 +130,20 @@ class EngineArgs:
                 "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
                 "`pagoda quantize`)"
             )
+        if quant is None and source.quant_override in _DUMMY_QUANT_BITS:
+            quant = _dummy_quantization_config(_DUMMY_QUANT_BITS[source.quant_override])
+        if quant is not None:
+            method = quant.get("quant_method")
+            if method not in ("compressed-tensors", "gptq"):
+                raise ValueError(
+                    f"the checkpoint's quant_method={method!r} is not supported; pagoda serves "
+                    "compressed-tensors (pagoda quantize, llmcompressor) and gptq checkpoints"
+                )
+            if self.quantization not in (None, method):
+                raise ValueError(
+                    f"quantization={self.quantization!r} was requested but the checkpoint is "
+                    f"{method!r}"
+                )
 
         model_config = ModelConfig(
             model=source.path,
@@ -121,16 +165,35 @@ class EngineArgs:
             num_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
         )
+        lora_config = None
+        if self.enable_lora:
+            lora_config = LoRAConfig(
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.max_cpu_loras or max(8, self.max_loras),
+            )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_batched,
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            max_loras=lora_config.max_loras if lora_config is not None else None,
         )
+        mm_config = None
+        if getattr(hf_config, "vision_config", None) is not None:
+            mm_config = MultiModalConfig.from_user(
+                self.limit_mm_per_prompt,
+                self.mm_processor_kwargs,
+                allow_remote_images=self.allow_remote_images,
+                image_fetch_timeout_s=self.image_fetch_timeout,
+                max_image_bytes=self.max_image_bytes,
+            )
         runner_config = RunnerConfig(
             device=str(device),
             enforce_eager=self.enforce_eager,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max_batched,
+            lora=lora_config,
+            multimodal=mm_config,
         )
         return source, model_config, cache_config, scheduler_config, runner_config

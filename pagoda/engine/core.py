@@ -41,6 +41,10 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def add_lora(self, lora_key: str, lora_path: str) -> None:
+        """Register an adapter with the runner (read and checked now, loaded into a slot later)."""
+        self.runner.add_lora(lora_key, lora_path)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 

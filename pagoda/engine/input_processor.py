@@ -1,32 +1,47 @@
 """Turn user prompts and chat conversations into token ids, validated at the edge.
 
 Accepted prompts: a string, a list of token ids, or a dict with `prompt` or
-`prompt_token_ids` (vLLM's shapes). Chat messages are rendered with the model's own chat
-template. Every failure is a `ValueError`/`TypeError` that says what was wrong.
+`prompt_token_ids` (vLLM's shapes), plus `multi_modal_data` for vision-language models. Chat
+messages are rendered with the model's own chat template; image parts go through the model's
+`MultiModalProcessor`. Every failure is a `ValueError`/`TypeError` that says what was wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagoda.multimodal.inputs import MultiModalInputs
+    from pagoda.multimodal.processor import MultiModalProcessor
 
 
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # image placeholders already expanded
+    mm_inputs: MultiModalInputs | None = None  # images of a vision-language prompt
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        vocab_size: int,
+        max_model_len: int,
+        mm_processor: MultiModalProcessor | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.mm_processor = mm_processor  # set for vision-language models
 
-    def process(self, prompt: Any) -> ProcessedPrompt:
+    def process(self, prompt: Any, allow_local_paths: bool = False) -> ProcessedPrompt:
+        """`allow_local_paths`: images may name local files (the offline API, not a server)."""
         text: str | None = None
         ids: list[int] | None = None
+        images: list[Any] = []
         if isinstance(prompt, str):
             text = prompt
         elif isinstance(prompt, dict):
@@ -40,7 +55,9 @@ class InputProcessor:
             else:
                 raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
             if "multi_modal_data" in prompt and prompt["multi_modal_data"]:
-                raise ValueError("this model does not accept images (multi_modal_data)")
+                if self.mm_processor is None:
+                    raise ValueError("this model does not accept images (multi_modal_data)")
+                images = self.mm_processor.images_of(prompt["multi_modal_data"])
         elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             ids = self._check_ids(prompt)
         else:
@@ -55,6 +72,9 @@ class InputProcessor:
                     "this model has no tokenizer (a bare config): pass token ids instead of text"
                 )
             ids = list(self.tokenizer(text).input_ids)
+        mm_inputs = None
+        if self.mm_processor is not None:  # expands image placeholders, checks stray ones
+            ids, mm_inputs = self.mm_processor.process(ids, images, allow_local_paths)
         if not ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
         if len(ids) >= self.max_model_len:
@@ -63,7 +83,7 @@ class InputProcessor:
                 f"(max_model_len) is {self.max_model_len} tokens, which must also leave room "
                 "for at least one generated token; shorten the prompt or raise max_model_len"
             )
-        return ProcessedPrompt(text, ids)
+        return ProcessedPrompt(text, ids, mm_inputs)
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
@@ -86,31 +106,59 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        images: list[Any] | None = None,
     ) -> str:
-        """The conversation as the model's chat template renders it."""
+        """The conversation as the model's chat template renders it.
+
+        Vision-language models: each image part becomes one placeholder, and its source is
+        appended to `images` (in prompt order).
+        """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render chat messages")
-        normalized = [_normalize_message(i, m) for i, m in enumerate(messages)]
+        if self.mm_processor is None:
+            normalized = [_normalize_message(i, m) for i, m in enumerate(messages)]
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ValueError(
                 "the model has no chat template; pass chat_template=... or use generate()"
             )
-        return self.tokenizer.apply_chat_template(
-            normalized,
-            chat_template=template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}),
-        )
 
-    def process_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> ProcessedPrompt:
-        text = self.render_chat(messages, **kwargs)
+        def apply(conversation: list[dict[str, Any]]) -> str:
+            return self.tokenizer.apply_chat_template(
+                conversation,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
+            )
+
+        if self.mm_processor is not None:
+            text, found = self.mm_processor.render_chat(messages, apply)
+            if images is not None:
+                images.extend(found)
+            return text
+        return apply(normalized)
+
+    def process_chat(
+        self, messages: list[dict[str, Any]], allow_local_paths: bool = False, **kwargs: Any
+    ) -> ProcessedPrompt:
+        """Render, tokenize and (for vision-language models) load the images of a conversation.
+
+        Image parts: {"type": "image_url", "image_url": {"url": ...}}, {"type": "image",
+        "image" | "url" | "path": ...}, {"type": "input_image", "image_url": ...}; a URL is a
+        data: URL, or http(s) when remote images are enabled, or a local path when
+        `allow_local_paths` (the offline API). The server calls this with image_url parts as is.
+        """
+        images: list[Any] = []
+        text = self.render_chat(messages, images=images, **kwargs)
         # The template already contains the special tokens (BOS included where the model uses
         # one), so they are not added again.
         ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        return self.process({"prompt": text, "prompt_token_ids": ids})
+        prompt = {"prompt": text, "prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        return self.process(prompt, allow_local_paths)
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")

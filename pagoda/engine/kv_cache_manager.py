@@ -235,9 +235,19 @@ class KVCacheManager:
         (and changes nothing) when the free pool cannot cover them.
         """
         bs = self.block_size
-        pool = self.block_pool
         req_id = request.request_id
         req_blocks = self._req_blocks.get(req_id)
+        if req_blocks is not None and not new_computed_block_ids:
+            # Fast path, taken by most decode steps: the tokens fit in the blocks already owned
+            # and no block becomes full, so there is nothing to allocate or hash.
+            num_total = request.num_computed_tokens + num_new_tokens
+            if num_total <= len(req_blocks) * bs and (
+                not self.enable_caching
+                or min(num_total, request.num_tokens) // bs
+                <= self._num_cached_blocks.get(req_id, 0)
+            ):
+                return []
+        pool = self.block_pool
         num_owned = len(req_blocks) if req_blocks is not None else 0
         assert not (new_computed_block_ids and num_owned), "prefix hits only for a fresh request"
 

@@ -52,6 +52,7 @@ class _Parent:
     delta: bool
     metrics: RequestMetrics
     children: list[_Child] = field(default_factory=list)
+    final_only: bool = False  # build a RequestOutput only once finished (offline generate)
 
     @property
     def finished(self) -> bool:
@@ -72,8 +73,22 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         self.eos_token_ids = eos_token_ids(source, model_config.hf_config, self.tokenizer)
         self.core = EngineCore(model_config, cache_config, sched_config, runner_config)
+        mm_processor = None
+        if runner_config.multimodal is not None:  # a vision-language model
+            from pagoda.multimodal.processor import MultiModalProcessor
+
+            mm_processor = MultiModalProcessor.from_model(
+                model_config.model,
+                model_config.hf_config,
+                self.tokenizer,
+                runner_config.multimodal,
+                model_config.max_model_len,
+            )
         self.input_processor = InputProcessor(
-            self.tokenizer, model_config.text_config.vocab_size, model_config.max_model_len
+            self.tokenizer,
+            model_config.text_config.vocab_size,
+            model_config.max_model_len,
+            mm_processor,
         )
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
@@ -96,8 +111,11 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         delta: bool = False,
+        final_only: bool = False,
         processed: ProcessedPrompt | None = None,
+        lora_request: Any = None,
     ) -> None:
+        """Queue a request; `lora_request` (a `pagoda.LoRARequest`) picks its adapter."""
         if not isinstance(params, SamplingParams):
             raise TypeError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
@@ -107,8 +125,19 @@ class LLMEngine:
         processed = processed or self.input_processor.process(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        lora_key = None
+        if lora_request is not None:
+            from pagoda.lora.request import LoRARequest
+
+            if not isinstance(lora_request, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+            # Read and checked here, so a bad adapter fails this call, not a later step.
+            self.core.add_lora(lora_request.lora_key, lora_request.lora_path)
+            lora_key = lora_request.lora_key
         arrival = arrival_time if arrival_time is not None else time.time()
-        parent = _Parent(request_id, processed, params, delta, RequestMetrics(arrival))
+        parent = _Parent(
+            request_id, processed, params, delta, RequestMetrics(arrival), final_only=final_only
+        )
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         extra_eos = [t for t in self.eos_token_ids[1:] if t not in (params.stop_token_ids or [])]
         for i in range(params.n):
@@ -125,6 +154,9 @@ class LLMEngine:
                 sampling_params=child_params,
                 eos_token_id=eos,
                 arrival_time=arrival,
+                lora_key=lora_key,
+                mm_hashes=processed.mm_inputs.hash_ranges() if processed.mm_inputs else [],
+                mm_inputs=processed.mm_inputs,
             )
             detok = None
             if self.tokenizer is not None and params.detokenize:
@@ -192,7 +224,8 @@ class LLMEngine:
                 self._parents.pop(parent.request_id, None)
                 for c in parent.children:
                     self._child_to_parent.pop(c.request.request_id, None)
-            results.append(self._make_output(parent, finished))
+            if finished or not parent.final_only:
+                results.append(self._make_output(parent, finished))
         return results
 
     def _apply(self, parent: _Parent, child: _Child, out: EngineCoreOutput, now: float) -> bool:

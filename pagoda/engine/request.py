@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from pagoda.multimodal.inputs import MultiModalInputs
     from pagoda.sampling_params import SamplingParams
 
 
@@ -57,6 +58,8 @@ class Request:
     lora_key: str | None = None  # adapter identity, part of every block hash
     # (offset, length, hash) of each image's placeholder tokens.
     mm_hashes: list[tuple[int, int, str]] = field(default_factory=list)
+    # Images for the runner (NumPy, read-only; the scheduler only passes the reference on).
+    mm_inputs: MultiModalInputs | None = None
 
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(init=False, default_factory=list)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from pagoda.config import SchedulerConfig
     from pagoda.engine.kv_cache_manager import KVCacheManager
+    from pagoda.multimodal.inputs import MultiModalInputs
     from pagoda.sampling_params import SamplingParams
 
 
@@ -42,6 +43,8 @@ class ScheduledRequest:
     prompt_len: int
     output_token_ids: list[int]
     eos_token_id: int | None = None  # the sampler masks it until min_tokens are out
+    lora_key: str | None = None  # the request's adapter (Request.lora_key); None: base model
+    mm_inputs: MultiModalInputs | None = None  # Request.mm_inputs: images, M-RoPE positions
 
     @property
     def do_sample(self) -> bool:
@@ -160,8 +163,15 @@ class Scheduler:
         # 2. Waiting requests, FCFS. After a preemption the pool is known to be short: admitting
         # would only preempt again next step.
         if not preempted_ids:
+            max_loras = self.config.max_loras
+            loras = {r.lora_key for r in self.running if r.lora_key} if max_loras else set()
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                key = request.lora_key
+                if max_loras and key is not None and key not in loras and len(loras) >= max_loras:
+                    # Its adapter needs a device slot that running requests hold: wait (in
+                    # order, so it cannot starve) until one of those adapters goes idle.
+                    break
                 hit_ids: list[int] = []
                 num_hit = 0
                 if request.num_computed_tokens == 0:
@@ -177,6 +187,8 @@ class Scheduler:
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed
+                if request.lora_key is not None:
+                    loras.add(request.lora_key)
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit
                 scheduled.append(self._scheduled(request, num_computed, num_new))
@@ -287,4 +299,6 @@ class Scheduler:
             prompt_len=request.num_prompt_tokens,
             output_token_ids=request.output_token_ids,
             eos_token_id=request.eos_token_id,
+            lora_key=request.lora_key,
+            mm_inputs=request.mm_inputs,
         )

@@ -171,7 +171,7 @@ def _extra_commands() -> list:
 
     found = []
     for module in ("pagoda.entrypoints.openai.cli", "pagoda.quant.cli", "pagoda.bench.cli",
-                   "pagoda.lora.cli"):
+                   "pagoda.lora.cli", "pagoda.bench.compare_cli"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -55,11 +55,17 @@ class LLM:
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one `LoRARequest` for all prompts, or a list (None = base model)."""
         prompt_list = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompt_list))
-        processed = [self.llm_engine.input_processor.process(p) for p in prompt_list]
-        return self._run(list(zip(prompt_list, processed, strict=True)), params, use_tqdm)
+        loras = _lora_list(lora_request, len(prompt_list))
+        # Offline: images may be local paths (a server never passes allow_local_paths).
+        processor = self.llm_engine.input_processor
+        processed = [processor.process(p, allow_local_paths=True) for p in prompt_list]
+        items = list(zip(prompt_list, processed, strict=True))
+        return self._run(items, params, use_tqdm, loras)
 
     def chat(
         self,
@@ -70,6 +76,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of message dicts")
@@ -78,6 +85,7 @@ class LLM:
         processed = [
             self.llm_engine.input_processor.process_chat(
                 conv,
+                allow_local_paths=True,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -85,16 +93,17 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self._run([(None, p) for p in processed], params, use_tqdm)
+        loras = _lora_list(lora_request, len(conversations))
+        return self._run([(None, p) for p in processed], params, use_tqdm, loras)
 
     def stream(
-        self, prompt: Any, sampling_params: SamplingParams | None = None
+        self, prompt: Any, sampling_params: SamplingParams | None = None, lora_request: Any = None
     ) -> Iterator[RequestOutput]:
         """Generate for one prompt, yielding delta outputs as tokens arrive."""
         engine = self.llm_engine
         params = sampling_params or SamplingParams()
         rid = engine.next_request_id()
-        engine.add_request(rid, prompt, params, delta=True)
+        engine.add_request(rid, prompt, params, delta=True, lora_request=lora_request)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -120,13 +129,22 @@ class LLM:
                 raise TypeError(f"sampling_params entries must be SamplingParams, got {p!r}")
         return params
 
-    def _run(self, items: list, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, items: list, params: list[SamplingParams], use_tqdm: bool, loras: list | None = None
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
-        for (prompt, processed), p in zip(items, params, strict=True):
-            rid = engine.next_request_id()
-            engine.add_request(rid, prompt, p, processed=processed)
-            ids.append(rid)
+        loras = loras or [None] * len(items)
+        try:
+            for (prompt, processed), p, lora in zip(items, params, loras, strict=True):
+                rid = engine.next_request_id()
+                engine.add_request(
+                rid, prompt, p, processed=processed, lora_request=lora, final_only=True
+            )
+                ids.append(rid)
+        except BaseException:
+            engine.abort_request(ids)  # a bad adapter must not leave earlier prompts queued
+            raise
         results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(ids) > 1:
@@ -147,6 +165,16 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _lora_list(lora_request: Any, n: int) -> list[Any]:
+    if lora_request is None or not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * n
+    if len(lora_request) != n:
+        raise ValueError(
+            f"got {len(lora_request)} lora requests for {n} prompts; pass one, or one per prompt"
+        )
+    return list(lora_request)
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:

@@ -4,7 +4,8 @@ The cos/sin table is built once in float32 for all positions up to `max_position
 gathered by position each step (no Python loop over tokens). Supported HF rope types: "default",
 "linear" and "llama3" (Llama-3.1/3.2 configs); others raise NotImplementedError. Configs of
 transformers >= 5 keep theta and scaling in `rope_parameters`, older ones in `rope_theta` /
-`rope_scaling`; `get_rope` reads both.
+`rope_scaling`; `get_rope` reads both. Configs with `mrope_section` (Qwen2-VL, Qwen2.5-VL) get
+`MRotaryEmbedding`, which also takes 3-D (temporal, height, width) positions.
 """
 
 from __future__ import annotations
@@ -107,6 +108,54 @@ class RotaryEmbedding(nn.Module):
         )
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen2-VL): positions [T] as plain RoPE, or [3, T] per axis.
+
+    The D/2 frequencies are split into `mrope_section` = (temporal, height, width) bands; band
+    i rotates by the token's position on axis i. Text tokens have equal positions on all axes,
+    which is plain RoPE, so decode steps (and CUDA graphs) keep using [T] positions.
+    """
+
+    def __init__(
+        self, head_dim: int, max_position: int, rope_theta: float, mrope_section: list[int]
+    ) -> None:
+        super().__init__(head_dim, max_position, rope_theta)
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section {list(mrope_section)} must be 3 numbers summing to "
+                f"head_dim / 2 = {head_dim // 2}"
+            )
+        self.mrope_section = [int(n) for n in mrope_section]
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        num_tokens = positions.shape[1]
+        cos, sin = self.token_cos_sin(positions)
+        if q.is_cuda:  # the fused kernel gathers rows by position: row t holds token t's angles
+            rows = torch.arange(num_tokens, device=positions.device)
+            return fused_ops.apply_rotary(rows, q, k, cos, sin, self.head_dim)
+        cos = cos.to(q.dtype).unsqueeze(1)  # [T, 1, D/2]
+        sin = sin.to(q.dtype).unsqueeze(1)
+        q_rot = self._rotate(q.view(num_tokens, -1, self.head_dim), cos, sin)
+        k_rot = self._rotate(k.view(num_tokens, -1, self.head_dim), cos, sin)
+        return q_rot.view_as(q), k_rot.view_as(k)
+
+    def token_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [3, T] -> per-token cos, sin [T, D/2] float32."""
+        cos_axes = self.cos_cache[positions]  # [3, T, D/2]
+        sin_axes = self.sin_cache[positions]
+        # Each frequency band takes the angle of its own axis (HF's mrope_section split).
+        cos = torch.cat([c[i] for i, c in enumerate(cos_axes.split(self.mrope_section, -1))], -1)
+        sin = torch.cat([s[i] for i, s in enumerate(sin_axes.split(self.mrope_section, -1))], -1)
+        return cos, sin
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", mrope_section={self.mrope_section}"
+
+
 def rope_params_from_config(config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from an HF config of transformers 4.x or 5.x."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
@@ -119,4 +168,8 @@ def rope_params_from_config(config: Any) -> tuple[float, dict[str, Any] | None]:
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
     """The RotaryEmbedding an HF decoder config describes."""
     theta, scaling = rope_params_from_config(config)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    mrope_section = (params or {}).get("mrope_section")
+    if mrope_section:  # Qwen2-VL configs say rope_type "default" (5.x) or "mrope" (4.x)
+        return MRotaryEmbedding(head_dim, config.max_position_embeddings, theta, mrope_section)
     return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)

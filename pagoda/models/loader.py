@@ -117,17 +117,29 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
 
 def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
     """Build the model of `model_config` on `device` and load its weights (eval mode)."""
-    if model_config.quantization is not None:
-        raise NotImplementedError("quantized checkpoints are not supported by this loader yet")
     device = torch.device(device)
     model_cls = get_model_class(architectures_of(model_config.hf_config))
     dtype = getattr(torch, model_config.dtype)
+    kwargs = {}
+    if model_config.quantization is not None:
+        # The checkpoint's quantization_config (never file names) picks each layer's method.
+        from pagoda.layers.quantized_linear import make_linear_method_factory
+
+        kwargs["linear_method_factory"] = make_linear_method_factory(
+            model_config.quantization, getattr(model_cls, "packed_modules_mapping", {})
+        )
     with _default_dtype(dtype), device:
-        model = model_cls(model_config.hf_config)
+        model = model_cls(model_config.hf_config, **kwargs)
 
     load_format = model_config.load_format
     if load_format == "dummy":
         _init_dummy_weights(model, model_config.seed, device)
+        generator = torch.Generator(device=device).manual_seed(model_config.seed)
+        for module in model.modules():
+            # Quantized methods draw their integer codes themselves.
+            init = getattr(getattr(module, "linear_method", None), "init_dummy_weights", None)
+            if isinstance(module, LinearBase) and init is not None:
+                init(module, generator)
     elif load_format == "gguf" or (load_format == "auto" and model_config.gguf_file):
         model.load_weights(iter_gguf_weights(model_config))
     elif load_format in ("auto", "safetensors"):

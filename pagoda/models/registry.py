@@ -16,6 +16,14 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagoda.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagoda.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pagoda.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "pagoda.models.qwen2_5_vl",
+        "Qwen2_5_VLForConditionalGeneration",
+    ),
+    "Qwen2VLForConditionalGeneration": (
+        "pagoda.models.qwen2_5_vl",
+        "Qwen2VLForConditionalGeneration",
+    ),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
@@ -25,6 +33,8 @@ _ARCHITECTURE_OF_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
 }
 
 

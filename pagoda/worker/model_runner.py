@@ -79,12 +79,16 @@ class ModelRunner:
         self.max_num_blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # req_id -> [the scheduler's block list, its block-table row, entries copied]
+        self._block_rows: dict[str, list] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.model: Any = None
         self.load_time_s = 0.0
         self.weights_bytes = 0
         self.memory_report: MemoryReport | None = None
         self.graph_runner: Any = None
+        self.lora_manager: Any = None  # pagoda.lora.manager.LoRAManager when LoRA is enabled
+        self.encoder_runner: Any = None  # pagoda.worker.encoder_runner.EncoderRunner (VL models)
         self._pin = self.device.type == "cuda"
 
     # ------------------------------------------------------------------ set-up
@@ -96,6 +100,29 @@ class ModelRunner:
             before = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         self.model = load_model(self.model_config, self.device)
+        if self.runner_config.multimodal is not None:
+            from pagoda.multimodal.image_processor import ImageProcessorConfig
+            from pagoda.worker.encoder_runner import EncoderRunner
+
+            mm, mc = self.runner_config.multimodal, self.model_config
+            image_config = ImageProcessorConfig.from_model(
+                mc.model, mc.hf_config.vision_config, mm.processor_kwargs
+            )
+            self.encoder_runner = EncoderRunner(
+                self.model, image_config, mm, mc.max_model_len, self.device, self.dtype
+            )
+        if self.runner_config.lora is not None:
+            from pagoda.lora.manager import LoRAManager
+
+            # Wrapped before measuring, so the adapter slots count as weights.
+            rc = self.runner_config
+            self.lora_manager = LoRAManager(
+                self.model,
+                rc.lora,
+                max(rc.max_num_batched_tokens, rc.max_num_seqs),
+                self.dtype,
+                self.device,
+            )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.weights_bytes = torch.cuda.memory_allocated(self.device) - before
@@ -166,6 +193,9 @@ class ModelRunner:
             inter = getattr(self.model_config.text_config, "intermediate_size", 4 * hidden)
             peak = max_num_batched_tokens * (6 * hidden + 3 * inter) * 4
             peak += min(max_num_seqs, max_num_batched_tokens) * vocab * 4 * 3
+            if self.encoder_runner is not None:  # the largest images through the vision tower
+                vision_config = self.model_config.hf_config.vision_config
+                peak += self.encoder_runner.estimate_bytes(vision_config)
             budget = int(util * total)
             if self.cache_config.kv_cache_memory is None:
                 # Enough for every sequence at full length, never more than the cap: CPU memory
@@ -208,7 +238,12 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         md = self._build_metadata([0] * num_seqs, lens, block_ids, num_tokens)
-        hidden = self.model(input_ids, positions, md)
+        embeds = None
+        if self.encoder_runner is not None:
+            # The largest allowed images go through the encoder, and their outputs stay alive
+            # through the decoder forward, as in a real prefill step.
+            embeds = self.encoder_runner.profile(input_ids)
+        hidden = self.model(input_ids, positions, md, inputs_embeds=embeds)
         idx = torch.tensor(np.cumsum(lens) - 1, device=self.device)
         logits = self.model.compute_logits(hidden[idx])
         # The sampler's worst case: every row random with top-p (a full sort of the vocab).
@@ -256,6 +291,7 @@ class ModelRunner:
         num_new: list[int],
         block_ids: list[list[int]],
         num_tokens: int,
+        req_ids: list[str] | None = None,
     ) -> dict[str, np.ndarray]:
         """Host-side batch arrays: query offsets, lengths, block table, positions, slots."""
         bs = self.block_size
@@ -264,16 +300,38 @@ class ModelRunner:
         np.cumsum(num_new, out=qsl[1:])
         seq_lens = np.asarray(num_computed, dtype=np.int32) + np.asarray(num_new, dtype=np.int32)
         max_blocks = int(-(-int(seq_lens.max()) // bs))
-        table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        for i, ids in enumerate(block_ids):
-            n = min(len(ids), max_blocks)
-            table[i, :n] = ids[:n]
+        if req_ids is None:
+            table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+            for i, ids in enumerate(block_ids):
+                n = min(len(ids), max_blocks)
+                table[i, :n] = ids[:n]
+        else:
+            table = np.stack([self._block_row(r, ids)[:max_blocks]
+                              for r, ids in zip(req_ids, block_ids, strict=True)])
         # positions of every new token, and its slot in the paged cache
         req_idx = np.repeat(np.arange(num_reqs), num_new)
         pos = np.arange(num_tokens) - np.repeat(qsl[:-1], num_new) + np.repeat(num_computed, num_new)
         slots = table[req_idx, pos // bs].astype(np.int64) * bs + pos % bs
         return dict(qsl=qsl, seq_lens=seq_lens, table=table, positions=pos.astype(np.int64),
                     slots=slots)
+
+    def _block_row(self, req_id: str, block_ids: list[int]) -> np.ndarray:
+        """The request's block-table row, kept between steps and extended in place.
+
+        Copying every request's whole block list into a fresh table each step costs more host
+        time than the GPU spends on a decode step at large batch; only new blocks are copied.
+        The scheduler's list object changes when the request is preempted, which resets it.
+        """
+        entry = self._block_rows.get(req_id)
+        if entry is None or entry[0] is not block_ids:
+            entry = [block_ids, np.zeros(self.max_num_blocks_per_seq, dtype=np.int32), 0]
+            self._block_rows[req_id] = entry
+        _, row, filled = entry
+        n = len(block_ids)
+        if n > filled:
+            row[filled:n] = block_ids[filled:n]
+            entry[2] = n
+        return row
 
     def _build_metadata(
         self,
@@ -302,6 +360,12 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    def add_lora(self, lora_key: str, lora_path: str) -> None:
+        """Register an adapter under `lora_key` (validated against the model now)."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA adapters need LLM(..., enable_lora=True)")
+        self.lora_manager.add_adapter(lora_key, lora_path)
+
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report."""
         if self.device.type != "cuda" or self.runner_config.enforce_eager:
@@ -327,6 +391,9 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
+            self._block_rows.pop(req_id, None)
+        if self.encoder_runner is not None:
+            self.encoder_runner.free([*sched.finished_req_ids, *sched.preempted_req_ids])
         reqs = sched.scheduled
         if not reqs:
             return ModelRunnerOutput()
@@ -339,18 +406,30 @@ class ModelRunner:
             start, n = r.num_computed_tokens, r.num_new_tokens
             token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
             offset += n
-        arrays = self._prepare_arrays(num_computed, num_new, [r.block_ids for r in reqs], num_tokens)
+        arrays = self._prepare_arrays(
+            num_computed, num_new, [r.block_ids for r in reqs], num_tokens,
+            req_ids=[r.req_id for r in reqs],
+        )
+        rope_positions, embeds = arrays["positions"], None
+        if self.encoder_runner is not None:  # VL: M-RoPE positions, image embeddings
+            rope_positions = self.encoder_runner.rope_positions(reqs, arrays["positions"])
+            embeds = self.encoder_runner.inputs_embeds(reqs, token_ids)
         graph_size = None
-        if self.graph_runner is not None and num_tokens == len(reqs):  # decode-only step
-            graph_size = self.graph_runner.padded_size(len(reqs))
+        if self.graph_runner is not None and num_tokens == len(reqs) and embeds is None:
+            graph_size = self.graph_runner.padded_size(len(reqs))  # decode-only step
+        if self.lora_manager is not None:
+            # Per token (graph padding included) for graph replays, per request otherwise.
+            self.lora_manager.prepare([r.lora_key for r in reqs], num_new, padded=graph_size)
         if graph_size is not None:
             hidden = self.graph_runner.run(
-                graph_size, token_ids, arrays["positions"], arrays["slots"],
+                graph_size, token_ids, rope_positions, arrays["slots"],
                 arrays["seq_lens"], arrays["table"],
             )
         else:
             md = self._build_metadata(num_computed, num_new, [], num_tokens, arrays)
-            hidden = self.model(self._to_dev(token_ids), self._to_dev(arrays["positions"]), md)
+            hidden = self.model(
+                self._to_dev(token_ids), self._to_dev(rope_positions), md, inputs_embeds=embeds
+            )
 
         sampling = [i for i, r in enumerate(reqs) if r.do_sample]
         out = ModelRunnerOutput()

@@ -1,0 +1,492 @@
+"""`pagoda compare`: several model configurations side by side, measured by the engine itself.
+
+Each configuration (and the optional transformers baseline) runs in a fresh subprocess
+(`pagoda.bench.compare_worker`), so device memory and allocator peaks start clean. This module
+validates the arguments, runs the workers one after another while showing their progress, and
+hands the results to `compare_report` for the table, the JSON and the plots. It imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pagoda.bench.compare_report import flat_values, metrics_for, ratios, write_report
+from pagoda.bench.compare_worker import (
+    ERROR_PREFIX,
+    PROGRESS_PREFIX,
+    CompareJob,
+    standard_workload_lengths,
+)
+
+_DTYPE_SHORT = {
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
+    "fp32": "fp32",
+    "fp16": "fp16",
+    "bf16": "bf16",
+    "half": "fp16",
+    "float": "fp32",
+}
+_LOG_TAIL = 12  # lines of a failed worker's log shown on the terminal
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "models",
+        nargs="+",
+        metavar="MODEL_OR_CONFIG",
+        help="model directory, .gguf file, config:PATH.json[:w4a16], or 'default' "
+        "(the embedded SmolLM2); the first one is the reference for ratios",
+    )
+    p.add_argument(
+        "--labels",
+        default=None,
+        help="comma-separated names of the configurations (default: from the model)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="one dtype for all, or one per configuration, comma-separated "
+        "(auto | float32 | float16 | bfloat16)",
+    )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="engine concurrency (default: 256, or the largest batch size if more)",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument(
+        "--batch-sizes",
+        default="1,8,64",
+        help="decode batch sizes, comma-separated (default: 1,8,64)",
+    )
+    p.add_argument("--iters", type=int, default=2, help="runs per TTFT / decode figure (median)")
+    p.add_argument(
+        "--throughput-requests",
+        type=int,
+        default=256,
+        help="requests of the standard throughput workload (256; fewer on CPU, 0 to skip)",
+    )
+    p.add_argument("--ppl-text", default=None, help="a UTF-8 text file for perplexity")
+    p.add_argument(
+        "--ppl-window",
+        type=int,
+        default=512,
+        help="perplexity window in tokens (non-overlapping; capped at max-model-len)",
+    )
+    p.add_argument(
+        "--baseline",
+        choices=["transformers", "none"],
+        default="none",
+        help="add transformers (same shape and dtype, random weights) as a column",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads per worker (default: torch's choice); on a shared machine 1 "
+        "avoids OpenMP spin-waits that slow every step several-fold",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds allowed per configuration (default: no limit)",
+    )
+    p.add_argument(
+        "--out", default=None, help="output directory (default: ./compare-YYYYmmdd-HHMMSS)"
+    )
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def parse_batch_sizes(text: str) -> tuple[int, ...]:
+    parts = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        sizes = tuple(int(t) for t in parts)
+    except ValueError:
+        sizes = ()
+    if not sizes or any(b < 1 for b in sizes):
+        raise ValueError(
+            f"--batch-sizes must be a comma-separated list of positive integers, got {text!r}"
+        )
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"--batch-sizes has a repeated value: {text!r}")
+    return tuple(sorted(sizes))
+
+
+def _per_config(text: str | None, n: int, flag: str) -> list[str | None]:
+    if text is None:
+        return [None] * n
+    parts = [t.strip() for t in text.split(",")]
+    if len(parts) == 1:
+        return parts * n
+    if len(parts) != n:
+        raise ValueError(
+            f"{flag} has {len(parts)} values for {n} configurations; give one "
+            "value for all, or one per configuration"
+        )
+    return parts
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"--{name} must be >= 1, got {value}")
+
+
+def _default_label(model: str, dtype: str) -> str:
+    from pagoda.model_files import resolve_model
+
+    source = resolve_model(None if model == "default" else model)
+    label = source.name
+    if source.quant_override:
+        label += f" {source.quant_override}"
+    if dtype != "auto":
+        label += f" {_DTYPE_SHORT.get(dtype, dtype)}"
+    return label
+
+
+def build_jobs(ns: argparse.Namespace) -> tuple[list[CompareJob], dict[str, Any]]:
+    """Check every argument (one clear error for the first bad one) and build the jobs."""
+    from pagoda.config import normalize_dtype
+    from pagoda.model_files import resolve_model
+
+    models = list(ns.models)
+    sources = []
+    for m in models:
+        # FileNotFoundError / ValueError with the model's name: the CLI prints it as one line
+        sources.append(resolve_model(None if m == "default" else m))
+    batch_sizes = parse_batch_sizes(ns.batch_sizes)
+    dtypes = [d or "auto" for d in _per_config(ns.dtype, len(models), "--dtype")]
+    for d in dtypes:
+        normalize_dtype(d)
+    if ns.device not in ("auto", "cpu", "cuda") and not str(ns.device).startswith("cuda:"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {ns.device!r}")
+    if not 0.0 < ns.gpu_memory_utilization <= 1.0:
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {ns.gpu_memory_utilization}"
+        )
+    for name in ("max_model_len", "prompt_len", "iters", "ppl_window"):
+        _positive(name.replace("_", "-"), getattr(ns, name))
+    if ns.output_len < 2:
+        raise ValueError(
+            f"--output-len must be >= 2 (decode needs a second token), got {ns.output_len}"
+        )
+    if ns.prompt_len + ns.output_len > ns.max_model_len:
+        raise ValueError(
+            f"--prompt-len {ns.prompt_len} + --output-len {ns.output_len} exceeds "
+            f"--max-model-len {ns.max_model_len}"
+        )
+    if ns.throughput_requests < 0 or ns.throughput_requests > 256:
+        raise ValueError(
+            f"--throughput-requests must be in [0, 256] (the standard workload has "
+            f"256 requests), got {ns.throughput_requests}"
+        )
+    if ns.max_num_seqs is not None:
+        _positive("max-num-seqs", ns.max_num_seqs)
+    max_num_seqs = ns.max_num_seqs or max(256, max(batch_sizes))
+    if max(batch_sizes) > max_num_seqs:
+        raise ValueError(
+            f"--batch-sizes up to {max(batch_sizes)} need --max-num-seqs >= "
+            f"{max(batch_sizes)}, got {max_num_seqs}"
+        )
+    ppl_text = None
+    if ns.ppl_text is not None:
+        path = Path(ns.ppl_text)
+        if not path.is_file():
+            raise FileNotFoundError(f"--ppl-text {ns.ppl_text!r} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--ppl-text {ns.ppl_text!r} is not UTF-8 text ({e})") from None
+        if not text.strip():
+            raise ValueError(f"--ppl-text {ns.ppl_text!r} is empty")
+        ppl_text = str(path.resolve())
+    if ns.cpu_threads is not None:
+        _positive("cpu-threads", ns.cpu_threads)
+    if ns.timeout is not None and ns.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {ns.timeout}")
+
+    labels = _per_config(ns.labels, len(models), "--labels") if ns.labels else None
+    if labels is None:
+        labels = [_default_label(m, d) for m, d in zip(models, dtypes, strict=True)]
+    labels = _dedupe([str(lb) for lb in labels])
+
+    common = dict(
+        device=ns.device,
+        max_model_len=ns.max_model_len,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        max_num_seqs=max_num_seqs,
+        enforce_eager=ns.enforce_eager,
+        prompt_len=ns.prompt_len,
+        output_len=ns.output_len,
+        batch_sizes=batch_sizes,
+        iters=ns.iters,
+        cpu_threads=ns.cpu_threads,
+    )
+    jobs = [
+        CompareJob(
+            label=lb,
+            model=m,
+            dtype=d,
+            throughput_requests=ns.throughput_requests,
+            ppl_text=ppl_text,
+            ppl_window=ns.ppl_window,
+            **common,
+        )
+        for lb, m, d in zip(labels, models, dtypes, strict=True)
+    ]
+    if ns.baseline == "transformers":
+        seen: set[str] = set()
+        for job, src in zip(list(jobs), sources, strict=True):
+            if src.path in seen:  # one baseline per underlying model, quantized or not
+                continue
+            seen.add(src.path)
+            dshort = "" if job.dtype == "auto" else f" {_DTYPE_SHORT.get(job.dtype, job.dtype)}"
+            jobs.append(
+                CompareJob(
+                    label=f"transformers ({src.name}{dshort})",
+                    model=job.model,
+                    engine="transformers",
+                    dtype=job.dtype,
+                    throughput_requests=0,
+                    **common,
+                )
+            )
+        # the baseline labels must stay distinct from the configurations'
+        for i, lb in enumerate(_dedupe([j.label for j in jobs])):
+            if jobs[i].label != lb:
+                jobs[i] = CompareJob.from_dict({**jobs[i].to_dict(), "label": lb})
+
+    lo, hi, _, _ = standard_workload_lengths(ns.max_model_len)
+    settings = {
+        "models": models,
+        "labels": [j.label for j in jobs],
+        "dtypes": dtypes,
+        "device": ns.device,
+        "gpu_memory_utilization": ns.gpu_memory_utilization,
+        "max_model_len": ns.max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "enforce_eager": ns.enforce_eager,
+        "prompt_len": ns.prompt_len,
+        "output_len": ns.output_len,
+        "batch_sizes": list(batch_sizes),
+        "iters": ns.iters,
+        "throughput_requests": ns.throughput_requests,
+        "throughput_len_range": [lo, hi],
+        "ppl_text": ppl_text,
+        "ppl_window": ns.ppl_window,
+        "baseline": ns.baseline,
+        "cpu_threads": ns.cpu_threads,
+    }
+    return jobs, settings
+
+
+def _dedupe(labels: list[str]) -> list[str]:
+    out: list[str] = []
+    for lb in labels:
+        name, k = lb, 2
+        while name in out:
+            name, k = f"{lb} #{k}", k + 1
+        out.append(name)
+    return out
+
+
+def command_line(ns: argparse.Namespace) -> str:
+    """The invocation, rebuilt from the parsed arguments (for the report)."""
+    args = ["pagoda", "compare", *ns.models]
+    defaults = {
+        "labels": None,
+        "dtype": "auto",
+        "device": "auto",
+        "gpu_memory_utilization": 0.85,
+        "max_model_len": 4096,
+        "max_num_seqs": None,
+        "enforce_eager": False,
+        "prompt_len": 512,
+        "output_len": 256,
+        "batch_sizes": "1,8,64",
+        "iters": 2,
+        "throughput_requests": 256,
+        "ppl_text": None,
+        "ppl_window": 512,
+        "baseline": "none",
+        "cpu_threads": None,
+        "timeout": None,
+        "out": None,
+    }
+    for key, default in defaults.items():
+        value = getattr(ns, key)
+        if value == default:
+            continue
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    return shlex.join(args)
+
+
+# ---------------------------------------------------------------------- running
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:60] or "config"
+
+
+def run_job(
+    job: CompareJob, index: int, total: int, out_dir: Path, timeout: float | None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Run one worker; stream its progress; (result, None) or (None, error line)."""
+    name = f"{index:02d}-{_slug(job.label)}"
+    (out_dir / "jobs").mkdir(parents=True, exist_ok=True)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    job_path = out_dir / "jobs" / f"{name}.json"
+    result_path = out_dir / "jobs" / f"{name}.result.json"
+    log_path = out_dir / "logs" / f"{name}.log"
+    job_path.write_text(json.dumps(job.to_dict(), indent=2) + "\n", encoding="utf-8")
+    result_path.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    if job.cpu_threads:
+        # read by the OpenMP runtime at start-up, before torch.set_num_threads in the worker
+        env["OMP_NUM_THREADS"] = str(job.cpu_threads)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagoda.bench.compare_worker",
+        "--job",
+        str(job_path),
+        "--out",
+        str(result_path),
+    ]
+    tag = f"[{index}/{total}] {job.label}"
+    t0 = time.perf_counter()
+    print(f"{tag} · starting ({job.engine}, {job.model})", file=sys.stderr, flush=True)
+    error = None
+    timed_out = threading.Event()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
+
+        def kill() -> None:
+            timed_out.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout, kill) if timeout else None
+        if timer:
+            timer.start()
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                log.write(line)
+                if line.startswith(PROGRESS_PREFIX):
+                    msg = line[len(PROGRESS_PREFIX) :].rstrip()
+                    print(
+                        f"{tag} · {msg}  [{time.perf_counter() - t0:.0f} s]",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                elif line.startswith(ERROR_PREFIX):
+                    error = line[len(ERROR_PREFIX) :].strip()
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            if timer:
+                timer.cancel()
+    elapsed = time.perf_counter() - t0
+    if timed_out.is_set():
+        error = f"timed out after {timeout:.0f} s (see {log_path})"
+    elif rc != 0 or not result_path.is_file():
+        error = error or f"worker exited with code {rc} (see {log_path})"
+    if error:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").splitlines()[-_LOG_TAIL:]
+        print(f"{tag} · FAILED after {elapsed:.0f} s: {error}", file=sys.stderr)
+        for t in tail:
+            print(f"    | {t}", file=sys.stderr)
+        return None, error
+    print(f"{tag} · done in {elapsed:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(result_path.read_text(encoding="utf-8")), None
+
+
+def build_report(
+    jobs: list[CompareJob],
+    outcomes: list[tuple[dict | None, str | None]],
+    settings: dict[str, Any],
+    command: str,
+) -> dict[str, Any]:
+    metrics = metrics_for(settings)
+    configs = []
+    for job, (result, error) in zip(jobs, outcomes, strict=True):
+        entry: dict[str, Any] = {
+            "label": job.label,
+            "engine": job.engine,
+            "model": job.model,
+            "dtype": job.dtype,
+            "status": "ok" if result else "failed",
+        }
+        if result is None:
+            entry.update(error=error, values={}, ratios={}, result={})
+        else:
+            entry.update(
+                dtype=result.get("dtype", job.dtype),
+                values=flat_values(result, metrics),
+                result=result,
+            )
+        configs.append(entry)
+    ok = [c for c in configs if c["status"] == "ok"]
+    ref = next((c for c in ok if c["engine"] == "pagoda"), ok[0] if ok else None)
+    for c in configs:
+        c["ratios"] = ratios(c["values"], ref["values"]) if ref and c["values"] else {}
+    first = ok[0]["result"] if ok else {}
+    settings = dict(settings, device_resolved=first.get("device", settings["device"]))
+    return {
+        "benchmark": "compare",
+        "command": command,
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "env": first.get("env", {}),
+        "settings": settings,
+        "reference": ref["label"] if ref else None,
+        "metrics": [vars(m) for m in metrics],
+        "configs": configs,
+    }
+
+
+def main(ns: argparse.Namespace) -> int:
+    jobs, settings = build_jobs(ns)
+    out_dir = Path(ns.out or f"compare-{datetime.now():%Y%m%d-%H%M%S}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {str(out_dir)!r} exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = command_line(ns)
+    print(f"pagoda compare: {len(jobs)} run(s), results in {out_dir}/", file=sys.stderr)
+    outcomes = [run_job(job, i + 1, len(jobs), out_dir, ns.timeout) for i, job in enumerate(jobs)]
+    report = build_report(jobs, outcomes, settings, command)
+    if report["reference"] is None:
+        write_report(report, out_dir)
+        raise ValueError(f"every configuration failed; see the logs in {out_dir / 'logs'}")
+    md = write_report(report, out_dir)
+    print(md.split("\n![", 1)[0].rstrip())  # the table and notes, without the image links
+    print(
+        f"\nwrote {out_dir / 'report.md'}, report.json and "
+        f"{', '.join(report['plots']) or 'no plots'}",
+        file=sys.stderr,
+    )
+    return 1 if any(c["status"] != "ok" for c in report["configs"]) else 0

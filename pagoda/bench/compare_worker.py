@@ -1,0 +1,547 @@
+"""One configuration of `pagoda compare`, measured in a fresh process.
+
+`python -m pagoda.bench.compare_worker --job JOB.json --out RESULT.json` loads one model (the
+pagoda engine, or transformers as the baseline), measures memory, TTFT, decode speed per batch
+size, throughput and perplexity, and writes one JSON result. A process per configuration keeps
+device memory and allocator peaks clean. Progress goes to stderr as `@@progress <phase>` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROGRESS_PREFIX = "@@progress "
+ERROR_PREFIX = "@@error "
+GiB = 1 << 30
+# Prompts draw ids below this so every vocabulary gets the same ids (as in `pagoda bench`).
+_MAX_PROMPT_ID = 10000
+# Logits are computed this many rows at a time in the perplexity pass ([rows, vocab] float32).
+_LOGIT_ROWS = 256
+
+
+@dataclass(frozen=True)
+class CompareJob:
+    """What one worker measures; written by `pagoda compare`, read by the worker."""
+
+    label: str
+    model: str
+    engine: str = "pagoda"  # "pagoda" | "transformers"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.85
+    max_num_seqs: int = 256
+    enforce_eager: bool = False
+    prompt_len: int = 512
+    output_len: int = 256
+    batch_sizes: tuple[int, ...] = (1, 8, 64)
+    iters: int = 2
+    throughput_requests: int = 256
+    ppl_text: str | None = None
+    ppl_window: int = 512
+    seed: int = 0
+    cpu_threads: int | None = None  # torch intra-op threads; None: torch's default
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CompareJob:
+        d = dict(d)
+        d["batch_sizes"] = tuple(d.get("batch_sizes", (1, 8, 64)))
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["batch_sizes"] = list(self.batch_sizes)
+        return d
+
+
+def progress(msg: str) -> None:
+    print(f"{PROGRESS_PREFIX}{msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- shared helpers
+
+
+def standard_workload_lengths(max_model_len: int) -> tuple[int, int, int, int]:
+    """(min_len, max_len, min_out, max_out) of `pagoda bench throughput`, shrunk to fit."""
+    lo, hi = 100, 1024
+    scale = min(1.0, max_model_len / (2 * hi))  # prompt + output must fit in max_model_len
+    return (
+        max(1, int(lo * scale)),
+        max(2, int(hi * scale)),
+        max(1, int(lo * scale)),
+        max(2, int(hi * scale)),
+    )
+
+
+def perplexity_windows(token_ids: list[int], window: int) -> list[list[int]]:
+    """Non-overlapping windows of `window` tokens (the tail shorter than a window is dropped,
+    unless the text is shorter than one window). The same text and window give every model
+    with the same tokenizer the same windows, so perplexities are comparable."""
+    if len(token_ids) < 2:
+        raise ValueError(f"the perplexity text has {len(token_ids)} token(s); need at least 2")
+    if len(token_ids) <= window:
+        return [list(token_ids)]
+    n = len(token_ids) // window
+    return [list(token_ids[i * window : (i + 1) * window]) for i in range(n)]
+
+
+def windows_nll(logits_fn: Any, windows: list[list[int]], device: Any) -> tuple[float, int]:
+    """Summed negative log-likelihood of every token after the first of each window.
+
+    `logits_fn(ids [T]) -> (hidden [T, H], compute_logits)`; logits are formed a slice at a
+    time so a 150k-entry vocabulary never needs a [T, vocab] tensor at once.
+    """
+    import torch
+
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for w in windows:
+            ids = torch.tensor(w, dtype=torch.long, device=device)  # [T]
+            hidden, compute_logits = logits_fn(ids)  # [T, H]
+            for s in range(0, len(w) - 1, _LOGIT_ROWS):
+                e = min(s + _LOGIT_ROWS, len(w) - 1)
+                logp = torch.log_softmax(compute_logits(hidden[s:e]).float(), dim=-1)
+                total -= logp.gather(1, ids[s + 1 : e + 1, None]).sum().item()
+            count += len(w) - 1
+    return total, count
+
+
+def engine_perplexity(model: Any, windows: list[list[int]], device: Any) -> dict[str, Any]:
+    """Perplexity through the engine's own model (its quantized linear layers included).
+
+    `attn_metadata=None` runs plain causal attention over one sequence, no KV cache.
+    """
+    import torch
+
+    def logits_fn(ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        positions = torch.arange(ids.shape[0], device=ids.device)
+        return model(ids, positions, None), model.compute_logits
+
+    nll, count = windows_nll(logits_fn, windows, device)
+    return {
+        "ppl": math.exp(nll / count),
+        "nll_per_token": nll / count,
+        "tokens": count,
+        "windows": len(windows),
+        "method": "pagoda.bench.compare_worker",
+    }
+
+
+def _quantizer_perplexity() -> Any | None:
+    """The quantizer's perplexity function, when `pagoda.bench.perplexity` provides one with
+    the signature `fn(model, windows: list[list[int]], device) -> dict` (keys as in
+    `engine_perplexity`); otherwise None and the worker's own implementation is used."""
+    try:
+        import pagoda.bench.perplexity as ppl_mod
+    except ModuleNotFoundError as e:
+        if e.name != "pagoda.bench.perplexity":
+            raise
+        return None
+    return getattr(ppl_mod, "windows_perplexity", None)
+
+
+def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
+    hi = min(vocab, _MAX_PROMPT_ID)
+    return [[rng.randrange(0, hi) for _ in range(length)] for _ in range(n)]
+
+
+def _peak_memory(device: Any) -> dict[str, Any]:
+    """In-process peaks: allocator statistics on GPU, resident set size everywhere."""
+    import torch
+
+    # Linux reports ru_maxrss in KiB.
+    out: dict[str, Any] = {
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+    }
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        reserved = torch.cuda.memory_reserved(device)
+        out.update(
+            peak_allocated_gib=torch.cuda.max_memory_allocated(device) / GiB,
+            peak_reserved_gib=torch.cuda.max_memory_reserved(device) / GiB,
+            # CUDA context, cuBLAS/Triton modules, NCCL: device memory torch does not track.
+            # Meaningless on integrated GPUs, where "used" includes the OS and page cache.
+            non_torch_gib=max(0, total - free - reserved) / GiB,
+            device_total_gib=total / GiB,
+        )
+    return out
+
+
+def _ttft_runs(iters: int) -> int:
+    # One prefill at batch 1 is cheap next to a decode run: more samples, a steadier median.
+    return max(5, iters)
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and v == v]  # drop None and NaN
+    return statistics.median(values) if values else None
+
+
+# ---------------------------------------------------------------------- pagoda
+
+
+def _check_quantization(llm: Any) -> dict[str, Any]:
+    """Which linear layers run quantized; fail when a quantized spec loaded unquantized."""
+    from pagoda.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    engine = llm.llm_engine
+    model = engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    quantized = [m for m in linears if not isinstance(m.linear_method, UnquantizedLinearMethod)]
+    override = engine.source.quant_override
+    qc = engine.model_config.quantization
+    requested = override if override in ("w4a16", "w8a16") else None
+    if qc is not None:
+        requested = requested or str(qc.get("format") or qc.get("quant_method") or "quantized")
+    if requested and not quantized:
+        raise ValueError(
+            f"{engine.source.name}: {requested} was requested but every linear layer loaded "
+            "unquantized (quantized loading is not available in this build)"
+        )
+    methods = sorted({type(m.linear_method).__name__ for m in quantized})
+    return {
+        "quantization": requested,
+        "quantized_linear_layers": len(quantized),
+        "linear_layers": len(linears),
+        "linear_methods": methods,
+    }
+
+
+def _decode_rate(engine: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    """Tokens/s of the decode phase: from the step where every request has its first token
+    until the last one finishes. Prefill (chunked, possibly mixed with early decodes) is
+    excluded, so the figure is the steady decode speed at this batch size."""
+    from pagoda.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False
+    )
+    core = engine.core
+    preempt0 = core.num_preemptions
+    ids = []
+    for p in prompts:
+        rid = engine.next_request_id()
+        engine.add_request(rid, p, params)
+        ids.append(rid)
+    produced = dict.fromkeys(ids, 0)
+    t_start, tokens_at_start = None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+        if t_start is None and all(n > 0 for n in produced.values()):
+            t_start, tokens_at_start = time.perf_counter(), sum(produced.values())
+    t_end = time.perf_counter()
+    tokens = sum(produced.values()) - tokens_at_start
+    elapsed = t_end - t_start if t_start is not None else 0.0
+    return {
+        "tok_s": tokens / elapsed if elapsed > 0 and tokens > 0 else float("nan"),
+        "decode_tokens": tokens,
+        "decode_s": elapsed,
+        "preemptions": core.num_preemptions - preempt0,
+    }
+
+
+def run_pagoda(job: CompareJob) -> dict[str, Any]:
+    import torch
+
+    from pagoda.bench.common import environment, random_workload
+    from pagoda.engine.args import EngineArgs
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+
+    progress("loading")
+    # Resolving the configs once first imports transformers' config modules (seconds), so
+    # the start-up time below is the engine's, not the interpreter's.
+    EngineArgs(model=job.model, dtype=job.dtype, device=job.device).create_configs()
+    t0 = time.perf_counter()
+    llm = LLM(
+        job.model,
+        dtype=job.dtype,
+        device=job.device,
+        max_model_len=job.max_model_len,
+        gpu_memory_utilization=job.gpu_memory_utilization,
+        max_num_seqs=job.max_num_seqs,
+        enforce_eager=job.enforce_eager,
+        seed=job.seed,
+        skip_tokenizer_init=job.ppl_text is None,
+        print_memory_report=False,
+    )
+    startup_s = time.perf_counter() - t0
+    engine = llm.llm_engine
+    runner = engine.core.runner
+    device = runner.device
+    report = llm.memory_report()
+    result: dict[str, Any] = {
+        "label": job.label,
+        "engine": "pagoda",
+        "model": job.model,
+        "model_name": engine.source.name,
+        "dtype": engine.model_config.dtype,
+        "device": str(device),
+        "env": environment(device),
+        "load_average_start": os.getloadavg(),
+        "notes": [],
+    }
+    result.update(_check_quantization(llm))
+    result.update(
+        weights_gib=report.weights_bytes / GiB,
+        kv_cache_gib=report.kv_cache_bytes / GiB,
+        kv_tokens=report.kv_token_capacity,
+        max_concurrency=report.max_concurrency,
+        load_s=report.load_time_s,
+        startup_s=startup_s,
+        # None when no graphs were captured (CPU, enforce_eager): "—" in the table, not 0
+        cuda_graph_s=report.cuda_graph_capture_time_s if report.cuda_graph_sizes else None,
+        memory_budget_gib=report.memory_budget_bytes / GiB,
+        memory_report=report.to_dict(),
+    )
+    if device.type != "cuda":
+        result["notes"].append(
+            "CPU: the engine sizes the KV cache for max_num_seqs full-length sequences (at most "
+            "1 GiB), not from free memory, so KV capacity does not grow when the weights shrink"
+        )
+    progress(
+        f"ready in {startup_s:.1f} s: weights {result['weights_gib']:.3f} GiB, "
+        f"KV {result['kv_cache_gib']:.3f} GiB = {report.kv_token_capacity:,} tokens"
+    )
+
+    vocab = engine.model_config.text_config.vocab_size
+    greedy1 = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    # Same seed in every worker: every configuration sees the same prompt ids.
+    rng = random.Random(job.seed)
+    llm.generate(
+        _prompts(rng, 2, 16, vocab),
+        SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
+        use_tqdm=False,
+    )
+
+    n_ttft = _ttft_runs(job.iters)
+    progress(f"TTFT: prompt {job.prompt_len} tokens, batch 1, {n_ttft} runs")
+    ttfts = []
+    for i in range(n_ttft + 1):  # the first run is a warm-up
+        out = llm.generate(_prompts(rng, 1, job.prompt_len, vocab), greedy1, use_tqdm=False)
+        m = out[0].metrics
+        if i > 0:
+            ttfts.append((m.first_token_time - m.arrival_time) * 1e3)
+    result["ttft_ms"] = _median(ttfts)
+    result["ttft_ms_runs"] = ttfts
+
+    decode: dict[str, Any] = {}
+    for k, bs in enumerate(job.batch_sizes):
+        progress(
+            f"decode batch {bs} ({k + 1}/{len(job.batch_sizes)}): prompt "
+            f"{job.prompt_len}, output {job.output_len}"
+        )
+        _decode_rate(engine, _prompts(rng, bs, job.prompt_len, vocab), min(4, job.output_len))
+        runs = [
+            _decode_rate(engine, _prompts(rng, bs, job.prompt_len, vocab), job.output_len)
+            for _ in range(job.iters)
+        ]
+        decode[str(bs)] = {
+            "tok_s": _median([r["tok_s"] for r in runs]),
+            "runs": runs,
+            "preemptions": sum(r["preemptions"] for r in runs),
+        }
+        if decode[str(bs)]["preemptions"]:
+            result["notes"].append(
+                f"decode batch {bs}: {decode[str(bs)]['preemptions']} preemption(s) (the KV "
+                "cache is too small for this batch; the figure includes recomputation)"
+            )
+    result["decode"] = decode
+    result["decode_tok_s"] = {b: d["tok_s"] for b, d in decode.items()}
+
+    if job.throughput_requests > 0:
+        lo, hi, lo_out, hi_out = standard_workload_lengths(job.max_model_len)
+        wl = random_workload(256, lo, hi, lo_out, hi_out, vocab, seed=0)
+        n = job.throughput_requests
+        prompts, outs = wl.prompts[:n], wl.output_lens[:n]
+        progress(f"throughput: {n} requests, prompt/output lengths uniform in [{lo}, {hi}]")
+        params = [
+            SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True, seed=i, detokenize=False)
+            for i, o in enumerate(outs)
+        ]
+        engine.core.kv_cache_manager.reset_prefix_cache()
+        preempt0 = engine.core.num_preemptions
+        t = time.perf_counter()
+        res = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+        produced = sum(len(o.outputs[0].token_ids) for o in res)
+        prompt_tokens = sum(len(p) for p in prompts)
+        result["throughput"] = {
+            "num_requests": n,
+            "prompt_len_range": [lo, hi],
+            "output_len_range": [lo_out, hi_out],
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": produced,
+            "elapsed_s": elapsed,
+            "output_tok_s": produced / elapsed,
+            "total_tok_s": (produced + prompt_tokens) / elapsed,
+            "preemptions": engine.core.num_preemptions - preempt0,
+        }
+        result["throughput_tok_s"] = produced / elapsed
+
+    # Serving peaks are read before the perplexity pass, whose full-window logits are not
+    # part of serving.
+    result.update(_peak_memory(device))
+    result["load_average_end"] = os.getloadavg()
+    result["torch_threads"] = torch.get_num_threads()
+
+    if job.ppl_text is not None:
+        result["perplexity"] = _pagoda_perplexity(job, llm, device)
+        result["ppl"] = result["perplexity"]["ppl"]
+    return result
+
+
+def _pagoda_perplexity(job: CompareJob, llm: Any, device: Any) -> dict[str, Any]:
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
+        return {"ppl": None, "skipped": "the model has no tokenizer (a bare config)"}
+    text = Path(job.ppl_text).read_text(encoding="utf-8")
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    window = min(job.ppl_window, job.max_model_len)
+    windows = perplexity_windows(token_ids, window)
+    progress(f"perplexity: {len(windows)} window(s) of {len(windows[0])} tokens")
+    model = llm.llm_engine.core.runner.model
+    fn = _quantizer_perplexity() or engine_perplexity
+    out = dict(fn(model, windows, device))
+    out.update(window=window, text_tokens=len(token_ids), text=str(job.ppl_text))
+    return out
+
+
+# ---------------------------------------------------------------------- transformers
+
+
+def run_transformers(job: CompareJob) -> dict[str, Any]:
+    """transformers on random weights of the same shape and dtype (no quantization)."""
+    import torch
+
+    from pagoda.bench.common import environment, hf_model_from_config
+    from pagoda.engine.args import EngineArgs
+
+    progress("building the transformers model")
+    _, mc, _, _, runner_config = EngineArgs(
+        model=job.model, dtype=job.dtype, device=job.device, max_model_len=job.max_model_len
+    ).create_configs()
+    device = torch.device(runner_config.device)
+    hf_config = copy.deepcopy(mc.hf_config)
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config  # the baseline is the unquantized shape
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    model = hf_model_from_config(hf_config, getattr(torch, mc.dtype), device)
+    build_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        weights = torch.cuda.memory_allocated(device) - before
+    else:
+        weights = sum(
+            t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+        )
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    vocab = mc.text_config.vocab_size
+    rng = random.Random(job.seed)
+
+    def gen(prompts: list[list[int]], n: int) -> float:
+        ids = torch.tensor(prompts, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t
+
+    result: dict[str, Any] = {
+        "label": job.label,
+        "engine": "transformers",
+        "model": job.model,
+        "model_name": Path(mc.model).stem,
+        "dtype": mc.dtype,
+        "device": str(device),
+        "env": environment(device),
+        "weights_gib": weights / GiB,
+        "build_s": build_s,
+        "notes": [
+            "transformers: random weights of the same shape and dtype, "
+            "`generate` with a static batch (decode tok/s = B x (output-1) / "
+            "(t(output) - t(1)))"
+        ],
+    }
+    gen(_prompts(rng, 1, 16, vocab), 4)  # warm-up
+    n_ttft = _ttft_runs(job.iters)
+    progress(f"TTFT: prompt {job.prompt_len} tokens, batch 1, {n_ttft} runs")
+    ttfts = [gen(_prompts(rng, 1, job.prompt_len, vocab), 1) * 1e3 for _ in range(n_ttft)]
+    result["ttft_ms"] = _median(ttfts)
+    result["ttft_ms_runs"] = ttfts
+    decode: dict[str, Any] = {}
+    for k, bs in enumerate(job.batch_sizes):
+        progress(
+            f"decode batch {bs} ({k + 1}/{len(job.batch_sizes)}): prompt "
+            f"{job.prompt_len}, output {job.output_len}"
+        )
+        rates = []
+        for _ in range(job.iters):
+            prompts = _prompts(rng, bs, job.prompt_len, vocab)
+            t1 = gen(prompts, 1)
+            tn = gen(prompts, job.output_len)
+            rates.append(bs * (job.output_len - 1) / (tn - t1) if tn > t1 else float("nan"))
+        decode[str(bs)] = {"tok_s": _median(rates), "runs": rates}
+    result["decode"] = decode
+    result["decode_tok_s"] = {b: d["tok_s"] for b, d in decode.items()}
+    result.update(_peak_memory(device))
+    result["load_average_end"] = os.getloadavg()
+    result["torch_threads"] = torch.get_num_threads()
+    return result
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", required=True, help="JSON file with the CompareJob fields")
+    p.add_argument("--out", required=True, help="where to write the JSON result")
+    ns = p.parse_args(argv)
+    job = CompareJob.from_dict(json.loads(Path(ns.job).read_text(encoding="utf-8")))
+    import torch
+
+    if job.cpu_threads:
+        torch.set_num_threads(job.cpu_threads)
+    try:
+        result = run_transformers(job) if job.engine == "transformers" else run_pagoda(job)
+    except Exception as e:  # reported to the parent as one line; the log keeps the traceback
+        traceback.print_exc()
+        msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+        print(f"{ERROR_PREFIX}{msg}", file=sys.stderr, flush=True)
+        return 1
+    Path(ns.out).write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""`pagoda serve [MODEL]`: the OpenAI-compatible server as a sub-command of `pagoda`.
+
+Takes every engine option of `LLM(...)` plus the server's own (host, port, API key, served
+model name, concurrency and body-size limits). FastAPI and uvicorn are imported only when the
+command runs, so the rest of the CLI works without the `server` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagoda.entrypoints.cli import add_engine_args
+
+API_KEY_ENV = "PAGODA_API_KEY"
+_SERVER_PACKAGES = frozenset({"fastapi", "starlette", "uvicorn", "prometheus_client"})
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)",
+        description="Serve a model over the OpenAI API. Stop with Ctrl-C (SIGINT) or SIGTERM.",
+    )
+    add_engine_args(p, model_positional=True)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 endpoints (default: ${API_KEY_ENV})",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the model's)",
+    )
+    g.add_argument(
+        "--max-concurrent-requests",
+        type=_positive_int,
+        default=None,
+        help="answer 429 to generation requests beyond this many in flight",
+    )
+    g.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=None,
+        help="largest accepted request body (default: 8 MiB)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to let in-flight requests finish on SIGINT/SIGTERM",
+    )
+    g.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    g.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    try:
+        from pagoda.entrypoints.openai.server import DEFAULT_MAX_BODY_BYTES, run_server
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] not in _SERVER_PACKAGES:
+            raise
+        raise ValueError(
+            f"pagoda serve needs the server extra ({e.name} is missing): "
+            "pip install 'pagoda[server]'"
+        ) from e
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
+    if ns.api_key is None:
+        ns.api_key = os.environ.get(API_KEY_ENV) or None
+    if ns.max_body_bytes is None:
+        ns.max_body_bytes = DEFAULT_MAX_BODY_BYTES
+    return run_server(ns)

@@ -1,0 +1,480 @@
+"""Weight-only quantized linear layers (W4A16 / W8A16) and the checkpoint config that picks them.
+
+`WNA16LinearMethod` creates the parameters a checkpoint stores (compressed-tensors
+`pack-quantized` / `naive-quantized`, or legacy GPTQ `qweight/qzeros/scales/g_idx`) so that the
+fused loaders fill them by name, then `process_weights_after_loading` repacks them once for the
+device: CPU int4 -> torch's `_weight_int4pack_mm_for_cpu`; CUDA -> the Triton dequant-GEMM
+(split-K for small M); anything else -> dequantize on the fly (`pagoda.kernels.wna16`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.kernels.wna16 import (
+    dequantize_weight,
+    pack_factor,
+    pack_to_int32,
+    unpack_from_int32,
+)
+from pagoda.layers.linear import LinearMethod, LinearMethodFactory, UnquantizedLinearMethod
+
+CT_FORMATS = ("pack-quantized", "naive-quantized")
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+_CPU_INT4_GROUPS = (32, 64, 128, 256)  # what torch's CPU int4 GEMM accepts
+
+
+@dataclass(frozen=True)
+class WeightQuantArgs:
+    """How a weight is quantized: integer bits, symmetry, group size (-1: per output channel).
+
+    actorder: None, "static" / "weight" (columns quantized in activation order, groups kept in
+    the original column order: no g_idx stored) or "group" / "dynamic" (groups follow the
+    activation order: a `g_idx` tensor maps each input column to its group).
+    """
+
+    num_bits: int = 4
+    symmetric: bool = True
+    group_size: int = 128
+    actorder: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_bits not in (4, 8):
+            raise ValueError(f"num_bits={self.num_bits} is not supported; use 4 or 8")
+        if self.group_size != -1 and self.group_size < 1:
+            raise ValueError(f"group_size must be -1 (per channel) or >= 1, got {self.group_size}")
+        if self.actorder not in (None, "static", "weight", "group", "dynamic"):
+            raise ValueError(f"actorder={self.actorder!r} is not supported")
+
+    @property
+    def q_min(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def q_max(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    @property
+    def has_g_idx(self) -> bool:
+        return self.actorder in ("group", "dynamic")
+
+    def group_size_for(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+
+# ---------------------------------------------------------------- checkpoint config parsing
+
+
+def _match(name: str, pattern: str) -> bool:
+    """compressed-tensors / llmcompressor matching: `re:` at the start of the name, else exact."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
+
+
+def _target_matches(name: str, target: str) -> bool:
+    # Class targets ("Linear") select every linear layer; pagoda only asks about linear layers.
+    if not target.startswith("re:") and target.endswith("Linear"):
+        return True
+    return _match(name, target)
+
+
+@dataclass(frozen=True)
+class QuantizationPlan:
+    """Which modules a checkpoint quantizes, how, and in which storage format."""
+
+    quant_method: str  # "compressed-tensors" | "gptq"
+    groups: tuple[tuple[tuple[str, ...], WeightQuantArgs, str], ...]  # (targets, args, format)
+    ignore: tuple[str, ...]
+
+    def args_for(self, hf_name: str) -> tuple[WeightQuantArgs, str] | None:
+        """(args, format) of the HF module `hf_name`, or None when it stays unquantized."""
+        if hf_name == "lm_head" or hf_name.endswith(".lm_head"):
+            return None  # pagoda never quantizes the LM head (see models/llama.py)
+        if any(_match(hf_name, pattern) for pattern in self.ignore):
+            return None
+        for targets, args, fmt in self.groups:
+            if any(_target_matches(hf_name, t) for t in targets):
+                return args, fmt
+        return None
+
+
+def _ct_weight_args(name: str, weights: Mapping[str, Any]) -> WeightQuantArgs:
+    if weights.get("type", "int") != "int":
+        raise NotImplementedError(
+            f"compressed-tensors group {name}: weight type {weights.get('type')!r} is not "
+            "supported; pagoda serves int weights (W4A16, W4A16_ASYM, W8A16)"
+        )
+    strategy = weights.get("strategy", "group")
+    if strategy == "group":
+        group_size = int(weights.get("group_size") or 128)
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        raise NotImplementedError(
+            f"compressed-tensors group {name}: weight strategy {strategy!r} is not supported; "
+            "use 'group' or 'channel'"
+        )
+    return WeightQuantArgs(
+        num_bits=int(weights.get("num_bits", 4)),
+        symmetric=bool(weights.get("symmetric", True)),
+        group_size=group_size,
+        actorder=weights.get("actorder"),
+    )
+
+
+def parse_quantization_config(qc: Mapping[str, Any]) -> QuantizationPlan:
+    """Read a checkpoint's `quantization_config` (compressed-tensors or legacy GPTQ)."""
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        status = qc.get("quantization_status", "compressed")
+        if status not in ("compressed", None):
+            raise NotImplementedError(
+                f"compressed-tensors quantization_status={status!r} is not supported; pagoda "
+                "loads 'compressed' checkpoints"
+            )
+        top_format = qc.get("format") or "pack-quantized"
+        groups = []
+        for name, group in (qc.get("config_groups") or {}).items():
+            fmt = group.get("format") or top_format
+            if fmt not in CT_FORMATS:
+                raise NotImplementedError(
+                    f"compressed-tensors format {fmt!r} (group {name}) is not supported; "
+                    f"supported: {', '.join(CT_FORMATS)}"
+                )
+            if group.get("input_activations") or group.get("output_activations"):
+                raise NotImplementedError(
+                    f"compressed-tensors group {name} quantizes activations; pagoda supports "
+                    "weight-only schemes (W4A16, W4A16_ASYM, W8A16)"
+                )
+            weights = group.get("weights")
+            if not weights:
+                continue
+            targets = tuple(group.get("targets") or ("Linear",))
+            groups.append((targets, _ct_weight_args(name, weights), fmt))
+        if not groups:
+            raise ValueError("compressed-tensors quantization_config has no weight config_groups")
+        return QuantizationPlan("compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()))
+    if method == "gptq":
+        bits = int(qc.get("bits", 4))
+        if bits not in (4, 8):
+            raise NotImplementedError(f"GPTQ bits={bits} is not supported; use 4 or 8")
+        fmt = qc.get("checkpoint_format") or "gptq"
+        if fmt not in GPTQ_FORMATS:
+            raise NotImplementedError(f"GPTQ checkpoint_format={fmt!r} is not supported")
+        args = WeightQuantArgs(
+            num_bits=bits,
+            symmetric=bool(qc.get("sym", True)),
+            group_size=int(qc.get("group_size", 128)),
+            actorder="group" if qc.get("desc_act") else None,
+        )
+        ignore = tuple(qc.get("modules_to_not_convert") or ())
+        return QuantizationPlan("gptq", ((("Linear",), args, fmt),), ignore)
+    raise NotImplementedError(
+        f"quant_method={method!r} is not supported; pagoda loads compressed-tensors "
+        "(pack-quantized, naive-quantized) and gptq checkpoints"
+    )
+
+
+def make_linear_method_factory(
+    qc: Mapping[str, Any], packed_modules_mapping: Mapping[str, list[str]]
+) -> LinearMethodFactory:
+    """The factory a model calls per linear layer: quantized where the checkpoint says so.
+
+    A fused layer (qkv_proj) is quantized when its HF projections (q/k/v_proj) are, all alike.
+    """
+    plan = parse_quantization_config(qc)
+
+    def factory(prefix: str) -> LinearMethod:
+        parent, _, leaf = prefix.rpartition(".")
+        hf_leaves = packed_modules_mapping.get(leaf, [leaf])
+        names = [f"{parent}.{h}" if parent else h for h in hf_leaves]
+        choices = [plan.args_for(n) for n in names]
+        if any(c != choices[0] for c in choices):
+            raise ValueError(
+                f"{prefix}: the fused projections {', '.join(names)} are quantized differently "
+                "in the checkpoint; pagoda needs them alike (quantize or ignore all of them)"
+            )
+        if choices[0] is None:
+            return UnquantizedLinearMethod()
+        args, fmt = choices[0]
+        return WNA16LinearMethod(args, fmt)
+
+    return factory
+
+
+# ---------------------------------------------------------------- the linear method
+
+
+def _param(layer: nn.Module, name: str, data: torch.Tensor, output_dim: int | None,
+           pack: int = 1) -> None:
+    p = nn.Parameter(data, requires_grad=False)
+    p.output_dim = output_dim
+    p.output_pack_factor = pack
+    layer.register_parameter(name, p)
+
+
+@dataclass
+class _Unpacked:
+    """A layer's weights in one canonical form, whatever the checkpoint format."""
+
+    qweight: torch.Tensor  # [out, in] int8, signed values
+    scale: torch.Tensor  # [out, groups] float
+    zero_point: torch.Tensor | None  # [out, groups] int16 signed; None when symmetric
+    g_idx: torch.Tensor | None  # [in] group of each input column; None when contiguous
+
+
+class WNA16LinearMethod(LinearMethod):
+    """Weight-only int4/int8 linear layer (compressed-tensors or legacy GPTQ checkpoints).
+
+    After loading a layer holds `qweight_t` [in / f, out] int32 (packed along the input, f = 32
+    / bits), `scales_t` [groups, out], optional `zeros_t` [groups, out] (8 + zero point, as
+    float) and `input_perm` [in] (act-order checkpoints with g_idx: the weight's columns are
+    sorted by group so the kernel sees contiguous groups; x is permuted alike per call).
+    On CPU with 4 bits and a supported group size it holds torch's int4 layout instead.
+    """
+
+    def __init__(self, args: WeightQuantArgs, checkpoint_format: str = "pack-quantized") -> None:
+        if checkpoint_format not in CT_FORMATS + GPTQ_FORMATS:
+            raise ValueError(f"unknown quantized checkpoint format {checkpoint_format!r}")
+        self.args = args
+        self.format = checkpoint_format
+        self._ckpt_params: tuple[str, ...] = ()
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        in_features: int,
+        out_features_per_shard: list[int],
+        dtype: torch.dtype,
+    ) -> None:
+        args, f = self.args, pack_factor(self.args.num_bits)
+        out = sum(out_features_per_shard)
+        group = args.group_size_for(in_features)
+        num_groups = math.ceil(in_features / group)
+        layer.wna16_group_size = group
+        asym_packed = not args.symmetric and self.format in ("pack-quantized",) + GPTQ_FORMATS
+        if asym_packed and any(o % f for o in out_features_per_shard):
+            raise ValueError(
+                f"{getattr(layer, 'prefix', '')}: output sizes {out_features_per_shard} are not "
+                f"multiples of {f}, so packed zero points cannot be split by shard"
+            )
+        if self.format == "pack-quantized":
+            _param(layer, "weight_packed",
+                   torch.zeros(out, math.ceil(in_features / f), dtype=torch.int32), 0)
+            _param(layer, "weight_scale", torch.ones(out, num_groups, dtype=dtype), 0)
+            # [out, in] of the checkpoint; one shape per HF module, so not split by shard.
+            _param(layer, "weight_shape", torch.zeros(2, dtype=torch.int64), None)
+            names = ["weight_packed", "weight_scale", "weight_shape"]
+            if not args.symmetric:
+                _param(layer, "weight_zero_point",
+                       torch.zeros(out // f, num_groups, dtype=torch.int32), 0, f)
+                names.append("weight_zero_point")
+        elif self.format == "naive-quantized":
+            _param(layer, "weight", torch.zeros(out, in_features, dtype=torch.int8), 0)
+            _param(layer, "weight_scale", torch.ones(out, num_groups, dtype=dtype), 0)
+            names = ["weight", "weight_scale"]
+            if not args.symmetric:
+                _param(layer, "weight_zero_point",
+                       torch.zeros(out, num_groups, dtype=torch.int8), 0)
+                names.append("weight_zero_point")
+        else:  # legacy GPTQ: [in, out] layouts, output along dim 1
+            _param(layer, "qweight",
+                   torch.zeros(math.ceil(in_features / f), out, dtype=torch.int32), 1)
+            _param(layer, "qzeros", torch.zeros(num_groups, out // f, dtype=torch.int32), 1, f)
+            _param(layer, "scales", torch.ones(num_groups, out, dtype=dtype), 1)
+            _param(layer, "g_idx", torch.zeros(in_features, dtype=torch.int32), None)
+            names = ["qweight", "qzeros", "scales", "g_idx"]
+        if self.format in CT_FORMATS and args.has_g_idx:
+            _param(layer, "weight_g_idx", torch.zeros(in_features, dtype=torch.int32), None)
+            names.append("weight_g_idx")
+        self._ckpt_params = tuple(names)
+
+    # ------------------------------------------------------------ after loading
+
+    def init_dummy_weights(self, layer: nn.Module, generator: torch.Generator) -> None:
+        """Random codes and small scales for dummy-weight benchmarks (the loader's "dummy")."""
+        for name in self._ckpt_params:
+            p = getattr(layer, name).data
+            if name in ("weight_packed", "qweight", "weight_zero_point", "qzeros"):
+                p.copy_(torch.randint(-(2**31), 2**31 - 1, p.shape, generator=generator,
+                                      device=p.device, dtype=torch.int64).to(torch.int32))
+            elif name in ("weight_scale", "scales"):
+                # |q| <= 8: these scales give weights of the dense dummy's size (0.05).
+                p.uniform_(0.002, 0.008, generator=generator)
+            elif name == "weight":
+                p.copy_(torch.randint(-8, 8, p.shape, generator=generator, device=p.device))
+            elif name == "weight_shape":
+                p.copy_(torch.tensor([getattr(layer, "out_features", 0), 0]))
+            elif name == "g_idx":
+                p.copy_(torch.arange(p.numel(), device=p.device) // layer.wna16_group_size)
+
+    def _unpack(self, layer: nn.Module) -> _Unpacked:
+        args = self.args
+        in_features, out = layer.in_features, layer.out_features
+        zp = g_idx = None
+        if self.format == "pack-quantized":
+            q = unpack_from_int32(layer.weight_packed.data, args.num_bits, in_features, 1)
+            scale = layer.weight_scale.data
+            if not args.symmetric:
+                zp = unpack_from_int32(layer.weight_zero_point.data, args.num_bits, out, 0)
+        elif self.format == "naive-quantized":
+            q, scale = layer.weight.data.to(torch.int8), layer.weight_scale.data
+            if not args.symmetric:
+                zp = layer.weight_zero_point.data
+        else:
+            # Unsigned codes u in [0, 2^b): unpacking subtracts 2^(b-1), so q = u - 2^(b-1).
+            q = unpack_from_int32(layer.qweight.data, args.num_bits, in_features, 0).t()
+            scale = layer.scales.data.t()
+            z = unpack_from_int32(layer.qzeros.data, args.num_bits, out, 1).t().to(torch.int16)
+            # GPTQ v1 stores zero - 1 (the AutoGPTQ off-by-one); v2 stores the zero itself.
+            zp = z + 1 if self.format == "gptq" else z
+            g_idx = layer.g_idx.data
+            if not bool(zp.any()):
+                zp = None  # symmetric: every zero point is the midpoint
+        if self.format in CT_FORMATS and args.has_g_idx:
+            g_idx = layer.weight_g_idx.data
+        if zp is not None:
+            zp = zp.to(torch.int16)
+        if g_idx is not None:
+            group = layer.wna16_group_size
+            trivial = torch.arange(in_features, device=g_idx.device) // group
+            if torch.equal(g_idx.long(), trivial):
+                g_idx = None
+        if q.shape != (out, in_features):
+            raise ValueError(f"{layer.prefix}: unpacked weight has shape {tuple(q.shape)}")
+        return _Unpacked(q.contiguous(), scale, zp, g_idx)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        u = self._unpack(layer)
+        args, group = self.args, layer.wna16_group_size
+        in_features = layer.in_features
+        dtype, device = layer.params_dtype, u.qweight.device
+        for name in self._ckpt_params:
+            delattr(layer, name)
+        qweight, scale, zp = u.qweight, u.scale, u.zero_point
+        perm = None
+        if u.g_idx is not None:
+            # Sort columns by group so every group is contiguous (as vLLM does for act-order).
+            perm = torch.argsort(u.g_idx.long(), stable=True)
+            sorted_groups = u.g_idx.long()[perm]
+            expected = torch.arange(in_features, device=device) // group
+            if not torch.equal(sorted_groups, expected):
+                raise ValueError(
+                    f"{layer.prefix}: g_idx does not give every group {group} columns"
+                )
+            qweight = qweight[:, perm].contiguous()
+            _param(layer, "input_perm", perm.to(torch.int64), None)
+        else:
+            layer.input_perm = None
+        layer.wna16_bits = args.num_bits
+        scale_t = scale.t().to(dtype).contiguous()  # [groups, out]
+        offset = 1 << (args.num_bits - 1)
+        # The kernels read unsigned codes u = q + offset: w = (u - (offset + zp)) * s.
+        zeros_t = None if zp is None else (zp.t().to(torch.float32) + offset).to(dtype)
+        layer.wna16_backend = "dequant"
+        if (
+            device.type == "cpu"
+            and args.num_bits == 4
+            and group in _CPU_INT4_GROUPS
+            and in_features % group == 0
+            and layer.out_features % 16 == 0
+        ):
+            # torch's CPU int4 GEMM: w = (u - 8) * s + z per group, u the unsigned code.
+            codes = (qweight.to(torch.int32) + 8).contiguous()  # [out, in] in [0, 16)
+            zero = torch.zeros_like(scale_t) if zp is None else -(zp.t().to(dtype) * scale_t)
+            _param(layer, "int4pack", torch._convert_weight_to_int4pack_for_cpu(codes, 1), None)
+            _param(layer, "scale_and_zeros", torch.stack([scale_t, zero], dim=-1).contiguous(),
+                   None)
+            layer.wna16_backend = "cpu_int4"
+            return
+        _param(layer, "qweight_t", pack_to_int32(qweight, args.num_bits, 1).t().contiguous(), None)
+        _param(layer, "scales_t", scale_t, None)
+        if zeros_t is not None:
+            _param(layer, "zeros_t", zeros_t.contiguous(), None)
+        else:
+            layer.zeros_t = None
+        if device.type == "cuda":
+            layer.wna16_backend = "triton"
+            if (
+                os.environ.get("PAGODA_WNA16_SMALL_M") == "tinygemm"
+                and args.num_bits == 4
+                and dtype == torch.bfloat16
+                and group in _CPU_INT4_GROUPS
+                and layer.out_features % 8 == 0
+                and in_features % 1024 == 0
+            ):
+                # Opt-in second copy in torch's tinygemm layout for M <= 16 (benchmarks decide).
+                codes = (qweight.to(torch.int32) + 8)
+                packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+                zero = torch.zeros_like(scale_t) if zp is None else -(zp.t().to(dtype) * scale_t)
+                _param(layer, "int4pack", torch._convert_weight_to_int4pack(packed_u8, 8), None)
+                _param(layer, "scale_and_zeros",
+                       torch.stack([scale_t, zero], dim=-1).contiguous(), None)
+
+    # ------------------------------------------------------------ forward
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """[out, in] weight in the layer dtype, in the checkpoint's column order."""
+        if layer.wna16_backend == "cpu_int4":
+            eye = torch.eye(layer.in_features, dtype=layer.scale_and_zeros.dtype)
+            w_t = torch._weight_int4pack_mm_for_cpu(
+                eye, layer.int4pack, layer.wna16_group_size, layer.scale_and_zeros
+            )  # [in, out]
+            w = w_t.t()
+        else:
+            q = unpack_from_int32(layer.qweight_t.data, layer.wna16_bits, layer.in_features, 0)
+            zp = None
+            if layer.zeros_t is not None:
+                zp = layer.zeros_t.t().to(torch.float32) - (1 << (layer.wna16_bits - 1))
+            w = dequantize_weight(q, layer.scales_t.t(), zp, layer.wna16_group_size,
+                                  dtype=layer.params_dtype)
+        if layer.input_perm is not None:
+            w = w[:, torch.argsort(layer.input_perm)]
+        return w.contiguous()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [M, in]
+        if layer.input_perm is not None:
+            x2 = x2.index_select(1, layer.input_perm)
+        backend = layer.wna16_backend
+        if backend == "cpu_int4":
+            sz = layer.scale_and_zeros
+            out = torch._weight_int4pack_mm_for_cpu(
+                x2.to(sz.dtype).contiguous(), layer.int4pack, layer.wna16_group_size, sz
+            ).to(x.dtype)
+        elif backend == "triton":
+            out = self._apply_cuda(layer, x2)
+        else:
+            q = unpack_from_int32(layer.qweight_t.data, layer.wna16_bits, layer.in_features, 0)
+            zp = None
+            if layer.zeros_t is not None:
+                zp = layer.zeros_t.t().to(torch.float32) - (1 << (layer.wna16_bits - 1))
+            w = dequantize_weight(q, layer.scales_t.t(), zp, layer.wna16_group_size,
+                                  dtype=x.dtype)
+            out = x2 @ w.t()
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    def _apply_cuda(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+        from pagoda.kernels.triton_w4a16 import wna16_gemm
+
+        if x2.shape[0] <= 16 and hasattr(layer, "int4pack"):
+            sz = layer.scale_and_zeros
+            return torch._weight_int4pack_mm(
+                x2.to(sz.dtype).contiguous(), layer.int4pack, layer.wna16_group_size, sz
+            ).to(x2.dtype)
+        return wna16_gemm(
+            x2, layer.qweight_t, layer.scales_t, layer.zeros_t, layer.wna16_group_size,
+            layer.wna16_bits,
+        )

@@ -1,0 +1,604 @@
+"""Qwen2.5-VL and Qwen2-VL: a vision transformer in front of the shared Qwen2 decoder.
+
+The vision tower embeds 14x14 (x2 frames) patches, runs blocks with 2-D rotary attention
+(Qwen2.5-VL: windowed, except the `fullatt_block_indexes` blocks; Qwen2-VL: all full) and merges
+2x2 patches into one LLM token. The runner scatters those embeddings over the image-pad tokens
+via `inputs_embeds` and passes M-RoPE positions [3, T]. Module names mirror transformers 5
+(`model.visual`, `model.language_model`, `lm_head`); both that layout and the original release's
+(`visual.*`, `model.*`) load by name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.layers.activation import SiluAndMul
+from pagoda.layers.attention import Attention, AttentionMetadata
+from pagoda.layers.embedding import LMHead
+from pagoda.layers.linear import (
+    LinearMethodFactory,
+    MergedColumnLinear,
+    ReplicatedLinear,
+    default_linear_method_factory,
+)
+from pagoda.layers.norm import RMSNorm
+from pagoda.models.llama import (
+    _SKIPPED_WEIGHT_SUFFIXES,
+    DecoderModel,
+    DecoderOptions,
+    _default_weight_loader,
+    _name_list,
+)
+
+# Original Qwen release / transformers 4.x save layout -> our (transformers 5) module names;
+# the same renames as transformers' checkpoint conversion mapping for these models.
+_CHECKPOINT_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^visual\."), "model.visual."),
+    (re.compile(r"^model\.(?!language_model\.|visual\.)"), "model.language_model."),
+)
+_VISION_SKIPPED_SUFFIXES = ("rotary_pos_emb.inv_freq",)
+
+
+# ---------------------------------------------------------------------- vision geometry
+
+
+@dataclass
+class _Segments:
+    """Block-diagonal attention layout: tokens [cu[i], cu[i+1]) attend to each other only."""
+
+    cu_seqlens: list[int]
+    index: torch.Tensor | None = None  # [B, L] token of each padded slot (None: one segment)
+    valid: torch.Tensor | None = None  # [B, L] bool, real (not padding) slots
+
+    @classmethod
+    def build(cls, cu_seqlens: list[int], device: torch.device) -> _Segments:
+        lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:], strict=False)]
+        if len(lens) <= 1:
+            return cls(cu_seqlens)
+        # Pad every segment to the longest: one batched SDPA call instead of one per window.
+        longest = max(lens)
+        slot = torch.arange(longest)
+        valid = slot[None, :] < torch.tensor(lens)[:, None]  # [B, L]
+        index = torch.tensor(cu_seqlens[:-1])[:, None] + slot[None, :]
+        index = torch.where(valid, index, torch.zeros_like(index))
+        return cls(cu_seqlens, index.to(device), valid.to(device))
+
+
+def _vision_positions(grid_thw: Sequence[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """(row, col) of every patch [N, 2], in the processor's merge-block-major order."""
+    out = []
+    for t, h, w in grid_thw:
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        shape = (h // merge, merge, w // merge, merge)
+        rows = rows.reshape(shape).transpose(1, 2).reshape(-1)
+        cols = cols.reshape(shape).transpose(1, 2).reshape(-1)
+        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def _full_cu_seqlens(grid_thw: Sequence[tuple[int, int, int]]) -> list[int]:
+    """Full attention within each frame of each image."""
+    cu = [0]
+    for t, h, w in grid_thw:
+        for _ in range(t):
+            cu.append(cu[-1] + h * w)
+    return cu
+
+
+def _window_index(
+    grid_thw: Sequence[tuple[int, int, int]], merge: int, window_size: int, patch_size: int
+) -> tuple[torch.Tensor, list[int]]:
+    """Merge-unit order that makes each attention window contiguous, and the window bounds.
+
+    HF's `get_vision_window_index`: windows of window_size pixels, i.e.
+    window_size / patch / merge merged units a side; edge windows are smaller, empty ones drop.
+    """
+    unit = merge * merge
+    win = window_size // merge // patch_size
+    indices: list[torch.Tensor] = []
+    cu = [0]
+    base = 0
+    for t, h, w in grid_thw:
+        gh, gw = h // merge, w // merge
+        index = torch.arange(t * gh * gw).reshape(t, gh, gw)
+        pad_h, pad_w = win - gh % win, win - gw % win
+        nh, nw = (gh + pad_h) // win, (gw + pad_w) // win
+        padded = F.pad(index, (0, pad_w, 0, pad_h), value=-100)
+        padded = padded.reshape(t, nh, win, nw, win).permute(0, 1, 3, 2, 4)
+        padded = padded.reshape(t, nh * nw, win, win)
+        seqlens = (padded != -100).sum([2, 3]).reshape(-1)
+        flat = padded.reshape(-1)
+        indices.append(flat[flat != -100] + base)
+        for n in (seqlens.cumsum(0) * unit + cu[-1]).tolist():
+            if n != cu[-1]:  # empty windows (full padding rows / columns) add nothing
+                cu.append(n)
+        base += t * gh * gw
+    return torch.cat(indices), cu
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# ---------------------------------------------------------------------- vision modules
+
+
+class VisionPatchEmbed(nn.Module):
+    """HF's Conv3d with stride == kernel over pre-cut patches, computed as one matmul.
+
+    The weight keeps the checkpoint's [E, C, T, P, P] shape, so it loads (and could be
+    quantization-ignored) by name; a matmul over flattened patches is the same operation.
+    """
+
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int):
+        super().__init__()
+        self.dim = dim
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(
+            torch.empty(dim, in_channels, temporal_patch_size, patch_size, patch_size),
+            requires_grad=False,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, E]
+        weight = self.proj.weight
+        return F.linear(x.to(weight.dtype), weight.view(self.dim, -1))
+
+
+class VisionRotaryEmbedding(nn.Module):
+    """Axial 2-D RoPE: the first half of each head's frequencies by row, the second by column."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        spatial_dim = head_dim // 2
+        exponent = torch.arange(0, spatial_dim, 2, dtype=torch.float32) / spatial_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [N, 2] (row, col) -> cos, sin [N, head_dim] float32
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [N, 2, D/4]
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)  # [N, D/2]
+        freqs = torch.cat([freqs, freqs], dim=-1)  # [N, D]
+        return freqs.cos(), freqs.sin()
+
+
+class VisionAttention(nn.Module):
+    """Bidirectional attention within segments (windows or whole images), SDPA."""
+
+    def __init__(
+        self, dim: int, num_heads: int, linear_method_factory: LinearMethodFactory, prefix: str
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = ReplicatedLinear(
+            dim,
+            3 * dim,
+            bias=True,
+            linear_method=linear_method_factory(f"{prefix}.qkv"),
+            prefix=f"{prefix}.qkv",
+        )
+        self.proj = ReplicatedLinear(
+            dim,
+            dim,
+            bias=True,
+            linear_method=linear_method_factory(f"{prefix}.proj"),
+            prefix=f"{prefix}.proj",
+        )
+
+    def forward(
+        self, x: torch.Tensor, segments: _Segments, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:  # [N, E]
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [N, H, D]
+        # RoPE in float32, as HF's apply_rotary_pos_emb_vision
+        cos, sin = cos[:, None], sin[:, None]
+        qf, kf = q.float(), k.float()
+        q = (qf * cos + _rotate_half(qf) * sin).to(v.dtype)
+        k = (kf * cos + _rotate_half(kf) * sin).to(v.dtype)
+        if segments.index is None:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=self.scale
+            ).transpose(0, 1)  # [N, H, D]
+        else:
+            index, valid = segments.index, segments.valid
+            qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
+            mask = valid[:, None, None, :]  # padding keys are never attended to
+            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
+            out = out.transpose(1, 2)[valid]  # [N, H, D], back in token order
+        return self.proj(out.reshape(n, -1))
+
+
+class VisionSwiGLU(nn.Module):
+    """Qwen2.5-VL vision MLP: down(silu(gate(x)) * up(x)), with biases; gate/up fused."""
+
+    def __init__(
+        self, dim: int, hidden: int, linear_method_factory: LinearMethodFactory, prefix: str
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(
+            dim,
+            [hidden, hidden],
+            bias=True,
+            linear_method=linear_method_factory(f"{prefix}.gate_up_proj"),
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = ReplicatedLinear(
+            hidden,
+            dim,
+            bias=True,
+            linear_method=linear_method_factory(f"{prefix}.down_proj"),
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class VisionQuickGeluMLP(nn.Module):
+    """Qwen2-VL vision MLP: fc2(quick_gelu(fc1(x)))."""
+
+    def __init__(
+        self, dim: int, hidden: int, linear_method_factory: LinearMethodFactory, prefix: str
+    ) -> None:
+        super().__init__()
+        self.fc1 = ReplicatedLinear(
+            dim,
+            hidden,
+            bias=True,
+            linear_method=linear_method_factory(f"{prefix}.fc1"),
+            prefix=f"{prefix}.fc1",
+        )
+        self.fc2 = ReplicatedLinear(
+            hidden,
+            dim,
+            bias=True,
+            linear_method=linear_method_factory(f"{prefix}.fc2"),
+            prefix=f"{prefix}.fc2",
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h * torch.sigmoid(1.702 * h))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm attention + MLP, residual adds in the activation dtype."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp: nn.Module,
+        norm: str,
+        linear_method_factory: LinearMethodFactory,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.norm1 = _vision_norm(norm, dim)
+        self.norm2 = _vision_norm(norm, dim)
+        self.attn = VisionAttention(dim, num_heads, linear_method_factory, f"{prefix}.attn")
+        self.mlp = mlp
+
+    def forward(
+        self, x: torch.Tensor, segments: _Segments, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """Norm, then 2x2 neighbouring patches concatenated -> MLP -> one LLM token."""
+
+    def __init__(
+        self,
+        out_dim: int,
+        context_dim: int,
+        merge_size: int,
+        norm: str,
+        linear_method_factory: LinearMethodFactory,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = context_dim * merge_size**2
+        self.ln_q = _vision_norm(norm, context_dim)
+        # A ModuleList keeps HF's nn.Sequential names: mlp.0 (Linear), mlp.1 (GELU), mlp.2.
+        self.mlp = nn.ModuleList(
+            [
+                ReplicatedLinear(
+                    self.hidden_size,
+                    self.hidden_size,
+                    bias=True,
+                    linear_method=linear_method_factory(f"{prefix}.mlp.0"),
+                    prefix=f"{prefix}.mlp.0",
+                ),
+                nn.GELU(),
+                ReplicatedLinear(
+                    self.hidden_size,
+                    out_dim,
+                    bias=True,
+                    linear_method=linear_method_factory(f"{prefix}.mlp.2"),
+                    prefix=f"{prefix}.mlp.2",
+                ),
+            ]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N / merge**2, out]
+        x = self.ln_q(x).view(-1, self.hidden_size)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+def _vision_norm(kind: str, dim: int) -> nn.Module:
+    return RMSNorm(dim, eps=1e-6) if kind == "rms" else nn.LayerNorm(dim, eps=1e-6)
+
+
+class VisionTransformer(nn.Module):
+    """HF's `Qwen2_5_VisionTransformerPretrainedModel` (or Qwen2-VL's, `variant="qwen2"`)."""
+
+    def __init__(
+        self,
+        config: Any,
+        variant: str,
+        linear_method_factory: LinearMethodFactory,
+        prefix: str = "model.visual",
+    ) -> None:
+        super().__init__()
+        factory = linear_method_factory
+        if variant == "qwen2_5":
+            dim, out_dim = config.hidden_size, config.out_hidden_size
+            self.window_size: int | None = config.window_size
+            self.fullatt_block_indexes = set(config.fullatt_block_indexes)
+            norm = "rms"
+            if config.hidden_act != "silu":
+                raise NotImplementedError(
+                    f"vision hidden_act={config.hidden_act!r}; only 'silu' is supported"
+                )
+        else:  # Qwen2-VL: LayerNorm, quick-GELU MLP, full attention everywhere
+            dim, out_dim = config.embed_dim, config.hidden_size
+            self.window_size = None
+            self.fullatt_block_indexes = set(range(config.depth))
+            norm = "layer"
+        self.patch_size = _int(config.patch_size)
+        self.merge_size = config.spatial_merge_size
+        self.patch_embed = VisionPatchEmbed(
+            self.patch_size, _int(config.temporal_patch_size), config.in_channels, dim
+        )
+        rope = getattr(config, "rope_parameters", None) or {}
+        self.rotary_pos_emb = VisionRotaryEmbedding(
+            dim // config.num_heads, float(rope.get("rope_theta", 10000.0))
+        )
+        blocks = []
+        for i in range(config.depth):
+            p = f"{prefix}.blocks.{i}"
+            if variant == "qwen2_5":
+                mlp = VisionSwiGLU(dim, config.intermediate_size, factory, f"{p}.mlp")
+            else:
+                mlp = VisionQuickGeluMLP(dim, int(dim * config.mlp_ratio), factory, f"{p}.mlp")
+            blocks.append(VisionBlock(dim, config.num_heads, mlp, norm, factory, p))
+        self.blocks = nn.ModuleList(blocks)
+        self.merger = PatchMerger(out_dim, dim, self.merge_size, norm, factory, f"{prefix}.merger")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    def forward(
+        self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """pixel_values [N, C*T*P*P] (all images, back to back) -> [N / merge**2, out_dim]."""
+        device = pixel_values.device
+        x = self.patch_embed(pixel_values)  # [N, E]
+        n = x.shape[0]
+        cos, sin = self.rotary_pos_emb(_vision_positions(grid_thw, self.merge_size).to(device))
+        full = _Segments.build(_full_cu_seqlens(grid_thw), device)
+        windowed = full
+        order = None
+        if self.window_size is not None:
+            # Reorder merge units so that every window is contiguous (the merger keeps units
+            # together, so its output is put back in order at the end).
+            unit = self.merge_size**2
+            index, cu_window = _window_index(
+                grid_thw, self.merge_size, self.window_size, self.patch_size
+            )
+            order = index.to(device)
+            x = x.view(n // unit, unit, -1)[order].reshape(n, -1)
+            cos = cos.view(n // unit, unit, -1)[order].reshape(n, -1)
+            sin = sin.view(n // unit, unit, -1)[order].reshape(n, -1)
+            windowed = _Segments.build(cu_window, device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, full if i in self.fullatt_block_indexes else windowed, cos, sin)
+        x = self.merger(x)
+        if order is not None:
+            x = x[torch.argsort(order)]
+        return x
+
+
+def _int(value: Any) -> int:
+    return int(value[0] if isinstance(value, (list, tuple)) else value)
+
+
+# ---------------------------------------------------------------------- the VL model
+
+
+class Qwen2_5_VLModel(nn.Module):
+    """HF's `model.` submodule: the vision tower and the text decoder side by side."""
+
+    def __init__(
+        self, hf_config: Any, linear_method_factory: LinearMethodFactory, variant: str
+    ) -> None:
+        super().__init__()
+        text_config = hf_config.text_config
+        self.visual = VisionTransformer(
+            hf_config.vision_config, variant, linear_method_factory, "model.visual"
+        )
+        # Qwen2 decoder: q/k/v bias, no o_proj bias; `get_rope` builds M-RoPE from
+        # `mrope_section`.
+        self.language_model = DecoderModel(
+            text_config,
+            DecoderOptions(qkv_bias=True),
+            linear_method_factory,
+            prefix="model.language_model",
+        )
+
+
+class Qwen2_5_VLForConditionalGeneration(nn.Module):
+    """Qwen2.5-VL: `forward` takes token ids or `inputs_embeds`, positions [T] or [3, T].
+
+    For a sequential (layer-by-layer) quantization pipeline the decoder is
+    `language_model` (`embed_tokens`, `layers`, `norm`, `rotary_emb`), exactly as for
+    `LlamaForCausalLM.model`; text-only calibration may use [T] positions. Every vision linear
+    is built through `linear_method_factory("model.visual....")`, so an ignore rule such as
+    `re:.*visual.*` keeps the tower unquantized.
+    """
+
+    vision_variant = "qwen2_5"
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    # (our param fragment, HF fragment, shard id); gate/up also fuse in the vision MLP.
+    _stacked_params: tuple[tuple[str, str, int | str], ...] = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    def __init__(
+        self, hf_config: Any, linear_method_factory: LinearMethodFactory | None = None
+    ) -> None:
+        super().__init__()
+        text_config = hf_config.text_config
+        self.hf_config = hf_config
+        self.config = text_config
+        factory = linear_method_factory or default_linear_method_factory
+        self.model = Qwen2_5_VLModel(hf_config, factory, self.vision_variant)
+        self.image_token_id: int = hf_config.image_token_id
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = LMHead(
+            text_config.vocab_size,
+            text_config.hidden_size,
+            tie_to=self.model.language_model.embed_tokens if self.tie_word_embeddings else None,
+        )
+
+    @property
+    def language_model(self) -> DecoderModel:
+        return self.model.language_model
+
+    @property
+    def visual(self) -> VisionTransformer:
+        return self.model.visual
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T] int64
+        positions: torch.Tensor,  # [T], or [3, T] M-RoPE positions when images are in the step
+        attn_metadata: AttentionMetadata | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # [T, hidden]: token + image embeddings
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model.language_model(input_ids, positions, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V] f32
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.language_model.layers]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return self.model.language_model.embed_tokens(input_ids)
+
+    def embed_images(
+        self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
+    ) -> torch.Tensor:
+        """[N patches, C*T*P*P] of all images -> [sum of image tokens, hidden] (model dtype)."""
+        embeds = self.model.visual(pixel_values.to(self.model.visual.dtype), grid_thw)
+        return embeds.to(self.lm_head.weight.dtype)
+
+    # ------------------------------------------------------------------ checkpoint names
+
+    @staticmethod
+    def checkpoint_to_module_name(name: str) -> str:
+        """A tensor / module name of either checkpoint layout -> ours (transformers 5's)."""
+        for pattern, replacement in _CHECKPOINT_RENAMES:
+            name = pattern.sub(replacement, name, count=1)
+        return name
+
+    @staticmethod
+    def module_to_original_name(name: str) -> str:
+        """Ours -> the original release layout (what `save_pretrained` writes)."""
+        if name.startswith("model.visual."):
+            return name.removeprefix("model.")
+        if name.startswith("model.language_model."):
+            return "model." + name.removeprefix("model.language_model.")
+        return name
+
+    def _param_name_and_shard(self, name: str) -> tuple[str, int | str | None]:
+        for ours, theirs, shard in self._stacked_params:
+            if theirs in name:
+                return name.replace(theirs, ours), shard
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors of either layout; returns our fully loaded parameter names.
+
+        Raises ValueError for tensors matching no parameter and for parameters left unloaded.
+        """
+        params = dict(self.named_parameters())
+        shards_needed = {
+            name: {shard for ours, _, shard in self._stacked_params if ours in f".{name}"}
+            for name in params
+        }
+        shards_loaded: dict[str, set[int | str]] = {}
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_SKIPPED_WEIGHT_SUFFIXES + _VISION_SKIPPED_SUFFIXES):
+                continue
+            name = self.checkpoint_to_module_name(hf_name)
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # same tensor as the embedding
+            param_name, shard = self._param_name_and_shard(name)
+            param = params.get(param_name)
+            if param is None:
+                unexpected.append(hf_name)
+                continue
+            loader = getattr(param, "weight_loader", _default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+                loaded.add(param_name)
+            else:
+                loader(param, tensor, shard)
+                shards_loaded.setdefault(param_name, set()).add(shard)
+                if shards_loaded[param_name] == shards_needed[param_name]:
+                    loaded.add(param_name)
+        if unexpected:
+            raise ValueError(
+                f"checkpoint tensors match no parameter of {type(self).__name__}: "
+                f"{_name_list(unexpected)}"
+            )
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing weights for {type(self).__name__}: {_name_list(missing)}"
+            )
+        return loaded
+
+
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2-VL: same decoder and M-RoPE; the vision tower has LayerNorm, quick-GELU MLPs and
+    full attention in every block."""
+
+    vision_variant = "qwen2"

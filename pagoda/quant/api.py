@@ -1,0 +1,203 @@
+"""`pagoda.quant.quantize(...)`: a model directory or GGUF file in, a compressed-tensors dir out.
+
+Validates the request at the edge (scheme, method, act-order, group size against every layer,
+architecture, calibration data), runs the sequential pipeline, and writes config.json with
+`quantization_config`, the safetensors weights, the tokenizer / processor / chat-template files
+and `quantization_report.json` into a temporary directory that is renamed when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.config import ModelConfig, normalize_dtype
+from pagoda.model_files import (
+    load_hf_config,
+    load_tokenizer,
+    quantization_config,
+    resolve_model,
+)
+from pagoda.models.registry import architectures_of, get_model_class
+from pagoda.quant.calibration import load_calibration_data
+from pagoda.quant.formats.compressed_tensors import (
+    copy_model_files,
+    save_safetensors,
+    staged_directory,
+    write_config,
+)
+from pagoda.quant.pipeline import (
+    METHODS,
+    QUANTIZABLE_ARCHITECTURES,
+    PipelineOptions,
+    QuantizeReport,
+    WeightSource,
+    check_group_size,
+    layer_targets,
+    quantize_layers,
+)
+from pagoda.quant.schemes import SCHEMES, quantization_config as make_quant_config, scheme_args
+
+_SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use auto, cpu or cuda")
+    return dev
+
+
+def _storage_dtype(dtype: str, hf_config: Any) -> torch.dtype:
+    name = normalize_dtype(dtype)
+    if name == "auto":
+        text = getattr(hf_config, "text_config", None) or hf_config
+        cfg = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+        name = normalize_dtype(cfg) if cfg is not None else "bfloat16"
+        if name == "auto":
+            name = "bfloat16"
+    return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def quantize(
+    model: str | os.PathLike[str] | None,
+    out_dir: str | os.PathLike[str],
+    scheme: str = "W4A16",
+    method: str = "gptq",
+    group_size: int = 128,
+    ignore: list[str] | None = None,
+    dataset: str | os.PathLike[str] | None = None,
+    num_samples: int = 256,
+    max_seq_len: int = 2048,
+    seed: int = 0,
+    dampening: float = 0.01,
+    block_size: int = 128,
+    actorder: str | None = "static",
+    device: str = "auto",
+    dtype: str = "auto",
+    progress: bool = True,
+) -> QuantizeReport:
+    """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
+
+    `ignore`: module names or `re:` patterns (matched at the start of the dotted name) kept
+    unquantized; the LM head is never quantized. `dtype`: what the checkpoint stores (scales,
+    unquantized tensors); "auto" takes the model's dtype (bfloat16 when it has none).
+    """
+    start = time.perf_counter()
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
+    if scheme.upper() not in SCHEMES:
+        raise ValueError(f"scheme {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
+    if actorder in ("none", "None", ""):
+        actorder = None
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an integer, got {group_size!r}")
+    if not 0 <= dampening < 1:
+        raise ValueError(f"dampening must be in [0, 1), got {dampening}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    # Act-order changes the order GPTQ visits columns; RTN has no order.
+    args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
+    ignore = list(ignore if ignore is not None else ["lm_head"])
+    if method == "gptq" and dataset is None:
+        raise ValueError("GPTQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")
+
+    source = resolve_model(model)
+    hf_config = load_hf_config(source)
+    architectures = architectures_of(hf_config)
+    arch = architectures[0] if architectures else getattr(hf_config, "model_type", "?")
+    if arch not in QUANTIZABLE_ARCHITECTURES:
+        raise ValueError(
+            f"architecture {arch} cannot be quantized yet; supported: "
+            f"{', '.join(QUANTIZABLE_ARCHITECTURES)}"
+        )
+    if quantization_config(hf_config) is not None:
+        raise ValueError(f"{source.path} is already quantized (it has a quantization_config)")
+    dev = _device(device)
+    storage_dtype = _storage_dtype(dtype, hf_config)
+    # CPU kernels for half types are slow: calibrate in float32 there.
+    compute_dtype = torch.float32 if dev.type == "cpu" else storage_dtype
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    model_config = ModelConfig(
+        model=source.path,
+        hf_config=hf_config,
+        dtype=str(compute_dtype).removeprefix("torch."),
+        max_model_len=getattr(text_config, "max_position_embeddings", None) or 4096,
+        load_format="gguf" if source.kind == "gguf" else "safetensors",
+        gguf_file=source.path if source.kind == "gguf" else None,
+    )
+    model_cls = get_model_class(architectures)
+    with _default_dtype(compute_dtype), torch.device("meta"):
+        skeleton = model_cls(hf_config)
+    check_group_size(skeleton, args, ignore)
+    for i in range(len(skeleton.model.layers)):
+        for t in layer_targets(skeleton, i, ignore):
+            if len(set(t.quantized)) > 1:
+                raise ValueError(
+                    f"--ignore keeps only some of {', '.join(t.hf_names)} unquantized; pagoda "
+                    "serves them as one fused layer, so ignore all of them or none"
+                )
+
+    tokenizer = load_tokenizer(source)
+    samples: list[torch.Tensor] = []
+    num_tokens = 0
+    if dataset is not None:
+        if tokenizer is None:
+            raise ValueError(f"{source.path} has no tokenizer to read the calibration data")
+        data = load_calibration_data(dataset, tokenizer, num_samples, max_seq_len, seed)
+        samples, num_tokens = data.samples, data.num_tokens
+    weights = WeightSource.from_model_config(model_config)
+
+    report = QuantizeReport(
+        method=method, scheme=scheme.upper(), group_size=group_size,
+        num_samples=len(samples), num_tokens=num_tokens, device=str(dev),
+    )
+    options = PipelineOptions(
+        method=method, block_size=block_size, dampening=dampening, device=dev,
+        compute_dtype=compute_dtype, storage_dtype=storage_dtype, progress=progress,
+    )
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    with staged_directory(out_dir) as tmp:
+        compressed = quantize_layers(skeleton, weights, samples, args, ignore, options, report)
+        quantized_modules = {name.rsplit(".", 1)[0] for name in compressed}
+        state: dict[str, torch.Tensor] = {}
+        for name in weights.names():
+            if name.endswith(_SKIPPED) or (tied and name.startswith("lm_head.")):
+                continue
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight" and module in quantized_modules:
+                continue
+            tensor = weights.get(name)
+            state[name] = tensor.to(storage_dtype) if tensor.is_floating_point() else tensor
+        state.update(compressed)
+        save_safetensors(state, tmp)
+        write_config(hf_config, make_quant_config(args, ignore), tmp, storage_dtype)
+        if source.kind == "hf_dir":
+            copy_model_files(source.path, tmp)
+        if tokenizer is not None and not (tmp / "tokenizer_config.json").exists():
+            tokenizer.save_pretrained(str(tmp))  # GGUF sources have no tokenizer files
+        report.seconds = time.perf_counter() - start
+        (Path(tmp) / "quantization_report.json").write_text(
+            json.dumps(report.to_dict(), indent=2) + "\n"
+        )
+    return report

@@ -1,0 +1,87 @@
+"""`pagoda quantize MODEL --out DIR ...` and `pagoda eval perplexity MODEL --text FILE`.
+
+Discovered by `pagoda.entrypoints.cli` through `register(subparsers)`. Mistakes (bad scheme,
+group size, calibration file, architecture) surface as ValueError and end as `error: ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _group_size(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"group size must be an integer, got {text!r}") from None
+
+
+def _cmd_quantize(ns: argparse.Namespace) -> int:
+    from pagoda.quant.api import quantize
+
+    report = quantize(
+        ns.model,
+        ns.out,
+        scheme=ns.scheme,
+        method=ns.method,
+        group_size=ns.group_size,
+        ignore=ns.ignore if ns.ignore is not None else ["lm_head"],
+        dataset=ns.dataset,
+        num_samples=ns.num_samples,
+        max_seq_len=ns.max_seq_len,
+        seed=ns.seed,
+        dampening=ns.dampening,
+        block_size=ns.block_size,
+        actorder=None if ns.actorder == "none" else ns.actorder,
+        device=ns.device,
+        dtype=ns.dtype,
+        progress=not ns.no_progress,
+    )
+    print(report.summary())
+    print(f"wrote {ns.out}")
+    if ns.report:
+        with open(ns.report, "w", encoding="utf-8") as f:
+            json.dump(report.to_dict(), f, indent=2)
+    return 0
+
+
+def _cmd_perplexity(ns: argparse.Namespace) -> int:
+    from pagoda.bench import perplexity
+
+    return perplexity.main(ns)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    q = sub.add_parser("quantize", help="quantize a model (GPTQ / RTN) to compressed-tensors")
+    q.add_argument("model", nargs="?", default=None,
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2)")
+    q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    q.add_argument("--scheme", default="W4A16", help="W4A16 | W4A16_ASYM | W8A16")
+    q.add_argument("--method", default="gptq", choices=["gptq", "rtn"])
+    q.add_argument("--group-size", type=_group_size, default=128, help="-1: per channel")
+    q.add_argument("--ignore", action="append", default=None,
+                   help="module kept unquantized: exact name or 're:' pattern matched at the "
+                        "start of the dotted name (repeatable; default: lm_head)")
+    q.add_argument("--dataset", default=None,
+                   help="calibration file: conversation .json, .jsonl (text/messages), or text")
+    q.add_argument("--num-samples", type=int, default=256)
+    q.add_argument("--max-seq-len", type=int, default=2048)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--dampening", type=float, default=0.01)
+    q.add_argument("--block-size", type=int, default=128)
+    q.add_argument("--actorder", default="static", choices=["static", "none"])
+    q.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    q.add_argument("--dtype", default="auto",
+                   help="stored dtype of scales and unquantized tensors (auto: the model's)")
+    q.add_argument("--report", default=None, help="also write the report JSON here")
+    q.add_argument("--no-progress", action="store_true")
+    q.set_defaults(func=_cmd_quantize)
+
+    from pagoda.bench import perplexity
+
+    ev = sub.add_parser("eval", help="evaluate a model (perplexity)")
+    ev_sub = ev.add_subparsers(dest="eval", required=True)
+    ppl = ev_sub.add_parser("perplexity", help="perplexity on a text file")
+    perplexity.add_arguments(ppl)
+    ppl.set_defaults(func=_cmd_perplexity)

@@ -1,0 +1,1 @@
+"""Checkpoint formats: compressed-tensors (pack-quantized write/read, naive read), legacy GPTQ."""

@@ -1,0 +1,49 @@
+"""Legacy GPTQ checkpoints (AutoGPTQ / GPTQModel, `quant_method: gptq`): read, and pack for tests.
+
+Per module: `qweight` int32 [in / f, out] (unsigned codes packed along the input dim), `qzeros`
+int32 [groups, out / f] (packed along the output dim), `scales` [groups, out], `g_idx` int32
+[in]. Format v1 (`checkpoint_format: gptq`, the default) stores zero - 1, the AutoGPTQ
+off-by-one: w = s * (u - (z + 1)); v2 stores z itself. Serving goes through `WNA16LinearMethod`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.kernels.wna16 import pack_to_int32, unpack_from_int32
+from pagoda.quant.rtn import QuantizedWeight
+
+
+def unpack_gptq(
+    tensors: dict[str, torch.Tensor], num_bits: int, group_size: int, version: str = "gptq"
+) -> tuple[QuantizedWeight, torch.Tensor]:
+    """(QuantizedWeight with signed codes, g_idx [in]) of one legacy GPTQ module."""
+    offset = 1 << (num_bits - 1)
+    scales = tensors["scales"]  # [groups, out]
+    out_features = scales.shape[1]
+    g_idx = tensors["g_idx"].to(torch.int64)
+    in_features = g_idx.numel()
+    # unpack subtracts the offset: signed code q = u - offset.
+    q = unpack_from_int32(tensors["qweight"], num_bits, in_features, 0).t()  # [out, in]
+    z = unpack_from_int32(tensors["qzeros"], num_bits, out_features, 1).t().to(torch.int16)
+    zero = z + 1 if version == "gptq" else z  # signed zero point (u-space zero - offset)
+    qw = QuantizedWeight(q.contiguous(), scales.t().contiguous(), zero.contiguous(), group_size)
+    del offset
+    return qw, g_idx
+
+
+def pack_gptq(
+    qw: QuantizedWeight, g_idx: torch.Tensor, num_bits: int, version: str = "gptq"
+) -> dict[str, torch.Tensor]:
+    """Legacy GPTQ tensors of a QuantizedWeight (symmetric weights get the midpoint zero)."""
+    out_features, _ = qw.qweight.shape
+    zero = qw.zero_point
+    if zero is None:
+        zero = torch.zeros_like(qw.scale, dtype=torch.int16)
+    stored = zero.to(torch.int16) - (1 if version == "gptq" else 0)
+    return {
+        "qweight": pack_to_int32(qw.qweight.t().contiguous(), num_bits, packed_dim=0),
+        "qzeros": pack_to_int32(stored.t().contiguous().to(torch.int8), num_bits, packed_dim=1),
+        "scales": qw.scale.t().contiguous(),
+        "g_idx": g_idx.to(torch.int32),
+    }

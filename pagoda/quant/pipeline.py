@@ -1,0 +1,382 @@
+"""Sequential layer-by-layer calibration: the model is never whole in device memory.
+
+pagoda's own model is built on the meta device; the embeddings of every calibration sample
+are captured once; then per decoder layer: its weights alone are loaded onto the device, a
+pass accumulates one Hessian per linear input (q/k/v share one, gate/up share one), each
+projection is quantized (GPTQ or RTN), a second pass through the quantized layer produces
+the next layer's inputs, and the layer goes back to meta. Quantized tensors wait on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.layers.linear import LinearBase
+from pagoda.layers.quantized_linear import WeightQuantArgs
+from pagoda.layers.rotary import get_rope
+from pagoda.quant.formats.compressed_tensors import compress
+from pagoda.quant.gptq import HessianAccumulator, gptq_quantize
+from pagoda.quant.rtn import QuantizedWeight, hessian_weighted_error, rtn_quantize
+
+# Architectures whose decoder layers the pipeline knows how to run (the Llama skeleton).
+QUANTIZABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+METHODS = ("gptq", "rtn")
+_CANDIDATE_GROUPS = (32, 64, 128, 256)
+
+
+# ---------------------------------------------------------------- weights by name
+
+
+class WeightSource:
+    """Checkpoint tensors by HF name, read when asked (safetensors) or held (GGUF)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor] | None = None,
+                 files: dict[str, Path] | None = None) -> None:
+        self._tensors = tensors or {}
+        self._files = files or {}
+
+    @classmethod
+    def from_model_config(cls, model_config: Any) -> WeightSource:
+        from pagoda.models.loader import _safetensors_files, iter_gguf_weights
+
+        if model_config.gguf_file:
+            return cls(tensors=dict(iter_gguf_weights(model_config)))
+        from safetensors import safe_open
+
+        files = {}
+        for file in _safetensors_files(Path(model_config.model)):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    files[name] = file
+        return cls(files=files)
+
+    def names(self) -> list[str]:
+        return sorted(set(self._tensors) | set(self._files))
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self._tensors:
+            return self._tensors[name]
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def with_prefix(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.names():
+            if name.startswith(prefix):
+                yield name, self.get(name)
+
+
+# ---------------------------------------------------------------- which modules
+
+
+def matches_ignore(name: str, patterns: list[str]) -> bool:
+    """llmcompressor's rule: `re:` patterns match at the start of the dotted name, else exact."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif name == pattern:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class TargetLinear:
+    """One pagoda linear layer of a decoder layer and the HF modules stored in it."""
+
+    attr: str  # path inside the decoder layer, e.g. "self_attn.qkv_proj"
+    hf_names: list[str]  # full HF names of its output shards, in order
+    quantized: list[bool]  # per shard: quantized (else kept dense: --ignore)
+
+
+def layer_targets(model: nn.Module, layer_index: int, ignore: list[str]) -> list[TargetLinear]:
+    prefix = f"model.layers.{layer_index}"
+    layer = model.model.layers[layer_index]
+    mapping = model.packed_modules_mapping
+    targets = []
+    for attr, module in layer.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        parent, _, leaf = attr.rpartition(".")
+        base = f"{prefix}.{parent}" if parent else prefix
+        hf_names = [f"{base}.{h}" for h in mapping.get(leaf, [leaf])]
+        targets.append(
+            TargetLinear(attr, hf_names, [not matches_ignore(n, ignore) for n in hf_names])
+        )
+    return targets
+
+
+def check_group_size(model: nn.Module, args: WeightQuantArgs, ignore: list[str]) -> None:
+    """One error naming every layer whose input size the group size does not divide."""
+    if args.group_size == -1:
+        return
+    bad: dict[int, list[str]] = {}
+    for i in range(len(model.model.layers)):
+        for t in layer_targets(model, i, ignore):
+            module = model.model.layers[i].get_submodule(t.attr)
+            if any(t.quantized) and module.in_features % args.group_size:
+                bad.setdefault(module.in_features, []).extend(
+                    n for n, q in zip(t.hf_names, t.quantized) if q
+                )
+    if not bad:
+        return
+    sizes = list(bad)
+    working = [g for g in _CANDIDATE_GROUPS if all(s % g == 0 for s in sizes)]
+    names = [n for ns in bad.values() for n in ns]
+    described = []
+    patterns = []
+    for size, ns in bad.items():
+        for p in sorted({re.sub(r"\.layers\.\d+\.", ".layers.*.", n) for n in ns}):
+            described.append(f"{p} (in_features {size})")
+            patterns.append(p)
+    suggestion = (
+        f"use --group-size {' or '.join(str(g) for g in working)} or -1 (per channel)"
+        if working
+        else "use --group-size -1 (per channel)"
+    )
+    ignore_hint = " ".join(
+        "--ignore 're:" + re.escape(p).replace("\\*", "\\d+") + "'" for p in patterns
+    )
+    raise ValueError(
+        f"group size {args.group_size} does not divide the input size of {len(names)} layers: "
+        f"{', '.join(described)}; {suggestion}, or keep them unquantized with {ignore_hint}"
+    )
+
+
+# ---------------------------------------------------------------- report
+
+
+@dataclass
+class ModuleReport:
+    name: str
+    shape: tuple[int, int]  # (out, in)
+    relative_error: float  # tr(ΔW H ΔWᵀ) / tr(W H Wᵀ): the layer-output error on calibration data
+    loss: float | None  # GPTQ's own loss (None for RTN)
+    seconds: float
+
+
+@dataclass
+class LayerReport:
+    index: int
+    seconds: float
+    modules: list[ModuleReport] = field(default_factory=list)
+
+
+@dataclass
+class QuantizeReport:
+    method: str
+    scheme: str
+    group_size: int
+    num_samples: int
+    num_tokens: int
+    device: str
+    layers: list[LayerReport] = field(default_factory=list)
+    seconds: float = 0.0
+    rtn_fallbacks: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        lines = [
+            f"{self.method} {self.scheme} group {self.group_size}: {len(self.layers)} layers, "
+            f"{self.num_samples} samples / {self.num_tokens} tokens, {self.seconds:.1f} s on "
+            f"{self.device}",
+            f"{'layer':>5} {'seconds':>8} {'worst module':<40} {'rel. error':>10}",
+        ]
+        for layer in self.layers:
+            worst = max(layer.modules, key=lambda m: m.relative_error, default=None)
+            if worst is None:
+                lines.append(f"{layer.index:>5} {layer.seconds:>8.2f} {'-':<40}")
+                continue
+            short = worst.name.split(f"layers.{layer.index}.", 1)[-1]
+            lines.append(
+                f"{layer.index:>5} {layer.seconds:>8.2f} {short:<40} {worst.relative_error:>10.4g}"
+            )
+        if self.rtn_fallbacks:
+            lines.append(f"RTN fallback (Hessian not factorisable): {', '.join(self.rtn_fallbacks)}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the pipeline
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    method: str = "gptq"
+    block_size: int = 128
+    dampening: float = 0.01
+    device: torch.device = torch.device("cpu")
+    compute_dtype: torch.dtype = torch.float32  # forward passes
+    storage_dtype: torch.dtype = torch.bfloat16  # scales written to the checkpoint
+    progress: bool = True
+
+
+def _load_layer(model: nn.Module, layer: nn.Module, index: int, source: WeightSource,
+                device: torch.device, dtype: torch.dtype) -> None:
+    """Materialise one decoder layer on `device` and fill it from the checkpoint."""
+    # Moving off meta makes new Parameter objects: carry over the loader tags (weight_loader,
+    # output_dim, output_pack_factor) the fused layers put on them.
+    tags = {name: {k: v for k, v in vars(p).items()} for name, p in layer.named_parameters()}
+    layer.to_empty(device=device)
+    for name, p in layer.named_parameters():
+        for key, value in tags[name].items():
+            setattr(p, key, value)
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    prefix = f"model.layers.{index}."
+    seen = set()
+    for name, tensor in source.with_prefix(prefix):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        param_name, shard = model._param_name_and_shard(name)
+        param = params.get(param_name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name} matches no parameter of layer {index}")
+        tensor = tensor.to(device=device, dtype=param.dtype)
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            param.data.copy_(tensor)
+        elif shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        seen.add(param_name)
+    missing = [n for n in params if n.startswith(prefix) and n not in seen]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights of layer {index}: {', '.join(missing)}")
+
+
+def _run_layer(layer: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sample through one decoder layer; returns hidden + residual, the next input."""
+    outputs = []
+    for hidden in inputs:
+        positions = torch.arange(hidden.shape[0], device=hidden.device)
+        out, residual = layer(positions, hidden, None, None)
+        outputs.append(out + residual)
+    return outputs
+
+
+def quantize_layers(
+    model: nn.Module,
+    source: WeightSource,
+    samples: list[torch.Tensor],
+    args: WeightQuantArgs,
+    ignore: list[str],
+    options: PipelineOptions,
+    report: QuantizeReport,
+    on_layer: Callable[[int], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Quantize every decoder layer of `model` (built on meta); returns the compressed tensors."""
+    from tqdm import tqdm
+
+    device, dtype = options.device, options.compute_dtype
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    with torch.device(device):
+        rope = get_rope(config, head_dim)
+    embed = source.get("model.embed_tokens.weight").to(device=device, dtype=dtype)
+    # Inputs of layer 0, captured once: the embeddings of every sample.
+    hidden_states = [embed[ids.to(device)] for ids in samples]  # each [T, hidden]
+    del embed
+    compressed: dict[str, torch.Tensor] = {}
+    layers = model.model.layers
+    bar = tqdm(range(len(layers)), desc=f"{options.method} layers", disable=not options.progress)
+    for index in bar:
+        start = time.perf_counter()
+        layer = layers[index]
+        _load_layer(model, layer, index, source, device, dtype)
+        layer.self_attn.rotary_emb = rope  # after to_empty, which would wipe its tables
+        targets = [t for t in layer_targets(model, index, ignore) if any(t.quantized)]
+        layer_report = LayerReport(index, 0.0)
+
+        hessians: dict[str, HessianAccumulator] = {}
+        handles = []
+        # RTN needs no Hessian itself, but the report's error is Hessian-weighted; without
+        # calibration samples (RTN only) H = I and the error is the plain weight error.
+        if samples:
+            for t in targets:
+                module = layer.get_submodule(t.attr)
+                acc = HessianAccumulator(module.in_features, device)
+                hessians[t.attr] = acc
+                handles.append(module.register_forward_pre_hook(
+                    lambda _m, inp, acc=acc: acc.add(inp[0])
+                ))
+            with torch.no_grad():
+                _run_layer(layer, hidden_states)
+            for h in handles:
+                h.remove()
+
+        for t in targets:
+            module = layer.get_submodule(t.attr)
+            t0 = time.perf_counter()
+            weight = module.weight.data  # [sum(out), in]
+            hessian = (hessians[t.attr].hessian if t.attr in hessians
+                       else torch.eye(module.in_features, device=device))
+            sizes = module.out_features_per_shard
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            rows = torch.cat([torch.arange(o, o + s, device=device)
+                              for o, s, q in zip(offsets, sizes, t.quantized) if q])
+            w = weight[rows].to(torch.float32)
+            # Rows are independent given H: q/k/v (or gate/up) are quantized in one call and
+            # stored as the separate HF modules the checkpoint format expects.
+            loss = None
+            if options.method == "gptq":
+                result = gptq_quantize(w, hessian, args, options.block_size, options.dampening,
+                                       options.storage_dtype)
+                qw, deq, loss = result.quantized, result.dequantized, result.loss
+                if result.used_rtn_fallback:
+                    report.rtn_fallbacks.append(f"model.layers.{index}.{t.attr}")
+            else:
+                qw = rtn_quantize(w, args, options.storage_dtype)
+                deq = qw.dequantize(torch.float32)
+            weight[rows] = deq.to(weight.dtype)  # the quantized layer feeds the next one
+            seconds = time.perf_counter() - t0
+            row = 0
+            for name, size, q in zip(t.hf_names, sizes, t.quantized):
+                if not q:
+                    continue
+                part = QuantizedWeight(
+                    qw.qweight[row : row + size],
+                    qw.scale[row : row + size],
+                    None if qw.zero_point is None else qw.zero_point[row : row + size],
+                    qw.group_size,
+                )
+                denom = hessian_weighted_error(w[row : row + size],
+                                               torch.zeros_like(w[row : row + size]), hessian)
+                err = hessian_weighted_error(w[row : row + size], deq[row : row + size], hessian)
+                for key, tensor in compress(part, args, options.storage_dtype).items():
+                    compressed[f"{name}.{key}"] = tensor.cpu()
+                layer_report.modules.append(ModuleReport(
+                    name, (size, w.shape[1]), err / max(denom, 1e-30),
+                    None if loss is None else loss * size / w.shape[0], seconds * size / w.shape[0],
+                ))
+                row += size
+        del hessians
+        if samples:
+            with torch.no_grad():
+                hidden_states = _run_layer(layer, hidden_states)
+        layer.self_attn.rotary_emb = None  # shared: must not follow the layer to meta
+        layer.to("meta")  # offload: only one layer is ever materialised
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        layer_report.seconds = time.perf_counter() - start
+        report.layers.append(layer_report)
+        worst = max((m.relative_error for m in layer_report.modules), default=0.0)
+        bar.set_postfix(layer=index, err=f"{worst:.3g}")
+        if on_layer is not None:
+            on_layer(index)
+    if not math.isfinite(sum(m.relative_error for lr in report.layers for m in lr.modules)):
+        raise ValueError("quantization produced non-finite errors; check the model's weights")
+    return compressed

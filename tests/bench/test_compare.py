@@ -1,0 +1,258 @@
+"""`pagoda compare` on CPU: two tiny models end to end, plus its parts and bad input.
+
+The end-to-end run (two sizes of a tiny Llama with a word-level tokenizer) spawns one worker
+process per configuration, as the command does for real; the transformers baseline worker and
+everything else run in-process to keep the file fast on two cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda.bench import compare, compare_report, compare_worker
+from pagoda.entrypoints import cli
+from tests.helpers import save_tiny_model
+
+WORDS = "the quick brown fox jumps over a lazy dog while cats sleep in warm sun".split()  # noqa: SIM905
+
+
+def _save_word_tokenizer(path: Path, vocab_size: int = 384) -> None:
+    """A whitespace word-level tokenizer whose ids fit the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({w: i + 3 for i, w in enumerate(WORDS)})
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
+
+
+def _text(n_words: int = 700) -> str:
+    rng = random.Random(0)
+    pool = WORDS + [f"w{i}" for i in range(20, 120)]
+    return " ".join(rng.choice(pool) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("compare")
+    small = save_tiny_model("llama", root / "small")
+    large = save_tiny_model("llama", root / "large", hidden_size=128, intermediate_size=256)
+    for m in (small, large):
+        _save_word_tokenizer(m)
+    text = root / "text.txt"
+    text.write_text(_text(), encoding="utf-8")
+    return small, large, text
+
+
+@pytest.fixture(scope="module")
+def run(models, tmp_path_factory):
+    """One `pagoda compare` run: small vs large, with perplexity."""
+    small, large, text = models
+    out = tmp_path_factory.mktemp("report")
+    argv = [
+        "compare", str(small), str(large), "--labels", "small,large", "--device", "cpu",
+        "--max-model-len", "128", "--prompt-len", "16", "--output-len", "8",
+        "--batch-sizes", "2,1", "--iters", "1", "--throughput-requests", "2",
+        "--ppl-text", str(text), "--ppl-window", "64", "--cpu-threads", "1", "--out", str(out),
+    ]  # fmt: skip
+    return argv, out
+
+
+@pytest.fixture(scope="module")
+def result(run):
+    argv, out = run
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = cli.main(argv)
+    return rc, (stdout.getvalue(), stderr.getvalue()), out
+
+
+def test_table_on_stdout_and_report_md(result):
+    rc, (stdout, stderr), out = result
+    assert rc == 0, stderr[-3000:]
+    header = next(line for line in stdout.splitlines() if line.startswith("| metric |"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "metric", "small", "large"
+    ]  # fmt: skip
+    for row in ("weights (GiB)", "KV cache available (GiB)", "KV cache capacity (tokens)",
+                "max concurrency at max_model_len=128", "weights load time (s)",
+                "peak host RSS (GiB)", "TTFT p50, prompt 16 (ms)", "decode tok/s, batch 1",
+                "decode tok/s, batch 2", "throughput, 2 requests (output tok/s)",
+                "perplexity (64-token windows)"):  # fmt: skip
+        assert f"| {row} |" in stdout, row
+    # GPU-only rows are left out on CPU rather than filled with dashes
+    assert "CUDA-graph" not in stdout and "peak GPU memory" not in stdout
+    md = (out / "report.md").read_text()
+    assert header in md and "![decode_tok_s](decode_tok_s.png)" in md
+    # progress: which configuration, which phase
+    for phase in ("[1/2] small", "[2/2] large", "TTFT",
+                  "decode batch 2", "throughput", "perplexity", "done in"):  # fmt: skip
+        assert phase in stderr, phase
+
+
+def test_report_json_fields_and_ratios(result, models):
+    _, _, out = result
+    report = json.loads((out / "report.json").read_text())
+    assert report["benchmark"] == "compare" and report["reference"] == "small"
+    assert report["settings"]["batch_sizes"] == [1, 2]  # sorted
+    configs = {c["label"]: c for c in report["configs"]}
+    assert list(configs) == ["small", "large"]
+    assert all(c["status"] == "ok" for c in configs.values())
+    small, large = configs["small"], configs["large"]
+    for key in ("weights_gib", "kv_cache_gib", "kv_tokens", "max_concurrency", "load_s",
+                "startup_s", "peak_rss_gib", "ttft_ms", "decode_tok_s@1", "decode_tok_s@2",
+                "throughput_tok_s", "ppl"):  # fmt: skip
+        assert small["values"][key] is not None and large["values"][key] is not None, key
+        assert large["ratios"][key] == pytest.approx(large["values"][key] / small["values"][key])
+        assert small["ratios"][key] == pytest.approx(1.0)
+    assert small["values"]["cuda_graph_s"] is None  # no graphs on CPU
+    # weights: exactly the parameter bytes (fp32), and the ratio follows the parameter count
+    params = {}
+    for name, path in (("small", models[0]), ("large", models[1])):
+        from safetensors.torch import load_file
+
+        params[name] = sum(t.numel() for t in load_file(path / "model.safetensors").values())
+    ratio = large["values"]["weights_gib"] / small["values"]["weights_gib"]
+    assert ratio == pytest.approx(params["large"] / params["small"], rel=0.05)
+    # KV: hidden 128 has twice the head_dim, so a token takes twice the bytes
+    per_token = [c["values"]["kv_cache_gib"] / c["values"]["kv_tokens"] for c in (small, large)]
+    assert per_token[1] / per_token[0] == pytest.approx(2.0, rel=0.01)
+    r = small["result"]
+    assert r["kv_tokens"] == r["memory_report"]["kv_token_capacity"]
+    assert r["max_concurrency"] == pytest.approx(r["kv_tokens"] / 128)
+    assert r["perplexity"]["windows"] == large["result"]["perplexity"]["windows"] >= 2
+    assert 1.0 < r["ppl"] < 2 * 384  # a random model: near-uniform over the vocabulary
+
+
+def test_transformers_baseline(models, result):
+    """The baseline worker: speed, TTFT and weights of the same shape; one per model."""
+    small, large, _ = models
+    job = compare_worker.CompareJob(
+        label="hf", model=str(small), engine="transformers", device="cpu", max_model_len=128,
+        prompt_len=16, output_len=8, batch_sizes=(1, 2), iters=1, throughput_requests=0,
+    )  # fmt: skip
+    r = compare_worker.run_transformers(job)
+    assert r["engine"] == "transformers" and r["dtype"] == "float32"
+    assert r["decode_tok_s"]["2"] > 0 and r["ttft_ms"] > 0 and r["peak_rss_gib"] > 0
+    report = json.loads((result[2] / "report.json").read_text())
+    ours = report["configs"][0]["values"]["weights_gib"]
+    assert r["weights_gib"] == pytest.approx(ours, rel=0.1)  # same parameters, same dtype
+    ns = cli.build_parser().parse_args(
+        ["compare", str(small), f"config:{small / 'config.json'}:w4a16", str(large),
+         "--baseline", "transformers"]
+    )  # fmt: skip
+    jobs, _ = compare.build_jobs(ns)
+    baselines = [j for j in jobs if j.engine == "transformers"]
+    # the quantized spec shares its base model's baseline; the other model gets its own
+    assert [j.model for j in baselines] == [str(small), str(large)]
+    assert len({j.label for j in jobs}) == len(jobs)
+
+
+def test_plots_exist_and_are_not_blank(result):
+    import matplotlib.image
+
+    _, _, out = result
+    for name in ("decode_tok_s.png", "memory_split.png", "kv_tokens.png"):
+        path = out / name
+        assert path.stat().st_size > 15_000, name
+        img = matplotlib.image.imread(path)
+        assert img.shape[0] >= 500 and img.shape[1] >= 700, (name, img.shape)
+        assert float(img[..., :3].std()) > 0.05, name  # not a blank canvas
+
+
+def test_bad_input_is_one_error_line(models, capsys):
+    small, _, _ = models
+    cases = [
+        (["compare", "/no/such/model"], "not found"),
+        (["compare", str(small), "--batch-sizes", "1,x"], "--batch-sizes"),
+        (["compare", str(small), "--batch-sizes", "0"], "positive integers"),
+        (["compare", str(small), "--dtype", "float32,bfloat16"], "2 values for 1"),
+        (["compare", str(small), "--ppl-text", "/no/such.txt"], "--ppl-text"),
+        (["compare", str(small), "--prompt-len", "4000", "--max-model-len", "128"],
+         "exceeds --max-model-len"),
+        (["compare", str(small), "--gpu-memory-utilization", "1.5"], "(0, 1]"),
+    ]  # fmt: skip
+    for argv, expected in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], (argv, err)
+
+
+def test_parse_batch_sizes():
+    assert compare.parse_batch_sizes("64, 1,8") == (1, 8, 64)
+    for bad in ("", "1,,x", "-1", "1,1"):
+        with pytest.raises(ValueError, match="--batch-sizes"):
+            compare.parse_batch_sizes(bad)
+
+
+def test_failed_configuration_is_reported_not_fatal():
+    jobs = [compare_worker.CompareJob(label="a", model="m"),
+            compare_worker.CompareJob(label="b", model="m")]  # fmt: skip
+    settings = {"max_model_len": 64, "prompt_len": 8, "batch_sizes": [1], "device": "cpu",
+                "throughput_requests": 0, "ppl_text": None, "ppl_window": 64,
+                "gpu_memory_utilization": 0.85, "max_num_seqs": 4, "output_len": 4,
+                "iters": 1}  # fmt: skip
+    ok = {"weights_gib": 1.0, "decode_tok_s": {"1": 10.0}, "device": "cpu", "notes": []}
+    report = compare.build_report(jobs, [(None, "ValueError: boom"), (ok, None)], settings,
+                                  "pagoda compare m m")  # fmt: skip
+    assert report["reference"] == "b"  # the first configuration that ran
+    assert [c["status"] for c in report["configs"]] == ["failed", "ok"]
+    md = compare_report.render_markdown(report)
+    assert "**a** failed: ValueError: boom" in md and "| metric | b |" in md
+
+
+def test_perplexity_windows():
+    ids = list(range(10))
+    assert compare_worker.perplexity_windows(ids, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert compare_worker.perplexity_windows(ids, 16) == [ids]
+    with pytest.raises(ValueError, match="at least 2"):
+        compare_worker.perplexity_windows([5], 4)
+
+
+def test_engine_perplexity_matches_transformers(models):
+    """The worker's perplexity through pagoda's model equals transformers' loss."""
+    from transformers import AutoModelForCausalLM
+
+    from pagoda import LLM
+
+    small, _, _ = models
+    llm = LLM(str(small), max_model_len=128, print_memory_report=False, skip_tokenizer_init=True)
+    rng = random.Random(1)
+    windows = [[rng.randrange(384) for _ in range(40)] for _ in range(3)]
+    got = compare_worker.engine_perplexity(llm.llm_engine.core.runner.model, windows, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(small, dtype=torch.float32).eval()
+    with torch.no_grad():
+        losses = [hf(torch.tensor([w]), labels=torch.tensor([w])).loss.item() for w in windows]
+    assert got["tokens"] == 3 * 39 and got["windows"] == 3
+    assert got["ppl"] == pytest.approx(math.exp(sum(losses) / 3), rel=1e-4)
+
+
+def test_quantized_spec_never_reported_unquantized(models):
+    """`config:...:w4a16` either loads quantized layers or fails; never a silent bf16 row."""
+    from pagoda import LLM
+
+    small, _, _ = models
+    try:
+        llm = LLM(f"config:{small / 'config.json'}:w4a16", max_model_len=64,
+                  print_memory_report=False)  # fmt: skip
+    except (NotImplementedError, ValueError):
+        return  # quantized loading refused outright: fine
+    try:
+        info = compare_worker._check_quantization(llm)
+    except ValueError as e:
+        assert "unquantized" in str(e)
+        return
+    assert info["quantization"] == "w4a16" and info["quantized_linear_layers"] > 0

@@ -1,0 +1,101 @@
+"""`pagoda bench serve` against the live loopback server: a small run, table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from pagoda.bench import serve as bench_serve
+
+
+def _parse(args: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_serve.add_arguments(parser)
+    return parser.parse_args(args)
+
+
+@pytest.mark.parametrize("mode", [["--concurrency", "4"], ["--request-rate", "20"]])
+def test_bench_serve_small_run(server, tmp_path, capsys, mode):
+    out = tmp_path / "serve.json"
+    ns = _parse(
+        [
+            "--url",
+            server.url,
+            "--api-key",
+            server.api_key,
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "16",
+            "--output-len",
+            "6",
+            "--out",
+            str(out),
+            *mode,
+        ]
+    )
+    assert bench_serve.main(ns) == 0
+    table = capsys.readouterr().out
+    assert "TTFT" in table and "req/s" in table
+    result = json.loads(out.read_text())
+    assert result["completed"] == 8 and result["errors"] == 0
+    assert result["config"]["model"] == server.model
+    assert result["total_output_tokens"] == 8 * 6
+    assert result["total_input_tokens"] >= 8 * 16
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert result[key]["p50"] > 0 and result[key]["p99"] >= result[key]["p50"]
+    assert result["request_throughput"] > 0 and result["output_throughput"] > 0
+
+
+def test_bench_serve_chat_and_prompts_file(server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Say hi."}\n{"prompt": "Name a fruit."}\n')
+    ns = _parse(
+        [
+            "--url",
+            server.url + "/v1",
+            "--api-key",
+            server.api_key,
+            "--endpoint",
+            "chat",
+            "--num-prompts",
+            "3",
+            "--prompts-file",
+            str(prompts),
+            "--output-len",
+            "4",
+        ]
+    )
+    result = asyncio.run(bench_serve.run_benchmark(ns))
+    assert result["completed"] == 3 and result["errors"] == 0
+    assert result["config"]["endpoint"] == "chat" and result["total_output_tokens"] == 3 * 4
+
+
+def test_bench_serve_counts_errors(server):
+    ns = _parse(
+        [
+            "--url",
+            server.url,
+            "--api-key",
+            "wrong",
+            "--model",
+            "m",
+            "--num-prompts",
+            "2",
+            "--output-len",
+            "2",
+        ]
+    )
+    result = asyncio.run(bench_serve.run_benchmark(ns))
+    assert result["completed"] == 0 and result["errors"] == 2
+    assert "401" in result["error_examples"][0]
+
+
+def test_bench_serve_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="num-prompts"):
+        bench_serve.main(_parse(["--num-prompts", "0"]))
+    with pytest.raises(ValueError, match="url"):
+        bench_serve.main(_parse(["--url", "ftp://x"]))
