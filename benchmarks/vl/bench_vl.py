@@ -100,19 +100,24 @@ def bench_pagoda(args: argparse.Namespace, model: str, label: str) -> dict[str, 
         "kv_cache_gib": report.kv_cache_bytes / 2**30,
         "images_encoded": encoder_runner.num_encoded,
     }
-    del llm
+    llm = None  # the closure above holds the name: release the engine before the next one
     free_device_memory()
     return result
 
 
 def bench_transformers(args: argparse.Namespace, hf_config: Any) -> dict[str, Any]:
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        AutoTokenizer,
+        LogitsProcessor,
+        LogitsProcessorList,
+        Qwen2_5_VLForConditionalGeneration,
+    )
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    from pagoda.multimodal.image_loader import ImageLoader
     from pagoda.config import MultiModalConfig
+    from pagoda.multimodal.image_loader import ImageLoader
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -126,8 +131,25 @@ def bench_transformers(args: argparse.Namespace, hf_config: Any) -> dict[str, An
     text = PROMPT.format(question=args.question)
     image_token = "<|image_pad|>"
 
-    def run(seed: int, max_new: int) -> tuple[float, int]:
-        torch.cuda.synchronize() if device.type == "cuda" else None
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    class Stamps(LogitsProcessor):
+        """Called once per generated token, right after its logits: token timestamps."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            sync()
+            self.times.append(time.perf_counter())
+            return scores
+
+    def run(seed: int, max_new: int) -> tuple[float, float, int]:
+        """(TTFT, decode seconds after the first token, tokens) of one generate call."""
+        stamps = Stamps()
+        sync()
         start = time.perf_counter()
         image = loader.load(_image(*args.size, seed))
         pixels = processor(images=[image])
@@ -146,19 +168,19 @@ def bench_transformers(args: argparse.Namespace, hf_config: Any) -> dict[str, An
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
+                logits_processor=LogitsProcessorList([stamps]),
             )
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        return time.perf_counter() - start, out.shape[1] - input_ids.shape[1]
+        t = stamps.times
+        return t[0] - start, t[-1] - t[0], out.shape[1] - input_ids.shape[1]
 
     for i in range(args.warmup):
-        run(10_000 + i, 2)
+        run(10_000 + i, 4)
     ttfts, rates = [], []
     for i in range(args.iters):
-        ttft, _ = run(i, 1)
-        total, n = run(i, args.output_len)
+        ttft, decode, n = run(i, args.output_len)
         ttfts.append(ttft)
-        rates.append((n - 1) / max(total - ttft, 1e-9))
-    del model
+        rates.append((n - 1) / decode)
+    model = None
     free_device_memory()
     return {
         "engine": "transformers",

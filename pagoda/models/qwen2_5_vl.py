@@ -206,9 +206,11 @@ class VisionAttention(nn.Module):
         q = (qf * cos + _rotate_half(qf) * sin).to(v.dtype)
         k = (kf * cos + _rotate_half(kf) * sin).to(v.dtype)
         if segments.index is None:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=self.scale
-            ).transpose(0, 1)  # [N, H, D]
+            # 4-D inputs: the fused (flash / memory-efficient) SDPA kernels take no others and
+            # the math fallback would materialize [H, N, N] scores for a large image.
+            qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, D]
+            out = F.scaled_dot_product_attention(qb, kb, vb, scale=self.scale)
+            out = out[0].transpose(0, 1)  # [N, H, D]
         else:
             index, valid = segments.index, segments.valid
             qp, kp, vp = (t[index].transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]

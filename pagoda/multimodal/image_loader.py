@@ -2,8 +2,8 @@
 
 Accepted: PIL images, encoded bytes, `data:` URLs (base64), local paths and `file://` URLs (only
 when the caller allows it: the offline API does, the server does not), and `http(s)://` URLs only
-when remote fetching is enabled, with a timeout and a byte limit. Every failure is a ValueError
-that says what was wrong with which input.
+when remote fetching is enabled, with a timeout and a byte limit. Decoded files are turned
+upright by their EXIF orientation. Every failure is a ValueError that says what was wrong.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class ImageLoader:
     # ------------------------------------------------------------------ decoding
 
     def _decode(self, data: bytes, what: str) -> Any:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image, ImageOps, UnidentifiedImageError
 
         if len(data) > self.max_bytes:
             raise ValueError(self._too_big(what, len(data)))
@@ -118,6 +118,9 @@ class ImageLoader:
             # The header gives the size: refuse huge images before decoding their pixels.
             self._check_pixels(*image.size)
             image.load()
+            # Camera photos store their rotation in EXIF: show the model what a viewer shows
+            # (as transformers' load_image does).
+            image = ImageOps.exif_transpose(image)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
         except Image.DecompressionBombError as e:

@@ -74,21 +74,24 @@ class EncoderRunner:
         """[T] token positions -> [T] (all axes equal) or [3, T] M-RoPE positions."""
         if all(r.mm_inputs is None for r in reqs):
             return positions  # text-only requests: M-RoPE is plain RoPE
-        out = np.broadcast_to(positions, (3, positions.shape[0])).copy()
+        num_new = [r.num_new_tokens for r in reqs]
+        deltas = [0 if r.mm_inputs is None else r.mm_inputs.mrope_delta for r in reqs]
+        flat = positions + np.repeat(deltas, num_new)  # right for every token past its prompt
+        out3: np.ndarray | None = None
         offset = 0
-        for r in reqs:
-            mm, n = r.mm_inputs, r.num_new_tokens
-            if mm is not None:
-                idx = positions[offset : offset + n]
-                prompt_len = mm.mrope_positions.shape[1]
-                prompt_pos = mm.mrope_positions[:, np.minimum(idx, prompt_len - 1)]  # [3, n]
-                out[:, offset : offset + n] = np.where(
-                    idx < prompt_len, prompt_pos, idx + mm.mrope_delta
-                )
+        for r, n in zip(reqs, num_new, strict=True):
+            mm, start = r.mm_inputs, r.num_computed_tokens
+            prompt_len = 0 if mm is None else mm.mrope_positions.shape[1]
+            if start < prompt_len:  # prompt tokens take their precomputed positions
+                k = min(n, prompt_len - start)
+                seg = mm.mrope_positions[:, start : start + k]  # [3, k]
+                if out3 is None and not ((seg[0] == seg[1]).all() and (seg[0] == seg[2]).all()):
+                    out3 = np.broadcast_to(flat, (3, flat.shape[0])).copy()  # image tokens
+                if out3 is not None:
+                    out3[:, offset : offset + k] = seg
+                flat[offset : offset + k] = seg[0]
             offset += n
-        if (out[0] == out[1]).all() and (out[0] == out[2]).all():
-            return np.ascontiguousarray(out[0])  # no image token in this step
-        return out
+        return flat if out3 is None else out3
 
     def inputs_embeds(
         self, reqs: Sequence[ScheduledRequest], input_ids: np.ndarray

@@ -225,9 +225,12 @@ def test_logits_match_transformers(model_type, tiny_vl, tmp_path):
     for name, keys in CASES.items():
         processed = processor.process_chat(_conversation(keys))
         ids = processed.prompt_token_ids
-        assert ids.count(IMAGE_TOKEN) == sum(
-            processed.mm_inputs.placeholders[i][1] for i in range(len(keys))
-        ) if keys else IMAGE_TOKEN not in ids
+        assert (
+            ids.count(IMAGE_TOKEN)
+            == sum(processed.mm_inputs.placeholders[i][1] for i in range(len(keys)))
+            if keys
+            else IMAGE_TOKEN not in ids
+        )
         with torch.no_grad():
             ref = hf_model(**_hf_forward_kwargs(ids, keys)).logits[0]
         ours = _pagoda_logits(model, processed)
@@ -271,7 +274,9 @@ def test_both_checkpoint_layouts_load(tiny_vl, tmp_path):
         assert torch.equal(pa, pb), name
     # Names map back to the released layout (what quantization ignore lists use).
     cls = type(a)
-    assert cls.module_to_original_name("model.visual.blocks.0.attn.qkv") == "visual.blocks.0.attn.qkv"
+    assert (
+        cls.module_to_original_name("model.visual.blocks.0.attn.qkv") == "visual.blocks.0.attn.qkv"
+    )
     assert cls.checkpoint_to_module_name("model.layers.0.mlp.up_proj.weight") == (
         "model.language_model.layers.0.mlp.up_proj.weight"
     )
@@ -431,13 +436,32 @@ def test_prefix_cache_never_shares_image_blocks(default_llm):
     assert hits2 - hits == again.num_cached_tokens and queries2 > queries
 
 
+def test_prefix_hit_ending_inside_an_image_matches_transformers(tiny_vl, default_llm):
+    """A cached prefix that stops mid-image: the encoder runs, only the image's tail is used."""
+    path, hf_model = tiny_vl
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    # a's 6 tokens sit at 15..20: with 8-token blocks the shared prefix ends at 16
+    default_llm.chat(_conversation(["a"]), params, use_tqdm=False)  # caches a's blocks
+    (out,) = default_llm.chat(_conversation(["a"], "Name the colours."), params, use_tqdm=False)
+    ids = out.prompt_token_ids
+    offset = ids.index(IMAGE_TOKEN)
+    end = len(ids) - ids[::-1].index(IMAGE_TOKEN)
+    assert offset < out.num_cached_tokens < end  # the hit covers part of the image only
+    with torch.no_grad():
+        ref = hf_model.generate(
+            **_hf_forward_kwargs(ids, ["a"]), max_new_tokens=MAX_NEW, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )  # fmt: skip
+    assert out.outputs[0].token_ids == ref[0, len(ids) :].tolist()
+
+
 def test_engine_rejects_bad_image_requests(default_llm):
     llm = default_llm  # limit_mm_per_prompt={"image": 2}
     params = SamplingParams(max_tokens=2)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         llm.chat(_conversation(["a", "b", "c"]), params, use_tqdm=False)
-    bad = [{"role": "user", "content": [{"type": "image_url",
-                                         "image_url": {"url": "data:image/png;base64,AAAA"}}]}]  # fmt: skip
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    bad = [{"role": "user", "content": [broken]}]
     with pytest.raises(ValueError, match="image 0: .*not a valid image"):
         llm.chat(bad, params, use_tqdm=False)
     with pytest.raises(ValueError, match="placeholder"):
@@ -475,6 +499,39 @@ def test_encoder_memory_profile_is_bounded_by_context(tiny_vl, default_llm):
     assert runner.estimate_bytes(vision_config) > 0
 
 
+def test_server_chat_accepts_image_url_parts(tiny_vl, hf_reference):
+    """The OpenAI endpoint: data URLs work; remote URLs (off by default) and paths are 400s."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from pagoda.engine.args import EngineArgs
+    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.entrypoints.openai.server import build_app
+
+    path, _ = tiny_vl
+    args = EngineArgs(model=str(path), dtype="float32", device="cpu", max_model_len=512)
+    engine = AsyncLLMEngine.from_engine_args(args)
+    try:
+        with TestClient(build_app(engine, "vl")) as client:
+            messages = _conversation(["a"])
+            body = {"model": "vl", "messages": messages, "max_tokens": MAX_NEW, "temperature": 0}
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            tokenizer = _tokenizer()
+            expected = tokenizer.decode(hf_reference["one_image"][1], skip_special_tokens=True)
+            assert response.json()["choices"][0]["message"]["content"] == expected
+            for url, message in [
+                ("https://example.com/cat.png", "remote images is disabled"),
+                ("/etc/hostname", "offline API"),
+            ]:
+                messages[0]["content"][0]["image_url"]["url"] = url
+                response = client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 400 and message in response.text
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.gpu
 def test_gpu_cuda_graphs_match_eager_and_transformers(tiny_vl, hf_reference):
     """Decode steps of VL requests replay CUDA graphs with text positions + delta."""
@@ -490,3 +547,38 @@ def test_gpu_cuda_graphs_match_eager_and_transformers(tiny_vl, hf_reference):
         torch.cuda.empty_cache()
     assert results[False] == results[True]
     assert results[False] == [tokens for _, tokens, _ in hf_reference.values()]
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_matches_transformers_within_ties(tiny_vl):
+    """bf16 on the GPU (Triton kernels, M-RoPE through the fused RoPE kernel, CUDA graphs):
+    greedy tokens equal transformers' unless its own top two logits tie within bf16 rounding."""
+    path, _ = tiny_vl
+    _, model_cls = _hf_classes("qwen2_5_vl")
+    hf = model_cls.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    processor = _input_processor(path, hf.config)
+    conversations = [_conversation(keys) for keys in CASES.values()]
+    refs = []
+    for conv, keys in zip(conversations, CASES.values(), strict=True):
+        ids = processor.process_chat(conv).prompt_token_ids
+        kwargs = {k: v.cuda() for k, v in _hf_forward_kwargs(ids, keys).items()}
+        if "pixel_values" in kwargs:
+            kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.bfloat16)
+        with torch.no_grad():
+            out = hf.generate(
+                **kwargs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+                pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        refs.append((out.sequences[0, len(ids) :].tolist(), [s[0].float() for s in out.logits]))
+    del hf
+    torch.cuda.empty_cache()
+    llm = _llm(path, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3,
+               max_num_batched_tokens=16)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
+    for i, (g, (r, logits)) in enumerate(zip(got, refs, strict=True)):
+        if g == r:
+            continue
+        k = next(j for j in range(len(r)) if g[j] != r[j])
+        gap = (logits[k][r[k]] - logits[k][g[k]]).item()
+        assert gap <= 2**-7 * abs(logits[k][r[k]].item()) + 1e-3, (i, k, gap, g, r)

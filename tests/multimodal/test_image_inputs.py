@@ -333,3 +333,12 @@ def test_multimodal_config_validation():
         MultiModalConfig.from_user(None, {"min_pixels": 10_000, "max_pixels": 100})
     with pytest.raises(ValueError, match=">= 0"):
         MultiModalConfig.from_user({"image": -1}, None)
+
+
+def test_loader_applies_exif_orientation():
+    img = _image(40, 30)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to view
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif)
+    assert ImageLoader(MultiModalConfig()).load(buf.getvalue()).size == (30, 40)
