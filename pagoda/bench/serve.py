@@ -81,6 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="text file (one prompt a line) or .jsonl with a 'prompt' field",
     )
     parser.add_argument(
+        "--token-prompts",
+        action="store_true",
+        help="random token-id prompts of exactly --input-len tokens (completions only; works "
+        "for models without a tokenizer, e.g. config: models with dummy weights)",
+    )
+    parser.add_argument(
+        "--max-token-id", type=int, default=10000, help="token prompts draw ids below this"
+    )
+    parser.add_argument(
         "--no-ignore-eos",
         action="store_true",
         help="let requests stop at EOS (default: always --output-len tokens)",
@@ -110,13 +119,23 @@ def _check(ns: argparse.Namespace) -> None:
     for name in ("input_len", "output_len"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    if ns.token_prompts and (ns.endpoint == "chat" or ns.prompts_file):
+        raise ValueError("--token-prompts works with --endpoint completions and no --prompts-file")
+    if ns.max_token_id < 2:
+        raise ValueError(f"--max-token-id must be >= 2, got {ns.max_token_id}")
     for name in ("request_timeout", "max_duration"):
         if not getattr(ns, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
 
 
-def make_prompts(ns: argparse.Namespace) -> list[str]:
+def make_prompts(ns: argparse.Namespace) -> list[str] | list[list[int]]:
     rng = random.Random(ns.seed)
+    if ns.token_prompts:
+        # Ids from 1: 0 is often a padding or special token.
+        return [
+            [rng.randrange(1, ns.max_token_id) for _ in range(ns.input_len)]
+            for _ in range(ns.num_prompts)
+        ]
     if ns.prompts_file:
         path = Path(ns.prompts_file)
         lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
@@ -136,7 +155,7 @@ def make_prompts(ns: argparse.Namespace) -> list[str]:
     return [" ".join(rng.choices(words, k=ns.input_len)) for _ in range(ns.num_prompts)]
 
 
-def _payload(ns: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
+def _payload(ns: argparse.Namespace, model: str, prompt: str | list[int]) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": ns.output_len,
@@ -146,6 +165,8 @@ def _payload(ns: argparse.Namespace, model: str, prompt: str) -> dict[str, Any]:
     }
     if not ns.no_ignore_eos:
         body["ignore_eos"] = True  # vLLM / pagoda extension: fixed-length outputs
+    if ns.token_prompts:
+        body["return_token_ids"] = True  # a model without a tokenizer streams no text
     if ns.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -182,7 +203,7 @@ async def _one(client: Any, url: str, payload: dict[str, Any], chat: bool) -> Re
                     text = (
                         (choice.get("delta") or {}).get("content") if chat else choice.get("text")
                     )
-                    if not text:
+                    if not text and not choice.get("token_ids"):
                         continue
                     now = time.perf_counter()
                     if last is None:
@@ -233,7 +254,7 @@ async def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(ns.seed + 1)
         sem = asyncio.Semaphore(concurrency) if concurrency else None
 
-        async def task(prompt: str) -> RequestResult:
+        async def task(prompt: str | list[int]) -> RequestResult:
             payload = _payload(ns, model, prompt)
             if sem is None:
                 return await _one(client, base + path, payload, ns.endpoint == "chat")
@@ -300,6 +321,7 @@ def summarize(
             "concurrency": concurrency,
             "request_rate": ns.request_rate,
             "input_len": None if ns.prompts_file else ns.input_len,
+            "token_prompts": ns.token_prompts,
             "output_len": ns.output_len,
             "prompts_file": ns.prompts_file,
             "ignore_eos": not ns.no_ignore_eos,
@@ -332,7 +354,8 @@ def format_table(s: dict[str, Any]) -> str:
     lines = [
         "=" * 60,
         f"pagoda bench serve: {c['model']} at {c['url']} ({c['endpoint']})",
-        f"{c['num_prompts']} requests, {mode}, input {c['input_len'] or 'file'} words, "
+        f"{c['num_prompts']} requests, {mode}, input {c['input_len'] or 'file'} "
+        f"{'tokens' if c['token_prompts'] else 'words'}, "
         f"output {c['output_len']} tokens",
         "-" * 60,
         f"{'completed / errors':<28}{s['completed']} / {s['errors']}",

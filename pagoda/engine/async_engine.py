@@ -211,7 +211,7 @@ class AsyncLLMEngine:
 
         def command() -> None:
             engine = self.engine
-            added: list[str] = []
+            touched: list[str] = []  # ids handed to the engine, the failing one included
             try:
                 items = list(prepare(engine))
                 ids = ids_for(len(items))
@@ -219,14 +219,14 @@ class AsyncLLMEngine:
                     if rid in self._streams:
                         raise ValueError(f"request id {rid!r} is already in use")
                 for rid, (prompt, params) in zip(ids, items, strict=True):
+                    touched.append(rid)
                     if isinstance(prompt, ProcessedPrompt):
                         engine.add_request(rid, None, params, delta=True, processed=prompt)
                     else:
                         engine.add_request(rid, prompt, params, delta=True)
-                    added.append(rid)
             except Exception as e:
-                if added:
-                    engine.abort_request(added)
+                if touched:  # all or nothing; also drops a request that failed half-added
+                    engine.abort_request(touched)
                 _call_in_loop(loop, _settle, fut, None, e)
                 return
             streams = []

@@ -53,6 +53,7 @@ class _SamplingRequest(_Request):
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # vLLM extension: token ids beside the text
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -264,6 +265,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # only with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -303,6 +306,8 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # only with return_token_ids
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -326,6 +331,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # only with return_token_ids
 
 
 class ChatCompletionStreamResponse(BaseModel):

@@ -537,6 +537,13 @@ def _sse(payload: BaseModel | dict) -> str:
 
 
 _DONE = "data: [DONE]\n\n"
+# Left out of responses unless the request sets return_token_ids.
+_NO_TOKEN_IDS = {"choices": {"__all__": {"prompt_token_ids", "token_ids"}}}
+
+
+def _dump(body: BaseModel, token_ids: bool) -> Response:
+    text = body.model_dump_json(exclude=None if token_ids else _NO_TOKEN_IDS)
+    return Response(text, media_type="application/json")
 
 
 # ---------------------------------------------------------------------------- choices
@@ -558,11 +565,11 @@ class _Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    seen: set[int] = field(default_factory=set)
+    prompt_ids: dict[int, list[int]] = field(default_factory=dict)  # by stream
 
     def add(self, stream_index: int, out: RequestOutput) -> None:
-        if stream_index not in self.seen:
-            self.seen.add(stream_index)
+        if stream_index not in self.prompt_ids:
+            self.prompt_ids[stream_index] = out.prompt_token_ids
             self.prompt_tokens += len(out.prompt_token_ids)
         if out.finished:
             self.cached_tokens += out.num_cached_tokens
@@ -738,12 +745,14 @@ class _OpenAIServing:
                         logprobs=logprobs,
                         finish_reason=ch.finish_reason,
                         stop_reason=ch.stop_reason,
+                        prompt_token_ids=usage.prompt_ids.get(i),
+                        token_ids=ch.token_ids,
                     )
                 )
         body = CompletionResponse(
             id=rid, model=self.model_name, choices=choices, usage=usage.info()
         )
-        return Response(body.model_dump_json(), media_type="application/json")
+        return _dump(body, req.return_token_ids)
 
     async def _stream_completion(
         self,
@@ -757,25 +766,32 @@ class _OpenAIServing:
         usage = _Usage()
         offsets = [[len(echo_texts[i]) if req.echo else 0] * req.n for i in range(len(streams))]
         done: set[int] = set()
+        ids_wanted = req.return_token_ids
 
         def chunk(
-            index: int, text: str, logprobs: Any = None, finish: Any = None, stop: Any = None
+            index: int,
+            text: str,
+            logprobs: Any = None,
+            finish: Any = None,
+            stop: Any = None,
+            token_ids: list[int] | None = None,
         ) -> str:
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+                "stop_reason": stop,
+            }
+            if req.return_token_ids:
+                choice["token_ids"] = token_ids or []
             return _sse(
                 {
                     "id": rid,
                     "object": "text_completion",
                     "created": created,
                     "model": self.model_name,
-                    "choices": [
-                        {
-                            "index": index,
-                            "text": text,
-                            "logprobs": logprobs,
-                            "finish_reason": finish,
-                            "stop_reason": stop,
-                        }
-                    ],
+                    "choices": [choice],
                     **({"usage": None} if req.include_usage else {}),
                 }
             )
@@ -799,9 +815,9 @@ class _OpenAIServing:
                     offsets[i][c.index] += len(c.text)
                     if c.finish_reason is not None:
                         done.add(index)
-                    elif not c.text and lp is None:
+                    elif not c.text and lp is None and not (ids_wanted and c.token_ids):
                         continue
-                    yield chunk(index, c.text, lp, c.finish_reason, c.stop_reason)
+                    yield chunk(index, c.text, lp, c.finish_reason, c.stop_reason, c.token_ids)
             if req.include_usage:
                 yield _sse(
                     {
@@ -861,13 +877,15 @@ class _OpenAIServing:
                 logprobs=_chat_logprobs(ch.token_ids, ch.logprobs, k) if req.logprobs else None,
                 finish_reason=ch.finish_reason,
                 stop_reason=ch.stop_reason,
+                prompt_token_ids=usage.prompt_ids.get(0),
+                token_ids=ch.token_ids,
             )
             for j, ch in enumerate(per_stream)
         ]
         body = ChatCompletionResponse(
             id=rid, model=self.model_name, choices=choices, usage=usage.info()
         )
-        return Response(body.model_dump_json(), media_type="application/json")
+        return _dump(body, req.return_token_ids)
 
     async def _stream_chat(
         self,
@@ -880,6 +898,7 @@ class _OpenAIServing:
         usage = _Usage()
         k = req.top_logprobs or 0
         done: set[int] = set()
+        ids_wanted = req.return_token_ids
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             body = ChatCompletionStreamResponse(
@@ -887,6 +906,8 @@ class _OpenAIServing:
             ).model_dump(exclude={"usage"} if not req.include_usage else set())
             for c in body["choices"]:
                 c["delta"] = {key: v for key, v in c["delta"].items() if v is not None}
+                if not ids_wanted:
+                    del c["token_ids"]
             return _sse(body)
 
         try:
@@ -906,7 +927,7 @@ class _OpenAIServing:
                         lp = _chat_logprobs(c.token_ids, c.logprobs, k)
                     if c.finish_reason is not None:
                         done.add(c.index)
-                    elif not c.text and lp is None:
+                    elif not c.text and lp is None and not (ids_wanted and c.token_ids):
                         continue
                     yield chunk(
                         ChatCompletionStreamChoice(
@@ -915,6 +936,7 @@ class _OpenAIServing:
                             logprobs=lp,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
+                            token_ids=c.token_ids if ids_wanted else None,
                         )
                     )
             if req.include_usage:

@@ -7,6 +7,7 @@ with a limit of one concurrent request and a 4 KiB body limit, to test 429 and 4
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -49,7 +50,9 @@ def async_engine():
     engine.shutdown()
 
 
-def _serve(app) -> Iterator[str]:
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """Run `app` with uvicorn on a background thread; yield its base URL."""
     import uvicorn
 
     # Port 0: the OS picks a free port; it is read back from the listening socket.
@@ -82,7 +85,7 @@ def server(async_engine) -> Iterator[LiveServer]:
     from pagoda.entrypoints.openai.server import build_app
 
     app = build_app(async_engine, MODEL, api_key=API_KEY, max_concurrent_requests=1000)
-    for url in _serve(app):
+    with serving(app) as url:
         yield LiveServer(url, API_KEY, MODEL)
 
 
@@ -91,7 +94,7 @@ def small_server(async_engine) -> Iterator[LiveServer]:
     from pagoda.entrypoints.openai.server import build_app
 
     app = build_app(async_engine, MODEL, max_concurrent_requests=1, max_body_bytes=4096)
-    for url in _serve(app):
+    with serving(app) as url:
         yield LiveServer(url, None, MODEL)
 
 
@@ -119,3 +122,9 @@ def _wait_until_idle(url: str, headers: dict[str, str], timeout: float = 30.0) -
             return live
         time.sleep(0.1)
     return live
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    """`with serve_app(app) as url:` runs another app (e.g. over another engine) on loopback."""
+    return serving

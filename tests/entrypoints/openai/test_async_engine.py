@@ -1,5 +1,7 @@
-"""AsyncLLMEngine on a tiny random Llama (token-id prompts, no tokenizer): streaming deltas,
-errors reaching the caller, abort on early exit or cancellation, `run()` and shutdown.
+"""AsyncLLMEngine on a tiny random Llama (token-id prompts, no tokenizer).
+
+Streaming deltas, errors of `add_request` reaching the caller, all-or-nothing batches, abort
+on early exit or cancellation (every KV block free again), `run()` and shutdown.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""`pagoda bench serve` against the live loopback server: a small run, table and JSON."""
+"""`pagoda bench serve` against the live loopback server.
+
+Small bounded runs in both load modes (fixed concurrency, Poisson rate), chat and file prompts,
+token-id prompts, error counting and argument checks; the table and the JSON are checked.
+"""
 
 from __future__ import annotations
 
@@ -72,6 +76,29 @@ def test_bench_serve_chat_and_prompts_file(server, tmp_path):
     result = asyncio.run(bench_serve.run_benchmark(ns))
     assert result["completed"] == 3 and result["errors"] == 0
     assert result["config"]["endpoint"] == "chat" and result["total_output_tokens"] == 3 * 4
+
+
+def test_bench_serve_token_prompts(server):
+    ns = _parse(
+        [
+            "--url",
+            server.url,
+            "--api-key",
+            server.api_key,
+            "--token-prompts",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "20",
+            "--output-len",
+            "3",
+            "--max-token-id",
+            "5000",
+        ]
+    )
+    result = asyncio.run(bench_serve.run_benchmark(ns))
+    assert result["completed"] == 3 and result["total_input_tokens"] == 3 * 20
+    assert result["total_output_tokens"] == 9 and result["ttft_ms"]["mean"] > 0
 
 
 def test_bench_serve_counts_errors(server):

@@ -7,6 +7,7 @@ error, the 429 / 413 guards, /health, /metrics and /v1/memory.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -313,6 +314,60 @@ def test_health_metrics_memory(client, server):
     ):
         assert key in mem, key
     assert mem["live"]["num_blocks"] == mem["num_blocks"]
+
+
+def test_return_token_ids(server):
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    url = f"{server.url}/v1/completions"
+    plain = httpx.post(url, headers=server.headers, json=body, timeout=60).json()
+    assert "token_ids" not in plain["choices"][0]
+    with_ids = httpx.post(
+        url, headers=server.headers, json={**body, "return_token_ids": True}, timeout=60
+    ).json()["choices"][0]
+    assert len(with_ids["token_ids"]) == 4 and len(with_ids["prompt_token_ids"]) >= 5
+    with httpx.stream(
+        "POST",
+        url,
+        headers=server.headers,
+        timeout=60,
+        json={**body, "return_token_ids": True, "stream": True},
+    ) as r:
+        events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == with_ids["token_ids"]
+
+
+def test_model_without_tokenizer_streams_token_ids(tmp_path, serve_app):
+    from pagoda.engine.args import EngineArgs
+    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.entrypoints.openai.server import build_app
+    from tests.helpers import save_tiny_model
+
+    path = save_tiny_model("llama", tmp_path / "tiny")
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(model=str(path), skip_tokenizer_init=True, max_model_len=128)
+    )
+    try:
+        with serve_app(build_app(engine, "tiny")) as url:
+            body = {
+                "model": "tiny",
+                "prompt": [5, 6, 7],
+                "max_tokens": 5,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                events = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+            assert sum(len(e["choices"][0]["token_ids"]) for e in events) == 5
+            r = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "text"})
+            assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+            r = httpx.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+    finally:
+        engine.shutdown()
 
 
 def test_serve_cli_parses():
