@@ -125,6 +125,8 @@ class SamplingParams:
 
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed)
+            if not -(2**63) <= self.seed < 2**63:  # torch.Generator takes a 64-bit seed
+                raise ValueError(f"seed must fit in 64 bits [-2^63, 2^63), got {self.seed}")
 
         self.stop = self._normalize_stop(self.stop)
         self.stop_token_ids = self._normalize_stop_token_ids(self.stop_token_ids)

@@ -125,6 +125,12 @@ class LLMEngine:
         processed = processed or self.input_processor.process(prompt)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        vocab = self.model_config.text_config.vocab_size
+        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})"
+            )
         lora_key = None
         if lora_request is not None:
             from pagoda.lora.request import LoRARequest
@@ -178,8 +184,18 @@ class LLMEngine:
             parent.children.append(child)
             self._child_to_parent[child_id] = (parent, child)
         self._parents[request_id] = parent
-        for child in parent.children:
-            self.core.add_request(child.request)
+        added = []
+        try:
+            for child in parent.children:
+                self.core.add_request(child.request)
+                added.append(child.request.request_id)
+        except BaseException:
+            # all or nothing: a half-added request would keep the engine "busy" forever
+            self.core.abort_requests(added)
+            self._parents.pop(request_id, None)
+            for child in parent.children:
+                self._child_to_parent.pop(child.request.request_id, None)
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -81,3 +81,14 @@ def test_context_too_large_for_cache_is_explained(tiny):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(str(tiny), skip_tokenizer_init=True, max_model_len=512, num_gpu_blocks_override=4,
             print_memory_report=False)
+
+
+def test_bad_stop_ids_and_seed_rejected_and_engine_survives(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10**6], min_tokens=2),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**70)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
