@@ -218,12 +218,15 @@ class AsyncLLMEngine:
                 for rid in ids:
                     if rid in self._streams:
                         raise ValueError(f"request id {rid!r} is already in use")
-                for rid, (prompt, params) in zip(ids, items, strict=True):
+                for rid, (prompt, params, *extra) in zip(ids, items, strict=True):
                     touched.append(rid)
+                    lora = extra[0] if extra else None  # an optional LoRARequest
                     if isinstance(prompt, ProcessedPrompt):
-                        engine.add_request(rid, None, params, delta=True, processed=prompt)
+                        engine.add_request(
+                            rid, None, params, delta=True, processed=prompt, lora_request=lora
+                        )
                     else:
-                        engine.add_request(rid, prompt, params, delta=True)
+                        engine.add_request(rid, prompt, params, delta=True, lora_request=lora)
             except Exception as e:
                 if touched:  # all or nothing; also drops a request that failed half-added
                     engine.abort_request(touched)

@@ -58,7 +58,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     g.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="serve these PEFT adapters unmerged; a request picks one by its 'model' field",
+    )
+    g.add_argument(
+        "--max-loras",
+        type=_positive_int,
+        default=None,
+        help="adapters resident on the device at once (default: all given, max 8)",
+    )
+    g.add_argument("--max-lora-rank", type=_positive_int, default=64)
     p.set_defaults(func=_cmd_serve)
+
+
+def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
+    """`name=path` pairs; a clear error for anything else."""
+    modules: dict[str, str] = {}
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules entries are NAME=PATH, got {spec!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names the adapter {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def _positive_int(text: str) -> int:

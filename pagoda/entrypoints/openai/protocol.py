@@ -233,6 +233,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagoda"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -667,21 +667,41 @@ def _max_tokens(prompt_len: int, requested: int | None, default: int | None, lim
 class _OpenAIServing:
     """The completion and chat endpoints over one engine."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: _Metrics) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        metrics: _Metrics,
+        lora_requests: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.lora_requests = lora_requests or {}
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str) -> Any:
+        """The LoRARequest the model name selects (None for the base model), or 404."""
+        if model == self.model_name:
+            return None
+        if model in self.lora_requests:
+            return self.lora_requests[model]
+        names = ", ".join(repr(n) for n in [self.model_name, *self.lora_requests])
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {names}",
+            param="model",
+            code="model_not_found",
+        )
 
-    async def _add(self, prepare: Callable[[LLMEngine], list], request_id: str) -> Any:
+    async def _add(
+        self, prepare: Callable[[LLMEngine], list], request_id: str, lora: Any = None
+    ) -> Any:
+        if lora is not None:
+            inner = prepare
+
+            def prepare(engine: LLMEngine) -> list:
+                return [(*item, lora) for item in inner(engine)]
+
         try:
             return await self.engine.add_requests(prepare, request_id)
         except EngineDeadError as e:
@@ -691,7 +711,7 @@ class _OpenAIServing:
 
     async def completions(self, request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         prompts = req.prompt_list()
         explicit = "max_tokens" in req.model_fields_set
         limit = self.engine.max_model_len
@@ -720,7 +740,7 @@ class _OpenAIServing:
 
         rid = random_id("cmpl")
         arrival = time.perf_counter()
-        streams = await self._add(prepare, rid)
+        streams = await self._add(prepare, rid, lora)
         trackers = [_Tracker(self.metrics, arrival) for _ in streams]
         if req.stream:
             return _EventStream(self._stream_completion(req, rid, streams, trackers, echo_texts))
@@ -837,7 +857,7 @@ class _OpenAIServing:
 
     async def chat(self, request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         messages = [m.to_dict() for m in req.messages]
         requested = req.requested_max_tokens
         limit = self.engine.max_model_len
@@ -861,7 +881,7 @@ class _OpenAIServing:
 
         rid = random_id("chatcmpl")
         arrival = time.perf_counter()
-        streams = await self._add(prepare, rid)
+        streams = await self._add(prepare, rid, lora)
         trackers = [_Tracker(self.metrics, arrival)]
         k = req.top_logprobs or 0
         if req.stream:
@@ -1008,14 +1028,27 @@ def build_app(
     api_key: str | None = None,
     max_concurrent_requests: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app. It does not own the engine: the caller shuts it down."""
+    """The OpenAI-compatible app. It does not own the engine: the caller shuts it down.
+
+    `lora_modules` maps served names to PEFT adapter directories (the engine must have been
+    built with `enable_lora=True`); a request's `model` field picks the adapter.
+    """
     if max_concurrent_requests is not None and max_concurrent_requests < 1:
         raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     metrics = _Metrics(async_engine, served_model_name)
-    serving = _OpenAIServing(async_engine, served_model_name, metrics)
+    lora_requests = {}
+    if lora_modules:
+        from pagoda.lora.request import LoRARequest
+
+        for i, (name, path) in enumerate(lora_modules.items(), start=1):
+            if name == served_model_name:
+                raise ValueError(f"adapter name {name!r} is the base model's served name")
+            lora_requests[name] = LoRARequest(name, i, path)
+    serving = _OpenAIServing(async_engine, served_model_name, metrics, lora_requests)
     app = FastAPI(title="pagoda", summary="OpenAI-compatible LLM server", version="0.1.0")
     app.state.engine = async_engine
     app.state.metrics = metrics
@@ -1059,12 +1092,23 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(
-            id=served_model_name,
-            root=async_engine.model_name,
-            max_model_len=async_engine.max_model_len,
-        )
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        cards = [
+            ModelCard(
+                id=served_model_name,
+                root=async_engine.model_name,
+                max_model_len=async_engine.max_model_len,
+            )
+        ]
+        cards += [
+            ModelCard(
+                id=name,
+                root=lr.lora_path,
+                parent=served_model_name,
+                max_model_len=async_engine.max_model_len,
+            )
+            for name, lr in lora_requests.items()
+        ]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/v1/memory")
     async def memory() -> Response:
@@ -1110,7 +1154,17 @@ def run_server(args: argparse.Namespace) -> int:
     from pagoda.entrypoints.cli import engine_kwargs
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(**engine_kwargs(args)))
+    from pagoda.entrypoints.openai.cli import parse_lora_modules
+
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))
+    kwargs = engine_kwargs(args)
+    if lora_modules:
+        kwargs.update(
+            enable_lora=True,
+            max_loras=args.max_loras or min(len(lora_modules), 8),
+            max_lora_rank=args.max_lora_rank,
+        )
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(**kwargs))
     try:
         name = args.served_model_name or engine.model_name
         print(
@@ -1123,7 +1177,8 @@ def run_server(args: argparse.Namespace) -> int:
             name,
             api_key=args.api_key,
             max_concurrent_requests=args.max_concurrent_requests,
-            max_body_bytes=args.max_body_bytes,
+            max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+            lora_modules=lora_modules,
         )
         config = uvicorn.Config(
             app,
