@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -256,11 +257,14 @@ def build_jobs(ns: argparse.Namespace) -> tuple[list[CompareJob], dict[str, Any]
         for lb, m, d in zip(labels, models, dtypes, strict=True)
     ]
     if ns.baseline == "transformers":
-        seen: set[str] = set()
+        seen: set[tuple] = set()
         for job, src in zip(list(jobs), sources, strict=True):
-            if src.path in seen:  # one baseline per underlying model, quantized or not
+            # One baseline per model shape and dtype: a quantized checkpoint shares its base
+            # model's (transformers runs the unquantized shape).
+            key = (_shape_key(src), job.dtype)
+            if key in seen:
                 continue
-            seen.add(src.path)
+            seen.add(key)
             dshort = "" if job.dtype == "auto" else f" {_DTYPE_SHORT.get(job.dtype, job.dtype)}"
             jobs.append(
                 CompareJob(
@@ -293,12 +297,22 @@ def build_jobs(ns: argparse.Namespace) -> tuple[list[CompareJob], dict[str, Any]
         "iters": ns.iters,
         "throughput_requests": ns.throughput_requests,
         "throughput_len_range": [lo, hi],
-        "ppl_text": ppl_text,
+        "ppl_text": ns.ppl_text,  # as given (the workers get the absolute path)
         "ppl_window": ns.ppl_window,
         "baseline": ns.baseline,
         "cpu_threads": ns.cpu_threads,
     }
     return jobs, settings
+
+
+def _shape_key(source: Any) -> tuple:
+    from pagoda.model_files import load_hf_config
+
+    cfg = load_hf_config(source)
+    text = getattr(cfg, "text_config", None) or cfg
+    names = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "vocab_size")  # fmt: skip
+    return tuple(getattr(text, n, None) for n in names)
 
 
 def _dedupe(labels: list[str]) -> list[str]:
@@ -426,6 +440,30 @@ def run_job(
     return json.loads(result_path.read_text(encoding="utf-8")), None
 
 
+def _git_revision() -> str | None:
+    """HEAD of the checkout pagoda runs from ("-dirty" with local changes), if it is one."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("-dirty" if dirty.strip() else "")
+
+
 def build_report(
     jobs: list[CompareJob],
     outcomes: list[tuple[dict | None, str | None]],
@@ -460,6 +498,7 @@ def build_report(
     return {
         "benchmark": "compare",
         "command": command,
+        "git": _git_revision(),
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "env": first.get("env", {}),
         "settings": settings,
@@ -467,6 +506,10 @@ def build_report(
         "metrics": [vars(m) for m in metrics],
         "configs": configs,
     }
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -477,7 +520,23 @@ def main(ns: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     command = command_line(ns)
     print(f"pagoda compare: {len(jobs)} run(s), results in {out_dir}/", file=sys.stderr)
-    outcomes = [run_job(job, i + 1, len(jobs), out_dir, ns.timeout) for i, job in enumerate(jobs)]
+    outcomes: list[tuple[dict | None, str | None]] = []
+    on_main = threading.current_thread() is threading.main_thread()
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the running worker is killed
+    # rather than left holding the GPU.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
+    try:
+        for i, job in enumerate(jobs):
+            outcomes.append(run_job(job, i + 1, len(jobs), out_dir, ns.timeout))
+            if i + 1 < len(jobs):
+                # a partial report after every configuration: an interrupted run keeps what
+                # finished (plots are drawn once, at the end)
+                partial = build_report(jobs[: i + 1], outcomes, settings, command)
+                if partial["reference"] is not None:
+                    write_report(partial, out_dir, plots=False)
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
     report = build_report(jobs, outcomes, settings, command)
     if report["reference"] is None:
         write_report(report, out_dir)

@@ -1,9 +1,9 @@
 """The output of `pagoda compare`: metric table, ratios, Markdown, JSON and PNG plots.
 
-Input is the list of worker results (one dict per configuration, see `compare_worker`). Every
-metric is also given as a ratio to the reference configuration (the first one that ran).
-Plots use matplotlib's Agg backend (no display needed): decode tok/s vs batch size, the memory
-split (weights / KV cache / other) and the KV cache capacity in tokens.
+Input is one worker result per configuration (see `compare_worker`); every metric also gets a
+ratio to the reference (the first configuration that ran). Plots (matplotlib, Agg backend):
+decode tok/s vs batch size, memory split (weights / KV cache / other), KV capacity in tokens.
+`python -m pagoda.bench.compare_report DIR` re-renders a finished run from its report.json.
 """
 
 from __future__ import annotations
@@ -170,7 +170,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "# pagoda compare",
         "",
         f"{env.get('date', '')} · {s['device_resolved']} ({where}) · torch "
-        f"{env.get('torch', '?')} · transformers {env.get('transformers', '?')}",
+        f"{env.get('torch', '?')} · transformers {env.get('transformers', '?')} · pagoda "
+        f"{report.get('git') or '?'}",
         "",
         f"`{report['command']}`",
         "",
@@ -210,9 +211,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             or {}
         )
         parts.append(
-            f"Perplexity: `{s['ppl_text']}`, non-overlapping windows of {s['ppl_window']} "
-            f"tokens ({ppl.get('windows', '?')} windows, {ppl.get('tokens', '?')} predicted "
-            f"tokens), computed by `{ppl.get('method', '?')}`."
+            f"Perplexity: `{s['ppl_text']}`, {ppl.get('text_tokens', '?')} tokens scored in "
+            f"windows of {ppl.get('window', s['ppl_window'])} (stride = window, every token after "
+            f"the first predicted once; {ppl.get('windows', '?')} windows, tokens hash "
+            f"`{ppl.get('tokens_sha256', '?')}`), by `{ppl.get('method', '?')}`: "
+            "`pagoda eval perplexity MODEL --text FILE --window W` gives the same number."
         )
     notes = []
     cores = os.cpu_count() or 1
@@ -239,10 +242,29 @@ def render_markdown(report: dict[str, Any]) -> str:
         r = c["result"]
         if r.get("quantization"):
             notes.append(
-                f"{c['label']}: {r['quantization']}, {r['quantized_linear_layers']} of "
-                f"{r['linear_layers']} linear layers quantized "
-                f"({', '.join(r.get('linear_methods', []))})"
+                f"{c['label']}: {r['quantized_linear_layers']} of {r['linear_layers']} linear "
+                f"layers run {r['quantization']} ({', '.join(r.get('linear_methods', []))})"
             )
+    hashes = {
+        c["label"]: (c["result"].get("perplexity") or {}).get("tokens_sha256")
+        for c in report["configs"]
+        if c["status"] == "ok" and c["result"].get("perplexity")
+    }
+    if len(set(hashes.values())) > 1:
+        notes.append(
+            "perplexity was computed on different tokens (tokenizers differ: "
+            + ", ".join(f"{k} `{v}`" for k, v in hashes.items())
+            + "), so those perplexities are not comparable"
+        )
+    skipped = [
+        c["label"]
+        for c in report["configs"]
+        if c["status"] == "ok" and (c["result"].get("perplexity") or {}).get("skipped")
+    ]
+    if skipped:
+        notes.append(f"no perplexity for {', '.join(skipped)}: no tokenizer (dummy config)")
+    if report.get("plots_skipped"):
+        notes.append(f"plots skipped: {report['plots_skipped']}")
     if notes:
         parts += ["", "Notes:", *[f"- {n}" for n in notes]]
     plots = report.get("plots") or []
@@ -255,7 +277,32 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def _wrap(label: str, width: int = 18) -> str:
-    return "\n".join(textwrap.wrap(label, width)) or label
+    return "\n".join(textwrap.wrap(label, width, break_long_words=False)) or label
+
+
+def _label_points(fig: Any, ax: Any, by_x: dict[int, list[tuple[float, str]]]) -> None:
+    """Each point's value to its right, pushed apart vertically so close curves stay legible."""
+    fig.canvas.draw()  # fixes the axis limits, so data -> pixel transforms are final
+    min_gap = 16  # pixels: one 9-point line at 120 dpi
+    for x, pts in by_x.items():
+        placed: list[float] = []
+        for y, color in sorted(pts):
+            py = ax.transData.transform((x, y))[1]
+            ty = py if not placed else max(py, placed[-1] + min_gap)
+            placed.append(ty)
+            # a white box keeps the curves that pass behind a label from crossing its digits
+            box = {"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85}
+            ax.annotate(
+                fmt(y, "toks"),
+                (x, y),
+                xytext=(9, ty - py),
+                textcoords="offset pixels",
+                ha="left",
+                va="center",
+                fontsize=9,
+                color=color,
+                bbox=box,
+            )
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
@@ -298,20 +345,6 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         )
         for x, y in pts:
             by_x.setdefault(x, []).append((y, color))
-    # Values at one batch size alternate above / below their points (fastest on top), so
-    # close curves do not print their labels on top of each other.
-    for x, pts in by_x.items():
-        for k, (y, color) in enumerate(sorted(pts, reverse=True)):
-            above = k % 2 == 0
-            ax.annotate(
-                fmt(y, "toks"),
-                (x, y),
-                textcoords="offset points",
-                xytext=(0, 9 if above else -16),
-                ha="center",
-                fontsize=9,
-                color=color,
-            )
     ax.set_xscale("log", base=2)
     ax.set_xticks(s["batch_sizes"])
     ax.set_xticklabels([str(b) for b in s["batch_sizes"]])
@@ -325,8 +358,9 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         f"prompt {s['prompt_len']} tokens, {s['output_len']} output tokens"
     )
     ax.grid(True, which="major", alpha=0.35)
-    ax.margins(x=0.08, y=0.15)
-    ax.legend(loc="best", fontsize=10, framealpha=0.9)
+    ax.margins(x=0.15, y=0.12)
+    ax.legend(loc="upper left", fontsize=10, framealpha=0.9)
+    _label_points(fig, ax, by_x)
     fig.tight_layout()
     p = out_dir / "decode_tok_s.png"
     fig.savefig(p)
@@ -428,9 +462,12 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         ax.set_xticklabels([_wrap(c["label"]) for c, _ in kv], fontsize=10)
         ax.set_ylabel("KV cache capacity (tokens)")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        ax.set_title(
+        title = (
             f"KV cache capacity — {device}, gpu_memory_utilization={s['gpu_memory_utilization']}"
         )
+        if not device.startswith("cuda"):
+            title += "\n(CPU: sized for max_num_seqs full-length sequences, at most 1 GiB)"
+        ax.set_title(title)
         ax.set_ylim(0, max(vals) * 1.3)
         ax.grid(True, axis="y", alpha=0.3)
         fig.tight_layout()
@@ -441,13 +478,38 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
     return paths
 
 
-def write_report(report: dict[str, Any], out_dir: Path) -> str:
+def write_report(report: dict[str, Any], out_dir: Path, plots: bool = True) -> str:
     """report.json, PNG plots and report.md in `out_dir`; returns the Markdown."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    report["plots"] = [Path(p).name for p in write_plots(report, out_dir)]
+    try:
+        report["plots"] = [Path(p).name for p in write_plots(report, out_dir)] if plots else []
+        report.pop("plots_skipped", None)
+    except ImportError as e:
+        # A GPU box without matplotlib still gets its table and JSON; the plots can be drawn
+        # later from report.json with `python -m pagoda.bench.compare_report DIR`.
+        report["plots"] = []
+        report["plots_skipped"] = f"{e}; run `python -m pagoda.bench.compare_report {out_dir}`"
     md = render_markdown(report)
     (out_dir / "report.md").write_text(md, encoding="utf-8")
     (out_dir / "report.json").write_text(
         json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8"
     )
     return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-render report.md and the plots of a finished run from its report.json."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("out_dir", help="a `pagoda compare --out` directory")
+    ns = p.parse_args(argv)
+    out_dir = Path(ns.out_dir)
+    report = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    write_report(report, out_dir)
+    print(f"wrote {out_dir / 'report.md'} and {', '.join(report['plots']) or 'no plots'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import os
@@ -19,7 +20,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,6 @@ ERROR_PREFIX = "@@error "
 GiB = 1 << 30
 # Prompts draw ids below this so every vocabulary gets the same ids (as in `pagoda bench`).
 _MAX_PROMPT_ID = 10000
-# Logits are computed this many rows at a time in the perplexity pass ([rows, vocab] float32).
-_LOGIT_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,6 @@ class CompareJob:
     ppl_window: int = 512
     seed: int = 0
     cpu_threads: int | None = None  # torch intra-op threads; None: torch's default
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CompareJob:
@@ -85,73 +83,6 @@ def standard_workload_lengths(max_model_len: int) -> tuple[int, int, int, int]:
         max(1, int(lo * scale)),
         max(2, int(hi * scale)),
     )
-
-
-def perplexity_windows(token_ids: list[int], window: int) -> list[list[int]]:
-    """Non-overlapping windows of `window` tokens (the tail shorter than a window is dropped,
-    unless the text is shorter than one window). The same text and window give every model
-    with the same tokenizer the same windows, so perplexities are comparable."""
-    if len(token_ids) < 2:
-        raise ValueError(f"the perplexity text has {len(token_ids)} token(s); need at least 2")
-    if len(token_ids) <= window:
-        return [list(token_ids)]
-    n = len(token_ids) // window
-    return [list(token_ids[i * window : (i + 1) * window]) for i in range(n)]
-
-
-def windows_nll(logits_fn: Any, windows: list[list[int]], device: Any) -> tuple[float, int]:
-    """Summed negative log-likelihood of every token after the first of each window.
-
-    `logits_fn(ids [T]) -> (hidden [T, H], compute_logits)`; logits are formed a slice at a
-    time so a 150k-entry vocabulary never needs a [T, vocab] tensor at once.
-    """
-    import torch
-
-    total, count = 0.0, 0
-    with torch.inference_mode():
-        for w in windows:
-            ids = torch.tensor(w, dtype=torch.long, device=device)  # [T]
-            hidden, compute_logits = logits_fn(ids)  # [T, H]
-            for s in range(0, len(w) - 1, _LOGIT_ROWS):
-                e = min(s + _LOGIT_ROWS, len(w) - 1)
-                logp = torch.log_softmax(compute_logits(hidden[s:e]).float(), dim=-1)
-                total -= logp.gather(1, ids[s + 1 : e + 1, None]).sum().item()
-            count += len(w) - 1
-    return total, count
-
-
-def engine_perplexity(model: Any, windows: list[list[int]], device: Any) -> dict[str, Any]:
-    """Perplexity through the engine's own model (its quantized linear layers included).
-
-    `attn_metadata=None` runs plain causal attention over one sequence, no KV cache.
-    """
-    import torch
-
-    def logits_fn(ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        positions = torch.arange(ids.shape[0], device=ids.device)
-        return model(ids, positions, None), model.compute_logits
-
-    nll, count = windows_nll(logits_fn, windows, device)
-    return {
-        "ppl": math.exp(nll / count),
-        "nll_per_token": nll / count,
-        "tokens": count,
-        "windows": len(windows),
-        "method": "pagoda.bench.compare_worker",
-    }
-
-
-def _quantizer_perplexity() -> Any | None:
-    """The quantizer's perplexity function, when `pagoda.bench.perplexity` provides one with
-    the signature `fn(model, windows: list[list[int]], device) -> dict` (keys as in
-    `engine_perplexity`); otherwise None and the worker's own implementation is used."""
-    try:
-        import pagoda.bench.perplexity as ppl_mod
-    except ModuleNotFoundError as e:
-        if e.name != "pagoda.bench.perplexity":
-            raise
-        return None
-    return getattr(ppl_mod, "windows_perplexity", None)
 
 
 def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
@@ -203,11 +134,10 @@ def _check_quantization(llm: Any) -> dict[str, Any]:
     model = engine.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     quantized = [m for m in linears if not isinstance(m.linear_method, UnquantizedLinearMethod)]
-    override = engine.source.quant_override
     qc = engine.model_config.quantization
-    requested = override if override in ("w4a16", "w8a16") else None
-    if qc is not None:
-        requested = requested or str(qc.get("format") or qc.get("quant_method") or "quantized")
+    requested = _scheme_name(qc) if qc is not None else None
+    if requested is None and engine.source.quant_override in ("w4a16", "w8a16"):
+        requested = engine.source.quant_override.upper()
     if requested and not quantized:
         raise ValueError(
             f"{engine.source.name}: {requested} was requested but every linear layer loaded "
@@ -222,10 +152,22 @@ def _check_quantization(llm: Any) -> dict[str, Any]:
     }
 
 
+def _scheme_name(qc: dict[str, Any]) -> str:
+    """A name like W4A16 g128 for a compressed-tensors or legacy GPTQ quantization_config."""
+    groups = qc.get("config_groups") or {}
+    weights = (next(iter(groups.values()), None) or {}).get("weights") or {}
+    bits = weights.get("num_bits") or qc.get("bits")
+    group = weights.get("group_size") or qc.get("group_size")
+    name = f"W{bits}A16" if bits else str(qc.get("quant_method") or "quantized")
+    return f"{name} g{group}" if group and group > 0 else name
+
+
 def _decode_rate(engine: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     """Tokens/s of the decode phase: from the step where every request has its first token
     until the last one finishes. Prefill (chunked, possibly mixed with early decodes) is
-    excluded, so the figure is the steady decode speed at this batch size."""
+    excluded, so the figure is the steady decode speed at this batch size. Requests go to the
+    engine core directly: no per-step RequestOutput building in the timed loop."""
+    from pagoda.engine.request import Request
     from pagoda.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -233,20 +175,17 @@ def _decode_rate(engine: Any, prompts: list[list[int]], output_len: int) -> dict
     )
     core = engine.core
     preempt0 = core.num_preemptions
-    ids = []
-    for p in prompts:
-        rid = engine.next_request_id()
-        engine.add_request(rid, p, params)
-        ids.append(rid)
-    produced = dict.fromkeys(ids, 0)
+    reqs = [Request(f"decode-{engine.next_request_id()}", p, params) for p in prompts]
+    for r in reqs:
+        core.add_request(r)
     t_start, tokens_at_start = None, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            produced[out.request_id] = len(out.outputs[0].token_ids)
-        if t_start is None and all(n > 0 for n in produced.values()):
-            t_start, tokens_at_start = time.perf_counter(), sum(produced.values())
+    while core.has_unfinished_requests():
+        core.step()
+        if t_start is None and all(r.num_output_tokens > 0 for r in reqs):
+            t_start = time.perf_counter()
+            tokens_at_start = sum(r.num_output_tokens for r in reqs)
     t_end = time.perf_counter()
-    tokens = sum(produced.values()) - tokens_at_start
+    tokens = sum(r.num_output_tokens for r in reqs) - tokens_at_start
     elapsed = t_end - t_start if t_start is not None else 0.0
     return {
         "tok_s": tokens / elapsed if elapsed > 0 and tokens > 0 else float("nan"),
@@ -408,19 +347,37 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
 
 
 def _pagoda_perplexity(job: CompareJob, llm: Any, device: Any) -> dict[str, Any]:
+    """Perplexity through the engine's own model (quantized layers included), computed by the
+    quantizer's `pagoda.bench.perplexity`: the same tokens and windows as `pagoda eval
+    perplexity MODEL --text FILE --window W`, so the two commands give the same number."""
+    from pagoda.bench.perplexity import perplexity_of_model, windows
+
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:
         return {"ppl": None, "skipped": "the model has no tokenizer (a bare config)"}
     text = Path(job.ppl_text).read_text(encoding="utf-8")
-    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if len(ids) < 2:
+        raise ValueError(f"{job.ppl_text}: fewer than 2 tokens of text")
     window = min(job.ppl_window, job.max_model_len)
-    windows = perplexity_windows(token_ids, window)
-    progress(f"perplexity: {len(windows)} window(s) of {len(windows[0])} tokens")
+    spans = windows(len(ids), window, window)
+    progress(f"perplexity: {len(ids)} tokens in {len(spans)} window(s) of {window}")
     model = llm.llm_engine.core.runner.model
-    fn = _quantizer_perplexity() or engine_perplexity
-    out = dict(fn(model, windows, device))
-    out.update(window=window, text_tokens=len(token_ids), text=str(job.ppl_text))
-    return out
+    nll, count = perplexity_of_model(model, ids, window, window, device)
+    # The same digest as `pagoda eval perplexity`: equal <=> same tokens and windows.
+    digest = hashlib.sha256(json.dumps([ids, window, window]).encode()).hexdigest()[:16]
+    return {
+        "ppl": math.exp(nll),
+        "nll_per_token": nll,
+        "tokens": count,
+        "windows": len(spans),
+        "window": window,
+        "stride": window,
+        "text_tokens": len(ids),
+        "tokens_sha256": digest,
+        "text": str(job.ppl_text),
+        "method": "pagoda.bench.perplexity.perplexity_of_model",
+    }
 
 
 # ---------------------------------------------------------------------- transformers

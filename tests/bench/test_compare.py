@@ -10,12 +10,10 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from pagoda.bench import compare, compare_report, compare_worker
 from pagoda.entrypoints import cli
@@ -133,7 +131,9 @@ def test_report_json_fields_and_ratios(result, models):
     r = small["result"]
     assert r["kv_tokens"] == r["memory_report"]["kv_token_capacity"]
     assert r["max_concurrency"] == pytest.approx(r["kv_tokens"] / 128)
-    assert r["perplexity"]["windows"] == large["result"]["perplexity"]["windows"] >= 2
+    # same tokenizer, same text: the same tokens and windows for both models
+    assert r["perplexity"]["tokens_sha256"] == large["result"]["perplexity"]["tokens_sha256"]
+    assert r["perplexity"]["windows"] >= 2
     assert 1.0 < r["ppl"] < 2 * 384  # a random model: near-uniform over the vocabulary
 
 
@@ -214,45 +214,33 @@ def test_failed_configuration_is_reported_not_fatal():
     assert "**a** failed: ValueError: boom" in md and "| metric | b |" in md
 
 
-def test_perplexity_windows():
-    ids = list(range(10))
-    assert compare_worker.perplexity_windows(ids, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert compare_worker.perplexity_windows(ids, 16) == [ids]
-    with pytest.raises(ValueError, match="at least 2"):
-        compare_worker.perplexity_windows([5], 4)
+def test_perplexity_is_the_same_as_pagoda_eval_perplexity(models, result):
+    """compare's perplexity column is `pagoda eval perplexity` on the same tokens."""
+    from pagoda.bench.perplexity import evaluate
+
+    small, _, text = models
+    report = json.loads((result[2] / "report.json").read_text())
+    ours = report["configs"][0]["result"]["perplexity"]
+    theirs = evaluate(str(small), str(text), window=64, device="cpu")
+    assert ours["tokens_sha256"] == theirs.tokens_sha256
+    assert ours["tokens"] == theirs.num_scored
+    assert ours["ppl"] == pytest.approx(theirs.perplexity, rel=1e-4)
 
 
-def test_engine_perplexity_matches_transformers(models):
-    """The worker's perplexity through pagoda's model equals transformers' loss."""
-    from transformers import AutoModelForCausalLM
-
+def test_quantized_spec_is_checked(models):
+    """`config:...:w4a16` loads W4A16 layers and is named so; never a silent unquantized row."""
     from pagoda import LLM
 
-    small, _, _ = models
-    llm = LLM(str(small), max_model_len=128, print_memory_report=False, skip_tokenizer_init=True)
-    rng = random.Random(1)
-    windows = [[rng.randrange(384) for _ in range(40)] for _ in range(3)]
-    got = compare_worker.engine_perplexity(llm.llm_engine.core.runner.model, windows, "cpu")
-    hf = AutoModelForCausalLM.from_pretrained(small, dtype=torch.float32).eval()
-    with torch.no_grad():
-        losses = [hf(torch.tensor([w]), labels=torch.tensor([w])).loss.item() for w in windows]
-    assert got["tokens"] == 3 * 39 and got["windows"] == 3
-    assert got["ppl"] == pytest.approx(math.exp(sum(losses) / 3), rel=1e-4)
+    _, large, _ = models  # hidden 128: group size 128 divides every layer
+    llm = LLM(f"config:{large / 'config.json'}:w4a16", max_model_len=64, print_memory_report=False)
+    info = compare_worker._check_quantization(llm)
+    assert info["quantization"] == "W4A16 g128"
+    assert info["quantized_linear_layers"] == info["linear_layers"] > 0
+    # a layer left unquantized while quantization was requested is an error, not a row
+    from pagoda.layers.linear import LinearBase, UnquantizedLinearMethod
 
-
-def test_quantized_spec_never_reported_unquantized(models):
-    """`config:...:w4a16` either loads quantized layers or fails; never a silent bf16 row."""
-    from pagoda import LLM
-
-    small, _, _ = models
-    try:
-        llm = LLM(f"config:{small / 'config.json'}:w4a16", max_model_len=64,
-                  print_memory_report=False)  # fmt: skip
-    except (NotImplementedError, ValueError):
-        return  # quantized loading refused outright: fine
-    try:
-        info = compare_worker._check_quantization(llm)
-    except ValueError as e:
-        assert "unquantized" in str(e)
-        return
-    assert info["quantization"] == "w4a16" and info["quantized_linear_layers"] > 0
+    for m in llm.llm_engine.core.runner.model.modules():
+        if isinstance(m, LinearBase):
+            m.linear_method = UnquantizedLinearMethod()
+    with pytest.raises(ValueError, match="unquantized"):
+        compare_worker._check_quantization(llm)
