@@ -26,8 +26,9 @@ def hf_dir_from_gguf(gguf_path: str, out_dir: Path) -> Path:
     if (out_dir / "config.json").is_file():
         return out_dir
     p = Path(gguf_path)
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
-                                                      dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        str(p.parent), gguf_file=p.name, dtype=torch.float32
+    )
     # A GGUF-loaded model refuses save_pretrained: copy its weights into a plain model.
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
@@ -69,20 +70,24 @@ def main() -> None:
         hf_dir = hf_dir_from_gguf(source.path, hf_dir)
     else:
         hf_dir = Path(source.path)
-    data = load_calibration_data(ns.dataset, load_tokenizer(source), ns.num_samples,
-                                 ns.max_seq_len, ns.seed)
-    ids = [s.tolist() for s in data.samples]
-    dataset = Dataset.from_dict(
-        {"input_ids": ids, "attention_mask": [[1] * len(s) for s in ids]}
+    data = load_calibration_data(
+        ns.dataset, load_tokenizer(source), ns.num_samples, ns.max_seq_len, ns.seed
     )
+    ids = [s.tolist() for s in data.samples]
+    dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(s) for s in ids]})
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     recipe = GPTQModifier(
         config_groups={
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                            "strategy": "group", "group_size": ns.group_size},
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group",
+                    "group_size": ns.group_size,
+                },
             }
         },
         ignore=["lm_head"],
@@ -91,12 +96,23 @@ def main() -> None:
         actorder=None if ns.actorder == "none" else ns.actorder,
     )
     start = time.perf_counter()
-    oneshot(model=model, tokenizer=tokenizer, dataset=dataset, recipe=recipe,
-            num_calibration_samples=len(ids), max_seq_length=ns.max_seq_len,
-            shuffle_calibration_samples=False, output_dir=str(out))
+    oneshot(
+        model=model,
+        tokenizer=tokenizer,
+        dataset=dataset,
+        recipe=recipe,
+        num_calibration_samples=len(ids),
+        max_seq_length=ns.max_seq_len,
+        shuffle_calibration_samples=False,
+        output_dir=str(out),
+    )
     seconds = time.perf_counter() - start
-    info = {"seconds": seconds, "num_samples": len(ids), "num_tokens": data.num_tokens,
-            "torch_threads": torch.get_num_threads()}
+    info = {
+        "seconds": seconds,
+        "num_samples": len(ids),
+        "num_tokens": data.num_tokens,
+        "torch_threads": torch.get_num_threads(),
+    }
     (out / "llmcompressor_run.json").write_text(json.dumps(info, indent=2))
     print(json.dumps(info))
 

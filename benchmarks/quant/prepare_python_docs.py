@@ -73,7 +73,9 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--html", default=None, help="python3-doc html dir (auto-detected)")
     ns = parser.parse_args()
-    html_dir = Path(ns.html or sorted(glob.glob("/usr/share/doc/python3.*/html/library"))[-1]).parent
+    html_dir = Path(
+        ns.html or sorted(glob.glob("/usr/share/doc/python3.*/html/library"))[-1]
+    ).parent
     if ns.html:
         html_dir = Path(ns.html)
     out = Path(ns.out_dir)

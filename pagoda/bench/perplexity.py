@@ -51,8 +51,9 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
     return spans
 
 
-def perplexity_of_model(model: Any, token_ids: list[int], window: int, stride: int,
-                        device: torch.device) -> tuple[float, int]:
+def perplexity_of_model(
+    model: Any, token_ids: list[int], window: int, stride: int, device: torch.device
+) -> tuple[float, int]:
     """(mean NLL, tokens scored) of `token_ids` under a pagoda model (no KV cache)."""
     total, count = 0.0, 0
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
@@ -70,9 +71,15 @@ def perplexity_of_model(model: Any, token_ids: list[int], window: int, stride: i
     return total / max(count, 1), count
 
 
-def evaluate(model_arg: str | None, text_file: str, max_tokens: int | None = None,
-             window: int = 512, stride: int | None = None, device: str = "auto",
-             dtype: str = "auto") -> PerplexityResult:
+def evaluate(
+    model_arg: str | None,
+    text_file: str,
+    max_tokens: int | None = None,
+    window: int = 512,
+    stride: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> PerplexityResult:
     from pagoda.engine.args import EngineArgs
     from pagoda.model_files import load_tokenizer
     from pagoda.models.loader import load_model
@@ -88,7 +95,9 @@ def evaluate(model_arg: str | None, text_file: str, max_tokens: int | None = Non
         model=model_arg, device=device, dtype=dtype, max_model_len=None
     ).create_configs()
     if window > model_config.max_model_len:
-        raise ValueError(f"window={window} exceeds the model's context ({model_config.max_model_len})")
+        raise ValueError(
+            f"window={window} exceeds the model's context ({model_config.max_model_len})"
+        )
     tokenizer = load_tokenizer(source)
     if tokenizer is None:
         raise ValueError(f"{source.path} has no tokenizer")
@@ -99,23 +108,35 @@ def evaluate(model_arg: str | None, text_file: str, max_tokens: int | None = Non
         raise ValueError(f"{text_file}: fewer than 2 tokens of text")
     dev = torch.device(runner_config.device)
     model = load_model(model_config, dev)
-    weights_bytes = sum(t.numel() * t.element_size()
-                        for t in list(model.parameters()) + list(model.buffers()))
+    weights_bytes = sum(
+        t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+    )
     start = time.perf_counter()
     nll, count = perplexity_of_model(model, ids, window, stride, dev)
     digest = hashlib.sha256(json.dumps([ids, window, stride]).encode()).hexdigest()[:16]
     quant = model_config.quantization
     return PerplexityResult(
-        model=source.name, perplexity=math.exp(nll), nll=nll, num_tokens=len(ids),
-        num_scored=count, window=window, stride=stride, tokens_sha256=digest,
-        seconds=time.perf_counter() - start, weights_bytes=weights_bytes,
+        model=source.name,
+        perplexity=math.exp(nll),
+        nll=nll,
+        num_tokens=len(ids),
+        num_scored=count,
+        window=window,
+        stride=stride,
+        tokens_sha256=digest,
+        seconds=time.perf_counter() - start,
+        weights_bytes=weights_bytes,
         quantization=None if quant is None else json.dumps(quant.get("config_groups") or quant),
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="model directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="model directory or .gguf (default: the embedded SmolLM2)",
+    )
     parser.add_argument("--text", required=True, help="UTF-8 text file to score")
     parser.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")
     parser.add_argument("--window", type=int, default=512)
@@ -127,9 +148,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     result = evaluate(ns.model, ns.text, ns.max_tokens, ns.window, ns.stride, ns.device, ns.dtype)
-    print(f"{result.model}: perplexity {result.perplexity:.4f} over {result.num_scored} tokens "
-          f"(window {result.window}, stride {result.stride}, tokens {result.tokens_sha256}, "
-          f"{result.seconds:.1f} s)")
+    print(
+        f"{result.model}: perplexity {result.perplexity:.4f} over {result.num_scored} tokens "
+        f"(window {result.window}, stride {result.stride}, tokens {result.tokens_sha256}, "
+        f"{result.seconds:.1f} s)"
+    )
     if ns.json:
         Path(ns.json).write_text(json.dumps(asdict(result), indent=2) + "\n")
     return 0

@@ -21,15 +21,20 @@ from pagoda.config import (
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
 
-
 # `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128).
 _DUMMY_QUANT_BITS = {"w4a16": 4, "w8a16": 8}
 
 
 def _dummy_quantization_config(num_bits: int) -> dict[str, Any]:
     """A compressed-tensors config like `pagoda quantize` writes (symmetric, group 128)."""
-    weights = {"num_bits": num_bits, "type": "int", "symmetric": True, "strategy": "group",
-               "group_size": 128, "actorder": None}
+    weights = {
+        "num_bits": num_bits,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": 128,
+        "actorder": None,
+    }
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",

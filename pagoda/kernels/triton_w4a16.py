@@ -9,6 +9,7 @@ each program reduces a slice of K into an fp32 buffer [SPLIT_K, M, N] summed aft
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,9 @@ def _wna16_gemm_kernel(
     if PER_CHANNEL:
         scale = tl.load(s_ptr + offs_n * stride_sn, mask=mask_n, other=0.0)
         acc = acc * scale.to(tl.float32)[None, :]
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_ptrs = (
+        out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    )
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -121,6 +124,11 @@ def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) 
     return GemmConfig(128, 128, block_k, 1, num_warps=8, num_stages=3)
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def wna16_gemm(
     x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32
     qweight_t: torch.Tensor,  # [ceil(K / f), N] int32
@@ -134,14 +142,11 @@ def wna16_gemm(
     n = qweight_t.shape[1]
     per_channel = group_size >= k
     if not per_channel and group_size % 16:
-        raise ValueError(f"the Triton W{bits}A16 GEMM needs a group size multiple of 16, "
-                         f"got {group_size}")
-    if config is None:
-        num_sms = (
-            torch.cuda.get_device_properties(x.device).multi_processor_count
-            if x.is_cuda
-            else 8
+        raise ValueError(
+            f"the Triton W{bits}A16 GEMM needs a group size multiple of 16, got {group_size}"
         )
+    if config is None:
+        num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
         config = default_config(m, n, k, group_size if not per_channel else 128, num_sms)
     block_k = config.block_k
     if not per_channel and group_size % block_k:

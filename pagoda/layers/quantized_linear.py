@@ -3,8 +3,8 @@
 `WNA16LinearMethod` creates the parameters a checkpoint stores (compressed-tensors
 `pack-quantized` / `naive-quantized`, or legacy GPTQ `qweight/qzeros/scales/g_idx`) so that the
 fused loaders fill them by name, then `process_weights_after_loading` repacks them once for the
-device: CPU int4 -> torch's `_weight_int4pack_mm_for_cpu`; CUDA -> the Triton dequant-GEMM
-(split-K for small M); anything else -> dequantize on the fly (`pagoda.kernels.wna16`).
+device: CUDA -> the Triton dequant-GEMM (split-K for small M); CPU -> int8 codes dequantized per
+call (one broadcast multiply) then a dense matmul.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pagoda.layers.linear import LinearMethod, LinearMethodFactory, UnquantizedL
 
 CT_FORMATS = ("pack-quantized", "naive-quantized")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
-_CPU_INT4_GROUPS = (32, 64, 128, 256)  # what torch's CPU int4 GEMM accepts
+_TINYGEMM_GROUPS = (32, 64, 128, 256)  # what torch's int4 GEMM accepts
 
 
 @dataclass(frozen=True)
@@ -214,8 +214,9 @@ def make_linear_method_factory(
 # ---------------------------------------------------------------- the linear method
 
 
-def _param(layer: nn.Module, name: str, data: torch.Tensor, output_dim: int | None,
-           pack: int = 1) -> None:
+def _param(
+    layer: nn.Module, name: str, data: torch.Tensor, output_dim: int | None, pack: int = 1
+) -> None:
     p = nn.Parameter(data, requires_grad=False)
     p.output_dim = output_dim
     p.output_pack_factor = pack
@@ -235,11 +236,13 @@ class _Unpacked:
 class WNA16LinearMethod(LinearMethod):
     """Weight-only int4/int8 linear layer (compressed-tensors or legacy GPTQ checkpoints).
 
-    After loading a layer holds `qweight_t` [in / f, out] int32 (packed along the input, f = 32
-    / bits), `scales_t` [groups, out], optional `zeros_t` [groups, out] (8 + zero point, as
-    float) and `input_perm` [in] (act-order checkpoints with g_idx: the weight's columns are
-    sorted by group so the kernel sees contiguous groups; x is permuted alike per call).
-    On CPU with 4 bits and a supported group size it holds torch's int4 layout instead.
+    After loading, on CUDA a layer holds `qweight_t` [in / f, out] int32 (packed along the
+    input, f = 32 / bits), `scales_t` [groups, out] and optional `zeros_t` [groups, out]
+    (2^(bits-1) + zero point, as float); elsewhere `codes` [out, in] int8, `scales` and `zeros`
+    [out, groups]. Act-order checkpoints with a g_idx also get `input_perm` [in]: the weight's
+    columns are sorted by group so that groups are contiguous; x is permuted alike per call.
+    A fused layer keeps one g_idx: its projections read one input, so GPTQ's act-order (by
+    that input's Hessian) gives them the same one, as vLLM also assumes.
     """
 
     def __init__(self, args: WeightQuantArgs, checkpoint_format: str = "pack-quantized") -> None:
@@ -268,27 +271,38 @@ class WNA16LinearMethod(LinearMethod):
                 f"multiples of {f}, so packed zero points cannot be split by shard"
             )
         if self.format == "pack-quantized":
-            _param(layer, "weight_packed",
-                   torch.zeros(out, math.ceil(in_features / f), dtype=torch.int32), 0)
+            _param(
+                layer,
+                "weight_packed",
+                torch.zeros(out, math.ceil(in_features / f), dtype=torch.int32),
+                0,
+            )
             _param(layer, "weight_scale", torch.ones(out, num_groups, dtype=dtype), 0)
             # [out, in] of the checkpoint; one shape per HF module, so not split by shard.
             _param(layer, "weight_shape", torch.zeros(2, dtype=torch.int64), None)
             names = ["weight_packed", "weight_scale", "weight_shape"]
             if not args.symmetric:
-                _param(layer, "weight_zero_point",
-                       torch.zeros(out // f, num_groups, dtype=torch.int32), 0, f)
+                _param(
+                    layer,
+                    "weight_zero_point",
+                    torch.zeros(out // f, num_groups, dtype=torch.int32),
+                    0,
+                    f,
+                )
                 names.append("weight_zero_point")
         elif self.format == "naive-quantized":
             _param(layer, "weight", torch.zeros(out, in_features, dtype=torch.int8), 0)
             _param(layer, "weight_scale", torch.ones(out, num_groups, dtype=dtype), 0)
             names = ["weight", "weight_scale"]
             if not args.symmetric:
-                _param(layer, "weight_zero_point",
-                       torch.zeros(out, num_groups, dtype=torch.int8), 0)
+                _param(
+                    layer, "weight_zero_point", torch.zeros(out, num_groups, dtype=torch.int8), 0
+                )
                 names.append("weight_zero_point")
         else:  # legacy GPTQ: [in, out] layouts, output along dim 1
-            _param(layer, "qweight",
-                   torch.zeros(math.ceil(in_features / f), out, dtype=torch.int32), 1)
+            _param(
+                layer, "qweight", torch.zeros(math.ceil(in_features / f), out, dtype=torch.int32), 1
+            )
             _param(layer, "qzeros", torch.zeros(num_groups, out // f, dtype=torch.int32), 1, f)
             _param(layer, "scales", torch.ones(num_groups, out, dtype=dtype), 1)
             _param(layer, "g_idx", torch.zeros(in_features, dtype=torch.int32), None)
@@ -305,8 +319,16 @@ class WNA16LinearMethod(LinearMethod):
         for name in self._ckpt_params:
             p = getattr(layer, name).data
             if name in ("weight_packed", "qweight", "weight_zero_point", "qzeros"):
-                p.copy_(torch.randint(-(2**31), 2**31 - 1, p.shape, generator=generator,
-                                      device=p.device, dtype=torch.int64).to(torch.int32))
+                p.copy_(
+                    torch.randint(
+                        -(2**31),
+                        2**31 - 1,
+                        p.shape,
+                        generator=generator,
+                        device=p.device,
+                        dtype=torch.int64,
+                    ).to(torch.int32)
+                )
             elif name in ("weight_scale", "scales"):
                 # |q| <= 8: these scales give weights of the dense dummy's size (0.05).
                 p.uniform_(0.002, 0.008, generator=generator)
@@ -368,75 +390,80 @@ class WNA16LinearMethod(LinearMethod):
             sorted_groups = u.g_idx.long()[perm]
             expected = torch.arange(in_features, device=device) // group
             if not torch.equal(sorted_groups, expected):
-                raise ValueError(
-                    f"{layer.prefix}: g_idx does not give every group {group} columns"
-                )
+                raise ValueError(f"{layer.prefix}: g_idx does not give every group {group} columns")
             qweight = qweight[:, perm].contiguous()
             _param(layer, "input_perm", perm.to(torch.int64), None)
         else:
             layer.input_perm = None
         layer.wna16_bits = args.num_bits
+        if device.type != "cuda" or (group < in_features and group % 16):
+            # Dequantize per call from int8 codes (1 byte per weight). torch's CPU int4 GEMM
+            # (_weight_int4pack_mm_for_cpu) measured 56x (M=1) to 80x (M=512) slower than the
+            # dense fp32 matmul on the 2-core CI machine; int8 codes dequantize in ~0.3 ms per
+            # million weights, a small cost next to the matmul, and memory stays <= 1 B/weight.
+            layer.wna16_backend = "dequant"
+            _param(layer, "codes", qweight.contiguous(), None)  # [out, in] int8
+            _param(layer, "scales", scale.to(dtype).contiguous(), None)  # [out, groups]
+            if zp is not None:
+                _param(layer, "zeros", zp.to(dtype).contiguous(), None)  # [out, groups]
+            else:
+                layer.zeros = None
+            return
+        layer.wna16_backend = "triton"  # tl.dot needs K-tiles of >= 16 inside one group
         scale_t = scale.t().to(dtype).contiguous()  # [groups, out]
         offset = 1 << (args.num_bits - 1)
-        # The kernels read unsigned codes u = q + offset: w = (u - (offset + zp)) * s.
-        zeros_t = None if zp is None else (zp.t().to(torch.float32) + offset).to(dtype)
-        layer.wna16_backend = "dequant"
-        if (
-            device.type == "cpu"
-            and args.num_bits == 4
-            and group in _CPU_INT4_GROUPS
-            and in_features % group == 0
-            and layer.out_features % 16 == 0
-        ):
-            # torch's CPU int4 GEMM: w = (u - 8) * s + z per group, u the unsigned code.
-            codes = (qweight.to(torch.int32) + 8).contiguous()  # [out, in] in [0, 16)
-            zero = torch.zeros_like(scale_t) if zp is None else -(zp.t().to(dtype) * scale_t)
-            _param(layer, "int4pack", torch._convert_weight_to_int4pack_for_cpu(codes, 1), None)
-            _param(layer, "scale_and_zeros", torch.stack([scale_t, zero], dim=-1).contiguous(),
-                   None)
-            layer.wna16_backend = "cpu_int4"
-            return
         _param(layer, "qweight_t", pack_to_int32(qweight, args.num_bits, 1).t().contiguous(), None)
         _param(layer, "scales_t", scale_t, None)
-        if zeros_t is not None:
-            _param(layer, "zeros_t", zeros_t.contiguous(), None)
+        if zp is not None:
+            # The kernel reads unsigned codes u = q + offset: w = (u - (offset + zp)) * s.
+            zeros_t = (zp.t().to(torch.float32) + offset).to(dtype).contiguous()
+            _param(layer, "zeros_t", zeros_t, None)
         else:
             layer.zeros_t = None
-        if device.type == "cuda":
-            layer.wna16_backend = "triton"
-            if (
-                os.environ.get("PAGODA_WNA16_SMALL_M") == "tinygemm"
-                and args.num_bits == 4
-                and dtype == torch.bfloat16
-                and group in _CPU_INT4_GROUPS
-                and layer.out_features % 8 == 0
-                and in_features % 1024 == 0
-            ):
-                # Opt-in second copy in torch's tinygemm layout for M <= 16 (benchmarks decide).
-                codes = (qweight.to(torch.int32) + 8)
-                packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
-                zero = torch.zeros_like(scale_t) if zp is None else -(zp.t().to(dtype) * scale_t)
-                _param(layer, "int4pack", torch._convert_weight_to_int4pack(packed_u8, 8), None)
-                _param(layer, "scale_and_zeros",
-                       torch.stack([scale_t, zero], dim=-1).contiguous(), None)
+        if (
+            os.environ.get("PAGODA_WNA16_SMALL_M") == "tinygemm"
+            and args.num_bits == 4
+            and dtype == torch.bfloat16
+            and group in _TINYGEMM_GROUPS
+            and layer.out_features % 8 == 0
+            and in_features % 1024 == 0
+        ):
+            # Opt-in second copy in torch's tinygemm layout for M <= 16 (the H200 GEMM
+            # benchmark decides whether it beats the split-K Triton path).
+            codes = qweight.to(torch.int32) + 8
+            packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+            zero = torch.zeros_like(scale_t) if zp is None else -(zp.t().to(dtype) * scale_t)
+            _param(layer, "int4pack", torch._convert_weight_to_int4pack(packed_u8, 8), None)
+            sz = torch.stack([scale_t, zero], dim=-1).contiguous()
+            _param(layer, "scale_and_zeros", sz, None)
 
     # ------------------------------------------------------------ forward
 
-    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
-        """[out, in] weight in the layer dtype, in the checkpoint's column order."""
-        if layer.wna16_backend == "cpu_int4":
-            eye = torch.eye(layer.in_features, dtype=layer.scale_and_zeros.dtype)
-            w_t = torch._weight_int4pack_mm_for_cpu(
-                eye, layer.int4pack, layer.wna16_group_size, layer.scale_and_zeros
-            )  # [in, out]
-            w = w_t.t()
+    def _dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] weight in the kernel's column order (act-order: sorted by group)."""
+        if layer.wna16_backend == "dequant":
+            q, scale, zp = layer.codes, layer.scales, layer.zeros
         else:
-            q = unpack_from_int32(layer.qweight_t.data, layer.wna16_bits, layer.in_features, 0)
+            # [in / f, out] packed along the input -> [out, in] signed codes
+            q = unpack_from_int32(layer.qweight_t.data, layer.wna16_bits, layer.in_features, 0).t()
+            scale = layer.scales_t.t()
             zp = None
             if layer.zeros_t is not None:
                 zp = layer.zeros_t.t().to(torch.float32) - (1 << (layer.wna16_bits - 1))
-            w = dequantize_weight(q, layer.scales_t.t(), zp, layer.wna16_group_size,
-                                  dtype=layer.params_dtype)
+        out_features, in_features = q.shape
+        group = layer.wna16_group_size
+        if in_features % group == 0:
+            # [out, groups, group] * [out, groups, 1]: one broadcast, no expanded scale copy.
+            w = q.view(out_features, -1, group).to(torch.float32)
+            if zp is not None:
+                w = w - zp.to(torch.float32).unsqueeze(-1)
+            w = (w * scale.to(torch.float32).unsqueeze(-1)).view(out_features, in_features)
+            return w.to(dtype)
+        return dequantize_weight(q, scale, zp, group, dtype=dtype)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """[out, in] weight in the layer dtype, in the checkpoint's column order."""
+        w = self._dequantize(layer, layer.params_dtype)
         if layer.input_perm is not None:
             w = w[:, torch.argsort(layer.input_perm)]
         return w.contiguous()
@@ -446,24 +473,12 @@ class WNA16LinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1])  # [M, in]
         if layer.input_perm is not None:
             x2 = x2.index_select(1, layer.input_perm)
-        backend = layer.wna16_backend
-        if backend == "cpu_int4":
-            sz = layer.scale_and_zeros
-            out = torch._weight_int4pack_mm_for_cpu(
-                x2.to(sz.dtype).contiguous(), layer.int4pack, layer.wna16_group_size, sz
-            ).to(x.dtype)
-        elif backend == "triton":
+        if layer.wna16_backend == "triton":
             out = self._apply_cuda(layer, x2)
+            if bias is not None:
+                out = out + bias
         else:
-            q = unpack_from_int32(layer.qweight_t.data, layer.wna16_bits, layer.in_features, 0)
-            zp = None
-            if layer.zeros_t is not None:
-                zp = layer.zeros_t.t().to(torch.float32) - (1 << (layer.wna16_bits - 1))
-            w = dequantize_weight(q, layer.scales_t.t(), zp, layer.wna16_group_size,
-                                  dtype=x.dtype)
-            out = x2 @ w.t()
-        if bias is not None:
-            out = out + bias
+            out = torch.nn.functional.linear(x2, self._dequantize(layer, x.dtype), bias)
         return out.reshape(*shape[:-1], out.shape[-1])
 
     def _apply_cuda(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
@@ -475,6 +490,10 @@ class WNA16LinearMethod(LinearMethod):
                 x2.to(sz.dtype).contiguous(), layer.int4pack, layer.wna16_group_size, sz
             ).to(x2.dtype)
         return wna16_gemm(
-            x2, layer.qweight_t, layer.scales_t, layer.zeros_t, layer.wna16_group_size,
+            x2,
+            layer.qweight_t,
+            layer.scales_t,
+            layer.zeros_t,
+            layer.wna16_group_size,
             layer.wna16_bits,
         )

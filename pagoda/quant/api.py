@@ -42,7 +42,8 @@ from pagoda.quant.pipeline import (
     layer_targets,
     quantize_layers,
 )
-from pagoda.quant.schemes import SCHEMES, quantization_config as make_quant_config, scheme_args
+from pagoda.quant.schemes import SCHEMES, scheme_args
+from pagoda.quant.schemes import quantization_config as make_quant_config
 
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -96,12 +97,16 @@ def quantize(
     device: str = "auto",
     dtype: str = "auto",
     progress: bool = True,
+    gptq_scales: str = "first_touch",
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
     `ignore`: module names or `re:` patterns (matched at the start of the dotted name) kept
-    unquantized; the LM head is never quantized. `dtype`: what the checkpoint stores (scales,
-    unquantized tensors); "auto" takes the model's dtype (bfloat16 when it has none).
+    unquantized; the LM head is never quantized. `dataset="random"` draws random token ids
+    (timing runs); a `config:PATH.json` model gets deterministic random weights. `dtype`: what
+    the checkpoint stores (scales, unquantized tensors); "auto" takes the model's dtype
+    (bfloat16 when it has none). `gptq_scales`: "first_touch" (a group's scale from the
+    error-updated weights when GPTQ reaches it) or "upfront" (from the original weights).
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -161,20 +166,39 @@ def quantize(
     tokenizer = load_tokenizer(source)
     samples: list[torch.Tensor] = []
     num_tokens = 0
-    if dataset is not None:
+    if dataset == "random":
+        # Random token ids: for timing runs (e.g. dummy `config:` models), not for quality.
+        g = torch.Generator().manual_seed(seed)
+        vocab = text_config.vocab_size
+        samples = [torch.randint(0, vocab, (max_seq_len,), generator=g) for _ in range(num_samples)]
+        num_tokens = num_samples * max_seq_len
+    elif dataset is not None:
         if tokenizer is None:
             raise ValueError(f"{source.path} has no tokenizer to read the calibration data")
         data = load_calibration_data(dataset, tokenizer, num_samples, max_seq_len, seed)
         samples, num_tokens = data.samples, data.num_tokens
-    weights = WeightSource.from_model_config(model_config)
+    if source.kind == "config":
+        weights = WeightSource.dummy(skeleton, seed)
+    else:
+        weights = WeightSource.from_model_config(model_config)
 
     report = QuantizeReport(
-        method=method, scheme=scheme.upper(), group_size=group_size,
-        num_samples=len(samples), num_tokens=num_tokens, device=str(dev),
+        method=method,
+        scheme=scheme.upper(),
+        group_size=group_size,
+        num_samples=len(samples),
+        num_tokens=num_tokens,
+        device=str(dev),
     )
     options = PipelineOptions(
-        method=method, block_size=block_size, dampening=dampening, device=dev,
-        compute_dtype=compute_dtype, storage_dtype=storage_dtype, progress=progress,
+        method=method,
+        block_size=block_size,
+        dampening=dampening,
+        device=dev,
+        compute_dtype=compute_dtype,
+        storage_dtype=storage_dtype,
+        progress=progress,
+        gptq_scales=gptq_scales,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     with staged_directory(out_dir) as tmp:

@@ -76,7 +76,9 @@ def _check_messages(path: Path, index: int, messages: Any) -> list[dict[str, str
 def _record(path: Path, index: int, obj: Any) -> str | list[dict[str, str]]:
     """A text string or a chat (list of messages) from one JSON / JSONL record."""
     if not isinstance(obj, dict):
-        raise ValueError(f"{path}: record {index}: expected a JSON object, got {type(obj).__name__}")
+        raise ValueError(
+            f"{path}: record {index}: expected a JSON object, got {type(obj).__name__}"
+        )
     if "conversations" in obj:
         return _messages_from_conversation(path, index, obj["conversations"])
     if "messages" in obj:

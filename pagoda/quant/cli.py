@@ -37,6 +37,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         device=ns.device,
         dtype=ns.dtype,
         progress=not ns.no_progress,
+        gptq_scales=ns.gptq_scales,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -54,17 +55,28 @@ def _cmd_perplexity(ns: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser("quantize", help="quantize a model (GPTQ / RTN) to compressed-tensors")
-    q.add_argument("model", nargs="?", default=None,
-                   help="HF model directory or .gguf file (default: the embedded SmolLM2)")
+    q.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF model directory or .gguf file (default: the embedded SmolLM2)",
+    )
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     q.add_argument("--scheme", default="W4A16", help="W4A16 | W4A16_ASYM | W8A16")
     q.add_argument("--method", default="gptq", choices=["gptq", "rtn"])
     q.add_argument("--group-size", type=_group_size, default=128, help="-1: per channel")
-    q.add_argument("--ignore", action="append", default=None,
-                   help="module kept unquantized: exact name or 're:' pattern matched at the "
-                        "start of the dotted name (repeatable; default: lm_head)")
-    q.add_argument("--dataset", default=None,
-                   help="calibration file: conversation .json, .jsonl (text/messages), or text")
+    q.add_argument(
+        "--ignore",
+        action="append",
+        default=None,
+        help="module kept unquantized: exact name or 're:' pattern matched at the "
+        "start of the dotted name (repeatable; default: lm_head)",
+    )
+    q.add_argument(
+        "--dataset",
+        default=None,
+        help="calibration file: conversation .json, .jsonl (text/messages), or text",
+    )
     q.add_argument("--num-samples", type=int, default=256)
     q.add_argument("--max-seq-len", type=int, default=2048)
     q.add_argument("--seed", type=int, default=0)
@@ -72,8 +84,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--block-size", type=int, default=128)
     q.add_argument("--actorder", default="static", choices=["static", "none"])
     q.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    q.add_argument("--dtype", default="auto",
-                   help="stored dtype of scales and unquantized tensors (auto: the model's)")
+    q.add_argument(
+        "--dtype",
+        default="auto",
+        help="stored dtype of scales and unquantized tensors (auto: the model's)",
+    )
+    q.add_argument(
+        "--gptq-scales",
+        default="first_touch",
+        choices=["first_touch", "upfront"],
+        help="group scales from the error-updated weights when GPTQ reaches the group "
+        "(default) or from the original weights up front (llmcompressor's way)",
+    )
     q.add_argument("--report", default=None, help="also write the report JSON here")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(func=_cmd_quantize)

@@ -1,11 +1,9 @@
 """GPTQ (Frantar et al., 2022) as pure functions on a weight [out, in] and its Hessian [in, in].
 
-H = 2 X Xᵀ / N over the calibration inputs X [in, N]; dampening adds percdamp × mean(diag H);
-dead columns (zero diagonal) are zeroed; the upper Cholesky factor of H⁻¹ drives column-by-column
-rounding with error feedback inside blocks of `block_size` columns and one matmul per block.
-Static act-order quantizes columns by decreasing diag(H) while groups stay in the original
-column order (compressed-tensors `actorder: static`: no g_idx is stored). A group's scale is
-computed when its first column is reached, from the current (error-updated) weights.
+H = 2 X Xᵀ / N; dampening adds percdamp × mean(diag H); dead columns are zeroed; the upper
+Cholesky factor of H⁻¹ drives column-by-column rounding with error feedback inside blocks of
+`block_size` columns. Static act-order visits columns by decreasing diag(H) while groups stay in
+the original column order (compressed-tensors `actorder: static`: no g_idx is stored).
 """
 
 from __future__ import annotations
@@ -22,8 +20,9 @@ from pagoda.quant.rtn import QuantizedWeight, compute_qparams, fake_quantize, qu
 class HessianAccumulator:
     """Running H = 2 X Xᵀ / N for one linear input; float32 (or float64) whatever x's dtype."""
 
-    def __init__(self, in_features: int, device: torch.device | str,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, in_features: int, device: torch.device | str, dtype: torch.dtype = torch.float32
+    ) -> None:
         self.hessian = torch.zeros(in_features, in_features, device=device, dtype=dtype)
         self.num_tokens = 0
 
@@ -70,8 +69,16 @@ def gptq_quantize(
     block_size: int = 128,
     dampening: float = 0.01,
     scale_dtype: torch.dtype = torch.bfloat16,
+    scales: str = "first_touch",
 ) -> GPTQResult:
-    """Quantize `weight` with GPTQ; `args.actorder` None or "static"."""
+    """Quantize `weight` with GPTQ; `args.actorder` None or "static".
+
+    scales: "first_touch" computes a group's scale when GPTQ reaches the group's first column,
+    from the error-updated weights; "upfront" computes every scale from the original weights
+    before any column is quantized (what llmcompressor 0.14 does with its observer).
+    """
+    if scales not in ("first_touch", "upfront"):
+        raise ValueError(f"scales must be 'first_touch' or 'upfront', got {scales!r}")
     if args.actorder not in (None, "static", "weight"):
         raise ValueError(f"GPTQ supports actorder None or 'static', got {args.actorder!r}")
     out_features, in_features = weight.shape
@@ -105,6 +112,13 @@ def gptq_quantize(
     scale = torch.zeros(out_features, num_groups, device=device)
     zero = None if args.symmetric else torch.zeros(out_features, num_groups, device=device)
     ready = [False] * num_groups
+    if scales == "upfront":
+        for g, cols in enumerate(members_t):
+            s, z = compute_qparams(w[:, cols], args, scale_dtype)
+            scale[:, g] = s
+            if zero is not None:
+                zero[:, g] = z
+            ready[g] = True
 
     loss = torch.zeros((), device=device, dtype=torch.float64)
     for i1 in range(0, in_features, block_size):
@@ -133,8 +147,9 @@ def gptq_quantize(
                     zero[:, g] = z
                 ready[g] = True
             col = w1[:, i]
-            q = fake_quantize(col[:, None], scale[:, g], None if zero is None else zero[:, g],
-                              args)[:, 0]
+            q = fake_quantize(
+                col[:, None], scale[:, g], None if zero is None else zero[:, g], args
+            )[:, 0]
             q1[:, i] = q
             e = (col - q) / u1[i, i]
             err1[:, i] = e

@@ -39,10 +39,12 @@ _CANDIDATE_GROUPS = (32, 64, 128, 256)
 class WeightSource:
     """Checkpoint tensors by HF name, read when asked (safetensors) or held (GGUF)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor] | None = None,
-                 files: dict[str, Path] | None = None) -> None:
+    def __init__(
+        self, tensors: dict[str, torch.Tensor] | None = None, files: dict[str, Path] | None = None
+    ) -> None:
         self._tensors = tensors or {}
         self._files = files or {}
+        self._dummy: dict[str, tuple[int, tuple[int, ...]]] = {}  # name -> (seed, shape)
 
     @classmethod
     def from_model_config(cls, model_config: Any) -> WeightSource:
@@ -59,12 +61,36 @@ class WeightSource:
                     files[name] = file
         return cls(files=files)
 
+    @classmethod
+    def dummy(cls, skeleton: nn.Module, seed: int = 0) -> WeightSource:
+        """Deterministic random HF-named weights for a `config:` model (timing runs)."""
+        source = cls()
+        mapping = skeleton.packed_modules_mapping
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, param in skeleton.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            parent, _, short = module_name.rpartition(".")
+            module = skeleton.get_submodule(module_name)
+            if short in mapping and isinstance(module, LinearBase):
+                for hf, size in zip(mapping[short], module.out_features_per_shard):
+                    shapes[f"{parent}.{hf}.{leaf}"] = (size, *param.shape[1:])
+            else:
+                shapes[name] = tuple(param.shape)
+        source._dummy = {n: (seed + i, shapes[n]) for i, n in enumerate(sorted(shapes))}
+        return source
+
     def names(self) -> list[str]:
-        return sorted(set(self._tensors) | set(self._files))
+        return sorted(set(self._tensors) | set(self._files) | set(self._dummy))
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._tensors:
             return self._tensors[name]
+        if name in self._dummy:
+            seed, shape = self._dummy[name]
+            g = torch.Generator().manual_seed(seed)
+            if name.endswith("norm.weight"):
+                return 1.0 + 0.05 * torch.rand(shape, generator=g)
+            return (torch.rand(shape, generator=g) - 0.5) * 0.1
         from safetensors import safe_open
 
         with safe_open(str(self._files[name]), framework="pt") as f:
@@ -204,7 +230,9 @@ class QuantizeReport:
                 f"{layer.index:>5} {layer.seconds:>8.2f} {short:<40} {worst.relative_error:>10.4g}"
             )
         if self.rtn_fallbacks:
-            lines.append(f"RTN fallback (Hessian not factorisable): {', '.join(self.rtn_fallbacks)}")
+            lines.append(
+                f"RTN fallback (Hessian not factorisable): {', '.join(self.rtn_fallbacks)}"
+            )
         return "\n".join(lines)
 
 
@@ -220,10 +248,17 @@ class PipelineOptions:
     compute_dtype: torch.dtype = torch.float32  # forward passes
     storage_dtype: torch.dtype = torch.bfloat16  # scales written to the checkpoint
     progress: bool = True
+    gptq_scales: str = "first_touch"  # or "upfront" (see gptq_quantize)
 
 
-def _load_layer(model: nn.Module, layer: nn.Module, index: int, source: WeightSource,
-                device: torch.device, dtype: torch.dtype) -> None:
+def _load_layer(
+    model: nn.Module,
+    layer: nn.Module,
+    index: int,
+    source: WeightSource,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
     """Materialise one decoder layer on `device` and fill it from the checkpoint."""
     # Moving off meta makes new Parameter objects: carry over the loader tags (weight_loader,
     # output_dim, output_pack_factor) the fused layers put on them.
@@ -310,9 +345,9 @@ def quantize_layers(
                 module = layer.get_submodule(t.attr)
                 acc = HessianAccumulator(module.in_features, device)
                 hessians[t.attr] = acc
-                handles.append(module.register_forward_pre_hook(
-                    lambda _m, inp, acc=acc: acc.add(inp[0])
-                ))
+                handles.append(
+                    module.register_forward_pre_hook(lambda _m, inp, acc=acc: acc.add(inp[0]))
+                )
             with torch.no_grad():
                 _run_layer(layer, hidden_states)
             for h in handles:
@@ -322,19 +357,34 @@ def quantize_layers(
             module = layer.get_submodule(t.attr)
             t0 = time.perf_counter()
             weight = module.weight.data  # [sum(out), in]
-            hessian = (hessians[t.attr].hessian if t.attr in hessians
-                       else torch.eye(module.in_features, device=device))
+            hessian = (
+                hessians[t.attr].hessian
+                if t.attr in hessians
+                else torch.eye(module.in_features, device=device)
+            )
             sizes = module.out_features_per_shard
             offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            rows = torch.cat([torch.arange(o, o + s, device=device)
-                              for o, s, q in zip(offsets, sizes, t.quantized) if q])
+            rows = torch.cat(
+                [
+                    torch.arange(o, o + s, device=device)
+                    for o, s, q in zip(offsets, sizes, t.quantized)
+                    if q
+                ]
+            )
             w = weight[rows].to(torch.float32)
             # Rows are independent given H: q/k/v (or gate/up) are quantized in one call and
             # stored as the separate HF modules the checkpoint format expects.
             loss = None
             if options.method == "gptq":
-                result = gptq_quantize(w, hessian, args, options.block_size, options.dampening,
-                                       options.storage_dtype)
+                result = gptq_quantize(
+                    w,
+                    hessian,
+                    args,
+                    options.block_size,
+                    options.dampening,
+                    options.storage_dtype,
+                    options.gptq_scales,
+                )
                 qw, deq, loss = result.quantized, result.dequantized, result.loss
                 if result.used_rtn_fallback:
                     report.rtn_fallbacks.append(f"model.layers.{index}.{t.attr}")
@@ -353,15 +403,21 @@ def quantize_layers(
                     None if qw.zero_point is None else qw.zero_point[row : row + size],
                     qw.group_size,
                 )
-                denom = hessian_weighted_error(w[row : row + size],
-                                               torch.zeros_like(w[row : row + size]), hessian)
+                denom = hessian_weighted_error(
+                    w[row : row + size], torch.zeros_like(w[row : row + size]), hessian
+                )
                 err = hessian_weighted_error(w[row : row + size], deq[row : row + size], hessian)
                 for key, tensor in compress(part, args, options.storage_dtype).items():
                     compressed[f"{name}.{key}"] = tensor.cpu()
-                layer_report.modules.append(ModuleReport(
-                    name, (size, w.shape[1]), err / max(denom, 1e-30),
-                    None if loss is None else loss * size / w.shape[0], seconds * size / w.shape[0],
-                ))
+                layer_report.modules.append(
+                    ModuleReport(
+                        name,
+                        (size, w.shape[1]),
+                        err / max(denom, 1e-30),
+                        None if loss is None else loss * size / w.shape[0],
+                        seconds * size / w.shape[0],
+                    )
+                )
                 row += size
         del hessians
         if samples:

@@ -26,8 +26,9 @@ class QuantizedWeight:
     group_size: int  # columns per group (in_features when per channel)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
-        return dequantize_weight(self.qweight, self.scale, self.zero_point, self.group_size,
-                                 dtype=dtype)
+        return dequantize_weight(
+            self.qweight, self.scale, self.zero_point, self.group_size, dtype=dtype
+        )
 
 
 def compute_qparams(

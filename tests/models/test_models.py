@@ -324,13 +324,14 @@ def test_dummy_weights_are_deterministic_and_well_conditioned() -> None:
     assert torch.isfinite(first).all() and 0.05 < first.std() < 10
 
 
-def test_quantized_config_not_supported_yet() -> None:
+def test_unsupported_quantization_config_is_refused() -> None:
+    # Quantized checkpoints load through WNA16LinearMethod (tests/quant); others are refused.
     config = _config("llama")
     model_config = ModelConfig(
         model="x", hf_config=config, dtype="float32", max_model_len=64,
-        quantization={"quant_method": "compressed-tensors"},
+        quantization={"quant_method": "awq"},
     )  # fmt: skip
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(NotImplementedError, match="compressed-tensors"):
         load_model(model_config, "cpu")
 
 

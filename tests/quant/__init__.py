@@ -1,1 +1,1 @@
-
+"""Tests of pagoda.quant."""

@@ -57,8 +57,9 @@ def test_llmcompressor_checkpoint_matches_its_dequantized_weights(name: str) -> 
     qc = config.quantization
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     ours = _logits(model)
-    torch.testing.assert_close(ours, _dense_logits(config, dequantized_state_dict(model_dir)),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        ours, _dense_logits(config, dequantized_state_dict(model_dir)), rtol=1e-4, atol=1e-4
+    )
     torch.testing.assert_close(ours, _hf_logits(model_dir), rtol=1e-4, atol=1e-4)
 
 
@@ -74,8 +75,15 @@ def test_llmcompressor_checkpoint_matches_its_dequantized_weights(name: str) -> 
 def test_pagoda_checkpoint_loads_in_transformers(tiny_llama, calib_text, tmp_path, kwargs):
     out = tmp_path / "q"
     dataset = calib_text if kwargs["method"] == "gptq" else None
-    quantize(str(tiny_llama), out, dataset=dataset, num_samples=8, max_seq_len=48,
-             progress=False, **kwargs)
+    quantize(
+        str(tiny_llama),
+        out,
+        dataset=dataset,
+        num_samples=8,
+        max_seq_len=48,
+        progress=False,
+        **kwargs,
+    )
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["config_groups"]["group_0"]["weights"]["num_bits"] in (4, 8)
@@ -113,6 +121,7 @@ def test_legacy_gptq_v1_zero_point_off_by_one(tiny_llama, tmp_path, desc_act: bo
     state = load_file(tiny_llama / "model.safetensors")
     dense = dict(state)
     group = 32
+    orders: dict[tuple, torch.Tensor] = {}
     for name in list(state):
         if not name.endswith(tuple(f"{p}.weight" for p in PROJ)):
             continue
@@ -122,7 +131,11 @@ def test_legacy_gptq_v1_zero_point_off_by_one(tiny_llama, tmp_path, desc_act: bo
         stored_zero = torch.randint(0, 15, (ngroups, out), generator=g)
         scales = torch.rand(ngroups, out, generator=g) * 0.02 + 0.005
         if desc_act:  # act-order: each group's columns are scattered
-            g_idx = (torch.randperm(inp, generator=g).argsort() // group).to(torch.int32)
+            # q/k/v (and gate/up) read one input, so GPTQ gives them one order and one g_idx.
+            key = (inp, "mlp" in name and "down_proj" not in name, "o_proj" in name)
+            if key not in orders:
+                orders[key] = torch.randperm(inp, generator=g).argsort() // group
+            g_idx = orders[key].to(torch.int32)
         else:
             g_idx = (torch.arange(inp) // group).to(torch.int32)
         module = name.removesuffix(".weight")
@@ -135,8 +148,14 @@ def test_legacy_gptq_v1_zero_point_off_by_one(tiny_llama, tmp_path, desc_act: bo
         # AutoGPTQ v1: w = s * (u - (stored_zero + 1)).
         w = scales.half().float()[gi] * (codes - (stored_zero[gi] + 1))  # [in, out]
         dense[name] = w.t().contiguous()
-    qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
-          "sym": False, "checkpoint_format": "gptq"}
+    qc = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group,
+        "desc_act": desc_act,
+        "sym": False,
+        "checkpoint_format": "gptq",
+    }
     _write_checkpoint(tiny_llama, tmp_path / "gptq", state, qc)
     model, config = _pagoda(tmp_path / "gptq")
     torch.testing.assert_close(_logits(model), _dense_logits(config, dense), rtol=1e-4, atol=1e-4)
@@ -155,9 +174,13 @@ def test_naive_quantized_int8(tiny_llama, tmp_path) -> None:
             state[name.replace(".weight", ".weight_scale")] = scale
             dense[name] = q.float() * scale
     weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
-    qc = {"quant_method": "compressed-tensors", "format": "naive-quantized",
-          "quantization_status": "compressed", "ignore": ["lm_head"],
-          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": "naive-quantized",
+        "quantization_status": "compressed",
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+    }
     _write_checkpoint(tiny_llama, tmp_path / "naive", state, qc)
     model, config = _pagoda(tmp_path / "naive")
     torch.testing.assert_close(_logits(model), _dense_logits(config, dense), rtol=1e-4, atol=1e-4)

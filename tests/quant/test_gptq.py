@@ -14,8 +14,9 @@ def _layer(seed: int = 0, out: int = 48, inp: int = 128):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out, inp, generator=g) * 0.05
     # Correlated inputs with a few large channels: where GPTQ's error feedback pays off.
-    x = torch.randn(1024, inp, generator=g) @ (torch.randn(inp, inp, generator=g) * 0.3
-                                              + torch.eye(inp))
+    x = torch.randn(1024, inp, generator=g) @ (
+        torch.randn(inp, inp, generator=g) * 0.3 + torch.eye(inp)
+    )
     x[:, :4] *= 6
     x[:, 7] = 0  # a dead input column
     acc = HessianAccumulator(inp, "cpu")
@@ -31,14 +32,19 @@ def test_hessian_is_running_mean_of_2xxt() -> None:
 
 @pytest.mark.parametrize(
     "scheme,group,actorder",
-    [("W4A16", 32, "static"), ("W4A16", 32, None), ("W4A16_ASYM", 64, "static"),
-     ("W8A16", -1, None)],
+    [
+        ("W4A16", 32, "static"),
+        ("W4A16", 32, None),
+        ("W4A16_ASYM", 64, "static"),
+        ("W8A16", -1, None),
+    ],
 )
-def test_gptq_beats_rtn_on_hessian_weighted_error(scheme: str, group: int, actorder) -> None:
+@pytest.mark.parametrize("scales", ["first_touch", "upfront"])
+def test_gptq_beats_rtn_on_hessian_weighted_error(scheme: str, group: int, actorder, scales):
     w, _, h = _layer()
     args = scheme_args(scheme, group, actorder)
     rtn = rtn_quantize(w, args, torch.float32)
-    gptq = gptq_quantize(w, h, args, block_size=32, scale_dtype=torch.float32)
+    gptq = gptq_quantize(w, h, args, block_size=32, scale_dtype=torch.float32, scales=scales)
     rtn_err = hessian_weighted_error(w, rtn.dequantize(), h)
     gptq_err = hessian_weighted_error(w, gptq.dequantized, h)
     assert gptq_err < 0.6 * rtn_err
@@ -58,8 +64,7 @@ def test_static_actorder_keeps_groups_in_original_column_order() -> None:
     # Column c uses the scale of group c // 32 (no g_idx needed): the trivial dequantization
     # must give GPTQ's weights.
     expanded = qw.scale.repeat_interleave(32, dim=1)
-    torch.testing.assert_close(qw.qweight.float() * expanded, result.dequantized, rtol=0,
-                               atol=1e-6)
+    torch.testing.assert_close(qw.qweight.float() * expanded, result.dequantized, rtol=0, atol=1e-6)
     assert torch.all(result.dequantized[:, 7] == 0)  # the dead column
 
 

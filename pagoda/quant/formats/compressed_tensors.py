@@ -42,8 +42,11 @@ _COPIED_FILES = (
 )
 
 
-def compress(qw: QuantizedWeight, args: WeightQuantArgs, dtype: torch.dtype,
-             ) -> dict[str, torch.Tensor]:
+def compress(
+    qw: QuantizedWeight,
+    args: WeightQuantArgs,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
     """The pack-quantized tensors of one module (names relative to the module)."""
     out_features, in_features = qw.qweight.shape
     tensors = {
@@ -61,8 +64,11 @@ def compress(qw: QuantizedWeight, args: WeightQuantArgs, dtype: torch.dtype,
     return tensors
 
 
-def decompress(tensors: dict[str, torch.Tensor], args: WeightQuantArgs, fmt: str,
-               ) -> tuple[QuantizedWeight, torch.Tensor | None]:
+def decompress(
+    tensors: dict[str, torch.Tensor],
+    args: WeightQuantArgs,
+    fmt: str,
+) -> tuple[QuantizedWeight, torch.Tensor | None]:
     """A module's (QuantizedWeight, g_idx or None) from its checkpoint tensors."""
     scale = tensors["weight_scale"]
     if fmt == "pack-quantized":
@@ -80,8 +86,9 @@ def decompress(tensors: dict[str, torch.Tensor], args: WeightQuantArgs, fmt: str
     return QuantizedWeight(q, scale, zp, group), tensors.get("weight_g_idx")
 
 
-def dequantized_state_dict(model_dir: str | os.PathLike[str],
-                           dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def dequantized_state_dict(
+    model_dir: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Every tensor of a quantized checkpoint with quantized modules turned back into `weight`.
 
     Used to compare a quantized model with the same weights served unquantized.
@@ -92,8 +99,13 @@ def dequantized_state_dict(model_dir: str | os.PathLike[str],
     config = json.loads((Path(model_dir) / "config.json").read_text())
     plan = parse_quantization_config(config["quantization_config"])
     raw = dict(iter_safetensors_weights(model_dir))
-    suffixes = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
-                "weight_g_idx")
+    suffixes = (
+        "weight_packed",
+        "weight_scale",
+        "weight_shape",
+        "weight_zero_point",
+        "weight_g_idx",
+    )
     modules = {name.rsplit(".", 1)[0] for name in raw if name.endswith(".weight_scale")}
     result = {
         name: t.to(dtype) if t.is_floating_point() else t
@@ -105,8 +117,7 @@ def dequantized_state_dict(model_dir: str | os.PathLike[str],
         if choice is None:
             raise ValueError(f"{model_dir}: {module} has quantized tensors but no config group")
         args, fmt = choice
-        local = {k.rsplit(".", 1)[1]: v for k, v in raw.items()
-                 if k.rsplit(".", 1)[0] == module}
+        local = {k.rsplit(".", 1)[1]: v for k, v in raw.items() if k.rsplit(".", 1)[0] == module}
         qw, g_idx = decompress(local, args, fmt)
         result[f"{module}.weight"] = dequantize_weight(
             qw.qweight, qw.scale, qw.zero_point, qw.group_size, g_idx, dtype
@@ -137,8 +148,9 @@ def staged_directory(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
     os.replace(tmp, out)
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], directory: Path,
-                     max_shard_bytes: int = _SHARD_BYTES) -> list[str]:
+def save_safetensors(
+    tensors: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = _SHARD_BYTES
+) -> list[str]:
     """Write `tensors` as model.safetensors, or shards plus model.safetensors.index.json."""
     from safetensors.torch import save_file
 
@@ -181,8 +193,9 @@ def copy_model_files(source_dir: str | os.PathLike[str] | None, directory: Path)
     return copied
 
 
-def write_config(hf_config: Any, quant_config: dict[str, Any], directory: Path,
-                 dtype: torch.dtype) -> None:
+def write_config(
+    hf_config: Any, quant_config: dict[str, Any], directory: Path, dtype: torch.dtype
+) -> None:
     """config.json of the source model with `quantization_config` and the stored dtype."""
     from pagoda.models.registry import architectures_of
 
