@@ -128,9 +128,7 @@ class LLMEngine:
         vocab = self.model_config.text_config.vocab_size
         bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab]
         if bad:
-            raise ValueError(
-                f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})"
-            )
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
         lora_key = None
         if lora_request is not None:
             from pagoda.lora.request import LoRARequest

@@ -10,19 +10,25 @@ import argparse
 import sys
 from typing import Any
 
-from pagoda.engine.args import EngineArgs
-
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """The options of `LLM(...)`, as flags."""
     if model_positional:
-        parser.add_argument("model", nargs="?", default=None,
-                            help="model directory, .gguf file or config:PATH.json "
-                                 "(default: the embedded SmolLM2-135M-Instruct)")
+        parser.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="model directory, .gguf file or config:PATH.json "
+            "(default: the embedded SmolLM2-135M-Instruct)",
+        )
     else:
-        parser.add_argument("--model", "-m", default=None,
-                            help="model directory, .gguf file or config:PATH.json "
-                                 "(default: the embedded SmolLM2-135M-Instruct)")
+        parser.add_argument(
+            "--model",
+            "-m",
+            default=None,
+            help="model directory, .gguf file or config:PATH.json "
+            "(default: the embedded SmolLM2-135M-Instruct)",
+        )
     g = parser.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -170,8 +176,13 @@ def _extra_commands() -> list:
     import importlib
 
     found = []
-    for module in ("pagoda.entrypoints.openai.cli", "pagoda.quant.cli", "pagoda.bench.cli",
-                   "pagoda.lora.cli", "pagoda.bench.compare_cli"):
+    for module in (
+        "pagoda.entrypoints.openai.cli",
+        "pagoda.quant.cli",
+        "pagoda.bench.cli",
+        "pagoda.lora.cli",
+        "pagoda.bench.compare_cli",
+    ):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

@@ -23,7 +23,11 @@ logger = logging.getLogger("pagoda")
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        unknown = set(kwargs) - EngineArgs.field_names() - {"tensor_parallel_size", "trust_remote_code", "print_memory_report"}
+        unknown = (
+            set(kwargs)
+            - EngineArgs.field_names()
+            - {"tensor_parallel_size", "trust_remote_code", "print_memory_report"}
+        )
         if unknown:
             raise TypeError(
                 f"LLM() got unknown argument(s) {', '.join(sorted(unknown))}; supported: "
@@ -139,8 +143,8 @@ class LLM:
             for (prompt, processed), p, lora in zip(items, params, loras, strict=True):
                 rid = engine.next_request_id()
                 engine.add_request(
-                rid, prompt, p, processed=processed, lora_request=lora, final_only=True
-            )
+                    rid, prompt, p, processed=processed, lora_request=lora, final_only=True
+                )
                 ids.append(rid)
         except BaseException:
             engine.abort_request(ids)  # a bad adapter must not leave earlier prompts queued

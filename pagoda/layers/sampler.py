@@ -90,9 +90,7 @@ class SamplingMetadata:
             min_p=column([p.min_p for p in params], 0.0, torch.float32),
             presence_penalties=column([p.presence_penalty for p in params], 0.0, torch.float32),
             frequency_penalties=column([p.frequency_penalty for p in params], 0.0, torch.float32),
-            repetition_penalties=column(
-                [p.repetition_penalty for p in params], 1.0, torch.float32
-            ),
+            repetition_penalties=column([p.repetition_penalty for p in params], 1.0, torch.float32),
             prompt_token_ids=prompt_token_ids,
             output_token_ids=output_token_ids,
             generators=generators or {},

@@ -201,8 +201,12 @@ class ModelRunner:
                 # Enough for every sequence at full length, never more than the cap: CPU memory
                 # is shared with everything else on the machine.
                 mc = self.model_config
-                full = max_num_seqs * (mc.max_model_len + self.block_size) * kv_bytes_per_block(
-                    mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+                full = (
+                    max_num_seqs
+                    * (mc.max_model_len + self.block_size)
+                    * kv_bytes_per_block(
+                        mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+                    )
                 )
                 budget = min(budget, self.weights_bytes + peak + min(full, _CPU_DEFAULT_KV_CAP))
             return peak, 0, total, budget
@@ -272,9 +276,7 @@ class ModelRunner:
         mc = self.model_config
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         layers = self.model.attention_layers()
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers
-        ]
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             layer.kv_cache = cache
 
@@ -306,14 +308,21 @@ class ModelRunner:
                 n = min(len(ids), max_blocks)
                 table[i, :n] = ids[:n]
         else:
-            table = np.stack([self._block_row(r, ids)[:max_blocks]
-                              for r, ids in zip(req_ids, block_ids, strict=True)])
+            table = np.stack(
+                [
+                    self._block_row(r, ids)[:max_blocks]
+                    for r, ids in zip(req_ids, block_ids, strict=True)
+                ]
+            )
         # positions of every new token, and its slot in the paged cache
         req_idx = np.repeat(np.arange(num_reqs), num_new)
-        pos = np.arange(num_tokens) - np.repeat(qsl[:-1], num_new) + np.repeat(num_computed, num_new)
+        pos = (
+            np.arange(num_tokens) - np.repeat(qsl[:-1], num_new) + np.repeat(num_computed, num_new)
+        )
         slots = table[req_idx, pos // bs].astype(np.int64) * bs + pos % bs
-        return dict(qsl=qsl, seq_lens=seq_lens, table=table, positions=pos.astype(np.int64),
-                    slots=slots)
+        return dict(
+            qsl=qsl, seq_lens=seq_lens, table=table, positions=pos.astype(np.int64), slots=slots
+        )
 
     def _block_row(self, req_id: str, block_ids: list[int]) -> np.ndarray:
         """The request's block-table row, kept between steps and extended in place.
@@ -407,7 +416,10 @@ class ModelRunner:
             token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
             offset += n
         arrays = self._prepare_arrays(
-            num_computed, num_new, [r.block_ids for r in reqs], num_tokens,
+            num_computed,
+            num_new,
+            [r.block_ids for r in reqs],
+            num_tokens,
             req_ids=[r.req_id for r in reqs],
         )
         rope_positions, embeds = arrays["positions"], None
@@ -422,8 +434,12 @@ class ModelRunner:
             self.lora_manager.prepare([r.lora_key for r in reqs], num_new, padded=graph_size)
         if graph_size is not None:
             hidden = self.graph_runner.run(
-                graph_size, token_ids, rope_positions, arrays["slots"],
-                arrays["seq_lens"], arrays["table"],
+                graph_size,
+                token_ids,
+                rope_positions,
+                arrays["slots"],
+                arrays["seq_lens"],
+                arrays["table"],
             )
         else:
             md = self._build_metadata(num_computed, num_new, [], num_tokens, arrays)
@@ -487,8 +503,7 @@ class ModelRunner:
                 if blocked:
                     min_blocked[row] = blocked
         need_penalty = any(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-            for p in params
+            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
         )
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(

@@ -142,8 +142,9 @@ def test_n_samples_share_prompt_blocks_and_differ(llm):
     kv = llm.llm_engine.core.kv_cache_manager
     queried0, hits0 = kv.prefix_cache_stats
     prompt = "Write a short poem about the sea. " * 4  # > 2 full blocks
-    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     queried, hits = kv.prefix_cache_stats
@@ -157,23 +158,32 @@ def test_stop_string_is_trimmed_and_reported(llm):
     out = llm.chat(QUESTION, params, use_tqdm=False)[0].outputs[0]
     assert "Paris" not in out.text
     assert out.finish_reason == "stop" and out.stop_reason == "Paris"
-    keep = SamplingParams(temperature=0.0, max_tokens=40, stop=["Paris"],
-                          include_stop_str_in_output=True)
+    keep = SamplingParams(
+        temperature=0.0, max_tokens=40, stop=["Paris"], include_stop_str_in_output=True
+    )
     out2 = llm.chat(QUESTION, keep, use_tqdm=False)[0].outputs[0]
     assert out2.text.endswith("Paris") and out2.text.startswith(out.text)
 
 
 def test_length_limit_and_logprobs(llm):
-    out = llm.generate("The capital of France is", SamplingParams(
-        temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        "The capital of France is",
+        SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     comp = out.outputs[0]
     assert comp.finish_reason == "length" and len(comp.token_ids) == 5
     assert len(comp.logprobs) == 5
     for tok, entry in zip(comp.token_ids, comp.logprobs, strict=True):
         assert tok in entry and len(entry) >= 3
         assert entry[tok].rank == 1  # greedy picks the top token
-    assert abs(comp.cumulative_logprob - sum(e[t].logprob for t, e in
-                                             zip(comp.token_ids, comp.logprobs))) < 1e-4
+    assert (
+        abs(
+            comp.cumulative_logprob
+            - sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs))
+        )
+        < 1e-4
+    )
     m = out.metrics
     assert m.arrival_time <= m.first_token_time <= m.finished_time
 

@@ -44,8 +44,7 @@ def test_bad_prompts(llm):
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate([[5, 6]], [SamplingParams(), SamplingParams()], use_tqdm=False)
     # the engine is still usable afterwards
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
 
 
@@ -79,14 +78,18 @@ def test_missing_and_corrupt_files(tiny, tmp_path):
 
 def test_context_too_large_for_cache_is_explained(tiny):
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(str(tiny), skip_tokenizer_init=True, max_model_len=512, num_gpu_blocks_override=4,
-            print_memory_report=False)
+        LLM(
+            str(tiny),
+            skip_tokenizer_init=True,
+            max_model_len=512,
+            num_gpu_blocks_override=4,
+            print_memory_report=False,
+        )
 
 
 def test_bad_stop_ids_and_seed_rejected_and_engine_survives(llm):
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10**6], min_tokens=2),
-                     use_tqdm=False)
+        llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10**6], min_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**70)
     assert not llm.llm_engine.has_unfinished_requests()
