@@ -8,7 +8,7 @@ Module names mirror Hugging Face so checkpoints load by name; q/k/v and gate/up 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,44 +289,61 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ValueError for tensors matching no parameter and for parameters left unloaded.
         """
-        params = dict(self.named_parameters())
-        shards_needed = {
-            name: {shard for ours, _, shard in self._stacked_params if ours in f".{name}"}
-            for name in params
-        }
-        shards_loaded: dict[str, set[int | str]] = {}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for name, tensor in weights:
-            if name.endswith(_SKIPPED_WEIGHT_SUFFIXES):
-                continue
-            if self.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # same tensor as the embedding
-            param_name, shard = self._param_name_and_shard(name)
-            param = params.get(param_name)
-            if param is None:
-                unexpected.append(name)
-                continue
-            loader = getattr(param, "weight_loader", _default_weight_loader)
-            if shard is None:
-                loader(param, tensor)
+        return load_hf_weights(self, weights)
+
+
+def load_hf_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    skipped_suffixes: tuple[str, ...] = (),
+    rename: Callable[[str], str] | None = None,
+) -> set[str]:
+    """The loading loop shared by the text and vision-language models.
+
+    `model` provides `_stacked_params`, `_param_name_and_shard` and `tie_word_embeddings`;
+    `rename` maps a checkpoint name to a module name (other checkpoint layouts), and tensors
+    ending in `skipped_suffixes` are ignored on top of the usual ones.
+    """
+    params = dict(model.named_parameters())
+    stacked = model._stacked_params
+    shards_needed = {
+        name: {shard for ours, _, shard in stacked if ours in f".{name}"} for name in params
+    }
+    skipped = _SKIPPED_WEIGHT_SUFFIXES + tuple(skipped_suffixes)
+    shards_loaded: dict[str, set[int | str]] = {}
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for hf_name, tensor in weights:
+        if hf_name.endswith(skipped):
+            continue
+        name = rename(hf_name) if rename is not None else hf_name
+        if model.tie_word_embeddings and name.startswith("lm_head."):
+            continue  # same tensor as the embedding
+        param_name, shard = model._param_name_and_shard(name)
+        param = params.get(param_name)
+        if param is None:
+            unexpected.append(hf_name)
+            continue
+        loader = getattr(param, "weight_loader", _default_weight_loader)
+        if shard is None:
+            loader(param, tensor)
+            loaded.add(param_name)
+        else:
+            loader(param, tensor, shard)
+            shards_loaded.setdefault(param_name, set()).add(shard)
+            if shards_loaded[param_name] == shards_needed[param_name]:
                 loaded.add(param_name)
-            else:
-                loader(param, tensor, shard)
-                shards_loaded.setdefault(param_name, set()).add(shard)
-                if shards_loaded[param_name] == shards_needed[param_name]:
-                    loaded.add(param_name)
-        if unexpected:
-            raise ValueError(
-                f"checkpoint tensors match no parameter of {type(self).__name__}: "
-                f"{_name_list(unexpected)}"
-            )
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(
-                f"checkpoint is missing weights for {type(self).__name__}: {_name_list(missing)}"
-            )
-        return loaded
+    if unexpected:
+        raise ValueError(
+            f"checkpoint tensors match no parameter of {type(model).__name__}: "
+            f"{_name_list(unexpected)}"
+        )
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(
+            f"checkpoint is missing weights for {type(model).__name__}: {_name_list(missing)}"
+        )
+    return loaded
 
 
 def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

@@ -30,11 +30,9 @@ from pagoda.layers.linear import (
 )
 from pagoda.layers.norm import RMSNorm
 from pagoda.models.llama import (
-    _SKIPPED_WEIGHT_SUFFIXES,
     DecoderModel,
     DecoderOptions,
-    _default_weight_loader,
-    _name_list,
+    load_hf_weights,
 )
 
 # Original Qwen release / transformers 4.x save layout -> our (transformers 5) module names;
@@ -558,45 +556,9 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
 
         Raises ValueError for tensors matching no parameter and for parameters left unloaded.
         """
-        params = dict(self.named_parameters())
-        shards_needed = {
-            name: {shard for ours, _, shard in self._stacked_params if ours in f".{name}"}
-            for name in params
-        }
-        shards_loaded: dict[str, set[int | str]] = {}
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for hf_name, tensor in weights:
-            if hf_name.endswith(_SKIPPED_WEIGHT_SUFFIXES + _VISION_SKIPPED_SUFFIXES):
-                continue
-            name = self.checkpoint_to_module_name(hf_name)
-            if self.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # same tensor as the embedding
-            param_name, shard = self._param_name_and_shard(name)
-            param = params.get(param_name)
-            if param is None:
-                unexpected.append(hf_name)
-                continue
-            loader = getattr(param, "weight_loader", _default_weight_loader)
-            if shard is None:
-                loader(param, tensor)
-                loaded.add(param_name)
-            else:
-                loader(param, tensor, shard)
-                shards_loaded.setdefault(param_name, set()).add(shard)
-                if shards_loaded[param_name] == shards_needed[param_name]:
-                    loaded.add(param_name)
-        if unexpected:
-            raise ValueError(
-                f"checkpoint tensors match no parameter of {type(self).__name__}: "
-                f"{_name_list(unexpected)}"
-            )
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(
-                f"checkpoint is missing weights for {type(self).__name__}: {_name_list(missing)}"
-            )
-        return loaded
+        return load_hf_weights(
+            self, weights, _VISION_SKIPPED_SUFFIXES, rename=self.checkpoint_to_module_name
+        )
 
 
 class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
