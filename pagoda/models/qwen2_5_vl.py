@@ -32,6 +32,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.models.llama import (
     DecoderModel,
     DecoderOptions,
+    LlamaForCausalLM,
     load_hf_weights,
 )
 
@@ -464,18 +465,10 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     """
 
     vision_variant = "qwen2_5"
-    packed_modules_mapping: dict[str, list[str]] = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
-    # (our param fragment, HF fragment, shard id); gate/up also fuse in the vision MLP.
-    _stacked_params: tuple[tuple[str, str, int | str], ...] = (
-        (".qkv_proj.", ".q_proj.", "q"),
-        (".qkv_proj.", ".k_proj.", "k"),
-        (".qkv_proj.", ".v_proj.", "v"),
-        (".gate_up_proj.", ".gate_proj.", 0),
-        (".gate_up_proj.", ".up_proj.", 1),
-    )
+    # The decoder's fusion tables and name mapping; gate/up also fuse in the vision MLP.
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    _stacked_params = LlamaForCausalLM._stacked_params
+    _param_name_and_shard = LlamaForCausalLM._param_name_and_shard
 
     def __init__(
         self, hf_config: Any, linear_method_factory: LinearMethodFactory | None = None
@@ -544,12 +537,6 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         if name.startswith("model.language_model."):
             return "model." + name.removeprefix("model.language_model.")
         return name
-
-    def _param_name_and_shard(self, name: str) -> tuple[str, int | str | None]:
-        for ours, theirs, shard in self._stacked_params:
-            if theirs in name:
-                return name.replace(theirs, ours), shard
-        return name, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors of either layout; returns our fully loaded parameter names.
