@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# One device call, one or two GPUs: named steps in lanes, one lane per GPU (all on GPU 0 when
+# there is one), each step under its own time limit and a global deadline, so one failing step
+# never costs the others. Everything a step writes lands in $OUT/results.tar.gz (the device tool
+# fetches at most 8 files); unpack it into benchmarks/results/ and read the logs.
+#
+#   OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
+#
+# Steps: gpu_tests profile latency gemm lora serve throughput vl quant7b compare3b compare7b
+set -u
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-out}
+R=/tmp/res
+mkdir -p "$OUT" "$R"
+START=$(date +%s)
+DEADLINE=${DEADLINE:-560} # seconds after START by which every step must have ended
+CFG3=benchmarks/configs/qwen2.5-3b.json
+CFG7=benchmarks/configs/qwen2.5-7b.json
+
+left() { echo $((DEADLINE - ($(date +%s) - START))); }
+
+# run NAME LIMIT CMD...: under min(LIMIT, time left), output to $R/NAME.log
+run() {
+  local name=$1 limit=$2
+  shift 2
+  local l
+  l=$(left)
+  ((l < limit)) && limit=$l
+  if ((limit < 20)); then
+    echo "[$name] skipped: no time left" | tee -a "$R/summary.txt"
+    return
+  fi
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >"$R/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc in $(($(date +%s) - t0)) s (limit $limit)" | tee -a "$R/summary.txt"
+}
+
+step_gpu_tests() {
+  run gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests -rfE
+}
+step_profile() {
+  run profile 150 python3 benchmarks/profile_decode.py "config:$CFG7" --out "$R/profile"
+}
+step_latency() {
+  run latency 170 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 \
+    --out "$R/latency_qwen2.5-7b_h200.json" ${LATENCY_ARGS:-}
+}
+step_gemm() {
+  run gemm 150 python3 benchmarks/quant/bench_w4a16_gemm.py --out "$R/w4a16_gemm_h200.json"
+}
+step_lora() {
+  run lora 150 python3 benchmarks/lora/bench_lora.py --out "$R/lora_qwen2.5-3b_h200.json"
+}
+step_throughput() {
+  run throughput 420 python3 -m pagoda.entrypoints.cli bench throughput "config:$CFG3" \
+    --dtype bfloat16 --gpu-memory-utilization 0.5 --out "$R/throughput_qwen2.5-3b_h200.json"
+}
+step_vl() {
+  run vl 300 python3 benchmarks/vl/bench_vl.py --iters 3 --warmup 1 --output-len 128 \
+    --out "$R/vl_qwen2.5-vl-3b_h200.json"
+}
+step_serve() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$R/serve_install.log" 2>&1 || {
+    echo "[serve] wheel install failed" | tee -a "$R/summary.txt"
+    return
+  }
+  local port=$((8100 + ${CUDA_VISIBLE_DEVICES:-0}))
+  local serve_args=(--max-model-len 4096 --gpu-memory-utilization 0.5 --max-num-seqs 256)
+  PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m pagoda.entrypoints.cli serve "config:$CFG3" \
+    --port "$port" --no-access-log "${serve_args[@]}" >"$R/serve_server.log" 2>&1 &
+  local pid=$!
+  local ok=0
+  for _ in $(seq 1 120); do
+    if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; then
+      ok=1
+      break
+    fi
+    sleep 1
+  done
+  if ((ok == 0)); then
+    echo "[serve] server did not come up" | tee -a "$R/summary.txt"
+    kill "$pid" 2>/dev/null
+    return
+  fi
+  local bench=(--token-prompts --num-prompts 512 --input-len 512 --output-len 128)
+  for c in 1 64; do
+    local n=512
+    ((c == 1)) && n=16
+    PYTHONPATH=/tmp/site:$PYTHONPATH run "serve_c$c" 150 python3 -m pagoda.entrypoints.cli \
+      bench serve --url "http://127.0.0.1:$port" --concurrency "$c" \
+      --token-prompts --num-prompts "$n" --input-len 512 --output-len 128 \
+      --out "$R/serve_c${c}_h200.json"
+  done
+  python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:$port/v1/memory').read().decode())" \
+    >"$R/serve_memory_after.json" 2>&1
+  kill -INT "$pid"
+  wait "$pid"
+  run serve_offline 120 python3 benchmarks/serve/offline_same_prompts.py "config:$CFG3" \
+    "${bench[@]}" --llm-kwargs '{"max_model_len": 4096, "gpu_memory_utilization": 0.5, "max_num_seqs": 256}' \
+    --out "$R/serve_offline_h200.json"
+}
+step_quant7b() {
+  run quant7b 560 python3 -m pagoda.entrypoints.cli quantize "config:$CFG7" --out /tmp/q7b \
+    --dataset random --num-samples 256 --max-seq-len 2048 --group-size 128 \
+    --report "$R/quantize_qwen2.5-7b_h200.json" --no-progress
+}
+compare() {
+  local size=$1
+  local name
+  name="Qwen2.5-$(echo "$size" | tr a-z A-Z)"
+  run "compare$size" 275 python3 -m pagoda.entrypoints.cli compare \
+    "config:benchmarks/configs/qwen2.5-$size.json" "config:benchmarks/configs/qwen2.5-$size.json:w4a16" \
+    --labels "$name bf16,$name W4A16" --dtype bfloat16 --max-model-len 4096 \
+    --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline transformers \
+    --timeout 120 --out "$R/compare_qwen2.5-${size}_h200"
+}
+step_compare3b() { compare 3b; }
+step_compare7b() { compare 7b; }
+
+nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
+cat "$R/gpu.txt"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+lane() {
+  local gpu=$1
+  shift
+  for s in $1; do
+    CUDA_VISIBLE_DEVICES=$gpu "step_$s"
+  done
+}
+if ((NGPU >= 2 && $# >= 2)); then
+  lane 0 "$1" &
+  lane 1 "$2" &
+  wait
+else
+  lane 0 "$*"
+fi
+git rev-parse HEAD >"$R/commit.txt" 2>/dev/null
+tar czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null
+cat "$R/summary.txt"
+for f in "$R"/*.log; do
+  echo "=== $(basename "$f")"
+  grep -v -i "warn" "$f" | tail -n "${TAIL:-12}"
+done
