@@ -110,6 +110,9 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     max_loras: int | None = None  # distinct adapters among running requests; None: no LoRA
+    # Schedule step N+1 while step N runs on the device; its sampled tokens stay on the device
+    # as the next inputs. Off for requests whose sampling reads host-side token history.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

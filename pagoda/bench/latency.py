@@ -41,6 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap host scheduling with the device (default: on with CUDA)",
+    )
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     p.add_argument("--out", default=None, help="write the JSON result here")
 
@@ -77,6 +83,7 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
         max_model_len=ns.max_model_len,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enforce_eager=ns.enforce_eager,
+        async_scheduling=ns.async_scheduling,
         max_num_seqs=max(ns.batch_size, 8),
         skip_tokenizer_init=True,
     )
@@ -116,6 +123,7 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
         "weight_bytes_per_step": w_bytes,
         "kv_bytes_per_step": kv_bytes,
         "achieved_bytes_per_s": (w_bytes + kv_bytes) / step,
+        "async_scheduling": llm.llm_engine.core.async_scheduling,
         "memory_report": report,
     }
     del llm

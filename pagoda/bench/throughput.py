@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap host scheduling with the device (default: on with CUDA)",
+    )
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     p.add_argument(
         "--baseline-requests",
@@ -61,6 +67,7 @@ def run_pagoda(ns: argparse.Namespace, workloads: list[Workload]) -> list[dict[s
         max_model_len=ns.max_model_len,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enforce_eager=ns.enforce_eager,
+        async_scheduling=ns.async_scheduling,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         skip_tokenizer_init=True,
@@ -88,6 +95,7 @@ def run_pagoda(ns: argparse.Namespace, workloads: list[Workload]) -> list[dict[s
                 "total_tok_s": (produced + wl.num_prompt_tokens) / elapsed,
                 "steps": llm.llm_engine.core.num_steps - steps0,
                 "preemptions": llm.llm_engine.core.num_preemptions,
+                "async_scheduling": llm.llm_engine.core.async_scheduling,
             }
         )
     results[0]["memory_report"] = llm.memory_report().to_dict()

@@ -60,6 +60,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
+    # None: on for CUDA devices (where it hides host time behind the device), off on CPU.
+    async_scheduling: bool | None = None
     seed: int = 0
     device: str = "auto"
     load_format: str = "auto"
@@ -183,6 +185,9 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_loras=lora_config.max_loras if lora_config is not None else None,
+            async_scheduling=(
+                device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+            ),
         )
         mm_config = None
         if getattr(hf_config, "vision_config", None) is not None:

@@ -64,6 +64,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(init=False, default_factory=list)
     num_computed_tokens: int = field(init=False, default=0)
+    # Tokens sampled by a step still running on the device (async scheduling): 0 or 1. They
+    # count as computed-to-be inputs for scheduling but are not in all_token_ids yet.
+    num_pending_tokens: int = field(init=False, default=0)
     num_cached_tokens: int = field(init=False, default=-1)
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     stop_reason: int | str | None = field(init=False, default=None)
@@ -101,6 +104,18 @@ class Request:
             token_ids = list(token_ids)
             self.output_token_ids.extend(token_ids)
             self.all_token_ids.extend(token_ids)
+
+    @property
+    def needs_sync(self) -> bool:
+        """Its sampling reads the host-side token history every step (penalties, min_tokens),
+        so the step after one that sampled for it cannot be scheduled before the token lands."""
+        p = self.sampling_params
+        return bool(
+            p.presence_penalty
+            or p.frequency_penalty
+            or p.repetition_penalty != 1.0
+            or (p.min_tokens or 0) > 0
+        )
 
     def extra_keys(self, start: int, end: int) -> tuple:
         """What besides token ids identifies the KV of tokens [start, end).

@@ -45,11 +45,10 @@ class ScheduledRequest:
     eos_token_id: int | None = None  # the sampler masks it until min_tokens are out
     lora_key: str | None = None  # the request's adapter (Request.lora_key); None: base model
     mm_inputs: MultiModalInputs | None = None  # Request.mm_inputs: images, M-RoPE positions
-
-    @property
-    def do_sample(self) -> bool:
-        """True when this step reaches the last known token, so its logits give the next one."""
-        return self.num_computed_tokens + self.num_new_tokens == len(self.all_token_ids)
+    # True when this step reaches the last token (known or pending), so its logits give the
+    # next one. With async scheduling the last input token may still be on the device: then
+    # num_computed_tokens + num_new_tokens == len(all_token_ids) + 1 at schedule time.
+    do_sample: bool = False
 
 
 @dataclass
@@ -83,6 +82,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self._finished_req_ids: set[str] = set()
+        self._num_sync_requests = 0  # unfinished requests with Request.needs_sync
+
+    def needs_sync(self) -> bool:
+        """Whether some unfinished request's sampling needs every token on the host first."""
+        return self._num_sync_requests > 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -112,6 +116,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.needs_sync:
+            self._num_sync_requests += 1
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Drop requests wherever they are; unknown or already finished ids are ignored."""
@@ -148,8 +154,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.num_pending_tokens and self._pending_token_is_last(request):
+                i += 1  # finishes by length when its pending token lands: nothing to compute
+                continue
             num_new = min(
-                request.num_tokens - request.num_computed_tokens,
+                request.num_tokens + request.num_pending_tokens - request.num_computed_tokens,
                 budget,
                 self.max_model_len - request.num_computed_tokens,
             )
@@ -167,6 +176,8 @@ class Scheduler:
             loras = {r.lora_key for r in self.running if r.lora_key} if max_loras else set()
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
+                if request.num_pending_tokens:
+                    break  # preempted while a step sampled for it: wait for that token
                 key = request.lora_key
                 if max_loras and key is not None and key not in loras and len(loras) >= max_loras:
                     # Its adapter needs a device slot that running requests hold: wait (in
@@ -186,7 +197,6 @@ class Scheduler:
                 self.waiting.popleft()
                 self.running.append(request)
                 request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_computed
                 if request.lora_key is not None:
                     loras.add(request.lora_key)
                 if request.num_cached_tokens < 0:
@@ -210,18 +220,20 @@ class Scheduler:
         logprobs = runner_output.logprobs or {}
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
+        finished_waiting = False
         for sched in scheduler_output.scheduled:
+            if not sched.do_sample:
+                continue  # a prompt chunk that does not reach the end: nothing sampled
             request = self.requests.get(sched.req_id)
-            if request is None:
-                continue  # aborted between schedule() and now
-            assert request.num_computed_tokens == sched.num_computed_tokens
-            request.num_computed_tokens += sched.num_new_tokens
-            token_id = sampled.get(sched.req_id)
-            if token_id is None:
-                continue  # a prompt chunk that does not reach the end: nothing to sample
+            if request is None or request.is_finished():
+                continue  # aborted or stopped since schedule(): the token is dropped
+            token_id = sampled[sched.req_id]
+            request.num_pending_tokens -= 1
             request.append_output_token_ids(token_id)
+            preempted = request.status == RequestStatus.PREEMPTED
             if self._check_stop(request, token_id):
                 finished.append(request)
+                finished_waiting |= preempted
             token_logprobs = logprobs.get(sched.req_id)
             outputs.append(
                 EngineCoreOutput(
@@ -234,6 +246,9 @@ class Scheduler:
             )
         if finished:
             self.running = [r for r in self.running if not r.is_finished()]
+            if finished_waiting:
+                # A request preempted while its last step ran can finish from the queue.
+                self.waiting = deque(r for r in self.waiting if not r.is_finished())
             for request in finished:
                 self._release(request)
         return outputs
@@ -287,8 +302,29 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
+        if request.needs_sync:
+            self._num_sync_requests -= 1
+
+    def _pending_token_is_last(self, request: Request) -> bool:
+        """Whether the token still on the device ends the request by length."""
+        n = request.num_tokens + request.num_pending_tokens
+        max_tokens = request.sampling_params.max_tokens
+        return n >= self.max_model_len or (
+            max_tokens is not None
+            and request.num_output_tokens + request.num_pending_tokens >= max_tokens
+        )
 
     def _scheduled(self, request: Request, num_computed: int, num_new: int) -> ScheduledRequest:
+        """Record the request's share of this step and advance its progress.
+
+        Progress moves at schedule time, so that the next schedule() can run before this step's
+        output is processed; a step that reaches the end of the known tokens samples one more,
+        pending until update_from_output appends it.
+        """
+        do_sample = num_computed + num_new == request.num_tokens + request.num_pending_tokens
+        request.num_computed_tokens = num_computed + num_new
+        if do_sample:
+            request.num_pending_tokens += 1
         return ScheduledRequest(
             req_id=request.request_id,
             all_token_ids=request.all_token_ids,
@@ -301,4 +337,5 @@ class Scheduler:
             eos_token_id=request.eos_token_id,
             lora_key=request.lora_key,
             mm_inputs=request.mm_inputs,
+            do_sample=do_sample,
         )

@@ -40,6 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs this one (default: on with CUDA)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
 
@@ -57,6 +63,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         block_size=ns.block_size,
         enable_prefix_caching=not ns.no_prefix_caching,
         enforce_eager=ns.enforce_eager,
+        async_scheduling=ns.async_scheduling,
         seed=ns.seed,
         load_format=ns.load_format,
     )

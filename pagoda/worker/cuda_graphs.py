@@ -10,7 +10,7 @@ capture (chunks are sized from the real lengths at replay), so one graph serves 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,8 +141,13 @@ class CudaGraphRunner:
         slots: np.ndarray,
         seq_lens: np.ndarray,
         block_table: np.ndarray,
+        fill_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """Replay the graph of `size` for n = len(token_ids) decode tokens; hidden [n, H]."""
+        """Replay the graph of `size` for n = len(token_ids) decode tokens; hidden [n, H].
+
+        `fill_ids` writes device-side inputs (tokens sampled by the previous step, not yet on the
+        host) into the graph's input ids before the replay.
+        """
         n = len(token_ids)
         pad = size - n
         ids = np.pad(token_ids, (0, pad))
@@ -159,6 +164,8 @@ class CudaGraphRunner:
         self.slot_mapping[:size].copy_(_pinned(slot), non_blocking=True)
         self.seq_lens[:size].copy_(_pinned(lens), non_blocking=True)
         self.block_tables[:size, :nb].copy_(_pinned(table), non_blocking=True)
+        if fill_ids is not None:
+            fill_ids(self.input_ids[:n])
         self.graphs[size].replay()
         return self.outputs[size][:n]
 

@@ -45,6 +45,65 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
 
 
+class PendingOutput:
+    """A launched step's sampled tokens, on their way to the host.
+
+    On CUDA the ids are copied into pinned memory behind an event, so the host can schedule and
+    launch the next step before it waits here.
+    """
+
+    def __init__(self, reqs: list[ScheduledRequest] | None = None, result: Any = None) -> None:
+        self.reqs = reqs or []
+        self.result_ = result
+        self.event: torch.cuda.Event | None = None
+        self.host_ids: torch.Tensor | None = None
+        if result is not None and result.sampled_token_ids.is_cuda:
+            ids = result.sampled_token_ids
+            self.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self.host_ids.copy_(ids, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        res = self.result_
+        if res is None:
+            return out
+        if self.event is not None:
+            self.event.synchronize()
+            sampled = self.host_ids.tolist()
+        else:
+            sampled = res.sampled_token_ids.tolist()
+        sreqs = self.reqs
+        out.sampled_token_ids = {r.req_id: t for r, t in zip(sreqs, sampled, strict=True)}
+        if res.logprobs is not None:
+            ids = res.logprob_token_ids.tolist()
+            lps = res.logprobs.tolist()
+            ranks = res.sampled_ranks.tolist()
+            for row, r in enumerate(sreqs):
+                k = r.sampling_params.logprobs
+                if k is None:
+                    continue
+                out.logprobs[r.req_id] = (ids[row][: k + 1], lps[row][: k + 1], ranks[row])
+        return out
+
+
+class _PendingInputs:
+    """Input tokens the previous step sampled on the device and the host does not know yet."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, prev: torch.Tensor) -> None:
+        self.dst = dst  # rows of the flat batch
+        self.src = src  # rows of the previous step's sampled ids
+        self.prev = prev
+
+    def fill_ids(self, ids: torch.Tensor) -> None:
+        ids.index_copy_(0, self.dst, self.prev.index_select(0, self.src).to(ids.dtype))
+
+    def fill_embeds(self, embeds: torch.Tensor, ids: torch.Tensor, model: Any) -> None:
+        rows = model.embed_input_ids(ids.index_select(0, self.dst))
+        embeds.index_copy_(0, self.dst, rows.to(embeds.dtype))
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -90,6 +149,10 @@ class ModelRunner:
         self.lora_manager: Any = None  # pagoda.lora.manager.LoRAManager when LoRA is enabled
         self.encoder_runner: Any = None  # pagoda.worker.encoder_runner.EncoderRunner (VL models)
         self._pin = self.device.type == "cuda"
+        # The last launched step's sampled ids (on the device) and each sampling request's row:
+        # the inputs of requests scheduled before that step's output reached the host.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -396,8 +459,13 @@ class ModelRunner:
             self.memory_report.cuda_graph_bytes = stats.memory_bytes
             self.memory_report.cuda_graph_sizes = stats.sizes
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingOutput:
+        """Enqueue one step on the device; `.result()` of the return value waits for it."""
         for req_id in sched.finished_req_ids:
             self.generators.pop(req_id, None)
             self._block_rows.pop(req_id, None)
@@ -405,16 +473,34 @@ class ModelRunner:
             self.encoder_runner.free([*sched.finished_req_ids, *sched.preempted_req_ids])
         reqs = sched.scheduled
         if not reqs:
-            return ModelRunnerOutput()
+            return PendingOutput()
         num_computed = [r.num_computed_tokens for r in reqs]
         num_new = [r.num_new_tokens for r in reqs]
         num_tokens = sched.total_num_scheduled_tokens
         token_ids = np.empty(num_tokens, dtype=np.int64)
         offset = 0
+        dst: list[int] = []
+        src: list[int] = []
         for r in reqs:
             start, n = r.num_computed_tokens, r.num_new_tokens
-            token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
+            known = len(r.all_token_ids)
+            if start + n <= known:
+                token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
+            else:  # async scheduling: the last input is still on the device
+                m = known - start
+                assert m == n - 1, f"request {r.req_id}: {n - m} input tokens are not known"
+                token_ids[offset : offset + m] = r.all_token_ids[start:known]
+                token_ids[offset + m] = 0
+                dst.append(offset + m)
+                src.append(self._prev_rows[r.req_id])
             offset += n
+        pending = None
+        if dst:
+            pending = _PendingInputs(
+                self._to_dev(np.asarray(dst, dtype=np.int64)),
+                self._to_dev(np.asarray(src, dtype=np.int64)),
+                self._prev_sampled,
+            )
         arrays = self._prepare_arrays(
             num_computed,
             num_new,
@@ -426,6 +512,7 @@ class ModelRunner:
         if self.encoder_runner is not None:  # VL: M-RoPE positions, image embeddings
             rope_positions = self.encoder_runner.rope_positions(reqs, arrays["positions"])
             embeds = self.encoder_runner.inputs_embeds(reqs, token_ids)
+        fill_ids = None if pending is None else pending.fill_ids
         graph_size = None
         if self.graph_runner is not None and num_tokens == len(reqs) and embeds is None:
             graph_size = self.graph_runner.padded_size(len(reqs))  # decode-only step
@@ -440,17 +527,21 @@ class ModelRunner:
                 arrays["slots"],
                 arrays["seq_lens"],
                 arrays["table"],
+                fill_ids=fill_ids,
             )
         else:
             md = self._build_metadata(num_computed, num_new, [], num_tokens, arrays)
-            hidden = self.model(
-                self._to_dev(token_ids), self._to_dev(rope_positions), md, inputs_embeds=embeds
-            )
+            ids = self._to_dev(token_ids)
+            if pending is not None:
+                pending.fill_ids(ids)
+                if embeds is not None:
+                    pending.fill_embeds(embeds, ids, self.model)
+            hidden = self.model(ids, self._to_dev(rope_positions), md, inputs_embeds=embeds)
 
         sampling = [i for i, r in enumerate(reqs) if r.do_sample]
-        out = ModelRunnerOutput()
         if not sampling:
-            return out
+            self._prev_sampled, self._prev_rows = None, {}
+            return PendingOutput()
         if len(sampling) == len(reqs) and num_tokens == len(reqs):
             last_hidden = hidden  # decode-only: every row samples
         else:
@@ -460,18 +551,9 @@ class ModelRunner:
         sreqs = [reqs[i] for i in sampling]
         smd = self._sampling_metadata(sreqs)
         result = self.sampler(logits, smd)
-        sampled = result.sampled_token_ids.tolist()
-        out.sampled_token_ids = {r.req_id: t for r, t in zip(sreqs, sampled, strict=True)}
-        if result.logprobs is not None:
-            ids = result.logprob_token_ids.tolist()
-            lps = result.logprobs.tolist()
-            ranks = result.sampled_ranks.tolist()
-            for row, r in enumerate(sreqs):
-                k = r.sampling_params.logprobs
-                if k is None:
-                    continue
-                out.logprobs[r.req_id] = (ids[row][: k + 1], lps[row][: k + 1], ranks[row])
-        return out
+        self._prev_sampled = result.sampled_token_ids
+        self._prev_rows = {r.req_id: row for row, r in enumerate(sreqs)}
+        return PendingOutput(sreqs, result)
 
     def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
         dev = self.device

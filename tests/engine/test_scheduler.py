@@ -345,3 +345,58 @@ def test_add_request_validates_the_prompt():
     add(sched, "a", range(5))
     with pytest.raises(ValueError, match="already in use"):
         add(sched, "a", range(5))
+
+
+# -- async scheduling: step N+1 is scheduled before step N's output is processed -----------
+
+
+def test_async_schedules_the_pending_token_and_appends_it_a_step_late():
+    sched = make_scheduler()
+    req = add(sched, "a", range(20), max_tokens=3)
+    out1 = sched.schedule()  # prefill samples token 1 (pending)
+    assert plan(out1) == [("a", 0, 20)] and req.num_pending_tokens == 1
+    out2 = sched.schedule()  # decodes the pending token before it reached the host
+    assert plan(out2) == [("a", 20, 1)] and out2.scheduled[0].do_sample
+    assert req.num_pending_tokens == 2 and req.num_tokens == 20  # steps 1 and 2 in flight
+    sched.update_from_output(out1, FakeRunnerOutput({"a": 5}))
+    assert req.output_token_ids == [5] and req.num_pending_tokens == 1
+    # The third token would be the last (max_tokens=3) once the second lands: the third step
+    # still computes it, then nothing more is scheduled while it is pending.
+    out3 = sched.schedule()
+    assert plan(out3) == [("a", 21, 1)]
+    sched.update_from_output(out2, FakeRunnerOutput({"a": 6}))
+    assert sched.schedule().scheduled == []  # pending token 3 finishes the request by length
+    outs = sched.update_from_output(out3, FakeRunnerOutput({"a": 8}))
+    assert req.output_token_ids == [5, 6, 8] and outs[0].finish_reason == "length"
+    assert sched.kv_cache_manager.num_free_blocks == 63
+
+
+def test_async_output_of_a_request_that_stopped_meanwhile_is_dropped():
+    sched = make_scheduler()
+    req = add(sched, "a", range(20), eos=9)
+    out1 = sched.schedule()
+    out2 = sched.schedule()
+    outs = sched.update_from_output(out1, FakeRunnerOutput({"a": 9}))  # EOS
+    assert outs[0].finish_reason == "stop" and req.output_token_ids == [9]
+    assert sched.update_from_output(out2, FakeRunnerOutput({"a": 4})) == []
+    assert req.output_token_ids == [9]
+    assert sched.kv_cache_manager.num_free_blocks == 63
+
+
+def test_async_preempted_request_waits_for_its_pending_token_before_readmission():
+    # 3 usable blocks: "a" (32 tokens, 2 blocks) and "b" (16 tokens, 1 block) fill them
+    sched = make_scheduler(num_blocks=4, budget=64)
+    a = add(sched, "a", range(32))
+    b = add(sched, "b", range(100, 116))
+    out1 = sched.schedule()
+    assert plan(out1) == [("a", 0, 32), ("b", 0, 16)]
+    # Both need a new block for their pending token: "b", the newest, is preempted while its
+    # first token is still on the device.
+    out2 = sched.schedule()
+    assert plan(out2) == [("a", 32, 1)] and out2.preempted_req_ids == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_pending_tokens == 1
+    out3 = sched.schedule()  # "b" has blocks to spare now, but its token is not known yet
+    assert [s.req_id for s in out3.scheduled] == ["a"] and list(sched.waiting) == [b]
+    sched.update_from_output(out1, FakeRunnerOutput({"a": 1, "b": 2}))
+    assert b.all_token_ids[-1] == 2 and b.num_pending_tokens == 0
+    assert a.output_token_ids == [1]

@@ -356,6 +356,8 @@ ENGINE_VARIANTS = {
     "no-prefix-cache": dict(enable_prefix_caching=False),
     # 8 tokens a step: image runs are split across steps (and mixed with other requests)
     "chunked-prefill": dict(max_num_batched_tokens=8),
+    # image chunks in the same steps as decodes whose input token is still on the device
+    "async-chunked-prefill": dict(async_scheduling=True, max_num_batched_tokens=8),
 }
 
 
