@@ -4,6 +4,12 @@ Validates the request at the edge (scheme, method, act-order, group size against
 architecture, calibration data), runs the sequential pipeline, and writes config.json with
 `quantization_config`, the safetensors weights, the tokenizer / processor / chat-template files
 and `quantization_report.json` into a temporary directory that is renamed when complete.
+
+Vision-language models (Qwen2.5-VL, Qwen2-VL): the text decoder is quantized with text-only
+calibration, the vision tower (`visual.*`, merger included) always stays as it is (added to the
+ignore list with a note when `ignore` does not cover it), tensors keep the input checkpoint's
+names, and `quantization_config.ignore` lists every dense linear module by name, lm_head
+included, as llmcompressor writes it.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +46,11 @@ from pagoda.quant.pipeline import (
     QuantizeReport,
     WeightSource,
     check_group_size,
+    decoder_of,
+    dense_module_names,
+    is_ignored,
     layer_targets,
+    linear_module_names,
     quantize_layers,
 )
 from pagoda.quant.schemes import SCHEMES, scheme_args
@@ -63,11 +74,40 @@ def _storage_dtype(dtype: str, hf_config: Any) -> torch.dtype:
     name = normalize_dtype(dtype)
     if name == "auto":
         text = getattr(hf_config, "text_config", None) or hf_config
-        cfg = getattr(text, "dtype", None) or getattr(text, "torch_dtype", None)
+        cfg = None
+        # VL configs keep the dtype at the top level; their text_config's is usually None.
+        for c in (text, hf_config):
+            cfg = cfg or getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
         name = normalize_dtype(cfg) if cfg is not None else "bfloat16"
         if name == "auto":
             name = "bfloat16"
     return getattr(torch, name)
+
+
+def _keep_vision_dense(skeleton: torch.nn.Module, arch: str, ignore: list[str]) -> list[str]:
+    """`ignore` plus the vision linears it does not cover, with a note saying so.
+
+    The pipeline calibrates the text decoder on text; the vision tower is never quantized (as
+    in llmcompressor's Qwen2.5-VL examples, which all ignore `re:.*visual.*`). Without an ignore
+    rule for it the tower would still be left dense, but a checkpoint whose config claimed it
+    quantized would not load, so the rule is added for the user.
+    """
+    _, decoder_name = decoder_of(skeleton)
+    outside = [
+        n
+        for n in linear_module_names(skeleton)
+        if n != "lm_head" and not n.startswith(f"{decoder_name}.")
+    ]
+    missing = [n for n in outside if not is_ignored(skeleton, n, ignore)]
+    if not missing:
+        return ignore
+    print(
+        f"note: {arch}: the vision tower is kept unquantized (text-only calibration); "
+        f"{len(missing)} of its {len(outside)} linear modules were not matched by the ignore "
+        "list, so they are ignored too (pass --ignore 're:.*visual.*' to say so explicitly)",
+        file=sys.stderr,
+    )
+    return [*ignore, *missing]
 
 
 @contextlib.contextmanager
@@ -102,11 +142,14 @@ def quantize(
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
     `ignore`: module names or `re:` patterns (matched at the start of the dotted name) kept
-    unquantized; the LM head is never quantized. `dataset="random"` draws random token ids
-    (timing runs); a `config:PATH.json` model gets deterministic random weights. `dtype`: what
-    the checkpoint stores (scales, unquantized tensors); "auto" takes the model's dtype
-    (bfloat16 when it has none). `gptq_scales`: "first_touch" (a group's scale from the
-    error-updated weights when GPTQ reaches it) or "upfront" (from the original weights).
+    unquantized; the LM head is never quantized. For vision-language models names match in
+    either spelling (`model.language_model.layers.0...` / `model.layers.0...`, `model.visual...`
+    / `visual...`) and the vision tower is always kept (see `_keep_vision_dense`).
+    `dataset="random"` draws random token ids (timing runs); a `config:PATH.json` model gets
+    deterministic random weights. `dtype`: what the checkpoint stores (scales, unquantized
+    tensors); "auto" takes the model's dtype (bfloat16 when it has none). `gptq_scales`:
+    "first_touch" (a group's scale from the error-updated weights when GPTQ reaches it) or
+    "upfront" (from the original weights).
     """
     start = time.perf_counter()
     if method not in METHODS:
@@ -154,8 +197,13 @@ def quantize(
     model_cls = get_model_class(architectures)
     with _default_dtype(compute_dtype), torch.device("meta"):
         skeleton = model_cls(hf_config)
+    vision_language = hasattr(skeleton, "visual")
+    if vision_language:
+        if source.kind == "gguf":
+            raise ValueError(f"{arch} from a GGUF file cannot be quantized; use the HF directory")
+        ignore = _keep_vision_dense(skeleton, arch, ignore)
     check_group_size(skeleton, args, ignore)
-    for i in range(len(skeleton.model.layers)):
+    for i in range(len(decoder_of(skeleton)[0].layers)):
         for t in layer_targets(skeleton, i, ignore):
             if len(set(t.quantized)) > 1:
                 raise ValueError(
@@ -164,6 +212,14 @@ def quantize(
                 )
 
     tokenizer = load_tokenizer(source)
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        # VL releases keep the chat template in chat_template.json (the processor's), which
+        # AutoTokenizer does not read; serving uses it, so calibration renders chats with it.
+        from pagoda.multimodal.processor import _processor_chat_template
+
+        template = _processor_chat_template(source.path if source.kind == "hf_dir" else None)
+        if template:
+            tokenizer.chat_template = template
     samples: list[torch.Tensor] = []
     num_tokens = 0
     if dataset == "random":
@@ -180,7 +236,10 @@ def quantize(
     if source.kind == "config":
         weights = WeightSource.dummy(skeleton, seed)
     else:
-        weights = WeightSource.from_model_config(model_config)
+        # VL release checkpoints name tensors `visual.*` / `model.layers.*`: the pipeline works
+        # in module names and writes every tensor back under its checkpoint name.
+        rename = getattr(model_cls, "checkpoint_to_module_name", None)
+        weights = WeightSource.from_model_config(model_config, rename)
 
     report = QuantizeReport(
         method=method,
@@ -201,6 +260,10 @@ def quantize(
         gptq_scales=gptq_scales,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    # Text models keep the user's patterns; VL configs list module names, as llmcompressor
+    # (compressed-tensors) does, which pagoda and transformers both match against the
+    # transformers-5 module names whatever the tensors are called on disk.
+    config_ignore = dense_module_names(skeleton, ignore) if vision_language else ignore
     with staged_directory(out_dir) as tmp:
         compressed = quantize_layers(skeleton, weights, samples, args, ignore, options, report)
         quantized_modules = {name.rsplit(".", 1)[0] for name in compressed}
@@ -212,10 +275,15 @@ def quantize(
             if leaf == "weight" and module in quantized_modules:
                 continue
             tensor = weights.get(name)
-            state[name] = tensor.to(storage_dtype) if tensor.is_floating_point() else tensor
-        state.update(compressed)
+            stored = tensor.to(storage_dtype) if tensor.is_floating_point() else tensor
+            state[weights.checkpoint_name(name)] = stored
+        for name, tensor in compressed.items():
+            module, _, key = name.rpartition(".")
+            # The packed tensors sit where the checkpoint had the module's weight.
+            stored_module = weights.checkpoint_name(f"{module}.weight").removesuffix(".weight")
+            state[f"{stored_module}.{key}"] = tensor
         save_safetensors(state, tmp)
-        write_config(hf_config, make_quant_config(args, ignore), tmp, storage_dtype)
+        write_config(hf_config, make_quant_config(args, config_ignore), tmp, storage_dtype)
         if source.kind == "hf_dir":
             copy_model_files(source.path, tmp)
         if tokenizer is not None and not (tmp / "tokenizer_config.json").exists():

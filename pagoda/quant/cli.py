@@ -70,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         help="module kept unquantized: exact name or 're:' pattern matched at the "
-        "start of the dotted name (repeatable; default: lm_head)",
+        "start of the dotted name (repeatable; default: lm_head). Vision-language models: "
+        "pass 're:.*visual.*' as for llmcompressor; the vision tower is kept unquantized "
+        "either way (with a note when no rule covers it)",
     )
     q.add_argument(
         "--dataset",

@@ -5,6 +5,11 @@ are captured once; then per decoder layer: its weights alone are loaded onto the
 pass accumulates one Hessian per linear input (q/k/v share one, gate/up share one), each
 projection is quantized (GPTQ or RTN), a second pass through the quantized layer produces
 the next layer's inputs, and the layer goes back to meta. Quantized tensors wait on the CPU.
+
+Vision-language models (Qwen2.5-VL, Qwen2-VL) go the same way through their text decoder
+(`model.language_model`), calibrated on text only; the vision tower is never quantized. Names
+inside the pipeline are pagoda's module names (transformers 5's); `WeightSource` maps them to
+and from the checkpoint's own layout.
 """
 
 from __future__ import annotations
@@ -28,7 +33,13 @@ from pagoda.quant.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quant.rtn import QuantizedWeight, hessian_weighted_error, rtn_quantize
 
 # Architectures whose decoder layers the pipeline knows how to run (the Llama skeleton).
-QUANTIZABLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QUANTIZABLE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+)
 METHODS = ("gptq", "rtn")
 _CANDIDATE_GROUPS = (32, 64, 128, 256)
 
@@ -37,29 +48,57 @@ _CANDIDATE_GROUPS = (32, 64, 128, 256)
 
 
 class WeightSource:
-    """Checkpoint tensors by HF name, read when asked (safetensors) or held (GGUF)."""
+    """Checkpoint tensors by module name, read when asked (safetensors) or held (GGUF).
+
+    `rename` maps a checkpoint name to pagoda's module name (a VL release checkpoint's
+    `visual.*` / `model.layers.*` -> `model.visual.*` / `model.language_model.layers.*`);
+    `checkpoint_name` maps back, so that the output keeps the input's naming.
+    """
 
     def __init__(
-        self, tensors: dict[str, torch.Tensor] | None = None, files: dict[str, Path] | None = None
+        self,
+        tensors: dict[str, torch.Tensor] | None = None,
+        files: dict[str, Path] | None = None,
+        checkpoint_names: dict[str, str] | None = None,
     ) -> None:
         self._tensors = tensors or {}
         self._files = files or {}
         self._dummy: dict[str, tuple[int, tuple[int, ...]]] = {}  # name -> (seed, shape)
+        self._checkpoint_names = checkpoint_names or {}  # module name -> checkpoint name
 
     @classmethod
-    def from_model_config(cls, model_config: Any) -> WeightSource:
+    def from_model_config(
+        cls, model_config: Any, rename: Callable[[str], str] | None = None
+    ) -> WeightSource:
         from pagoda.models.loader import _safetensors_files, iter_gguf_weights
 
+        checkpoint_names: dict[str, str] = {}
+
+        def module_name(name: str) -> str:
+            ours = rename(name) if rename is not None else name
+            if ours in checkpoint_names and checkpoint_names[ours] != name:
+                raise ValueError(
+                    f"checkpoint tensors {checkpoint_names[ours]} and {name} are the same "
+                    f"parameter ({ours}); the checkpoint mixes two naming layouts"
+                )
+            checkpoint_names[ours] = name
+            return ours
+
         if model_config.gguf_file:
-            return cls(tensors=dict(iter_gguf_weights(model_config)))
+            tensors = {module_name(n): t for n, t in iter_gguf_weights(model_config)}
+            return cls(tensors=tensors, checkpoint_names=checkpoint_names)
         from safetensors import safe_open
 
         files = {}
         for file in _safetensors_files(Path(model_config.model)):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
-                    files[name] = file
-        return cls(files=files)
+                    files[module_name(name)] = file
+        return cls(files=files, checkpoint_names=checkpoint_names)
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's own name of the tensor `name` (a module name)."""
+        return self._checkpoint_names.get(name, name)
 
     @classmethod
     def dummy(cls, skeleton: nn.Module, seed: int = 0) -> WeightSource:
@@ -94,7 +133,7 @@ class WeightSource:
         from safetensors import safe_open
 
         with safe_open(str(self._files[name]), framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self.checkpoint_name(name))
 
     def with_prefix(self, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names():
@@ -116,6 +155,59 @@ def matches_ignore(name: str, patterns: list[str]) -> bool:
     return False
 
 
+def is_ignored(model: nn.Module, name: str, patterns: list[str]) -> bool:
+    """`matches_ignore` on the module name, or on its original-release name (VL models).
+
+    llmcompressor matches transformers' module names (`model.language_model.layers.0...`,
+    `model.visual...`); users reading a release checkpoint write `model.layers.0...` or
+    `visual...`. Either spelling keeps the module dense.
+    """
+    if matches_ignore(name, patterns):
+        return True
+    original = getattr(model, "module_to_original_name", None)
+    return original is not None and matches_ignore(original(name), patterns)
+
+
+def decoder_of(model: nn.Module) -> tuple[nn.Module, str]:
+    """The text decoder (`embed_tokens`, `layers`, `norm`) and its module name.
+
+    `model.model` of a causal LM, `model.model.language_model` of a vision-language model.
+    """
+    decoder = getattr(model, "language_model", None)
+    if decoder is None:
+        decoder = model.model
+    for name, module in model.named_modules():
+        if module is decoder:
+            return decoder, name
+    raise ValueError(f"{type(model).__name__}: decoder not found among its modules")
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Every HF linear module of `model` in module order (fused layers expanded), lm_head last."""
+    mapping = model.packed_modules_mapping
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            parent, _, leaf = name.rpartition(".")
+            names.extend(f"{parent}.{h}" if parent else h for h in mapping.get(leaf, [leaf]))
+    return [*names, "lm_head"]
+
+
+def dense_module_names(model: nn.Module, ignore: list[str]) -> list[str]:
+    """The linear modules the pipeline leaves unquantized, as llmcompressor lists them.
+
+    Everything outside the decoder layers (the vision tower, lm_head) and the ignored decoder
+    projections: compressed-tensors writes exactly these module names into `ignore`.
+    """
+    _, prefix = decoder_of(model)
+    layers = f"{prefix}.layers."
+    return [
+        n
+        for n in linear_module_names(model)
+        if not n.startswith(layers) or is_ignored(model, n, ignore)
+    ]
+
+
 @dataclass(frozen=True)
 class TargetLinear:
     """One pagoda linear layer of a decoder layer and the HF modules stored in it."""
@@ -126,8 +218,9 @@ class TargetLinear:
 
 
 def layer_targets(model: nn.Module, layer_index: int, ignore: list[str]) -> list[TargetLinear]:
-    prefix = f"model.layers.{layer_index}"
-    layer = model.model.layers[layer_index]
+    decoder, decoder_name = decoder_of(model)
+    prefix = f"{decoder_name}.layers.{layer_index}"
+    layer = decoder.layers[layer_index]
     mapping = model.packed_modules_mapping
     targets = []
     for attr, module in layer.named_modules():
@@ -137,7 +230,7 @@ def layer_targets(model: nn.Module, layer_index: int, ignore: list[str]) -> list
         base = f"{prefix}.{parent}" if parent else prefix
         hf_names = [f"{base}.{h}" for h in mapping.get(leaf, [leaf])]
         targets.append(
-            TargetLinear(attr, hf_names, [not matches_ignore(n, ignore) for n in hf_names])
+            TargetLinear(attr, hf_names, [not is_ignored(model, n, ignore) for n in hf_names])
         )
     return targets
 
@@ -147,9 +240,10 @@ def check_group_size(model: nn.Module, args: WeightQuantArgs, ignore: list[str])
     if args.group_size == -1:
         return
     bad: dict[int, list[str]] = {}
-    for i in range(len(model.model.layers)):
+    layers = decoder_of(model)[0].layers
+    for i in range(len(layers)):
         for t in layer_targets(model, i, ignore):
-            module = model.model.layers[i].get_submodule(t.attr)
+            module = layers[i].get_submodule(t.attr)
             if any(t.quantized) and module.in_features % args.group_size:
                 bad.setdefault(module.in_features, []).extend(
                     n for n, q in zip(t.hf_names, t.quantized) if q
@@ -270,7 +364,7 @@ def _load_layer(
         if p.is_floating_point():
             p.data = p.data.to(dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
-    prefix = f"model.layers.{index}."
+    prefix = f"{decoder_of(model)[1]}.layers.{index}."
     seen = set()
     for name, tensor in source.with_prefix(prefix):
         if name.endswith("rotary_emb.inv_freq"):
@@ -293,14 +387,56 @@ def _load_layer(
         raise ValueError(f"checkpoint is missing weights of layer {index}: {', '.join(missing)}")
 
 
+def text_positions(num_tokens: int, device: torch.device | str) -> torch.Tensor:
+    """Rotary positions [T] of a text-only sequence, as the model runner passes them.
+
+    Vision-language models: text tokens sit at (i, i, i) on M-RoPE's three axes (HF's
+    `get_rope_index`, pagoda's `mrope_positions`), which is plain RoPE at i, and the runner
+    collapses text-only steps to these [T] positions; `MRotaryEmbedding` takes both forms.
+    """
+    return torch.arange(num_tokens, device=device)
+
+
 def _run_layer(layer: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each sample through one decoder layer; returns hidden + residual, the next input."""
     outputs = []
     for hidden in inputs:
-        positions = torch.arange(hidden.shape[0], device=hidden.device)
+        positions = text_positions(hidden.shape[0], hidden.device)
         out, residual = layer(positions, hidden, None, None)
         outputs.append(out + residual)
     return outputs
+
+
+def layer_inputs(
+    model: nn.Module,
+    source: WeightSource,
+    samples: list[torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """Inputs of decoder layer 0: the token embeddings of every sample, each [T, hidden]."""
+    _, prefix = decoder_of(model)
+    embed = source.get(f"{prefix}.embed_tokens.weight").to(device=device, dtype=dtype)
+    return [embed[ids.to(device)] for ids in samples]
+
+
+def calibration_rope(model: nn.Module, device: torch.device) -> nn.Module:
+    """The decoder's rotary embedding, built on `device` (the meta model's has no tables).
+
+    Built as `DecoderModel` builds it (`get_rope` of the text config), so a VL model gets the
+    same `MRotaryEmbedding` (mrope_section) it serves with.
+    """
+    decoder, _ = decoder_of(model)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    with torch.device(device):
+        rope = get_rope(config, head_dim)
+    if type(rope) is not type(decoder.rotary_emb):
+        raise TypeError(
+            f"calibration rotary {type(rope).__name__} differs from the model's "
+            f"{type(decoder.rotary_emb).__name__}"
+        )
+    return rope
 
 
 def quantize_layers(
@@ -313,20 +449,20 @@ def quantize_layers(
     report: QuantizeReport,
     on_layer: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Quantize every decoder layer of `model` (built on meta); returns the compressed tensors."""
+    """Quantize every decoder layer of `model` (built on meta); returns the compressed tensors.
+
+    Tensor names are module names (`{module}.weight_packed`, ...); `WeightSource.checkpoint_name`
+    turns them into the checkpoint's layout.
+    """
     from tqdm import tqdm
 
     device, dtype = options.device, options.compute_dtype
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    with torch.device(device):
-        rope = get_rope(config, head_dim)
-    embed = source.get("model.embed_tokens.weight").to(device=device, dtype=dtype)
+    rope = calibration_rope(model, device)
     # Inputs of layer 0, captured once: the embeddings of every sample.
-    hidden_states = [embed[ids.to(device)] for ids in samples]  # each [T, hidden]
-    del embed
+    hidden_states = layer_inputs(model, source, samples, device, dtype)  # each [T, hidden]
     compressed: dict[str, torch.Tensor] = {}
-    layers = model.model.layers
+    decoder, decoder_name = decoder_of(model)
+    layers = decoder.layers
     bar = tqdm(range(len(layers)), desc=f"{options.method} layers", disable=not options.progress)
     for index in bar:
         start = time.perf_counter()
@@ -387,7 +523,7 @@ def quantize_layers(
                 )
                 qw, deq, loss = result.quantized, result.dequantized, result.loss
                 if result.used_rtn_fallback:
-                    report.rtn_fallbacks.append(f"model.layers.{index}.{t.attr}")
+                    report.rtn_fallbacks.append(f"{decoder_name}.layers.{index}.{t.attr}")
             else:
                 qw = rtn_quantize(w, args, options.storage_dtype)
                 deq = qw.dequantize(torch.float32)
