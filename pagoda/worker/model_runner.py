@@ -18,7 +18,7 @@ import torch
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig
 from pagoda.layers.attention import AttentionMetadata
-from pagoda.layers.sampler import Sampler, SamplingMetadata
+from pagoda.layers.sampler import Sampler, SamplingMetadata, to_device
 from pagoda.models.loader import load_model
 from pagoda.worker.memory import (
     MemoryReport,
@@ -565,7 +565,7 @@ class ModelRunner:
         def opt(values: list[float], neutral: float, dtype=torch.float32) -> torch.Tensor | None:
             if all(v == neutral for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return to_device(values, dtype, dev)
 
         generators: dict[int, torch.Generator] = {}
         min_blocked: dict[int, list[int]] = {}
@@ -589,7 +589,9 @@ class ModelRunner:
         )
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            # Pinned, non-blocking: a pageable copy would wait for the forward just launched,
+            # and with async scheduling the host must not wait for the device here.
+            temperature=to_device(temps, torch.float32, dev),
             all_greedy=all_greedy,
             all_random=all_random,
             top_k=opt([float(p.top_k) for p in params], 0.0, torch.int64),
