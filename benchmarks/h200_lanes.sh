@@ -6,7 +6,8 @@
 #
 #   OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps: gpu_tests profile latency gemm lora serve throughput vl quant7b compare3b compare7b
+# Steps: gpu_tests gpu_tests_core profile latency latency_ab w4a16_latency gemm lora serve
+#        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-out}
@@ -46,6 +47,42 @@ step_latency() {
   run latency 170 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 \
     --out "$R/latency_qwen2.5-7b_h200.json" ${LATENCY_ARGS:-}
+}
+step_gpu_tests_core() {
+  run gpu_tests_core 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/entrypoints/test_gpu_engine.py tests/kernels/test_triton_w4a16.py \
+    tests/kernels/test_triton_lora.py tests/lora tests/models/test_qwen2_5_vl.py
+}
+# batch-1 decode, async scheduling (the default) vs in-order, same script run
+step_latency_ab() {
+  step_latency
+  run latency_sync 120 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
+    --no-async-scheduling --out "$R/latency_qwen2.5-7b_h200_sync.json"
+}
+# issue 4: batch-1 decode of Qwen2.5-7B W4A16 vs bf16 in the same run (GEMV and tinygemm)
+step_w4a16_latency() {
+  run lat7b_bf16 110 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
+    --out "$R/latency_qwen2.5-7b_bf16_h200.json"
+  run lat7b_w4a16 110 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7:w4a16" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
+    --out "$R/latency_qwen2.5-7b_w4a16_h200.json"
+  PAGODA_W4A16_SMALL_M=tinygemm run lat7b_w4a16_tinygemm 110 python3 -m pagoda.entrypoints.cli \
+    bench latency "config:$CFG7:w4a16" --dtype bfloat16 --prompt-len 512 --output-len 256 \
+    --iters 3 --baseline none --out "$R/latency_qwen2.5-7b_w4a16_tinygemm_h200.json"
+}
+step_throughput_async() {
+  run throughput_async 120 python3 -m pagoda.entrypoints.cli bench throughput "config:$CFG3" \
+    --dtype bfloat16 --gpu-memory-utilization 0.5 --baseline none \
+    --out "$R/throughput_qwen2.5-3b_h200_async.json"
+}
+# the server's reference: offline LLM.generate on the same prompts at the same concurrency
+step_serve_offline64() {
+  run serve_offline64 120 python3 benchmarks/serve/offline_same_prompts.py "config:$CFG3" \
+    --token-prompts --num-prompts 512 --input-len 512 --output-len 128 \
+    --llm-kwargs '{"max_model_len": 4096, "gpu_memory_utilization": 0.5, "max_num_seqs": 64}' \
+    --out "$R/serve_offline64_h200.json"
 }
 step_gemm() {
   run gemm 150 python3 benchmarks/quant/bench_w4a16_gemm.py --out "$R/w4a16_gemm_h200.json"
