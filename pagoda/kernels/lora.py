@@ -4,14 +4,41 @@ The flat batch is cut into segments (a request's tokens, or single tokens in a C
 decode); segment i uses adapter slot `seg_slots[i]` of stacked weights `w [L, N, K]`, or none
 when the slot is -1. `lora_sgmv` computes `out[t] (+)= x[t] @ w[slot(t)]^T`: the Triton kernel
 of `triton_lora.py` on CUDA, the torch reference `lora_sgmv_ref` elsewhere.
+
+`lora_shrink_expand` is a whole LoRA layer (`y[t] += B[s] A[s] x[t]`) from per-token slots, in
+two kernel launches; its split-K shrink uses a `LoRAWorkspace` that every layer shares.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+
+@dataclass(frozen=True)
+class LoRAWorkspace:
+    """Scratch of the split-K shrink: zero before and after every launch (each launch returns
+    what it used to zero), so one instance serves every layer of a stream, graphs included."""
+
+    acc: torch.Tensor  # [max_rows, max_cols] float32: partial sums of rank-space rows
+    counters: torch.Tensor  # [n] int32: arrivals per (token tile, slot, output tile)
+
+
+def lora_workspace(
+    device: torch.device | str,
+    max_rows: int = 1024,
+    max_cols: int = 512,
+    num_counters: int = 1 << 14,
+) -> LoRAWorkspace:
+    """Allocate (zeroed) a workspace: split-K serves layer inputs of up to `max_rows` tokens
+    and rank spaces (S*R) of up to `max_cols`. Allocate it outside CUDA-graph capture."""
+    return LoRAWorkspace(
+        torch.zeros(max_rows, max_cols, dtype=torch.float32, device=device),
+        torch.zeros(num_counters, dtype=torch.int32, device=device),
+    )
 
 
 @functools.cache
@@ -94,3 +121,39 @@ def lora_sgmv(
     return triton_lora.lora_sgmv_triton(
         x, w, seg_starts, seg_slots, num_segs, max_seg_len, out, add
     )
+
+
+def lora_shrink_expand_ref(
+    x: torch.Tensor,  # [T, in]
+    lora_a: torch.Tensor,  # [L, S*R, in]
+    lora_b: torch.Tensor,  # [L, out, S*R]
+    token_slots: torch.Tensor,  # [>= T] int32, -1 = none
+    y: torch.Tensor,  # [T, out], updated in place
+) -> torch.Tensor:
+    """Reference of `lora_shrink_expand`: `lora_sgmv_ref` twice, one segment per token, the
+    rank-space rows rounded to x's dtype in between."""
+    num_tokens = x.shape[0]
+    starts = torch.arange(num_tokens + 1, dtype=torch.int32, device=token_slots.device)
+    slots = token_slots[:num_tokens]
+    rank = torch.empty(num_tokens, lora_a.shape[1], dtype=x.dtype, device=x.device)
+    lora_sgmv_ref(x, lora_a, starts, slots, num_tokens, rank, add=False)
+    return lora_sgmv_ref(rank, lora_b, starts, slots, num_tokens, y, add=True)
+
+
+def lora_shrink_expand(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+    workspace: LoRAWorkspace | None = None,
+) -> torch.Tensor:
+    """`y[t] += B[s] @ A[s] @ x[t]` with s = `token_slots[t]` (rows with -1 untouched).
+
+    The Triton kernels on CUDA (and on the CPU when Triton runs interpreted, as in the tests),
+    the reference otherwise. Without a workspace the shrink is not split over K.
+    """
+    triton_lora = _triton_lora()
+    if triton_lora is None or not (x.is_cuda or triton_lora.INTERPRETED):
+        return lora_shrink_expand_ref(x, lora_a, lora_b, token_slots, y)
+    return triton_lora.lora_shrink_expand_triton(x, lora_a, lora_b, token_slots, y, workspace)

@@ -12,24 +12,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.kernels.lora import lora_grouped_ref, lora_sgmv
+from pagoda.kernels.lora import (
+    LoRAWorkspace,
+    lora_grouped_ref,
+    lora_sgmv,  # noqa: F401  (kept importable from here for callers that patch it)
+    lora_shrink_expand,
+    lora_workspace,
+)
 from pagoda.layers.linear import LinearBase, LinearMethod
 
 
 class LoRABatch:
     """Which adapter slot each part of the flat batch uses, shared by every LoRA layer.
 
-    On CUDA, two layouts for the sgmv kernel: one segment per request (`num_segs` set, eager
-    steps), or one segment per token (`num_segs` None: CUDA graphs, whose captured kernels
-    read the static `slots` buffer that each replay refills). On the CPU, `groups` lists the
-    token rows of each adapter slot, computed once per step instead of once per layer.
+    On CUDA, two layouts: one segment per request (`num_segs` set, eager steps), or one
+    segment per token (`num_segs` None: CUDA graphs, whose captured kernels read the static
+    `slots` buffer that each replay refills). The kernels read per-token slots either way
+    (`token_slots`): the `slots` buffer itself per token, the request slots repeated per
+    request. On the CPU, `groups` lists the token rows of each adapter slot, computed once per
+    step instead of once per layer.
     """
 
     def __init__(self, max_num_tokens: int, device: torch.device) -> None:
         self.on_cuda = device.type == "cuda"
+        self.device = device
+        self.max_num_tokens = max_num_tokens
         self.slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device)
         self.starts = torch.zeros(max_num_tokens + 1, dtype=torch.int32, device=device)
         self._token_starts = torch.arange(max_num_tokens + 1, dtype=torch.int32, device=device)
+        self._request_token_slots = torch.full_like(self.slots, -1)
+        # split-K scratch of the shrink kernels, shared by all layers; allocated up front so
+        # that no CUDA-graph capture allocates (and captures the zeroing of) it
+        self._workspace: LoRAWorkspace | None = None
+        if self.on_cuda:
+            self._workspace = self.workspace
         self.num_segs: int | None = None
         self.max_seg_len = 1
         self.groups: list[tuple[int, slice | torch.Tensor]] = []  # (slot, rows), CPU only
@@ -43,6 +59,18 @@ class LoRABatch:
             return self._token_starts, self.slots, num_tokens, 1
         return self.starts, self.slots, self.num_segs, self.max_seg_len
 
+    def token_slots(self, num_tokens: int) -> torch.Tensor:
+        """[num_tokens] int32 adapter slot of each row of a layer input (-1: none)."""
+        if self.num_segs is None:
+            return self.slots[:num_tokens]
+        return self._request_token_slots[:num_tokens]
+
+    @property
+    def workspace(self) -> LoRAWorkspace:
+        if self._workspace is None:
+            self._workspace = lora_workspace(self.device, max_rows=min(self.max_num_tokens, 1024))
+        return self._workspace
+
     def set_per_request(self, slots: list[int], num_tokens: list[int]) -> None:
         starts = [0]
         for count in num_tokens:
@@ -54,6 +82,13 @@ class LoRABatch:
         n = len(slots)
         self.starts[: n + 1].copy_(_pinned(starts), non_blocking=True)
         self.slots[:n].copy_(_pinned(slots), non_blocking=True)
+        if self.active:
+            # -1 past the requests: rows a runner may pad the layer input with get no adapter
+            per_token = torch.full((self.max_num_tokens,), -1, dtype=torch.int32)
+            per_token[: starts[-1]] = torch.repeat_interleave(
+                torch.tensor(slots, dtype=torch.int32), torch.tensor(num_tokens)
+            )
+            self._request_token_slots.copy_(_pin_tensor(per_token), non_blocking=True)
         self.num_segs = n
         self.max_seg_len = max(num_tokens)
 
@@ -69,6 +104,10 @@ class LoRABatch:
 def _pinned(values: list[int]) -> torch.Tensor:
     # Pinned, so that the non-blocking copy to the GPU is really asynchronous.
     return torch.tensor(values, dtype=torch.int32).pin_memory()
+
+
+def _pin_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory() if torch.cuda.is_available() else t
 
 
 def _groups(slots: list[int], starts: list[int]) -> list[tuple[int, slice | torch.Tensor]]:
@@ -143,9 +182,7 @@ class LoRALinearMethod(LinearMethod):
             return y
         if not self.batch.on_cuda:
             return lora_grouped_ref(x, self.lora_a, self.lora_b, self.batch.groups, y)
-        starts, slots, num_segs, max_seg_len = self.batch.segments(x.shape[0])
-        # shrink: [T, in] x A[slot]^T -> [T, S*R]; expand: += [T, S*R] x B[slot]^T into y
-        rank_space = torch.empty(x.shape[0], self.lora_a.shape[1], dtype=x.dtype, device=x.device)
-        lora_sgmv(x, self.lora_a, starts, slots, num_segs, max_seg_len, rank_space, add=False)
-        lora_sgmv(rank_space, self.lora_b, starts, slots, num_segs, max_seg_len, y, add=True)
-        return y
+        # shrink: [T, in] x A[slot]^T -> [T, S*R] (split over K); expand: += [T, S*R] x
+        # B[slot]^T into y. Two launches, per-token slots, no host sync.
+        token_slots = self.batch.token_slots(x.shape[0])
+        return lora_shrink_expand(x, self.lora_a, self.lora_b, token_slots, y, self.batch.workspace)
