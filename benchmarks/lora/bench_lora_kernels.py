@@ -14,7 +14,10 @@ between two CUDA events. Columns, in us per linear:
   torch2mm  one adapter as two cuBLAS matmuls (x @ A^T) @ B^T added into y (a floor for
             "two launches")
 
-and a per-step estimate: the LoRA cost of the four linears times the number of layers.
+and a per-step estimate: the LoRA cost of the four linears times the number of layers. A
+second table times the one-launch kernel (`fused`, opt-in in the engine through
+PAGODA_LORA_FUSED=1); skip it with --no-fused. Every variant is first checked against the
+torch reference; a launch that does not finish in 30 s ends the process.
 
     python benchmarks/lora/bench_lora_kernels.py [--tokens 1,16,64] [--adapters 1] [--nosplit]
 
@@ -46,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=36, help="weight copies (decoder layers)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--nosplit", action="store_true", help="also time the unsplit shrink")
+    p.add_argument("--no-fused", action="store_true", help="skip the one-launch kernel")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, eager, any device")
     p.add_argument("--out", default=None, help="write the JSON result here")
     return p.parse_args(argv)
@@ -65,30 +69,42 @@ def projection_shapes(cfg: dict, rank: int) -> dict[str, tuple[int, int, int]]:
     }
 
 
-def time_graph(fns: list[Callable[[], object]], replays: int) -> float:
+def wait_or_exit(what: str, timeout_s: float = 30.0) -> None:
+    """Wait for the GPU; exit the process (which ends the CUDA context) if it hangs."""
+    event = torch.cuda.Event()
+    event.record()
+    t0 = time.perf_counter()
+    while not event.query():
+        if time.perf_counter() - t0 > timeout_s:
+            print(f"\n{what}: the GPU did not finish in {timeout_s:.0f} s, exiting", flush=True)
+            os._exit(3)
+        time.sleep(1e-3)
+
+
+def time_graph(fns: list[Callable[[], object]], replays: int, what: str) -> float:
     """Microseconds per fn: all of `fns` captured in one CUDA graph, replayed."""
     for fn in fns[:2]:
         fn()  # compile / autotune outside the capture
-    torch.cuda.synchronize()
+    wait_or_exit(what)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
     graph.replay()
-    torch.cuda.synchronize()
+    wait_or_exit(what)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
         graph.replay()
     end.record()
-    end.synchronize()
+    wait_or_exit(what)
     us = start.elapsed_time(end) * 1e3 / (replays * len(fns))
     del graph
     return us
 
 
-def time_eager(fns: list[Callable[[], object]], replays: int) -> float:
+def time_eager(fns: list[Callable[[], object]], replays: int, what: str) -> float:
     fns[0]()
     t0 = time.perf_counter()
     for _ in range(replays):
@@ -97,22 +113,35 @@ def time_eager(fns: list[Callable[[], object]], replays: int) -> float:
     return (time.perf_counter() - t0) * 1e6 / (replays * len(fns))
 
 
+def _config_dict(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in ("block_m", "block_n", "block_k", "split_k", "num_warps")}
+
+
 def bench_shape(
-    n_in: int, n_out: int, rank_space: int, num_tokens: int, ns: argparse.Namespace, device: str
+    name: str,
+    shape: tuple[int, int, int],
+    num_tokens: int,
+    ns: argparse.Namespace,
+    device: str,
+    columns: list[str],
 ) -> dict:
-    from pagoda.kernels.lora import lora_workspace
+    """Times the `columns` of one linear at one token count (after checking the LoRA results
+    against the torch reference)."""
+    from pagoda.kernels.lora import lora_shrink_expand_ref, lora_workspace
     from pagoda.kernels.triton_lora import (
         choose_config,
         lora_gemm_triton,
         lora_shrink_expand_triton,
     )
 
+    n_in, n_out, rank_space = shape
     dtype = torch.bfloat16
     timer = time_graph if device == "cuda" else time_eager
     layers = ns.layers
     x = torch.randn(num_tokens, n_in, device=device).to(dtype)
     weights = [
-        torch.empty(n_out, n_in, dtype=dtype, device=device).normal_(0, 0.02) for _ in range(layers)
+        torch.empty(n_out, n_in, dtype=dtype, device=device).normal_(0, 0.02)
+        for _ in range(layers if "base" in columns else 0)
     ]
     a = [
         torch.empty(ns.max_loras, rank_space, n_in, dtype=dtype, device=device).normal_(0, 0.02)
@@ -130,53 +159,51 @@ def bench_shape(
     workspace = lora_workspace(device)
     shrink_cfg = choose_config(num_tokens, rank_space, n_in, workspace_ok=True)
     expand_cfg = choose_config(num_tokens, n_out, rank_space, workspace_ok=False)
+    what = f"{name} T={num_tokens}"
 
     def each(fn: Callable[[int], object]) -> list[Callable[[], object]]:
         return [lambda i=i: fn(i) for i in range(layers)]
 
-    row: dict = {"tokens": num_tokens, "in": n_in, "out": n_out, "rank_space": rank_space}
-    row["base"] = timer(each(lambda i: torch.nn.functional.linear(x, weights[i])), ns.replays)
-    row["lora"] = timer(
-        each(lambda i: lora_shrink_expand_triton(x, a[i], b[i], slots, y, workspace)),
-        ns.replays,
-    )
-    row["shrink"] = timer(
-        each(lambda i: lora_gemm_triton(x, a[i], slots, rank, False, workspace)), ns.replays
-    )
-    row["expand"] = timer(
-        each(lambda i: lora_gemm_triton(rank, b[i], slots, y, True, None)), ns.replays
-    )
-    if ns.nosplit:
-        nosplit = choose_config(num_tokens, rank_space, n_in, workspace_ok=False)
-        row["nosplit"] = timer(
-            each(
-                lambda i: lora_shrink_expand_triton(
-                    x, a[i], b[i], slots, y, workspace, shrink_config=nosplit
-                )
-            ),
-            ns.replays,
+    def lora(fused: bool, **kw) -> Callable[[int], object]:
+        return lambda i: lora_shrink_expand_triton(
+            x, a[i], b[i], slots, y, workspace, fused=fused, **kw
         )
-    row["torch2mm"] = timer(each(lambda i: y.addmm_(x @ a[i][0].T, b[i][0].T)), ns.replays)
-    row["shrink_config"] = {
-        "block_m": shrink_cfg.block_m,
-        "block_n": shrink_cfg.block_n,
-        "block_k": shrink_cfg.block_k,
-        "split_k": shrink_cfg.split_k,
-        "num_warps": shrink_cfg.num_warps,
+
+    # correctness first: a wrong kernel's timing means nothing
+    y0 = torch.randn(num_tokens, n_out, device=device).to(dtype)
+    expected = lora_shrink_expand_ref(x, a[0], b[0], slots, y0.clone())
+    for fused in (False, True) if "fused" in columns else (False,):
+        got = lora_shrink_expand_triton(x, a[0], b[0], slots, y0.clone(), workspace, fused=fused)
+        if device == "cuda":
+            wait_or_exit(f"{what} {'fused' if fused else 'two launches'}")
+        torch.testing.assert_close(got, expected, atol=3e-2, rtol=2e-2)
+
+    variants: dict[str, Callable[[int], object]] = {
+        "base": lambda i: torch.nn.functional.linear(x, weights[i]),
+        "lora": lora(False),
+        "shrink": lambda i: lora_gemm_triton(x, a[i], slots, rank, False, workspace),
+        "expand": lambda i: lora_gemm_triton(rank, b[i], slots, y, True, None),
+        "nosplit": lora(
+            False, shrink_config=choose_config(num_tokens, rank_space, n_in, workspace_ok=False)
+        ),
+        "fused": lora(True),
+        "torch2mm": lambda i: y.addmm_(x @ a[i][0].T, b[i][0].T),
     }
-    row["expand_config"] = {
-        "block_m": expand_cfg.block_m,
-        "block_n": expand_cfg.block_n,
-        "block_k": expand_cfg.block_k,
-        "num_warps": expand_cfg.num_warps,
-    }
+    row: dict = {"linear": name, "tokens": num_tokens, "in": n_in, "out": n_out}
+    row["rank_space"] = rank_space
+    for col in columns:
+        row[col] = timer(each(variants[col]), ns.replays, f"{what} {col}")
+    row["shrink_config"] = _config_dict(shrink_cfg)
+    row["expand_config"] = _config_dict(expand_cfg)
     assert torch.isfinite(y).all()
-    assert not workspace.acc.any() and not workspace.counters.any(), "workspace left dirty"
+    dirty = workspace.acc.any() or workspace.counters.any() or workspace.sync.any()
+    assert not dirty, "a launch left the workspace dirty"
     return row
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # nothing lost if a hang ends the process
     if ns.smoke and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,29 +227,46 @@ def main(argv: list[str] | None = None) -> int:
         f"LoRA kernels, rank {ns.rank}, {ns.adapters} adapter(s) in use of {ns.max_loras} slots,"
         f" {ns.layers} weight copies per graph; us per linear"
     )
-    header = f"{'linear':<8}{'T':>5}" + "".join(f"{c:>10}" for c in cols)
-    print(header + f"{'lora/base':>11}  shrink cfg (BM,BN,BK,split)")
+    print(
+        f"{'linear':<8}{'T':>5}" + "".join(f"{c:>10}" for c in cols) + f"{'lora/base':>11}", end=""
+    )
+    print("  shrink (BM,BN,BK,split) expand (BM,BN,BK)")
     for t in tokens:
-        for name, (n_in, n_out, rank_space) in shapes.items():
-            row = bench_shape(n_in, n_out, rank_space, t, ns, device)
-            row["linear"] = name
+        for name, shape in shapes.items():
+            row = bench_shape(name, shape, t, ns, device, cols)
             rows.append(row)
-            sc = row["shrink_config"]
+            sc, ec = row["shrink_config"], row["expand_config"]
             print(
                 f"{name:<8}{t:>5}"
                 + "".join(f"{row[c]:>10.1f}" for c in cols)
                 + f"{row['lora'] / row['base']:>10.2f}x"
-                + f"  ({sc['block_m']},{sc['block_n']},{sc['block_k']},{sc['split_k']})",
+                + f"  ({sc['block_m']},{sc['block_n']},{sc['block_k']},{sc['split_k']})"
+                + f" ({ec['block_m']},{ec['block_n']},{ec['block_k']})",
                 flush=True,
             )
             if device == "cuda":
                 torch.cuda.empty_cache()
-    print(f"\nper decode step, {num_layers} layers x the four linears:")
+    print(f"\nper decode step, {num_layers} layers x the four linears (two launches each):")
     for t in tokens:
         sel = [r for r in rows if r["tokens"] == t]
         base = sum(r["base"] for r in sel) * num_layers / 1e3
         lora = sum(r["lora"] for r in sel) * num_layers / 1e3
         print(f"  T={t:<4} base linears {base:7.3f} ms   LoRA adds {lora:7.3f} ms")
+
+    if not ns.no_fused:
+        # opt-in in the engine (PAGODA_LORA_FUSED=1): one launch per linear whose expand
+        # programs wait for the shrink programs of the same launch
+        print("\none launch per linear (PAGODA_LORA_FUSED=1), us per linear:")
+        print(f"{'linear':<8}{'T':>5}{'fused':>10}{'lora':>10}")
+        fused_ms = {t: 0.0 for t in tokens}
+        for t in tokens:
+            for name, shape in shapes.items():
+                main_row = next(r for r in rows if r["linear"] == name and r["tokens"] == t)
+                main_row["fused"] = bench_shape(name, shape, t, ns, device, ["fused"])["fused"]
+                fused_ms[t] += main_row["fused"] * num_layers / 1e3
+                print(f"{name:<8}{t:>5}{main_row['fused']:>10.1f}{main_row['lora']:>10.1f}")
+        for t in tokens:
+            print(f"  T={t:<4} fused LoRA adds {fused_ms[t]:7.3f} ms per step")
     print(f"(took {time.perf_counter() - t_start:.1f} s)")
     if ns.out:
         result = {"benchmark": "lora_kernels", "args": vars(ns), "rows": rows}
