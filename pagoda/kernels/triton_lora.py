@@ -34,6 +34,20 @@ import triton.language as tl
 from pagoda.kernels.lora import LoRAWorkspace
 
 
+@triton.jit
+def _mma(acc, a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b in float32 (a converted to b's type; both to float32 when interpreted)."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    else:
+        a = a.to(b.dtype)
+    if IEEE:
+        return acc + tl.dot(a, b, input_precision="ieee")
+    else:
+        return acc + tl.dot(a, b)
+
+
 @triton.jit(do_not_specialize=["T"])  # one compile for every token count
 def _lora_kernel(
     x_ptr,
@@ -57,6 +71,7 @@ def _lora_kernel(
     stride_ws,
     ADD: tl.constexpr,
     SPLIT: tl.constexpr,
+    PREFETCH: tl.constexpr,  # SPLIT with one K step per split
     IEEE: tl.constexpr,  # float32 inputs: full-precision dot, not TF32
     UPCAST: tl.constexpr,  # interpreter only: its numpy dot has no bfloat16
     BLOCK_M: tl.constexpr,
@@ -70,44 +85,54 @@ def _lora_kernel(
     slot = tl.program_id(2)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = offs_m.to(tl.int64)
+    w_base = w_ptr + slot.to(tl.int64) * stride_wl
+    k_lo = pid_k * k_chunk
+    if PREFETCH:
+        # one K step per split: its loads go out with the slot load, one round trip for all
+        # (a program of an adapter nobody uses wastes them; few slots, so little)
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a0 = tl.load(
+            x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+            mask=(offs_m < T)[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        b0 = tl.load(
+            w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )
     tok_slot = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
     sel = tok_slot == slot  # this program's rows: the tile's tokens of adapter `slot`
     if tl.max(sel.to(tl.int32), axis=0) == 0:
         return  # also every program of an adapter nobody uses, and slot -1 / padding rows
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = offs_m.to(tl.int64)
     mask = sel[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ADD and not SPLIT:  # issued before the weight loads: one round trip for both
         acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    w_base = w_ptr + slot.to(tl.int64) * stride_wl
-    k_lo = pid_k * k_chunk
-    k_hi = tl.minimum(k_lo + k_chunk, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        a = tl.load(
-            x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-            mask=sel[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        b = tl.load(
-            w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        else:
-            a = a.to(b.dtype)
-        if IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+    if PREFETCH:
+        acc = _mma(acc, tl.where(sel[:, None], a0, tl.zeros_like(a0)), b0, IEEE, UPCAST)
+    else:
+        k_hi = tl.minimum(k_lo + k_chunk, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_hi
+            a = tl.load(
+                x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk,
+                mask=sel[:, None] & mask_k[None, :],
+                other=0.0,
+            )  # [BLOCK_M, BLOCK_K]
+            b = tl.load(
+                w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_N]
+            acc = _mma(acc, a, b, IEEE, UPCAST)
 
     if SPLIT:
         ws_ptrs = ws_ptr + rows[:, None] * stride_ws + offs_n[None, :]
@@ -201,15 +226,7 @@ def _lora_fused_kernel(
                             mask=mask_k[:, None] & mask_r[None, :],
                             other=0.0,
                         )  # [BLOCK_K, BLOCK_R]
-                        if UPCAST:
-                            xt = xt.to(tl.float32)
-                            at = at.to(tl.float32)
-                        else:
-                            xt = xt.to(at.dtype)
-                        if IEEE:
-                            acc += tl.dot(xt, at, input_precision="ieee")
-                        else:
-                            acc += tl.dot(xt, at)
+                        acc = _mma(acc, xt, at, IEEE, UPCAST)
             ws_ptrs = ws_ptr + rows[:, None] * stride_ws + offs_r[None, :]
             tl.atomic_add(ws_ptrs, acc, mask=valid[:, None] & mask_r[None, :], sem="relaxed")
         tl.debug_barrier()  # all threads' sums before the release below
@@ -248,16 +265,8 @@ def _lora_fused_kernel(
                 volatile=True,
             )  # [BLOCK_M, BLOCK_R] float32 sums
             rank = rank.to(x_ptr.dtype.element_ty)  # rounded as the unfused path rounds it
-            if UPCAST:
-                rank = rank.to(tl.float32)
-                b_hi = b_hi.to(tl.float32)
-            else:
-                rank = rank.to(b_hi.dtype)
             r_hi = tl.where((tok == s_hi)[:, None], rank, tl.zeros_like(rank))
-            if IEEE:
-                acc += tl.dot(r_hi, b_hi, input_precision="ieee")
-            else:
-                acc += tl.dot(r_hi, b_hi)
+            acc = _mma(acc, r_hi, b_hi, IEEE, UPCAST)
             for s in range(s_lo, s_hi):  # further adapters of the tile, usually none
                 sel = tok == s
                 if tl.max(sel.to(tl.int32), axis=0) > 0:
@@ -269,13 +278,8 @@ def _lora_fused_kernel(
                         mask=mask_r[:, None] & mask_n[None, :],
                         other=0.0,
                     )
-                    if UPCAST:
-                        bt = bt.to(tl.float32)
                     rs = tl.where(sel[:, None], rank, tl.zeros_like(rank))
-                    if IEEE:
-                        acc += tl.dot(rs, bt, input_precision="ieee")
-                    else:
-                        acc += tl.dot(rs, bt)
+                    acc = _mma(acc, rs, bt, IEEE, UPCAST)
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
         tl.debug_barrier()  # all threads' reads of the workspace before the release below
 
@@ -299,6 +303,8 @@ INTERPRETED = _INTERPRETED
 
 # Split-K aims at about this many programs per adapter in use (an H100/H200 has 132 SMs).
 _TARGET_PROGRAMS = 128
+# Up to this many slots, a one-step split loads its tiles before knowing if they are needed.
+_PREFETCH_MAX_SLOTS = 8
 
 
 @dataclass(frozen=True)
@@ -364,16 +370,18 @@ def lora_gemm_triton(
     if num_tokens == 0:
         return out
     fits = _workspace_fits(workspace, num_tokens, n)
+
+    def counters_ok(cfg: LoRAKernelConfig) -> bool:  # one per (token tile, slot, output tile)
+        tiles = triton.cdiv(num_tokens, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+        return tiles * num_slots <= workspace.counters.numel()
+
     if config is None:
         config = choose_config(num_tokens, n, k, fits)
-        counters_needed = (
-            triton.cdiv(num_tokens, config.block_m) * num_slots * triton.cdiv(n, config.block_n)
-        )
-        if config.split_k > 1 and counters_needed > workspace.counters.numel():
+        if config.split_k > 1 and not counters_ok(config):
             config = replace(config, split_k=1)
     split = config.split_k > 1
     if split:
-        assert fits, "split-K needs a workspace of at least [T, N]"
+        assert fits and counters_ok(config), "split-K needs a workspace of at least [T, N]"
         ws, counters = workspace.acc, workspace.counters
     else:
         ws, counters = out, token_slots  # not read
@@ -406,6 +414,7 @@ def lora_gemm_triton(
         ws.stride(0) if split else 0,
         ADD=add,
         SPLIT=split,
+        PREFETCH=split and k_chunk == config.block_k and num_slots <= _PREFETCH_MAX_SLOTS,
         IEEE=w.dtype == torch.float32 or _INTERPRETED,
         UPCAST=_INTERPRETED and w.dtype == torch.bfloat16,
         BLOCK_M=config.block_m,
