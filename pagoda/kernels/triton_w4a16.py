@@ -1,10 +1,17 @@
-"""Triton dequant-GEMM for W4A16 / W8A16: y[M, N] = x[M, K] @ dequant(W)[K, N].
+"""Triton kernels for W4A16 / W8A16: y[M, N] = x[M, K] @ dequant(W)[K, N].
 
 The weight is `qweight_t` [K / f, N] int32 (f = 32 / bits codes per word, packed along K as in
 compressed-tensors, transposed so that loads run along N). A K-tile never straddles a group
-(BLOCK_K divides the group size), so the tile's codes (u - zero, exact in bf16/fp16) go through
-`tl.dot` and the fp32 partial product is scaled once per output column. Small M uses split-K:
-each program reduces a slice of K into an fp32 buffer [SPLIT_K, M, N] summed afterwards.
+(BLOCK_K divides the group size), so the fp32 partial product is scaled once per output column.
+
+`wna16_gemm`: dequant-GEMM; the tile's codes (u - zero, exact in bf16/fp16) go through `tl.dot`.
+Small M uses split-K: each program reduces a slice of K into an fp32 buffer [SPLIT_K, M, N]
+summed afterwards.
+
+`wna16_gemv`: decode (M <= 16), bandwidth-bound: split-K over K-slices with the weight tiles
+pipelined through shared memory, fields unpacked with integer masks into exact floats (no
+int-to-float conversions), FMAs for 1-2 rows or `tl.dot` for more, and a one-kernel split-K
+reduction (see the notes above `_wna16_gemv_kernel`).
 """
 
 from __future__ import annotations
@@ -181,3 +188,442 @@ def wna16_gemm(
     if split == 1:
         return out[0]
     return out.sum(dim=0).to(x.dtype)
+
+
+# ---------------------------------------------------------------- split-K GEMV for small M
+#
+# Decode (M <= 16) is bound by reading the weight once, so the GEMV is laid out for bandwidth
+# and few ALU ops per weight. A program owns BLOCK_N output columns and one K-slice; its weight
+# tiles [BLOCK_K / f, BLOCK_N] int32 (contiguous along N in `qweight_t`) stream through a
+# software pipeline (`tl.range(num_stages=...)`: cp.async into shared memory on sm_80+).
+#
+# Unpacking without int->float conversions (I2F runs at 1/4 rate): field j of a word sits at bits
+# [b*j, b*j + b). For the fields that fit in the fp32 mantissa (j < 23 // b) it is masked in
+# place and OR-ed with an exponent chosen so that the float reads 2^(23 - b*j) + u exactly;
+# the high fields use one shift per word. Subtracting 2^(23 - b*j) + zero (zero = 2^(b-1) when
+# symmetric) leaves u - zero exactly: one LOP3 + one FADD per weight, then one FFMA per weight
+# and row of x (FMA path; with zero points it subtracts only 2^(23 - b*j) and takes
+# zero * sum(x) off per column) or a tensor-core `tl.dot` on the exact small integers (dot path,
+# for several rows). The exponent constant reaches the kernel as a runtime argument (`magic`)
+# so that LLVM cannot split the AND/OR into two instructions (measured in the sm_90 SASS).
+#
+# Split-K: each program adds its fp32 partial [M, BLOCK_N] into a zero fp32 workspace with
+# atomics. "serial" reduction: the last program of a column tile (an atomic counter) reads the
+# sums back with atomic exchanges (leaving zeros), writes the output in x's dtype and resets
+# the counter, so the workspace and counters are all zero between calls: one kernel per GEMV,
+# no host sync, CUDA-graph capturable (the buffers are allocated once outside capture).
+# "atomic" reduction: a fresh zeroed fp32 buffer per call and a cast afterwards (3 kernels).
+# split_k == 1 stores the output directly.
+
+_GEMV_MAX_M = 16
+
+
+@triton.jit
+def _wna16_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    magic, hshift,
+    M, N, K, k_per_split,
+    stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,  # group size (a multiple of BLOCK_K), unused when PER_CHANNEL
+    PER_CHANNEL: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    X_KIND: tl.constexpr,  # FMA path: 0 bf16 / 1 fp16 as int32 pairs, 2 fp32; dot path: unused
+    USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    SERIAL: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):  # fmt: skip
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    IN_PLACE: tl.constexpr = 23 // BITS  # fields unpacked in place; the rest from `hi`
+    OFFSET: tl.constexpr = 1 << (BITS - 1)
+    BKW: tl.constexpr = BLOCK_K // PACK
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_kw = tl.arange(0, BKW)
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    kw_total = tl.cdiv(K, PACK)
+
+    zero = tl.zeros([BLOCK_N], dtype=tl.float32) + OFFSET  # u - zero; per column when HAS_ZP
+    if PER_CHANNEL and HAS_ZP:
+        zero = tl.load(z_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        kw = k0 // PACK + offs_kw
+        w_ptrs = w_ptr + kw[:, None] * stride_wk + offs_n[None, :]
+        if EVEN_N and EVEN_K:
+            words = tl.load(w_ptrs)
+        elif EVEN_K:
+            words = tl.load(w_ptrs, mask=mask_n[None, :], other=0)
+        elif EVEN_N:
+            words = tl.load(w_ptrs, mask=(kw < kw_total)[:, None], other=0)
+        else:
+            words = tl.load(w_ptrs, mask=(kw < kw_total)[:, None] & mask_n[None, :], other=0)
+        hi = words >> hshift
+        if not PER_CHANNEL:
+            g = k0 // GROUP
+            scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if HAS_ZP:
+                zero = tl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0.0).to(
+                    tl.float32
+                )
+        if USE_DOT:
+            # x rows (padded to BLOCK_M >= 16) times each field's [BKW, BLOCK_N] slice.
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(PACK):
+                jf = j if j < IN_PLACE else j - IN_PLACE
+                src = words if j < IN_PLACE else hi
+                bits = (src & (MASK << (BITS * jf))) | (magic - ((BITS * jf) << 23))
+                w = bits.to(tl.float32, bitcast=True) - ((1 << (23 - BITS * jf)) + zero[None, :])
+                kk = k0 + offs_kw * PACK + j
+                xj = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                    mask=mask_m[:, None] & (kk < K)[None, :],
+                    other=0.0,
+                )  # [BLOCK_M, BKW]
+                if xj.dtype == tl.float32:
+                    part = tl.dot(xj, w, part, input_precision="ieee")
+                else:
+                    part = tl.dot(xj, w.to(xj.dtype), part)
+            if PER_CHANNEL:
+                acc += part
+            else:
+                acc += part * scale[None, :]
+        else:
+            # One row of x at a time over the same words (the compiler shares the unpacked
+            # fields between rows where registers allow; M is small on this path).
+            for m in tl.static_range(BLOCK_M):
+                part = tl.zeros([BKW, BLOCK_N], dtype=tl.float32)
+                x_sum = tl.zeros([BKW], dtype=tl.float32)  # asymmetric: sum(x) * zero after
+                x_row = x_ptr + m * stride_xm
+                k_lim = (m < M).to(tl.int32) * K  # rows past M read nothing
+                for p in tl.static_range(PACK // 2):
+                    if X_KIND == 2:
+                        k_lo = k0 + offs_kw * PACK + 2 * p
+                        x_lo = tl.load(x_row + k_lo, mask=k_lo < k_lim, other=0.0)
+                        x_hi = tl.load(x_row + k_lo + 1, mask=k_lo + 1 < k_lim, other=0.0)
+                    else:
+                        # Two 16-bit activations per int32 load (K is even on this path).
+                        q = k0 // 2 + offs_kw * (PACK // 2) + p
+                        xp = tl.load(x_row + q, mask=2 * q < k_lim, other=0)
+                        if X_KIND == 0:
+                            x_lo = (xp << 16).to(tl.float32, bitcast=True)
+                            x_hi = (xp & -65536).to(tl.float32, bitcast=True)
+                        else:
+                            x_lo = xp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                            x_hi = (
+                                (xp >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                            )
+                    for h in tl.static_range(2):
+                        j = 2 * p + h
+                        jf = j if j < IN_PLACE else j - IN_PLACE
+                        src = words if j < IN_PLACE else hi
+                        bits = (src & (MASK << (BITS * jf))) | (magic - ((BITS * jf) << 23))
+                        xj = x_lo if h == 0 else x_hi
+                        if HAS_ZP:  # u; the zero point comes in per column below
+                            f = bits.to(tl.float32, bitcast=True) - (1 << (23 - BITS * jf))
+                            x_sum += xj
+                        else:  # u - 2^(b-1)
+                            f = bits.to(tl.float32, bitcast=True) - (
+                                (1 << (23 - BITS * jf)) + OFFSET
+                            )
+                        part += f * xj[:, None]
+                col = tl.sum(part, 0)
+                if HAS_ZP:
+                    col -= zero * tl.sum(x_sum, 0)
+                if not PER_CHANNEL:
+                    col = col * scale
+                if BLOCK_M == 1:
+                    acc += col[None, :]
+                else:
+                    acc += tl.where(offs_m[:, None] == m, col[None, :], 0.0)
+    if PER_CHANNEL:
+        scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        acc = acc * scale[None, :]
+
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if ONE_SPLIT:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+    else:
+        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.atomic_add(ws_ptrs, acc, mask=mask_out, sem="relaxed")
+        if SERIAL:
+            # Every thread's partial is issued before one thread's acq_rel increment (the
+            # CUTLASS split-K semaphore pattern); the last program reads the complete sums.
+            tl.debug_barrier()
+            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if done == tl.num_programs(1) - 1:
+                # Read and zero in one atomic (on the int32 view of the workspace).
+                wsi_ptrs = wsi_ptr + offs_m[:, None] * N + offs_n[None, :]
+                bits = tl.atomic_xchg(
+                    wsi_ptrs, tl.zeros_like(acc).to(tl.int32), mask=mask_out, sem="relaxed"
+                )
+                total = bits.to(tl.float32, bitcast=True)
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of the small-M GEMV. use_dot: tensor-core path (BLOCK_M = 16) instead of FMAs.
+
+    reduce: "serial" (fused last-program reduction, one kernel) or "atomic" (zeroed buffer +
+    atomics + cast). split_k is a target; the kernel rounds the K-slice up to whole tiles.
+    """
+
+    block_n: int = 512
+    block_k: int = 64
+    split_k: int = 1
+    num_warps: int = 2
+    num_stages: int = 3
+    use_dot: bool = False
+    reduce: str = "serial"
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two that divides n, at most cap."""
+    d = 1
+    while d < cap and n % (2 * d) == 0:
+        d *= 2
+    return d
+
+
+def _gemv_block_k(cfg_block_k: int, k: int, group_size: int, bits: int) -> int:
+    pack = 32 // bits
+    per_channel = group_size >= k
+    bk = cfg_block_k if per_channel else _pow2_divisor(group_size, cfg_block_k)
+    return max(bk, pack)  # a power of two, >= one word, inside one group
+
+
+def gemv_dot_ok(k: int, group_size: int, bits: int) -> bool:
+    """Whether the tensor-core path applies: K-tiles of >= 16 words inside one group."""
+    pack = 32 // bits
+    return group_size >= k or _pow2_divisor(group_size, 1 << 30) >= 16 * pack
+
+
+def _split_for(n_tiles: int, k: int, block_k: int, num_sms: int, waves: float = 4.0) -> int:
+    k_tiles = triton.cdiv(k, block_k)
+    target = max(1, round(waves * num_sms / max(n_tiles, 1)))
+    # Keep >= 4 K-tiles per program so that the pipeline's prologue stays amortised.
+    return max(1, min(target, k_tiles // 4))
+
+
+def default_gemv_config(
+    m: int, n: int, k: int, group_size: int, bits: int = 4, num_sms: int = 132
+) -> GemvConfig:
+    """FMA path for M <= 2 (one FFMA per weight and row), tensor cores for more rows.
+
+    FMA tiles give each thread 8 columns x 8 word-rows (BLOCK_N = 256 * num_warps, BLOCK_K =
+    8 words; 4 word-rows for M = 2, whose unpacked fields stay live across both rows): 16 B
+    vector loads, the K reduction stays inside a thread, each activation serves 8 columns.
+    split_k aims at ~4 programs per SM (several resident programs keep enough loads in flight).
+    """
+    if m > 2 and gemv_dot_ok(k, group_size, bits):
+        block_n = 128 if n >= 8192 else 64
+        block_k = _gemv_block_k(128 if bits == 4 else 64, k, group_size, bits)
+        split = _split_for(triton.cdiv(n, block_n), k, block_k, num_sms)
+        return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=3, use_dot=True)
+    block_n = 512 if n >= 16384 else 256
+    words = 8 if m == 1 else 4
+    block_k = _gemv_block_k(words * 32 // bits, k, group_size, bits)
+    split = _split_for(triton.cdiv(n, block_n), k, block_k, num_sms)
+    return GemvConfig(block_n, block_k, split, num_warps=block_n // 256, num_stages=3)
+
+
+def gemv_candidate_configs(m: int, k: int, group_size: int, bits: int = 4) -> list[GemvConfig]:
+    """Tile shapes the benchmark sweeps (split_k=0: the default split for that shape)."""
+    cands = []
+    if m <= 2:
+        # (BLOCK_N, word-rows per tile, warps); fewer word-rows for M = 2 (registers)
+        for block_n, words, warps in (
+            (256, 8, 1),
+            (512, 8, 2),
+            (1024, 8, 4),
+            (256, 16, 2),
+            (512, 16, 4),
+            (128, 8, 1),
+        ):
+            block_k = (words if m == 1 else words // 2) * 32 // bits
+            cands.append(GemvConfig(block_n, block_k, 0, warps, 3))
+    if m >= 2 and gemv_dot_ok(k, group_size, bits):
+        for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+            cands.append(GemvConfig(block_n, 16 * 32 // bits, 0, warps, 3, True))
+    return cands
+
+
+_workspaces: dict[tuple[str, int], list[torch.Tensor]] = {}
+
+
+def _serial_workspace(device: torch.device, numel: int, tiles: int):
+    """fp32 [>= numel] and int32 [>= tiles] buffers that stay zero between GEMV calls.
+
+    One pair per device, shared by every GEMV: kernels run one after another on the model's
+    stream (two streams running GEMVs concurrently would need their own pairs). Grown outside
+    CUDA-graph capture only, and old pairs are kept alive (captured graphs point at them);
+    returns None when capturing with a pair that is too small, and the caller falls back to
+    the capture-safe "atomic" reduction. The engine's warm-up runs before capture allocate it.
+    """
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if device.type == "cuda" else 0
+    key = (device.type, index)
+    bufs = _workspaces.get(key)
+    if bufs is not None and bufs[-2].numel() >= numel and bufs[-1].numel() >= tiles:
+        return bufs[-2], bufs[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(numel, 1 << 20, 2 * (bufs[-2].numel() if bufs else 0))
+    n_cnt = max(tiles, 1 << 12, 2 * (bufs[-1].numel() if bufs else 0))
+    ws = torch.zeros(size, device=device, dtype=torch.float32)
+    cnt = torch.zeros(n_cnt, device=device, dtype=torch.int32)
+    _workspaces.setdefault(key, []).extend([ws, cnt])
+    return ws, cnt
+
+
+_MAGIC = 150 << 23  # fp32 exponent field of 2^23: a field masked in place reads 2^23 + u
+
+
+@dataclass(frozen=True)
+class _GemvPlan:
+    use_dot: bool
+    block_m: int
+    block_k: int
+    n_tiles: int
+    split: int
+    k_per_split: int
+    config: GemvConfig
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemv_plan(
+    m: int, n: int, k: int, group_size: int, bits: int, config: GemvConfig | None, num_sms: int
+) -> _GemvPlan:
+    if config is None:
+        config = default_gemv_config(m, n, k, group_size, bits, num_sms)
+    use_dot = config.use_dot and gemv_dot_ok(k, group_size, bits)
+    block_k = _gemv_block_k(config.block_k, k, group_size, bits)
+    if use_dot:
+        block_k = max(block_k, 16 * (32 // bits))  # tl.dot needs K >= 16 (words per field)
+    n_tiles = triton.cdiv(n, config.block_n)
+    split = config.split_k if config.split_k > 0 else _split_for(n_tiles, k, block_k, num_sms)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no empty K-slices
+    block_m = 16 if use_dot else triton.next_power_of_2(m)
+    return _GemvPlan(use_dot, block_m, block_k, n_tiles, split, k_per_split, config)
+
+
+def gemv_launch_info(
+    m: int,
+    n: int,
+    k: int,
+    group_size: int,
+    bits: int = 4,
+    config: GemvConfig | None = None,
+    num_sms: int = 132,
+) -> dict:
+    """What `wna16_gemv` launches for this shape: resolved tiles, split and grid (benchmarks)."""
+    plan = _gemv_plan(m, n, k, group_size, bits, config, num_sms)
+    return {
+        "config": plan.config,
+        "use_dot": plan.use_dot,
+        "block_m": plan.block_m,
+        "block_k": plan.block_k,
+        "split_k": plan.split,
+        "k_per_split": plan.k_per_split,
+        "grid": (plan.n_tiles, plan.split),
+    }
+
+
+def wna16_gemv(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32, M <= 16
+    qweight_t: torch.Tensor,  # [ceil(K / f), N] int32 (as `wna16_gemm`)
+    scales_t: torch.Tensor,  # [groups, N]
+    zeros_t: torch.Tensor | None,  # [groups, N] (offset + zero point), None when symmetric
+    group_size: int,
+    bits: int = 4,
+    config: GemvConfig | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [M, N] in out_dtype (default: x.dtype)
+    """y = x @ dequant(W).T for M <= 16: split-K GEMV (see the notes above the kernel)."""
+    m, k = x.shape
+    n = qweight_t.shape[1]
+    if m == 0:
+        return torch.empty((0, n), device=x.device, dtype=out_dtype or x.dtype)
+    if m > _GEMV_MAX_M:
+        raise ValueError(f"wna16_gemv handles M <= {_GEMV_MAX_M}, got {m}")
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits} is not supported; use 4 or 8")
+    if group_size < k and group_size % 8:
+        raise ValueError(f"the W{bits}A16 GEMV needs a group size multiple of 8, got {group_size}")
+    if qweight_t.stride(1) != 1:
+        qweight_t = qweight_t.contiguous()
+    if scales_t.stride(1) != 1:
+        scales_t = scales_t.contiguous()
+    if zeros_t is not None and zeros_t.stride(1) != 1:
+        zeros_t = zeros_t.contiguous()
+    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
+    plan = _gemv_plan(m, n, k, group_size, bits, config, num_sms)
+    split = plan.split
+
+    x_kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
+    xk = x if x.stride(1) == 1 else x.contiguous()
+    if not plan.use_dot and x_kind != 2:
+        # The FMA path reads pairs of 16-bit activations as int32.
+        if k % 2 or xk.stride(0) % 2 or xk.data_ptr() % 4:
+            xk = torch.nn.functional.pad(x, (0, k % 2)).contiguous()
+        xk = xk.view(torch.int32)
+
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
+    serial = plan.config.reduce == "serial"
+    ws = cnt = None
+    if split > 1 and serial:
+        bufs = _serial_workspace(x.device, m * n, plan.n_tiles)
+        if bufs is None:
+            serial = False
+        else:
+            ws, cnt = bufs
+    if split > 1 and not serial:
+        ws = torch.zeros(m * n, device=x.device, dtype=torch.float32)
+    if ws is None:  # split == 1: stored directly, the workspace arguments are unused
+        ws = out if out.dtype == torch.float32 else torch.empty(0, device=x.device)
+    if cnt is None:
+        cnt = qweight_t
+    z = zeros_t if zeros_t is not None else scales_t
+    cfg = plan.config
+    _wna16_gemv_kernel[(plan.n_tiles, split)](
+        xk, qweight_t, scales_t, z, out, ws, ws.view(torch.int32), cnt,
+        _MAGIC, bits * (23 // bits),
+        m, n, k, plan.k_per_split,
+        xk.stride(0), qweight_t.stride(0), scales_t.stride(0), z.stride(0), out.stride(0),
+        BITS=bits,
+        GROUP=group_size if group_size < k else 1,
+        PER_CHANNEL=group_size >= k,
+        HAS_ZP=zeros_t is not None,
+        X_KIND=x_kind,
+        USE_DOT=plan.use_dot,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=plan.block_k,
+        EVEN_N=n % cfg.block_n == 0,
+        EVEN_K=k % plan.block_k == 0,
+        ONE_SPLIT=split == 1,
+        SERIAL=serial,
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1 and not serial:
+        out.copy_(ws.view(m, n))
+    return out

@@ -481,14 +481,61 @@ class WNA16LinearMethod(LinearMethod):
             out = torch.nn.functional.linear(x2, self._dequantize(layer, x.dtype), bias)
         return out.reshape(*shape[:-1], out.shape[-1])
 
-    def _apply_cuda(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
-        from pagoda.kernels.triton_w4a16 import wna16_gemm
+    # M <= 16 on CUDA (decode): "gemv" (the split-K Triton GEMV, default), "tinygemm" (torch's
+    # _weight_int4pack_mm on a second, int4-packed copy of 4-bit bf16 weights, made on the first
+    # call; other layers use the GEMV) or "gemm" (the Triton dequant-GEMM). Read once at import
+    # so that benchmarks can A/B them; the older PAGODA_WNA16_SMALL_M=tinygemm still works.
+    small_m_kernel: str = os.environ.get("PAGODA_W4A16_SMALL_M") or (
+        "tinygemm" if os.environ.get("PAGODA_WNA16_SMALL_M") == "tinygemm" else "gemv"
+    )
+    if small_m_kernel not in ("gemv", "tinygemm", "gemm"):
+        raise ValueError(
+            f"PAGODA_W4A16_SMALL_M={small_m_kernel!r}: use 'gemv', 'tinygemm' or 'gemm'"
+        )
 
-        if x2.shape[0] <= 16 and hasattr(layer, "int4pack"):
-            sz = layer.scale_and_zeros
-            return torch._weight_int4pack_mm(
-                x2.to(sz.dtype).contiguous(), layer.int4pack, layer.wna16_group_size, sz
-            ).to(x2.dtype)
+    def _tinygemm_ready(self, layer: nn.Module) -> bool:
+        """Whether `layer` has (or now gets) torch's int4 layout; never built during capture."""
+        if hasattr(layer, "int4pack"):
+            return True
+        scale_t = layer.scales_t
+        if (
+            layer.wna16_bits != 4
+            or scale_t.dtype != torch.bfloat16
+            or layer.wna16_group_size not in _TINYGEMM_GROUPS
+            or layer.out_features % 8
+            or layer.in_features % 1024
+            or torch.cuda.is_current_stream_capturing()
+        ):
+            return False
+        q = unpack_from_int32(layer.qweight_t.data, 4, layer.in_features, 0).t()  # [out, in]
+        codes = q.to(torch.int32) + 8
+        packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        zero = torch.zeros_like(scale_t)
+        if layer.zeros_t is not None:  # w = (q - zp) * s = q * s + zero
+            zero = -((layer.zeros_t.to(torch.float32) - 8) * scale_t.float()).to(scale_t.dtype)
+        _param(layer, "int4pack", torch._convert_weight_to_int4pack(packed_u8, 8), None)
+        _param(layer, "scale_and_zeros", torch.stack([scale_t, zero], dim=-1).contiguous(), None)
+        return True
+
+    def _apply_cuda(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+        from pagoda.kernels.triton_w4a16 import wna16_gemm, wna16_gemv
+
+        if x2.shape[0] <= 16:
+            kernel = self.small_m_kernel
+            if kernel == "tinygemm" and self._tinygemm_ready(layer):
+                sz = layer.scale_and_zeros
+                return torch._weight_int4pack_mm(
+                    x2.to(sz.dtype).contiguous(), layer.int4pack, layer.wna16_group_size, sz
+                ).to(x2.dtype)
+            if kernel != "gemm":
+                return wna16_gemv(
+                    x2,
+                    layer.qweight_t,
+                    layer.scales_t,
+                    layer.zeros_t,
+                    layer.wna16_group_size,
+                    layer.wna16_bits,
+                )
         return wna16_gemm(
             x2,
             layer.qweight_t,
