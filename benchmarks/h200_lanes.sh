@@ -49,7 +49,7 @@ step_latency() {
     --out "$R/latency_qwen2.5-7b_h200.json" ${LATENCY_ARGS:-}
 }
 step_gpu_tests_core() {
-  run gpu_tests_core 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  run gpu_tests_core 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/entrypoints/test_gpu_engine.py tests/kernels/test_triton_w4a16.py \
     tests/kernels/test_triton_lora.py tests/lora tests/models/test_qwen2_5_vl.py
 }
@@ -85,7 +85,7 @@ step_serve_offline64() {
     --out "$R/serve_offline64_h200.json"
 }
 step_gemm() {
-  run gemm 150 python3 benchmarks/quant/bench_w4a16_gemm.py --out "$R/w4a16_gemm_h200.json"
+  run gemm 150 python3 benchmarks/quant/bench_w4a16_gemm.py --out "$R/w4a16_gemm_h200.json" ${GEMM_ARGS:-}
 }
 step_lora() {
   run lora 150 python3 benchmarks/lora/bench_lora.py --out "$R/lora_qwen2.5-3b_h200.json"
