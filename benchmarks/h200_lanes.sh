@@ -68,9 +68,24 @@ step_w4a16_latency() {
   run lat7b_w4a16 110 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7:w4a16" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
     --out "$R/latency_qwen2.5-7b_w4a16_h200.json"
+  [ -s "$R/latency_qwen2.5-7b_w4a16_h200.json" ] || touch "$R/gemv_failed"
   PAGODA_W4A16_SMALL_M=tinygemm run lat7b_w4a16_tinygemm 110 python3 -m pagoda.entrypoints.cli \
     bench latency "config:$CFG7:w4a16" --dtype bfloat16 --prompt-len 512 --output-len 256 \
     --iters 3 --baseline none --out "$R/latency_qwen2.5-7b_w4a16_tinygemm_h200.json"
+}
+# W4A16 kernel GPU tests, verbose (names of failures); a failure switches compare to tinygemm
+step_w4a16_tests() {
+  run w4a16_tests 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16.py
+  grep -q " passed" "$R/w4a16_tests.log" && ! grep -q "FAILED\| failed" "$R/w4a16_tests.log" ||
+    touch "$R/gemv_failed"
+}
+step_lora_kernels() {
+  run lora_kernels 90 python3 benchmarks/lora/bench_lora_kernels.py --out "$R/lora_kernels_h200.json"
+}
+step_lora_fused() {
+  PAGODA_LORA_FUSED=1 run lora_fused 120 python3 benchmarks/lora/bench_lora.py \
+    --out "$R/lora_qwen2.5-3b_fused_h200.json"
 }
 step_throughput_async() {
   run throughput_async 120 python3 -m pagoda.entrypoints.cli bench throughput "config:$CFG3" \
@@ -147,13 +162,17 @@ step_quant7b() {
 compare() {
   local size=$1
   local name
+  if [ -e "$R/gemv_failed" ]; then
+    export PAGODA_W4A16_SMALL_M=tinygemm
+    echo "[compare$size] W4A16 GEMV failed earlier: tinygemm for small M" | tee -a "$R/summary.txt"
+  fi
   name="Qwen2.5-$(echo "$size" | tr a-z A-Z)"
-  run "compare$size" 275 python3 -m pagoda.entrypoints.cli compare \
+  run "compare$size" 285 python3 -m pagoda.entrypoints.cli compare \
     "config:benchmarks/configs/qwen2.5-$size.json" "config:benchmarks/configs/qwen2.5-$size.json:w4a16" \
     --labels "$name bf16,$name W4A16" --dtype bfloat16 --max-model-len 4096 \
     --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline transformers \
-    --timeout 120 --out "$R/compare_qwen2.5-${size}_h200"
+    --timeout 130 --out "$R/compare_qwen2.5-${size}_h200"
 }
 step_compare3b() { compare 3b; }
 step_compare7b() { compare 7b; }

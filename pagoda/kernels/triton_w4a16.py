@@ -218,7 +218,7 @@ def wna16_gemm(
 _GEMV_MAX_M = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M == 1 would become a constexpr: one code path for all M
 def _wna16_gemv_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
     magic, hshift,
@@ -307,7 +307,7 @@ def _wna16_gemv_kernel(
                 part = tl.zeros([BKW, BLOCK_N], dtype=tl.float32)
                 x_sum = tl.zeros([BKW], dtype=tl.float32)  # asymmetric: sum(x) * zero after
                 x_row = x_ptr + m * stride_xm
-                k_lim = (m < M).to(tl.int32) * K  # rows past M read nothing
+                k_lim = tl.where(m < M, K, 0)  # rows past M read nothing
                 for p in tl.static_range(PACK // 2):
                     if X_KIND == 2:
                         k_lo = k0 + offs_kw * PACK + 2 * p
