@@ -431,7 +431,7 @@ class WNA16LinearMethod(LinearMethod):
             # Opt-in second copy in torch's tinygemm layout for M <= 16 (the H200 GEMM
             # benchmark decides whether it beats the split-K Triton path).
             codes = qweight.to(torch.int32) + 8
-            packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+            packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
             zero = torch.zeros_like(scale_t) if zp is None else -(zp.t().to(dtype) * scale_t)
             _param(layer, "int4pack", torch._convert_weight_to_int4pack(packed_u8, 8), None)
             sz = torch.stack([scale_t, zero], dim=-1).contiguous()
@@ -509,7 +509,7 @@ class WNA16LinearMethod(LinearMethod):
             return False
         q = unpack_from_int32(layer.qweight_t.data, 4, layer.in_features, 0).t()  # [out, in]
         codes = q.to(torch.int32) + 8
-        packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        packed_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
         zero = torch.zeros_like(scale_t)
         if layer.zeros_t is not None:  # w = (q - zp) * s = q * s + zero
             zero = -((layer.zeros_t.to(torch.float32) - 8) * scale_t.float()).to(scale_t.dtype)
