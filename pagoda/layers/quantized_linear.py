@@ -3,8 +3,8 @@
 `WNA16LinearMethod` creates the parameters a checkpoint stores (compressed-tensors
 `pack-quantized` / `naive-quantized`, or legacy GPTQ `qweight/qzeros/scales/g_idx`) so that the
 fused loaders fill them by name, then `process_weights_after_loading` repacks them once for the
-device: CUDA -> the Triton dequant-GEMM (split-K for small M); CPU -> int8 codes dequantized per
-call (one broadcast multiply) then a dense matmul.
+device: CUDA -> the split-K Triton GEMV for M <= 16 (decode), the Triton dequant-GEMM above;
+CPU -> int8 codes dequantized per call (one broadcast multiply) then a dense matmul.
 """
 
 from __future__ import annotations
