@@ -103,6 +103,7 @@ def _cfg_str(cfg, info) -> str:
 def gemv_sweep(m, n, k, xs, qts, sts, num_sms, sweep: bool):
     """Default us, default config, best us, best config, default with "atomic" reduction us."""
     from pagoda.kernels.triton_w4a16 import (
+        default_gemv_config,
         gemv_candidate_configs,
         gemv_launch_info,
         wna16_gemv,
@@ -114,8 +115,11 @@ def gemv_sweep(m, n, k, xs, qts, sts, num_sms, sweep: bool):
             for i in range(len(qts))
         ]
 
-    t_default = graph_us(calls(None))
-    info = gemv_launch_info(m, n, k, GROUP, 4, None, num_sms)
+    # The heuristic's config, explicitly: with config=None an H200 would use the tuned table
+    # (pagoda/kernels/tuned/w4a16_gemv.json) that this sweep produces.
+    heuristic = default_gemv_config(m, n, k, GROUP, 4, num_sms)
+    t_default = graph_us(calls(heuristic))
+    info = gemv_launch_info(m, n, k, GROUP, 4, heuristic, num_sms)
     best = (t_default, _cfg_str(info["config"], info))
     # M = 1: the default tiles with the 3-kernel reduction (zeroed buffer, atomics, cast).
     t_atomic = None

@@ -17,7 +17,9 @@ reduction (see the notes above `_wna16_gemv_kernel`).
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -506,6 +508,50 @@ class _GemvPlan:
     config: GemvConfig
 
 
+_TUNED_PATH = Path(__file__).with_name("tuned") / "w4a16_gemv.json"
+
+
+@functools.cache
+def _tuned_gemv_table(gpu_name: str) -> dict[tuple[int, int, int, int], list[tuple[int, dict]]]:
+    """{(n, k, group, bits): [(m, config fields), ...] sorted by m} measured on this GPU model.
+
+    The table is the best config per shape of `benchmarks/quant/bench_w4a16_gemm.py
+    --gemv-only` on that GPU (CUDA-graph timings); other GPUs and shapes use the heuristic.
+    """
+    try:
+        data = json.loads(_TUNED_PATH.read_text())
+    except (OSError, ValueError):
+        return {}
+    if data.get("gpu") != gpu_name:
+        return {}
+    table: dict[tuple[int, int, int, int], list[tuple[int, dict]]] = {}
+    for e in data.get("entries", []):
+        key = (e["n"], e["k"], e["group_size"], e["bits"])
+        table.setdefault(key, []).append((e["m"], e["config"]))
+    for rows in table.values():
+        rows.sort(key=lambda r: r[0])
+    return table
+
+
+def tuned_gemv_config(
+    gpu_name: str, m: int, n: int, k: int, group_size: int, bits: int
+) -> GemvConfig | None:
+    """The measured best config for the smallest tuned M >= m on this GPU, if any.
+
+    An FMA-path entry (tuned at M <= 2) is only used for M <= 2: its tiles assume those rows.
+    """
+    rows = _tuned_gemv_table(gpu_name).get((n, k, group_size, bits))
+    for tuned_m, fields in rows or ():
+        if tuned_m >= m and (fields.get("use_dot") or m <= 2):
+            return GemvConfig(**fields)
+    return None
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 @functools.lru_cache(maxsize=1024)
 def _gemv_plan(
     m: int, n: int, k: int, group_size: int, bits: int, config: GemvConfig | None, num_sms: int
@@ -574,6 +620,8 @@ def wna16_gemv(
     if zeros_t is not None and zeros_t.stride(1) != 1:
         zeros_t = zeros_t.contiguous()
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
+    if config is None and x.is_cuda:
+        config = tuned_gemv_config(_device_name(x.device.index or 0), m, n, k, group_size, bits)
     plan = _gemv_plan(m, n, k, group_size, bits, config, num_sms)
     split = plan.split
 

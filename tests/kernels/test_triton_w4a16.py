@@ -287,3 +287,40 @@ def test_quantized_layer_cuda_backends(monkeypatch) -> None:
             torch.testing.assert_close(y.float().cpu(), expect, rtol=2e-2, atol=3e-2)
         # tinygemm's int4 copy is made on the first small-M call, only when selected
         assert hasattr(layer, "int4pack") == (small_m == "tinygemm")
+
+
+def test_tuned_gemv_configs_cover_the_measured_shapes_and_only_their_gpu():
+    """The H200 table gives the measured best config; other GPUs / shapes get None."""
+    import json
+
+    from pagoda.kernels.triton_w4a16 import _TUNED_PATH, GemvConfig, tuned_gemv_config
+
+    data = json.loads(_TUNED_PATH.read_text())
+    gpu = data["gpu"]
+    for e in data["entries"]:
+        cfg = tuned_gemv_config(gpu, e["m"], e["n"], e["k"], e["group_size"], e["bits"])
+        assert cfg == GemvConfig(**e["config"])
+        assert e["us"] <= e["default_us"]  # the sweep includes the default
+    e = data["entries"][0]
+    assert tuned_gemv_config("some other GPU", e["m"], e["n"], e["k"], 128, 4) is None
+    assert tuned_gemv_config(gpu, 1, 123, 456, 128, 4) is None
+    # M = 3 takes the M = 4 entry (tensor-core path), never an FMA entry tuned at M <= 2
+    cfg = tuned_gemv_config(gpu, 3, 4608, 3584, 128, 4)
+    assert cfg is not None and cfg.use_dot
+
+
+def test_gemv_with_a_tuned_config_matches_the_reference():
+    """A tuned config (small split, 1 warp) computes the same result under the interpreter."""
+    from pagoda.kernels.triton_w4a16 import GemvConfig, wna16_gemv
+    from pagoda.kernels.wna16 import pack_to_int32, wna16_linear_ref
+
+    torch.manual_seed(0)
+    n, k, g = 256, 512, 128
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    scale = torch.rand(n, k // g) * 0.02 + 0.01
+    x = torch.randn(1, k)
+    packed_t = pack_to_int32(q.t().contiguous(), 4, packed_dim=0)  # [K/8, N]
+    cfg = GemvConfig(block_n=128, block_k=64, split_k=4, num_warps=1, num_stages=3)
+    got = wna16_gemv(x, packed_t, scale.t().contiguous(), None, g, 4, config=cfg)
+    want = wna16_linear_ref(x, q, scale, None, g)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
