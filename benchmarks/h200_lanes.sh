@@ -150,9 +150,8 @@ step_serve() {
     >"$R/serve_memory_after.json" 2>&1
   kill -INT "$pid"
   wait "$pid"
-  run serve_offline 120 python3 benchmarks/serve/offline_same_prompts.py "config:$CFG3" \
-    "${bench[@]}" --llm-kwargs '{"max_model_len": 4096, "gpu_memory_utilization": 0.5, "max_num_seqs": 256}' \
-    --out "$R/serve_offline_h200.json"
+  # The same prompts offline at the same concurrency (64): the server's same-run reference.
+  step_serve_offline64
 }
 step_quant7b() {
   run quant7b 560 python3 -m pagoda.entrypoints.cli quantize "config:$CFG7" --out /tmp/q7b \
@@ -194,7 +193,8 @@ if ((NGPU >= 2 && $# >= 2)); then
 else
   lane 0 "$*"
 fi
-git rev-parse HEAD >"$R/commit.txt" 2>/dev/null
+# The device's copy of .git can be stale: write `git rev-parse HEAD > .run_commit` before the call.
+cat .run_commit >"$R/commit.txt" 2>/dev/null || git rev-parse HEAD >"$R/commit.txt" 2>/dev/null
 tar czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null
 cat "$R/summary.txt"
 for f in "$R"/*.log; do
