@@ -194,3 +194,30 @@ def test_memory_report_fields(llm):
     assert r.num_blocks > 0 and r.kv_token_capacity == r.num_blocks * 16
     assert r.max_concurrency == r.kv_token_capacity / 1024
     assert "KV cache" in str(r) and r.to_dict()["kv_cache_gib"] > 0
+
+
+def test_async_scheduling_gives_the_same_outputs(llm):
+    """Async scheduling (the CUDA default) against the in-order loop on the real model: stop
+    strings (the in-flight token after a stop is dropped), seeded n > 1 sampling, penalties and
+    min_tokens (which switch the loop back to in-order); every block is free afterwards."""
+    msgs = [
+        [{"role": "user", "content": q}]
+        for q in ("What is the capital of France?", "Name three colors.", "Count from 1 to 10.")
+    ]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, stop=["Paris", "blue", "5"]),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=30, n=2),
+        SamplingParams(temperature=0, max_tokens=30, logprobs=2, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=5),
+    ]
+    async_llm = LLM(max_model_len=512, async_scheduling=True, print_memory_report=False)
+    assert async_llm.llm_engine.core.async_scheduling and not llm.llm_engine.core.async_scheduling
+    for params in cases:
+        want = llm.chat(msgs, params, use_tqdm=False)
+        got = async_llm.chat(msgs, params, use_tqdm=False)
+        for w, g in zip(want, got, strict=True):
+            assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in g.outputs] == [
+                (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in w.outputs
+            ]
+    kv = async_llm.llm_engine.core.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks - 1
