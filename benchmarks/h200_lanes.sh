@@ -60,7 +60,8 @@ step_latency_ab() {
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
     --no-async-scheduling --out "$R/latency_qwen2.5-7b_h200_sync.json"
 }
-# issue 4: batch-1 decode of Qwen2.5-7B W4A16 vs bf16 in the same run (GEMV and tinygemm)
+# issue 4: batch-1 decode of Qwen2.5-7B W4A16 vs bf16 in the same run (GEMV and tinygemm);
+# only a failed W4A16 run with the default GEMV switches the compare steps to tinygemm
 step_w4a16_latency() {
   run lat7b_bf16 110 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
@@ -73,12 +74,10 @@ step_w4a16_latency() {
     bench latency "config:$CFG7:w4a16" --dtype bfloat16 --prompt-len 512 --output-len 256 \
     --iters 3 --baseline none --out "$R/latency_qwen2.5-7b_w4a16_tinygemm_h200.json"
 }
-# W4A16 kernel GPU tests, verbose (names of failures); a failure switches compare to tinygemm
+# W4A16 kernel GPU tests, verbose (names of failures)
 step_w4a16_tests() {
   run w4a16_tests 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_triton_w4a16.py
-  grep -q " passed" "$R/w4a16_tests.log" && ! grep -q "FAILED\| failed" "$R/w4a16_tests.log" ||
-    touch "$R/gemv_failed"
 }
 step_lora_kernels() {
   run lora_kernels 90 python3 benchmarks/lora/bench_lora_kernels.py --out "$R/lora_kernels_h200.json"
