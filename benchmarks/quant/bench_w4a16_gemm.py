@@ -155,7 +155,7 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from pagoda.kernels.triton_w4a16 import wna16_gemm, wna16_gemv
+    from pagoda.kernels.triton_w4a16 import _num_sms, default_config, wna16_gemm, wna16_gemv
     from pagoda.kernels.wna16 import pack_to_int32
 
     dev = torch.device("cuda")
@@ -200,10 +200,13 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             ref = x @ w_bf16.t()
             t_bf16 = do_bench(functools.partial(torch.matmul, x, w_bf16.t()), warmup=25, rep=100)
-            out = wna16_gemm(x, qt, st, None, GROUP, 4)
+            # The heuristic's config, explicitly: config=None would take the tuned table
+            # (pagoda/kernels/tuned/w4a16_gemm.json) that this sweep produces.
+            heur = default_config(m, n, k, GROUP, _num_sms(dev.index or 0))
+            out = wna16_gemm(x, qt, st, None, GROUP, 4, heur)
             err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
             t_triton = do_bench(
-                functools.partial(wna16_gemm, x, qt, st, None, GROUP, 4), warmup=25, rep=100
+                functools.partial(wna16_gemm, x, qt, st, None, GROUP, 4, heur), warmup=25, rep=100
             )
             best = (t_triton, "default")
             if not (ns.no_sweep or ns.gemv_only):
@@ -257,7 +260,9 @@ def main() -> None:
                 )
                 g_gemm = graph_us(
                     [
-                        functools.partial(wna16_gemm, xs[i % 4], qts[i], sts[i], None, GROUP, 4)
+                        functools.partial(
+                            wna16_gemm, xs[i % 4], qts[i], sts[i], None, GROUP, 4, heur
+                        )
                         for i in range(n_int4)
                     ]
                 )

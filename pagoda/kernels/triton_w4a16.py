@@ -154,6 +154,8 @@ def wna16_gemm(
         raise ValueError(
             f"the Triton W{bits}A16 GEMM needs a group size multiple of 16, got {group_size}"
         )
+    if config is None and x.is_cuda:
+        config = tuned_gemm_config(_device_name(x.device.index or 0), m, n, k, group_size, bits)
     if config is None:
         num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
         config = default_config(m, n, k, group_size if not per_channel else 128, num_sms)
@@ -518,8 +520,14 @@ def _tuned_gemv_table(gpu_name: str) -> dict[tuple[int, int, int, int], list[tup
     The table is the best config per shape of `benchmarks/quant/bench_w4a16_gemm.py
     --gemv-only` on that GPU (CUDA-graph timings); other GPUs and shapes use the heuristic.
     """
+    return _load_tuned(_TUNED_PATH, gpu_name)
+
+
+def _load_tuned(
+    path: Path, gpu_name: str
+) -> dict[tuple[int, int, int, int], list[tuple[int, dict]]]:
     try:
-        data = json.loads(_TUNED_PATH.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     if data.get("gpu") != gpu_name:
@@ -531,6 +539,24 @@ def _tuned_gemv_table(gpu_name: str) -> dict[tuple[int, int, int, int], list[tup
     for rows in table.values():
         rows.sort(key=lambda r: r[0])
     return table
+
+
+@functools.cache
+def _tuned_gemm_table(gpu_name: str) -> dict[tuple[int, int, int, int], list[tuple[int, dict]]]:
+    """Like `_tuned_gemv_table`, for the dequant-GEMM (`w4a16_gemm.json`, M = 1…512)."""
+    return _load_tuned(_TUNED_PATH.with_name("w4a16_gemm.json"), gpu_name)
+
+
+def tuned_gemm_config(
+    gpu_name: str, m: int, n: int, k: int, group_size: int, bits: int
+) -> GemmConfig | None:
+    """The measured best GEMM config for the smallest tuned M >= m on this GPU, if any (M
+    above the largest tuned one, e.g. long prefills, keeps the heuristic)."""
+    rows = _tuned_gemm_table(gpu_name).get((n, k, group_size, bits))
+    for tuned_m, fields in rows or ():
+        if tuned_m >= m:
+            return GemmConfig(**fields)
+    return None
 
 
 def tuned_gemv_config(

@@ -324,3 +324,36 @@ def test_gemv_with_a_tuned_config_matches_the_reference():
     got = wna16_gemv(x, packed_t, scale.t().contiguous(), None, g, 4, config=cfg)
     want = wna16_linear_ref(x, q, scale, None, g)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_tuned_gemm_configs_cover_the_measured_shapes_and_stop_at_the_largest_m():
+    import json
+
+    from pagoda.kernels.triton_w4a16 import _TUNED_PATH, GemmConfig, tuned_gemm_config
+
+    data = json.loads(_TUNED_PATH.with_name("w4a16_gemm.json").read_text())
+    gpu = data["gpu"]
+    for e in data["entries"]:
+        cfg = tuned_gemm_config(gpu, e["m"], e["n"], e["k"], e["group_size"], e["bits"])
+        assert cfg == GemmConfig(**e["config"])
+        assert e["us"] < e["default_us"]  # only entries that beat the heuristic are kept
+    e = data["entries"][0]
+    assert tuned_gemm_config("another GPU", e["m"], e["n"], e["k"], 128, 4) is None
+    largest = max(x["m"] for x in data["entries"] if (x["n"], x["k"]) == (e["n"], e["k"]))
+    assert tuned_gemm_config(gpu, largest + 1, e["n"], e["k"], 128, 4) is None  # prefill
+
+
+def test_gemm_with_a_tuned_config_matches_the_reference():
+    from pagoda.kernels.triton_w4a16 import GemmConfig, wna16_gemm
+    from pagoda.kernels.wna16 import wna16_linear_ref
+
+    torch.manual_seed(0)
+    n, k, g, m = 128, 256, 128, 33
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    scale = torch.rand(n, k // g) * 0.02 + 0.01
+    x = torch.randn(m, k)
+    qt = pack_to_int32(q, 4, 1).t().contiguous()  # [K/8, N]
+    cfg = GemmConfig(block_m=32, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3)
+    got = wna16_gemm(x, qt, scale.t().contiguous(), None, g, 4, cfg)
+    want = wna16_linear_ref(x, q, scale, None, g)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
