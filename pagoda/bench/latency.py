@@ -23,6 +23,7 @@ from pagoda.bench.common import (
     hf_model_from_config,
     write_result,
 )
+from pagoda.entrypoints.cli import add_async_scheduling_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,12 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="overlap host scheduling with the device (default: on with CUDA)",
-    )
+    add_async_scheduling_arg(p)
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     p.add_argument("--out", default=None, help="write the JSON result here")
 

@@ -11,6 +11,16 @@ import sys
 from typing import Any
 
 
+def add_async_scheduling_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--[no-]async-scheduling` (EngineArgs.async_scheduling; None = on with CUDA)."""
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs this one (default: on with CUDA)",
+    )
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """The options of `LLM(...)`, as flags."""
     if model_positional:
@@ -40,12 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule the next step while the device runs this one (default: on with CUDA)",
-    )
+    add_async_scheduling_arg(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
 
