@@ -6,7 +6,7 @@
 #
 #   OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps: gpu_tests gpu_tests_core profile latency latency_ab w4a16_latency gemm lora serve
+# Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab w4a16_latency gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -42,6 +42,9 @@ step_gpu_tests() {
 }
 step_profile() {
   run profile 150 python3 benchmarks/profile_decode.py "config:$CFG7" --out "$R/profile"
+}
+step_profile_w4a16() {
+  run profile_w4a16 150 python3 benchmarks/profile_decode.py "config:$CFG7:w4a16" --out "$R/profile_w4a16"
 }
 step_latency() {
   run latency 170 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \

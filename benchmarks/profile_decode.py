@@ -112,7 +112,12 @@ def main() -> int:
     rows = []
     seen = set()
     for name, prm in model.named_parameters():
-        if prm.dim() != 2 or "embed" in name or tuple(prm.shape) in seen:
+        if (
+            prm.dim() != 2
+            or not prm.is_floating_point()  # packed int4/int8 weights: not a plain matmul
+            or "embed" in name
+            or tuple(prm.shape) in seen
+        ):
             continue
         seen.add(tuple(prm.shape))
         x = torch.randn(1, prm.shape[1], device=dev, dtype=prm.dtype)
