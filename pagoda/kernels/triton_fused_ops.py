@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.pdl import pdl_launch_args
+
 MAX_HIDDEN = 8192  # RMSNorm keeps a whole row in registers; wider rows use the reference
 
 # float32 mantissa bits dropped when rounding to each model dtype (see `_round`).
@@ -65,7 +67,10 @@ def _rms_norm_kernel(
     OUT_DROP: tl.constexpr,  # of the output dtype (float32 when the weight is)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_mask = cols < hidden
@@ -81,6 +86,8 @@ def _rms_norm_kernel(
         # HF adds the residual in the model dtype: round the sum before normalising it.
         x = _round(x + r.to(tl.float32), IN_DROP)
         tl.store(res_out_ptr + out_offs, x.to(res_out_ptr.dtype.element_ty), mask=mask)
+    if USE_PDL:  # inputs read: the next kernel may launch (it still waits for our stores)
+        tl.extra.cuda.gdc_launch_dependents()
     # Masked lanes are 0, so they add nothing to the sum of squares.
     var = tl.sum(x * x, axis=1) / hidden  # [BLOCK_M]
     rstd = tl.rsqrt(var + eps)
@@ -143,6 +150,7 @@ def _launch_rms_norm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        **pdl_launch_args(x),
     )
     return out, res_out
 
@@ -225,7 +233,10 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     IS_NEOX: tl.constexpr,
     DROP: tl.constexpr,  # `_round` bits of q's dtype
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -319,6 +330,7 @@ def apply_rotary_triton(
         IS_NEOX=is_neox,
         DROP=_drop_bits(q.dtype),
         num_warps=max(1, min(4, block_h * half_pad // 256)),  # ~8 pairs per thread
+        **pdl_launch_args(q),
     )
     return q, k
 
@@ -340,13 +352,18 @@ def _silu_and_mul_kernel(
     inter,
     DROP: tl.constexpr,  # `_round` bits of the dtype
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
     x_row = x_ptr + tok * stride_xt
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # torch's silu formula in float32, rounded to the model dtype before the multiply by `up`
     # (F.silu and `*` are two eager ops in HF).
     act = _round(gate / (1.0 + tl.exp(-gate)), DROP)
@@ -378,5 +395,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         DROP=_drop_bits(x.dtype),
         BLOCK=block,
         num_warps=4 if block >= 512 else 2,
+        **pdl_launch_args(x),
     )
     return out

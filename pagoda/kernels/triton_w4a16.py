@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.pdl import pdl_launch_args
+
 
 @triton.jit
 def _wna16_gemm_kernel(
@@ -224,7 +226,7 @@ _GEMV_MAX_M = 16
 
 @triton.jit(do_not_specialize=["M"])  # M == 1 would become a constexpr: one code path for all M
 def _wna16_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
     magic, hshift,
     M, N, K, k_per_split,
     stride_xm, stride_wk, stride_sg, stride_zg, stride_om,
@@ -242,7 +244,11 @@ def _wna16_gemv_kernel(
     ONE_SPLIT: tl.constexpr,
     SERIAL: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,  # out = x @ W^T + bias (the bias added once, in fp32)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
 ):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     IN_PLACE: tl.constexpr = 23 // BITS  # fields unpacked in place; the rest from `hi`
@@ -352,13 +358,19 @@ def _wna16_gemv_kernel(
                     acc += col[None, :]
                 else:
                     acc += tl.where(offs_m[:, None] == m, col[None, :], 0.0)
+    if USE_PDL:  # every weight tile is read: the next kernel may launch (it waits for us)
+        tl.extra.cuda.gdc_launch_dependents()
     if PER_CHANNEL:
         scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc * scale[None, :]
 
     mask_out = mask_m[:, None] & mask_n[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if ONE_SPLIT:
+        if HAS_BIAS:
+            acc += bias[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
     else:
         ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
@@ -375,6 +387,8 @@ def _wna16_gemv_kernel(
                     wsi_ptrs, tl.zeros_like(acc).to(tl.int32), mask=mask_out, sem="relaxed"
                 )
                 total = bits.to(tl.float32, bitcast=True)
+                if HAS_BIAS:
+                    total += bias[None, :]
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
                 tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
 
@@ -429,21 +443,31 @@ def default_gemv_config(
 ) -> GemvConfig:
     """FMA path for M <= 2 (one FFMA per weight and row), tensor cores for more rows.
 
-    FMA tiles give each thread 8 columns x 8 word-rows (BLOCK_N = 256 * num_warps, BLOCK_K =
-    8 words; 4 word-rows for M = 2, whose unpacked fields stay live across both rows): 16 B
-    vector loads, the K reduction stays inside a thread, each activation serves 8 columns.
-    split_k aims at ~4 programs per SM (several resident programs keep enough loads in flight).
+    FMA tiles: 16 B vector loads along N, the K reduction inside a thread, each activation
+    serving several columns. The shapes follow what won the H200 sweep at M = 1 on every
+    Qwen2.5-7B layer (run 3, `benchmarks/results/w4a16_gemv_h200.json`): ~8 resident warps per
+    SM in total (36 x 28 one-warp programs for qkv, 37 x 7 four-warp programs for gate_up,
+    14 x 74 one-warp programs for down), i.e. many small programs with short K-slices (>= 2
+    K-tiles each) rather than few long ones: one warp and 128 columns for N < 16384 (256 columns
+    when K >= 8192, where the K-split alone gives enough programs), four warps and 1024 columns
+    for wide layers.
     """
     if m > 2 and gemv_dot_ok(k, group_size, bits):
         block_n = 128 if n >= 8192 else 64
         block_k = _gemv_block_k(128 if bits == 4 else 64, k, group_size, bits)
         split = _split_for(triton.cdiv(n, block_n), k, block_k, num_sms)
         return GemvConfig(block_n, block_k, split, num_warps=4, num_stages=3, use_dot=True)
-    block_n = 512 if n >= 16384 else 256
+    if n >= 16384:
+        block_n, warps = 1024, 4
+    else:
+        block_n, warps = (256 if k >= 8192 else 128), 1
     words = 8 if m == 1 else 4
     block_k = _gemv_block_k(words * 32 // bits, k, group_size, bits)
-    split = _split_for(triton.cdiv(n, block_n), k, block_k, num_sms)
-    return GemvConfig(block_n, block_k, split, num_warps=block_n // 256, num_stages=3)
+    n_tiles = triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    split = round(8 * num_sms / (n_tiles * warps))
+    split = max(1, min(split, k_tiles // 2))
+    return GemvConfig(block_n, block_k, split, num_warps=warps, num_stages=3)
 
 
 def gemv_candidate_configs(m: int, k: int, group_size: int, bits: int = 4) -> list[GemvConfig]:
@@ -627,8 +651,9 @@ def wna16_gemv(
     bits: int = 4,
     config: GemvConfig | None = None,
     out_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,  # [N], added in fp32 before the cast to out_dtype
 ) -> torch.Tensor:  # [M, N] in out_dtype (default: x.dtype)
-    """y = x @ dequant(W).T for M <= 16: split-K GEMV (see the notes above the kernel)."""
+    """y = x @ dequant(W).T (+ bias) for M <= 16: split-K GEMV (see the notes above the kernel)."""
     m, k = x.shape
     n = qweight_t.shape[1]
     if m == 0:
@@ -674,10 +699,13 @@ def wna16_gemv(
         ws = out if out.dtype == torch.float32 else torch.empty(0, device=x.device)
     if cnt is None:
         cnt = qweight_t
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
     z = zeros_t if zeros_t is not None else scales_t
     cfg = plan.config
     _wna16_gemv_kernel[(plan.n_tiles, split)](
-        xk, qweight_t, scales_t, z, out, ws, ws.view(torch.int32), cnt,
+        xk, qweight_t, scales_t, z, bias if bias is not None else scales_t,
+        out, ws, ws.view(torch.int32), cnt,
         _MAGIC, bits * (23 // bits),
         m, n, k, plan.k_per_split,
         xk.stride(0), qweight_t.stride(0), scales_t.stride(0), z.stride(0), out.stride(0),
@@ -695,9 +723,11 @@ def wna16_gemv(
         ONE_SPLIT=split == 1,
         SERIAL=serial,
         NUM_STAGES=cfg.num_stages,
+        HAS_BIAS=bias is not None and (split == 1 or serial),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_launch_args(x),
     )  # fmt: skip
     if split > 1 and not serial:
-        out.copy_(ws.view(m, n))
+        out.copy_(ws.view(m, n) if bias is None else ws.view(m, n) + bias.float())
     return out
