@@ -8,6 +8,7 @@ load each shard through `weight_loader(param, loaded_weight, shard_id)`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -67,8 +68,31 @@ class UnquantizedLinearMethod(LinearMethod):
         set_weight_attrs(weight, output_dim=0)
         layer.register_parameter("weight", weight)
 
+    # Layers up to this many weights take the Triton GEMV at M = 1 in "small" mode.
+    _SMALL_GEMV_NUMEL = 32 << 20
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        w = layer.weight
+        if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dtype in _GEMV_DTYPES:
+            gemv = _dense_gemv()
+            if gemv is not None:
+                mode = gemv.dense_gemv_mode()
+                if mode == "all" or (mode == "small" and w.numel() <= self._SMALL_GEMV_NUMEL):
+                    return gemv.gemv_bf16(x, w, bias)
+        return F.linear(x, w, bias)
+
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _dense_gemv():
+    """pagoda.kernels.triton_gemv, or None without a usable Triton (imported on first use)."""
+    try:
+        from pagoda.kernels import triton_gemv
+    except ImportError:
+        return None
+    return triton_gemv
 
 
 def default_linear_method_factory(prefix: str) -> LinearMethod:
