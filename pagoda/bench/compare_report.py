@@ -241,9 +241,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                 notes.append(n)
         r = c["result"]
         if r.get("quantization"):
+            head = f"; lm_head {r['lm_head']}" if r.get("lm_head") else ""
             notes.append(
                 f"{c['label']}: {r['quantized_linear_layers']} of {r['linear_layers']} linear "
                 f"layers run {r['quantization']} ({', '.join(r.get('linear_methods', []))})"
+                f"{head}"
             )
     hashes = {
         c["label"]: (c["result"].get("perplexity") or {}).get("tokens_sha256")

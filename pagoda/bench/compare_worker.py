@@ -136,19 +136,37 @@ def _check_quantization(llm: Any) -> dict[str, Any]:
     quantized = [m for m in linears if not isinstance(m.linear_method, UnquantizedLinearMethod)]
     qc = engine.model_config.quantization
     requested = _scheme_name(qc) if qc is not None else None
-    if requested is None and engine.source.quant_override in ("w4a16", "w8a16"):
-        requested = engine.source.quant_override.upper()
+    override = engine.source.quant_override or ""
+    scheme, _, head_spec = override.partition("-")
+    if requested is None and scheme in ("w4a16", "w8a16"):
+        requested = scheme.upper()
     if requested and not quantized:
         raise ValueError(
             f"{engine.source.name}: {requested} was requested but every linear layer loaded "
             "unquantized (quantized loading is not available in this build)"
         )
+    # The LM head is not a LinearBase: reported on its own (quantized, dense or tied).
+    head = getattr(model, "lm_head", None)
+    lm_head = None
+    if head is not None:
+        if getattr(head, "quantized", False):
+            lm_head = "quantized"
+        else:
+            lm_head = "tied to the embeddings (dense)" if getattr(head, "tied", False) else "dense"
+    if head_spec == "lm_head" and lm_head == "dense":
+        raise ValueError(
+            f"{engine.source.name}: a quantized lm_head was requested ({override}) but it "
+            "loaded dense"
+        )
     methods = sorted({type(m.linear_method).__name__ for m in quantized})
+    if lm_head == "quantized":
+        methods = sorted({*methods, type(head.linear_method).__name__})
     return {
         "quantization": requested,
         "quantized_linear_layers": len(quantized),
         "linear_layers": len(linears),
         "linear_methods": methods,
+        "lm_head": lm_head,
     }
 
 

@@ -21,12 +21,22 @@ from pagoda.config import (
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
 
-# `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128).
-_DUMMY_QUANT_BITS = {"w4a16": 4, "w8a16": 8}
+# `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128);
+# `:w4a16-lm_head` / `:w8a16-lm_head` quantize the (untied) LM head too. Suffix -> (bits, head).
+_DUMMY_QUANT = {
+    "w4a16": (4, False),
+    "w8a16": (8, False),
+    "w4a16-lm_head": (4, True),
+    "w8a16-lm_head": (8, True),
+}
 
 
-def _dummy_quantization_config(num_bits: int) -> dict[str, Any]:
-    """A compressed-tensors config like `pagoda quantize` writes (symmetric, group 128)."""
+def _dummy_quantization_config(num_bits: int, lm_head: bool = False) -> dict[str, Any]:
+    """A compressed-tensors config like `pagoda quantize` writes (symmetric, group 128).
+
+    `lm_head`: leave lm_head out of `ignore`, so that an untied model quantizes its head too
+    (a tied head stays dense whatever the config says).
+    """
     weights = {
         "num_bits": num_bits,
         "type": "int",
@@ -41,7 +51,7 @@ def _dummy_quantization_config(num_bits: int) -> dict[str, Any]:
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
         # Vision towers stay in the model dtype, as in llmcompressor's recipes for VL models.
-        "ignore": ["lm_head", "re:.*visual.*"],
+        "ignore": ["re:.*visual.*"] if lm_head else ["lm_head", "re:.*visual.*"],
     }
 
 
@@ -137,8 +147,8 @@ class EngineArgs:
                 "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
                 "`pagoda quantize`)"
             )
-        if quant is None and source.quant_override in _DUMMY_QUANT_BITS:
-            quant = _dummy_quantization_config(_DUMMY_QUANT_BITS[source.quant_override])
+        if quant is None and source.quant_override in _DUMMY_QUANT:
+            quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])
         if quant is not None:
             method = quant.get("quant_method")
             if method not in ("compressed-tensors", "gptq"):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pagoda.kernels.fused_ops import apply_rotary_ref
+
 
 def write_kv_cache_ref(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -101,3 +103,44 @@ def causal_attention_ref(
 ) -> torch.Tensor:
     """Plain causal attention over all tokens as one sequence (no cache): [T, H, D] in q.dtype."""
     return _attend(q, k, v, scale, 0).to(q.dtype)
+
+
+def fused_decode_attention_ref(
+    positions: torch.Tensor,  # [T] int
+    q: torch.Tensor,  # [T, H*D], un-rotated (left unmodified)
+    k: torch.Tensor,  # [T, Hkv*D], un-rotated (left unmodified)
+    v: torch.Tensor,  # [T, Hkv*D]
+    cos_cache: torch.Tensor,  # [max_position, D/2] float32
+    sin_cache: torch.Tensor,  # [max_position, D/2] float32
+    kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D], updated in place
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = padding, not written
+    query_start_loc_cpu: list[int],  # [B+1]
+    seq_lens_cpu: list[int],  # [B], context length incl. this step's tokens
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    scale: float,
+) -> torch.Tensor:  # [T, H*D]
+    """The unfused decode path op for op: neox RoPE on q/k, cache write, paged attention.
+
+    Oracle of `triton_decode_attention.fused_decode_attention_triton`. Rows of padding tokens
+    (slot -1) read whatever their sequence's last slot holds, so they are not comparable.
+    """
+    num_tokens = positions.shape[0]
+    kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    q_rot = q.reshape(num_tokens, -1).clone(memory_format=torch.contiguous_format)
+    k_rot = k.reshape(num_tokens, -1).clone(memory_format=torch.contiguous_format)
+    apply_rotary_ref(positions, q_rot, k_rot, cos_cache, sin_cache, head_dim)
+    write_kv_cache_ref(
+        k_rot.view(num_tokens, kv_heads, head_dim),
+        v.reshape(num_tokens, kv_heads, head_dim),
+        kv_cache,
+        slot_mapping,
+    )
+    out = paged_attention_ref(
+        q_rot.view(num_tokens, -1, head_dim),
+        kv_cache,
+        query_start_loc_cpu,
+        seq_lens_cpu,
+        block_tables,
+        scale,
+    )
+    return out.view(num_tokens, -1)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.pdl import pdl_launch_args
+
 _LOG2E = 1.4426950408889634
 # Split-KV tuning, measured on an H200 (132 SMs, Qwen2.5-7B shapes, CUDA-graph timing): the
 # best split count put about 2 programs per SM (B=1..16, context 1k..32k), and splits down to
@@ -262,7 +264,10 @@ def _split_kv_reduce_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # programmatic dependent launch (pagoda/kernels/pdl.py)
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0)
     head = tl.program_id(1)
     # Rows past the last query (batch padding) have no partials and must stay untouched.
@@ -463,5 +468,6 @@ def paged_attention_triton(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             num_warps=4 if head_dim_pad >= 128 else 2,
+            **pdl_launch_args(q),
         )
     return out

@@ -12,6 +12,10 @@ summed afterwards.
 pipelined through shared memory, fields unpacked with integer masks into exact floats (no
 int-to-float conversions), FMAs for 1-2 rows or `tl.dot` for more, and a one-kernel split-K
 reduction (see the notes above `_wna16_gemv_kernel`).
+
+`wna16_dequant` / `wna16_dequant_linear`: large M (from `wna16.large_m_threshold`), one
+bandwidth-bound pass expands the weight into a dense [N, K] scratch in x's dtype, then cuBLAS
+(see the notes above `_wna16_dequant_kernel`).
 """
 
 from __future__ import annotations
@@ -730,4 +734,246 @@ def wna16_gemv(
     )  # fmt: skip
     if split > 1 and not serial:
         out.copy_(ws.view(m, n) if bias is None else ws.view(m, n) + bias.float())
+    return out
+
+
+# ---------------------------------------------------------------- dequantize, then cuBLAS (large M)
+#
+# From some M on (`pagoda.kernels.wna16.large_m_threshold`) a layer is cheaper as one pass that
+# expands the packed weight into a dense [N, K] scratch matrix in x's dtype followed by cuBLAS
+# (`F.linear`) than as the Triton dequant-GEMM. The pass reads N*K*bits/8 bytes (+ scales) and
+# writes N*K*2, so it is bandwidth-bound and only has to keep both streams coalesced.
+#
+# `qweight_t` is [K / f, N] (contiguous along N) and the output [N, K] (contiguous along K), so
+# a program owns a [BLOCK_K / f, BLOCK_N] tile of words = a [BLOCK_N, BLOCK_K] tile of weights:
+# the words load as rows along N, are transposed as int32 (`tl.trans` of a 2-D tile: f times
+# less data through shared memory than transposing the weights), then each word is unpacked
+# along its own row, `[BLOCK_N, BLOCK_K / f, f]` reshaped to `[BLOCK_N, BLOCK_K]` without
+# reordering: a thread holds whole words, i.e. f consecutive weights of one output row, so the
+# stores run along K. BLOCK_K is a power of two dividing the group size, so a tile needs one
+# scale (and zero) per column, loaded as a [BLOCK_N] vector.
+#
+# Values: (u - zero) * scale in fp32 is exact (|u - zero| < 2^8 times an 8- or 11-bit scale
+# significand), then rounded once to x's dtype: the GPU's cvt.rn rounds to nearest even, like
+# torch, so the result equals `dequantize_packed_t` bit for bit. The interpreter's fp32 -> bf16
+# cast truncates, so under it (only) the kernel rounds to nearest even with integer ops.
+# The sm_90 PTX of the default tile (Triton 3.9, compiled without a GPU): per thread two 16 B
+# word loads, one 4 KB shared-memory transpose per program, eight 16 B stores; the symmetric
+# path is narrowed by the compiler to exact int -> bf16 conversions and bf16 multiplies (one
+# rounding of an exact product: the same values).
+#
+# PDL: the first memory access follows `gdc_wait()`; this matters beyond the inputs, because
+# the scratch may be the block the previous layer's cuBLAS call is still reading. The kernel
+# does not trigger its dependents early: its successor is cuBLAS, launched without PDL.
+
+
+@triton.jit
+def _wna16_dequant_kernel(
+    w_ptr, s_ptr, z_ptr, out_ptr,
+    N, K, group_size,
+    stride_wk, stride_wn,
+    stride_sg, stride_sn,
+    stride_zg, stride_zn,
+    stride_on,
+    BITS: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # weights along K per tile; a power of two dividing the group size
+    EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    RTNE_BF16: tl.constexpr,  # round to bf16 with integer ops (the interpreter's cast truncates)
+    USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
+):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    OFFSET: tl.constexpr = 1 << (BITS - 1)
+    BKW: tl.constexpr = BLOCK_K // PACK
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_kw = pid_k * BKW + tl.arange(0, BKW)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+
+    w_ptrs = w_ptr + offs_kw[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    if EVEN_N and EVEN_K:
+        words = tl.load(w_ptrs)  # [BKW, BLOCK_N]
+    else:
+        mask_w = (offs_kw < tl.cdiv(K, PACK))[:, None] & mask_n[None, :]
+        words = tl.load(w_ptrs, mask=mask_w, other=0)
+    if PER_CHANNEL:
+        g = 0
+    else:
+        g = (pid_k * BLOCK_K) // group_size
+    scale = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=mask_n, other=0.0)
+    scale = scale.to(tl.float32)
+
+    # Word kw holds codes k = kw * PACK + j at bits j * BITS.
+    shifts = tl.arange(0, PACK) * BITS
+    codes = (tl.trans(words)[:, :, None] >> shifts[None, None, :]) & MASK  # [BLOCK_N, BKW, PACK]
+    codes = tl.reshape(codes, (BLOCK_N, BLOCK_K))
+    if HAS_ZP:
+        zero = tl.load(z_ptr + g * stride_zg + offs_n * stride_zn, mask=mask_n, other=0.0)
+        w = (codes.to(tl.float32) - zero.to(tl.float32)[:, None]) * scale[:, None]
+    else:
+        w = (codes - OFFSET).to(tl.float32) * scale[:, None]
+    if RTNE_BF16:
+        bits = w.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16  # finite values: no int32 overflow
+        val = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        val = w.to(out_ptr.dtype.element_ty)
+
+    out_ptrs = out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :]
+    if EVEN_N and EVEN_K:
+        tl.store(out_ptrs, val)
+    else:
+        tl.store(out_ptrs, val, mask=mask_n[:, None] & (offs_k < K)[None, :])
+
+
+# Whether the kernel runs in the Triton interpreter (decided when `@triton.jit` ran).
+_DEQUANT_INTERPRETED = not isinstance(_wna16_dequant_kernel, triton.runtime.JITFunction)
+
+
+@dataclass(frozen=True)
+class DequantConfig:
+    """Tiles of `wna16_dequant`: BLOCK_N output rows x block_k weights along K per program
+    (block_k: a power of two, capped by the largest power of two dividing the group size)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+
+
+def dequant_candidate_configs() -> list[DequantConfig]:
+    """Tile shapes the benchmark sweeps for the dequant pass (the default first)."""
+    cands = [DequantConfig()]
+    for block_n in (32, 64, 128):
+        for block_k in (64, 128, 256):
+            for warps in (4, 8):
+                cfg = DequantConfig(block_n, block_k, warps)
+                if cfg not in cands and block_n * block_k >= 32 * 32 * warps:
+                    cands.append(cfg)
+    return cands
+
+
+def wna16_dequant(
+    qweight_t: torch.Tensor,  # [ceil(K / f), N] int32 (as `wna16_gemm`)
+    scales_t: torch.Tensor,  # [groups, N]
+    zeros_t: torch.Tensor | None,  # [groups, N] (offset + zero point), None when symmetric
+    group_size: int,  # <= 0 or >= K: per output channel (groups == 1)
+    bits: int = 4,
+    out: torch.Tensor | None = None,  # [N, K] with unit stride along K
+    *,
+    k: int | None = None,  # K; default out's width, else ceil(K / f) * f
+    dtype: torch.dtype | None = None,  # default out's dtype, else the scales' dtype
+    config: DequantConfig | None = None,
+) -> torch.Tensor:  # [N, K]: the weight `F.linear(x, w)` takes
+    """The dense weight w[n, k] = (u - zero) * scale, rounded once to `dtype` (see the notes
+    above the kernel); bit-identical to `pagoda.kernels.wna16.dequantize_packed_t`.
+
+    Column slices of the inputs (a range of N) work as they are: the kernel takes all strides.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits} is not supported; use 4 or 8")
+    pack = 32 // bits
+    kw, n = qweight_t.shape
+    if k is None:
+        k = out.shape[1] if out is not None else kw * pack
+    if triton.cdiv(k, pack) != kw:
+        raise ValueError(f"qweight_t has {kw} packed rows, K={k} needs {triton.cdiv(k, pack)}")
+    per_channel = group_size <= 0 or group_size >= k
+    groups = 1 if per_channel else triton.cdiv(k, group_size)
+    if tuple(scales_t.shape) != (groups, n):
+        raise ValueError(f"scales_t must be [{groups}, {n}], got {list(scales_t.shape)}")
+    if zeros_t is not None and zeros_t.shape != scales_t.shape:
+        raise ValueError(f"zeros_t must be [{groups}, {n}], got {list(zeros_t.shape)}")
+    cfg = config or DequantConfig()
+    block_k = cfg.block_k if per_channel else _pow2_divisor(group_size, cfg.block_k)
+    if block_k < pack:
+        raise ValueError(
+            f"wna16_dequant needs a group size multiple of {pack} for {bits} bits, got {group_size}"
+        )
+    if out is None:
+        dtype = dtype or scales_t.dtype
+        out = torch.empty((n, k), device=qweight_t.device, dtype=dtype)
+    elif tuple(out.shape) != (n, k) or out.stride(1) != 1 or dtype not in (None, out.dtype):
+        raise ValueError(f"out must be [{n}, {k}] with unit stride along K, in {dtype}")
+    if n == 0 or k == 0:
+        return out
+    z = zeros_t if zeros_t is not None else scales_t
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, cfg.block_n))
+    _wna16_dequant_kernel[grid](
+        qweight_t, scales_t, z, out,
+        n, k, k if per_channel else group_size,
+        qweight_t.stride(0), qweight_t.stride(1),
+        scales_t.stride(0), scales_t.stride(1),
+        z.stride(0), z.stride(1),
+        out.stride(0),
+        BITS=bits,
+        HAS_ZP=zeros_t is not None,
+        PER_CHANNEL=per_channel,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        EVEN_N=n % cfg.block_n == 0,
+        EVEN_K=k % block_k == 0,
+        RTNE_BF16=_DEQUANT_INTERPRETED and out.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
+        **pdl_launch_args(qweight_t),
+    )  # fmt: skip
+    return out
+
+
+# A layer's dense weight is expanded in chunks of output rows of at most this size (the
+# scratch is per call, from the caching allocator; 7B gate_up = 259 MiB is one chunk, a
+# quantized 152k-vocab LM head = 1 GiB three).
+_DEQUANT_SCRATCH_BYTES = 512 << 20
+
+
+def wna16_dequant_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight_t: torch.Tensor,  # [ceil(K / f), N] int32
+    scales_t: torch.Tensor,  # [groups, N]
+    zeros_t: torch.Tensor | None,  # [groups, N] (offset + zero point), None when symmetric
+    group_size: int,
+    bits: int = 4,
+    max_scratch_bytes: int = _DEQUANT_SCRATCH_BYTES,
+    config: DequantConfig | None = None,
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """y = x @ dequant(W).T for large M: `wna16_dequant` into a scratch weight, then cuBLAS.
+
+    The scratch comes from `torch.empty` per call: the profiling forward counts it in the peak
+    activation memory, and under CUDA-graph capture it is allocated from the graph's pool (the
+    capture keeps the block; graphs captured into one shared pool reuse it). Weights larger
+    than `max_scratch_bytes` go in chunks of output rows, each GEMM writing its output columns.
+    """
+    m, k = x.shape
+    n = qweight_t.shape[1]
+    if m == 0:
+        return torch.empty((0, n), device=x.device, dtype=x.dtype)
+    rows = max(64, max_scratch_bytes // (k * x.element_size()) // 64 * 64)  # whole tiles
+    if rows >= n:
+        w = wna16_dequant(
+            qweight_t, scales_t, zeros_t, group_size, bits, k=k, dtype=x.dtype, config=config
+        )
+        return torch.nn.functional.linear(x, w)
+    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    scratch = torch.empty((rows, k), device=x.device, dtype=x.dtype)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = wna16_dequant(
+            qweight_t[:, n0:n1],
+            scales_t[:, n0:n1],
+            None if zeros_t is None else zeros_t[:, n0:n1],
+            group_size,
+            bits,
+            scratch[: n1 - n0],
+            k=k,
+            config=config,
+        )
+        # cuBLAS writes the column slice in place (leading dimension N), no copy.
+        torch.mm(x, w.t(), out=out[:, n0:n1])
     return out

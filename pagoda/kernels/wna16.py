@@ -3,10 +3,14 @@
 Packing follows compressed-tensors `pack_to_int32`: signed values are offset to unsigned
 (+2^(bits-1)) and element i of a row lands in word i // (32 / bits) at bit (i % (32 / bits)) *
 bits (little-endian nibble order). `wna16_linear_ref` dequantizes and multiplies: the oracle
-of the Triton kernel and the CPU fallback.
+of the Triton kernel and the CPU fallback; `dequantize_packed_t` is the oracle of
+`wna16_dequant`, and `large_m_threshold` the rule that sends large M through it and cuBLAS.
 """
 
 from __future__ import annotations
+
+import math
+import os
 
 import torch
 
@@ -94,3 +98,96 @@ def wna16_linear_ref(
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(x.dtype)
+
+
+def dequantize_packed_t(
+    qweight_t: torch.Tensor,  # [ceil(K / f), N] int32, packed along K (the kernels' layout)
+    scales_t: torch.Tensor,  # [groups, N]
+    zeros_t: torch.Tensor | None,  # [groups, N] (2^(bits-1) + zero point), None when symmetric
+    group_size: int,  # <= 0 or >= k: per output channel
+    bits: int,
+    k: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, K]
+    """Torch reference of `wna16_dequant`: the dense [N, K] weight from the kernels' inputs.
+
+    Same arithmetic as `dequantize_weight` (which it calls): (u - zero) * scale in float32,
+    then one cast to `dtype`. With u and zero small integers and a bf16 / fp16 scale the fp32
+    product is exact, so the result is the correctly rounded (nearest-even) weight.
+    """
+    offset = 1 << (bits - 1)
+    q = unpack_from_int32(qweight_t, bits, k, packed_dim=0).t()  # [N, K] signed codes
+    zp = None if zeros_t is None else zeros_t.t().to(torch.float32) - offset
+    group = k if group_size <= 0 or group_size >= k else group_size
+    return dequantize_weight(q, scales_t.t(), zp, group, dtype=dtype).contiguous()
+
+
+# ---------------------------------------------------------------- large-M rule
+#
+# For M > 16 a W4A16 layer can run the Triton dequant-GEMM (`wna16_gemm`) or expand the weight
+# into a dense scratch matrix (`wna16_dequant`, one bandwidth-bound pass) and hand it to cuBLAS.
+# Measured on an H200 (Qwen2.5-7B shapes, group 128, µs; run of benchmarks/quant/
+# bench_w4a16_gemm.py, tuned Triton configs):
+#
+#   layer (N x K)         M    bf16 cuBLAS   Triton GEMM   dequant (est.)   dequant + cuBLAS
+#   gate_up 37888x3584    64       83            98             97               180
+#   gate_up              128       83           158             97               180
+#   gate_up              256      109           286             97               206
+#   gate_up              512      213           520             97               310
+#   down     3584x18944   32       49           149             48                97
+#   down                 512      100           301             48               148
+#   qkv      4608x3584    32       18            34             12                30
+#   o        3584x3584    32       18            34              9                27
+#
+# "dequant (est.)" is (N*K*bits/8 read + N*K*2 written) / 3.5 TB/s. Two regimes decide:
+#
+# 1. The GEMM fills the GPU (gate_up): it runs at ~40% of cuBLAS's bf16 rate once M is
+#    compute-bound (2*256*N*K flop in 286 µs = 243 TFLOP/s against cuBLAS's 640 at M = 256).
+#    Per weight the dequant pass costs (bits/8 + 2) B / 3.5 TB/s, what the slower GEMM loses is
+#    2*M flop * (1/243T - 1/640T): N*K cancels, and dequant + cuBLAS wins from
+#    M = (bits/8 + 2) / (2 * 3.5e12 * (1/243e12 - 1/640e12)) = 140 for 4 bits (168 for 8);
+#    the measured crossing on gate_up lies between 128 (180 vs 158) and 256 (206 vs 286).
+# 2. The GEMM underfills the GPU: without split-K above M = 16 it has cdiv(N, 64) column tiles
+#    (BLOCK_N = 64 in the tuned configs), each walking all of K. With fewer column tiles than
+#    SMs (N < 64 * 132 = 8448 on an H200: qkv, o, down) it is 2-3x slower than cuBLAS at any
+#    M up to 128 while the dequant pass costs about one bf16 GEMM read (2.5 vs 2 B per weight):
+#    dequant + cuBLAS wins from the first M past the GEMV (17; M = 17..31 runs the GEMM's
+#    M = 32 tiles at the M = 32 time). Above M ~ 140 rule 1 applies to these shapes too.
+# These are model numbers from one GPU; the GEMM benchmark's dequant + cuBLAS column checks them.
+
+_DEQUANT_BW = 3.5e12  # B/s the dequant pass is assumed to reach (H200 HBM3e: 4.8 peak)
+_TRITON_GEMM_FLOPS = 243e12  # Triton dequant-GEMM at M = 256 (gate_up), H200
+_CUBLAS_BF16_FLOPS = 640e12  # cuBLAS bf16 at M = 256 (gate_up), H200
+_GEMM_BLOCK_N = 64  # the tuned GEMM configs' column tile for M = 32 ... 256
+_FIRST_M_PAST_GEMV = 17
+
+
+def large_m_threshold(n: int, k: int, bits: int = 4, num_sms: int = 132) -> int:
+    """The smallest M from which dequant + cuBLAS beats the Triton GEMM (see the notes above).
+
+    k does not enter: the dequant pass and both GEMMs all scale with N*K (it is an argument so
+    that the rule can take a shape term if measurements ask for one).
+    """
+    del k
+    bytes_per_weight = bits / 8 + 2
+    compute_m = bytes_per_weight / (
+        2 * _DEQUANT_BW * (1 / _TRITON_GEMM_FLOPS - 1 / _CUBLAS_BF16_FLOPS)
+    )
+    if -(-n // _GEMM_BLOCK_N) < num_sms:
+        return _FIRST_M_PAST_GEMV
+    return max(_FIRST_M_PAST_GEMV, math.ceil(compute_m))
+
+
+def large_m_min(n: int, k: int, bits: int = 4, num_sms: int = 132) -> int | None:
+    """`large_m_threshold`, or `PAGODA_W4A16_LARGE_M=<int>` when set (0: never; None returned).
+
+    Read per call (layers cache the answer on their first forward, before graph capture).
+    """
+    env = os.environ.get("PAGODA_W4A16_LARGE_M", "").strip()
+    if env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise ValueError(f"PAGODA_W4A16_LARGE_M={env!r}: use an integer (0 = never)") from None
+        return value if value > 0 else None
+    return large_m_threshold(n, k, bits, num_sms)

@@ -4,11 +4,17 @@
 `module.kv_cache`, `[2, num_blocks, block_size, Hkv, D]`) and attends each sequence's queries to
 its cached prefix + new tokens. CUDA tensors use the Triton kernels, the CPU the torch
 references. `attn_metadata=None` means no cache: causal attention over all tokens as one sequence.
+
+Decode-only CUDA batches can instead take `forward_fused_decode`, which also applies RoPE: one
+kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
+(`triton_decode_attention.py`). `use_fused_decode` says when; `PAGODA_FUSED_DECODE_ATTN=0` (read
+once per process) turns it off for A/B measurements.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
+from pagoda.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -49,6 +56,18 @@ def _triton_kernels() -> tuple[Callable, Callable] | None:
     except ImportError:
         return None
     return write_kv_cache_triton, paged_attention_triton
+
+
+@functools.cache
+def _fused_decode_kernel() -> Callable | None:
+    """`fused_decode_attention_triton`, or None when Triton is unusable or the env var is off."""
+    if os.environ.get("PAGODA_FUSED_DECODE_ATTN", "1").lower() in ("0", "false", "off", "no"):
+        return None
+    try:
+        from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
+    except ImportError:
+        return None
+    return fused_decode_attention_triton
 
 
 class Attention(nn.Module):
@@ -115,6 +134,66 @@ class Attention(nn.Module):
                 out=out[:n],
             )
         return out.view(num_tokens, -1)
+
+    def use_fused_decode(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        rotary_emb: nn.Module | None,
+        attn_metadata: AttentionMetadata | None,
+    ) -> bool:
+        """Whether `forward_fused_decode` may replace RoPE + `forward` for this step.
+
+        Needs a decode-only batch (one token per sequence, no padding rows beyond the
+        sequences: CUDA-graph padding comes as 1-token sequences with slot -1), CUDA tensors, a
+        bound cache of q's dtype, Triton, and a plain cos/sin-table RoPE with [T] positions
+        (not M-RoPE, whose subclass is excluded by the exact type check).
+        """
+        return (
+            attn_metadata is not None
+            and attn_metadata.max_query_len == 1
+            and q.is_cuda
+            and self.kv_cache is not None
+            and self.kv_cache.dtype == q.dtype
+            and type(rotary_emb) is RotaryEmbedding
+            and positions.dim() == 1
+            and q.shape[0] == attn_metadata.num_actual_tokens == attn_metadata.seq_lens.shape[0]
+            and _fused_decode_kernel() is not None
+        )
+
+    def forward_fused_decode(
+        self,
+        positions: torch.Tensor,  # [T]
+        q: torch.Tensor,  # [T, H*D], not rotated; a strided view of the QKV output is fine
+        k: torch.Tensor,  # [T, Hkv*D], not rotated
+        v: torch.Tensor,  # [T, Hkv*D]
+        rotary_emb: RotaryEmbedding,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H*D]
+        """RoPE + cache write + attention in one kernel; only where `use_fused_decode` holds.
+
+        Same result as `rotary_emb(positions, q, k)` then `forward(q, k, v, attn_metadata)`,
+        except that q and k are not rotated in place and rows of padding tokens hold their own
+        (finite) attention output instead of zeros.
+        """
+        kernel = _fused_decode_kernel()
+        assert kernel is not None and self.kv_cache is not None
+        return kernel(
+            positions,
+            q,
+            k,
+            v,
+            rotary_emb.cos_cache,
+            rotary_emb.sin_cache,
+            self.kv_cache,
+            attn_metadata.slot_mapping,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_tables,
+            self.scale,
+            attn_metadata.max_seq_len,
+            num_splits=attn_metadata.num_splits,
+        )
 
     def _forward_no_cache(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -3,8 +3,10 @@
 `WNA16LinearMethod` creates the parameters a checkpoint stores (compressed-tensors
 `pack-quantized` / `naive-quantized`, or legacy GPTQ `qweight/qzeros/scales/g_idx`) so that the
 fused loaders fill them by name, then `process_weights_after_loading` repacks them once for the
-device: CUDA -> the split-K Triton GEMV for M <= 16 (decode), the Triton dequant-GEMM above;
-CPU -> int8 codes dequantized per call (one broadcast multiply) then a dense matmul.
+device: CUDA -> the split-K Triton GEMV for M <= 16 (decode), the Triton dequant-GEMM above,
+and from `large_m_threshold(N, K)` on (pagoda/kernels/wna16.py) the weight dequantized into a
+dense scratch matrix and multiplied by cuBLAS; CPU -> int8 codes dequantized per call (one
+broadcast multiply) then a dense matmul.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from pagoda.kernels.wna16 import (
     dequantize_weight,
+    large_m_min,
     pack_factor,
     pack_to_int32,
     unpack_from_int32,
@@ -96,9 +99,11 @@ class QuantizationPlan:
     ignore: tuple[str, ...]
 
     def args_for(self, hf_name: str) -> tuple[WeightQuantArgs, str] | None:
-        """(args, format) of the HF module `hf_name`, or None when it stays unquantized."""
-        if hf_name == "lm_head" or hf_name.endswith(".lm_head"):
-            return None  # pagoda never quantizes the LM head (see models/llama.py)
+        """(args, format) of the HF module `hf_name`, or None when it stays unquantized.
+
+        `lm_head` follows the same rules (quantized unless ignored, as in compressed-tensors);
+        models ask about it only when their head is untied (see `lm_head_quantized`).
+        """
         if any(_match(hf_name, pattern) for pattern in self.ignore):
             return None
         for targets, args, fmt in self.groups:
@@ -177,11 +182,22 @@ def parse_quantization_config(qc: Mapping[str, Any]) -> QuantizationPlan:
             actorder="group" if qc.get("desc_act") else None,
         )
         ignore = tuple(qc.get("modules_to_not_convert") or ())
+        if not qc.get("lm_head_quantized"):
+            ignore += ("lm_head",)  # GPTQ quantizes the LM head only when it says so
         return QuantizationPlan("gptq", ((("Linear",), args, fmt),), ignore)
     raise NotImplementedError(
         f"quant_method={method!r} is not supported; pagoda loads compressed-tensors "
         "(pack-quantized, naive-quantized) and gptq checkpoints"
     )
+
+
+def lm_head_quantized(factory: LinearMethodFactory) -> bool:
+    """Whether `factory` quantizes `lm_head` (an untied model then builds a quantized head).
+
+    Only factories made by `make_linear_method_factory` say so; any other factory (the
+    default, tests' own) is never asked about lm_head, which then stays dense.
+    """
+    return bool(getattr(factory, "lm_head_quantized", False))
 
 
 def make_linear_method_factory(
@@ -190,6 +206,7 @@ def make_linear_method_factory(
     """The factory a model calls per linear layer: quantized where the checkpoint says so.
 
     A fused layer (qkv_proj) is quantized when its HF projections (q/k/v_proj) are, all alike.
+    The factory's `lm_head_quantized` attribute tells whether the config covers lm_head.
     """
     plan = parse_quantization_config(qc)
 
@@ -208,6 +225,7 @@ def make_linear_method_factory(
         args, fmt = choices[0]
         return WNA16LinearMethod(args, fmt)
 
+    factory.lm_head_quantized = plan.args_for("lm_head") is not None  # type: ignore[attr-defined]
     return factory
 
 
@@ -474,8 +492,8 @@ class WNA16LinearMethod(LinearMethod):
         if layer.input_perm is not None:
             x2 = x2.index_select(1, layer.input_perm)
         if layer.wna16_backend == "triton":
-            out = self._apply_cuda(layer, x2)
-            if bias is not None:
+            out, bias_added = self._apply_cuda(layer, x2, bias)
+            if bias is not None and not bias_added:
                 out = out + bias
         else:
             out = torch.nn.functional.linear(x2, self._dequantize(layer, x.dtype), bias)
@@ -517,18 +535,52 @@ class WNA16LinearMethod(LinearMethod):
         _param(layer, "scale_and_zeros", torch.stack([scale_t, zero], dim=-1).contiguous(), None)
         return True
 
-    def _apply_cuda(self, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
-        from pagoda.kernels.triton_w4a16 import wna16_gemm, wna16_gemv
+    def _large_m(self, layer: nn.Module) -> int | None:
+        """The M from which `layer` runs dequant + cuBLAS (None: never): `large_m_threshold`
+        or `PAGODA_W4A16_LARGE_M=<int>` (0 = never), resolved on the layer's first call with
+        M > 16 (the profiling forward, before CUDA-graph capture) and kept on the layer."""
+        large_m = getattr(layer, "wna16_large_m", -1)
+        if large_m == -1:
+            from pagoda.kernels.triton_w4a16 import _num_sms
+
+            w = layer.qweight_t
+            num_sms = _num_sms(w.device.index or 0) if w.is_cuda else 132
+            large_m = large_m_min(w.shape[1], layer.in_features, layer.wna16_bits, num_sms)
+            layer.wna16_large_m = large_m
+        return large_m
+
+    def _apply_cuda(
+        self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        """(x2 @ W^T, whether `bias` is already added: the GEMV fuses it)."""
+        from pagoda.kernels.triton_w4a16 import wna16_dequant_linear, wna16_gemm, wna16_gemv
 
         if x2.shape[0] <= 16:
             kernel = self.small_m_kernel
             if kernel == "tinygemm" and self._tinygemm_ready(layer):
                 sz = layer.scale_and_zeros
-                return torch._weight_int4pack_mm(
+                out = torch._weight_int4pack_mm(
                     x2.to(sz.dtype).contiguous(), layer.int4pack, layer.wna16_group_size, sz
-                ).to(x2.dtype)
+                )
+                return out.to(x2.dtype), False
             if kernel != "gemm":
-                return wna16_gemv(
+                fused = bias is not None and bias.dtype == x2.dtype and bias.is_contiguous()
+                out = wna16_gemv(
+                    x2,
+                    layer.qweight_t,
+                    layer.scales_t,
+                    layer.zeros_t,
+                    layer.wna16_group_size,
+                    layer.wna16_bits,
+                    bias=bias if fused else None,
+                )
+                return out, fused
+        else:
+            # Large M: one bandwidth-bound pass into a scratch weight (from the caching
+            # allocator, so profiled and capturable), then cuBLAS.
+            large_m = self._large_m(layer)
+            if large_m is not None and x2.shape[0] >= large_m:
+                out = wna16_dequant_linear(
                     x2,
                     layer.qweight_t,
                     layer.scales_t,
@@ -536,7 +588,8 @@ class WNA16LinearMethod(LinearMethod):
                     layer.wna16_group_size,
                     layer.wna16_bits,
                 )
-        return wna16_gemm(
+                return out, False
+        out = wna16_gemm(
             x2,
             layer.qweight_t,
             layer.scales_t,
@@ -544,3 +597,4 @@ class WNA16LinearMethod(LinearMethod):
             layer.wna16_group_size,
             layer.wna16_bits,
         )
+        return out, False

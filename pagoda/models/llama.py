@@ -105,8 +105,13 @@ class DecoderAttention(nn.Module):
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v.contiguous(), attn_metadata)  # [T, H*D]
+        if self.attn.use_fused_decode(positions, q, self.rotary_emb, attn_metadata):
+            # Decode-only CUDA step: RoPE, cache write and attention in one kernel that reads
+            # q (normed for Qwen3), k and v in place, strided views of the QKV output included.
+            out = self.attn.forward_fused_decode(positions, q, k, v, self.rotary_emb, attn_metadata)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
+            out = self.attn(q, k, v.contiguous(), attn_metadata)  # [T, H*D]
         return self.o_proj(out)
 
 
@@ -254,11 +259,8 @@ class LlamaForCausalLM(nn.Module):
         factory = linear_method_factory or default_linear_method_factory
         self.model = DecoderModel(config, self.decoder_options(config), factory)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        # The LM head stays unquantized whatever the factory says (logit quality, and tying).
-        self.lm_head = LMHead(
-            config.vocab_size,
-            config.hidden_size,
-            tie_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+        self.lm_head = build_lm_head(
+            config, factory, self.model.embed_tokens, self.tie_word_embeddings
         )
 
     def forward(
@@ -290,6 +292,23 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError for tensors matching no parameter and for parameters left unloaded.
         """
         return load_hf_weights(self, weights)
+
+
+def build_lm_head(
+    config: Any,
+    linear_method_factory: LinearMethodFactory,
+    embed_tokens: VocabEmbedding,
+    tie_word_embeddings: bool,
+    prefix: str = "lm_head",
+) -> LMHead:
+    """The LM head: tied to `embed_tokens`, else quantized when the checkpoint's config covers
+    lm_head (the factory says so: `lm_head_quantized`), else dense."""
+    from pagoda.layers.quantized_linear import lm_head_quantized
+
+    if tie_word_embeddings:
+        return LMHead(config.vocab_size, config.hidden_size, tie_to=embed_tokens)
+    method = linear_method_factory(prefix) if lm_head_quantized(linear_method_factory) else None
+    return LMHead(config.vocab_size, config.hidden_size, linear_method=method, prefix=prefix)
 
 
 def load_hf_weights(
@@ -334,9 +353,17 @@ def load_hf_weights(
             if shards_loaded[param_name] == shards_needed[param_name]:
                 loaded.add(param_name)
     if unexpected:
+        hint = ""
+        if getattr(model.lm_head, "quantized", False) and any(
+            (rename(n) if rename is not None else n) == "lm_head.weight" for n in unexpected
+        ):
+            hint = (
+                "; the checkpoint stores lm_head dense while its quantization_config does not "
+                'ignore lm_head: add "lm_head" to quantization_config.ignore'
+            )
         raise ValueError(
             f"checkpoint tensors match no parameter of {type(model).__name__}: "
-            f"{_name_list(unexpected)}"
+            f"{_name_list(unexpected)}{hint}"
         )
     missing = sorted(set(params) - loaded)
     if missing:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
+from pagoda.layers.embedding import LMHead
 from pagoda.layers.linear import LinearBase
 from pagoda.models.registry import architectures_of, get_model_class
 
@@ -138,7 +139,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         for module in model.modules():
             # Quantized methods draw their integer codes themselves.
             init = getattr(getattr(module, "linear_method", None), "init_dummy_weights", None)
-            if isinstance(module, LinearBase) and init is not None:
+            if isinstance(module, (LinearBase, LMHead)) and init is not None:
                 init(module, generator)
     elif load_format == "gguf" or (load_format == "auto" and model_config.gguf_file):
         model.load_weights(iter_gguf_weights(model_config))
@@ -148,6 +149,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         raise ValueError(f"load_format={load_format!r} is not supported")
 
     for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.linear_method.process_weights_after_loading(module)
+        # A quantized LM head holds its method like a linear layer (dense heads have none).
+        method = getattr(module, "linear_method", None)
+        if isinstance(module, (LinearBase, LMHead)) and method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()

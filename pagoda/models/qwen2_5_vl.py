@@ -21,7 +21,6 @@ from torch import nn
 
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, AttentionMetadata
-from pagoda.layers.embedding import LMHead
 from pagoda.layers.linear import (
     LinearMethodFactory,
     MergedColumnLinear,
@@ -33,6 +32,7 @@ from pagoda.models.llama import (
     DecoderModel,
     DecoderOptions,
     LlamaForCausalLM,
+    build_lm_head,
     load_hf_weights,
 )
 
@@ -481,10 +481,11 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self.model = Qwen2_5_VLModel(hf_config, factory, self.vision_variant)
         self.image_token_id: int = hf_config.image_token_id
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = LMHead(
-            text_config.vocab_size,
-            text_config.hidden_size,
-            tie_to=self.model.language_model.embed_tokens if self.tie_word_embeddings else None,
+        self.lm_head = build_lm_head(
+            text_config,
+            factory,
+            self.model.language_model.embed_tokens,
+            self.tie_word_embeddings,
         )
 
     @property
@@ -518,7 +519,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """[N patches, C*T*P*P] of all images -> [sum of image tokens, hidden] (model dtype)."""
         embeds = self.model.visual(pixel_values.to(self.model.visual.dtype), grid_thw)
-        return embeds.to(self.lm_head.weight.dtype)
+        return embeds.to(self.model.language_model.embed_tokens.weight.dtype)
 
     # ------------------------------------------------------------------ checkpoint names
 

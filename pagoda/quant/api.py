@@ -9,7 +9,11 @@ Vision-language models (Qwen2.5-VL, Qwen2-VL): the text decoder is quantized wit
 calibration, the vision tower (`visual.*`, merger included) always stays as it is (added to the
 ignore list with a note when `ignore` does not cover it), tensors keep the input checkpoint's
 names, and `quantization_config.ignore` lists every dense linear module by name, lm_head
-included, as llmcompressor writes it.
+included when it stays dense, as llmcompressor writes it.
+
+lm_head is quantized like the decoder's linears when `ignore` does not cover it and the
+embeddings are untied (GPTQ calibrates it on the final-norm outputs of the quantized decoder);
+a tied head stays dense, with a warning, and `lm_head` is then added to the written `ignore`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from pagoda.quant.pipeline import (
     layer_targets,
     linear_module_names,
     quantize_layers,
+    quantizes_lm_head,
 )
 from pagoda.quant.schemes import SCHEMES, scheme_args
 from pagoda.quant.schemes import quantization_config as make_quant_config
@@ -142,7 +147,9 @@ def quantize(
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
     `ignore`: module names or `re:` patterns (matched at the start of the dotted name) kept
-    unquantized; the LM head is never quantized. For vision-language models names match in
+    unquantized (default `["lm_head"]`). `lm_head` is quantized too when `ignore` does not
+    cover it, unless it is tied to the embeddings (then it stays dense, with a warning on
+    stderr and a note in the report). For vision-language models names match in
     either spelling (`model.language_model.layers.0...` / `model.layers.0...`, `model.visual...`
     / `visual...`) and the vision tower is always kept (see `_keep_vision_dense`).
     `dataset="random"` draws random token ids (timing runs); a `config:PATH.json` model gets
@@ -260,12 +267,26 @@ def quantize(
         gptq_scales=gptq_scales,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    quantize_head = quantizes_lm_head(skeleton, ignore)
     # Text models keep the user's patterns; VL configs list module names, as llmcompressor
     # (compressed-tensors) does, which pagoda and transformers both match against the
     # transformers-5 module names whatever the tensors are called on disk.
     config_ignore = dense_module_names(skeleton, ignore) if vision_language else ignore
+    if not quantize_head and not is_ignored(skeleton, "lm_head", ignore):
+        # Tied: lm_head is the embedding table, which stays dense; the config must say so,
+        # or loaders (pagoda's, compressed-tensors') would look for a quantized lm_head.
+        note = (
+            f"{arch}: lm_head is tied to the embeddings (tie_word_embeddings), so it is kept "
+            "unquantized and listed in quantization_config.ignore"
+        )
+        print(f"warning: {note}", file=sys.stderr)
+        report.notes.append(note)
+        if "lm_head" not in config_ignore:
+            config_ignore = ["lm_head", *config_ignore]
     with staged_directory(out_dir) as tmp:
-        compressed = quantize_layers(skeleton, weights, samples, args, ignore, options, report)
+        compressed = quantize_layers(
+            skeleton, weights, samples, args, ignore, options, report, lm_head=quantize_head
+        )
         quantized_modules = {name.rsplit(".", 1)[0] for name in compressed}
         state: dict[str, torch.Tensor] = {}
         for name in weights.names():

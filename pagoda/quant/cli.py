@@ -17,6 +17,22 @@ def _group_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"group size must be an integer, got {text!r}") from None
 
 
+def _ignore_list(ns: argparse.Namespace) -> list[str]:
+    """--ignore patterns, with lm_head added unless --quantize-lm-head asks for it."""
+    from pagoda.quant.pipeline import matches_ignore
+
+    ignore = list(ns.ignore or [])
+    if ns.quantize_lm_head:
+        covering = [p for p in ignore if matches_ignore("lm_head", [p])]
+        if covering:
+            raise ValueError(
+                f"--quantize-lm-head contradicts --ignore {' '.join(covering)}, which keeps "
+                "lm_head unquantized"
+            )
+        return ignore
+    return ignore if "lm_head" in ignore else ["lm_head", *ignore]
+
+
 def _cmd_quantize(ns: argparse.Namespace) -> int:
     from pagoda.quant.api import quantize
 
@@ -26,7 +42,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         scheme=ns.scheme,
         method=ns.method,
         group_size=ns.group_size,
-        ignore=ns.ignore if ns.ignore is not None else ["lm_head"],
+        ignore=_ignore_list(ns),
         dataset=ns.dataset,
         num_samples=ns.num_samples,
         max_seq_len=ns.max_seq_len,
@@ -70,9 +86,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=None,
         help="module kept unquantized: exact name or 're:' pattern matched at the "
-        "start of the dotted name (repeatable; default: lm_head). Vision-language models: "
+        "start of the dotted name (repeatable). lm_head is always added unless "
+        "--quantize-lm-head is given. Vision-language models: "
         "pass 're:.*visual.*' as for llmcompressor; the vision tower is kept unquantized "
         "either way (with a note when no rule covers it)",
+    )
+    q.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="quantize lm_head too, with the same scheme (GPTQ: calibrated on the final-norm "
+        "outputs of the quantized decoder); it is then left out of quantization_config.ignore. "
+        "Models with tied embeddings keep it dense (with a warning). Qwen2.5-7B: the 1.09 GB "
+        "bf16 head becomes about 0.28 GB at W4A16 g128",
     )
     q.add_argument(
         "--dataset",

@@ -6,6 +6,10 @@ pass accumulates one Hessian per linear input (q/k/v share one, gate/up share on
 projection is quantized (GPTQ or RTN), a second pass through the quantized layer produces
 the next layer's inputs, and the layer goes back to meta. Quantized tensors wait on the CPU.
 
+The LM head, when quantized (not ignored, embeddings untied), comes last: the final norm of
+the decoder runs on the quantized decoder's outputs, its outputs give lm_head's Hessian, and
+lm_head is quantized with the same scheme (RTN needs no Hessian).
+
 Vision-language models (Qwen2.5-VL, Qwen2-VL) go the same way through their text decoder
 (`model.language_model`), calibrated on text only; the vision tower is never quantized. Names
 inside the pipeline are pagoda's module names (transformers 5's); `WeightSource` maps them to
@@ -26,6 +30,7 @@ import torch
 from torch import nn
 
 from pagoda.layers.linear import LinearBase
+from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quantized_linear import WeightQuantArgs
 from pagoda.layers.rotary import get_rope
 from pagoda.quant.formats.compressed_tensors import compress
@@ -193,18 +198,32 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return [*names, "lm_head"]
 
 
+def quantizes_lm_head(model: nn.Module, ignore: list[str]) -> bool:
+    """Whether the pipeline quantizes lm_head: `ignore` does not cover it and it is untied.
+
+    A head tied to the embeddings stays dense (quantizing it would quantize the embedding
+    table too, which neither pagoda nor compressed-tensors serves).
+    """
+    return not getattr(model, "tie_word_embeddings", False) and not is_ignored(
+        model, "lm_head", ignore
+    )
+
+
 def dense_module_names(model: nn.Module, ignore: list[str]) -> list[str]:
     """The linear modules the pipeline leaves unquantized, as llmcompressor lists them.
 
-    Everything outside the decoder layers (the vision tower, lm_head) and the ignored decoder
-    projections: compressed-tensors writes exactly these module names into `ignore`.
+    Everything outside the decoder layers (the vision tower, lm_head unless it is quantized)
+    and the ignored decoder projections: compressed-tensors writes exactly these module names
+    into `ignore`.
     """
     _, prefix = decoder_of(model)
     layers = f"{prefix}.layers."
+    head_dense = not quantizes_lm_head(model, ignore)
     return [
         n
         for n in linear_module_names(model)
-        if not n.startswith(layers) or is_ignored(model, n, ignore)
+        if (head_dense if n == "lm_head" else not n.startswith(layers))
+        or is_ignored(model, n, ignore)
     ]
 
 
@@ -248,6 +267,8 @@ def check_group_size(model: nn.Module, args: WeightQuantArgs, ignore: list[str])
                 bad.setdefault(module.in_features, []).extend(
                     n for n, q in zip(t.hf_names, t.quantized) if q
                 )
+    if quantizes_lm_head(model, ignore) and model.lm_head.hidden_size % args.group_size:
+        bad.setdefault(model.lm_head.hidden_size, []).append("lm_head")
     if not bad:
         return
     sizes = list(bad)
@@ -303,6 +324,8 @@ class QuantizeReport:
     layers: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
     rtn_fallbacks: list[str] = field(default_factory=list)
+    lm_head: ModuleReport | None = None  # set when lm_head is quantized
+    notes: list[str] = field(default_factory=list)  # e.g. a tied lm_head kept dense (stderr too)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -322,6 +345,11 @@ class QuantizeReport:
             short = worst.name.split(f"layers.{layer.index}.", 1)[-1]
             lines.append(
                 f"{layer.index:>5} {layer.seconds:>8.2f} {short:<40} {worst.relative_error:>10.4g}"
+            )
+        if self.lm_head is not None:
+            lines.append(
+                f"{'head':>5} {self.lm_head.seconds:>8.2f} {'lm_head':<40} "
+                f"{self.lm_head.relative_error:>10.4g}"
             )
         if self.rtn_fallbacks:
             lines.append(
@@ -439,6 +467,85 @@ def calibration_rope(model: nn.Module, device: torch.device) -> nn.Module:
     return rope
 
 
+def _quantize_matrix(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    args: WeightQuantArgs,
+    options: PipelineOptions,
+    report: QuantizeReport,
+    name: str,
+) -> tuple[QuantizedWeight, torch.Tensor, float | None]:
+    """GPTQ or RTN of one float32 [out, in] matrix: (quantized, dequantized, GPTQ loss)."""
+    if options.method == "gptq":
+        result = gptq_quantize(
+            w,
+            hessian,
+            args,
+            options.block_size,
+            options.dampening,
+            options.storage_dtype,
+            options.gptq_scales,
+        )
+        if result.used_rtn_fallback:
+            report.rtn_fallbacks.append(name)
+        return result.quantized, result.dequantized, result.loss
+    qw = rtn_quantize(w, args, options.storage_dtype)
+    return qw, qw.dequantize(torch.float32), None
+
+
+def final_norm_outputs(
+    model: nn.Module,
+    source: WeightSource,
+    hidden_states: list[torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
+    """The decoder's final norm over the last layer's outputs: what lm_head reads, per sample."""
+    decoder, prefix = decoder_of(model)
+    with torch.device(device):
+        norm = RMSNorm(decoder.norm.hidden_size, eps=decoder.norm.eps, dtype=dtype)
+    norm.weight.data.copy_(source.get(f"{prefix}.norm.weight").to(device=device, dtype=dtype))
+    with torch.no_grad():
+        return [norm(h) for h in hidden_states]
+
+
+def _quantize_lm_head(
+    model: nn.Module,
+    source: WeightSource,
+    hidden_states: list[torch.Tensor],
+    args: WeightQuantArgs,
+    options: PipelineOptions,
+    report: QuantizeReport,
+) -> dict[str, torch.Tensor]:
+    """lm_head quantized on the final-norm outputs of the quantized decoder (its Hessian)."""
+    start = time.perf_counter()
+    device = options.device
+    weight = source.get("lm_head.weight").to(device=device, dtype=torch.float32)
+    hidden = weight.shape[1]
+    if hidden_states:
+        acc = HessianAccumulator(hidden, device)
+        for x in final_norm_outputs(model, source, hidden_states, device, options.compute_dtype):
+            acc.add(x)
+        hessian = acc.hessian
+    else:  # RTN without calibration data: the report's error is the plain weight error
+        hessian = torch.eye(hidden, device=device)
+    qw, deq, loss = _quantize_matrix(weight, hessian, args, options, report, "lm_head")
+    err = hessian_weighted_error(weight, deq, hessian)
+    denom = hessian_weighted_error(weight, torch.zeros_like(weight), hessian)
+    compressed = {
+        f"lm_head.{key}": tensor.cpu()
+        for key, tensor in compress(qw, args, options.storage_dtype).items()
+    }
+    report.lm_head = ModuleReport(
+        "lm_head",
+        (weight.shape[0], hidden),
+        err / max(denom, 1e-30),
+        loss,
+        time.perf_counter() - start,
+    )
+    return compressed
+
+
 def quantize_layers(
     model: nn.Module,
     source: WeightSource,
@@ -448,9 +555,11 @@ def quantize_layers(
     options: PipelineOptions,
     report: QuantizeReport,
     on_layer: Callable[[int], None] | None = None,
+    lm_head: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Quantize every decoder layer of `model` (built on meta); returns the compressed tensors.
 
+    `lm_head`: quantize the LM head too, after the last layer (see `_quantize_lm_head`).
     Tensor names are module names (`{module}.weight_packed`, ...); `WeightSource.checkpoint_name`
     turns them into the checkpoint's layout.
     """
@@ -510,23 +619,9 @@ def quantize_layers(
             w = weight[rows].to(torch.float32)
             # Rows are independent given H: q/k/v (or gate/up) are quantized in one call and
             # stored as the separate HF modules the checkpoint format expects.
-            loss = None
-            if options.method == "gptq":
-                result = gptq_quantize(
-                    w,
-                    hessian,
-                    args,
-                    options.block_size,
-                    options.dampening,
-                    options.storage_dtype,
-                    options.gptq_scales,
-                )
-                qw, deq, loss = result.quantized, result.dequantized, result.loss
-                if result.used_rtn_fallback:
-                    report.rtn_fallbacks.append(f"{decoder_name}.layers.{index}.{t.attr}")
-            else:
-                qw = rtn_quantize(w, args, options.storage_dtype)
-                deq = qw.dequantize(torch.float32)
+            qw, deq, loss = _quantize_matrix(
+                w, hessian, args, options, report, f"{decoder_name}.layers.{index}.{t.attr}"
+            )
             weight[rows] = deq.to(weight.dtype)  # the quantized layer feeds the next one
             seconds = time.perf_counter() - t0
             row = 0
@@ -569,6 +664,13 @@ def quantize_layers(
         bar.set_postfix(layer=index, err=f"{worst:.3g}")
         if on_layer is not None:
             on_layer(index)
-    if not math.isfinite(sum(m.relative_error for lr in report.layers for m in lr.modules)):
+    if lm_head:
+        compressed.update(_quantize_lm_head(model, source, hidden_states, args, options, report))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    errors = [m.relative_error for lr in report.layers for m in lr.modules]
+    if report.lm_head is not None:
+        errors.append(report.lm_head.relative_error)
+    if not math.isfinite(sum(errors)):
         raise ValueError("quantization produced non-finite errors; check the model's weights")
     return compressed

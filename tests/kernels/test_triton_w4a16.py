@@ -365,3 +365,256 @@ def test_gemm_with_a_tuned_config_matches_the_reference():
     got = wna16_gemm(x, qt, scale.t().contiguous(), None, g, 4, cfg)
     want = wna16_linear_ref(x, q, scale, None, g)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- dequantize + cuBLAS (large M)
+#
+# Exactness: the kernel and `dequantize_packed_t` both form (u - zero) * scale in fp32, which
+# is exact (an integer below 2^8 times an 8- or 11-bit significand), and round it once to
+# nearest even (the GPU's cvt.rn; in the interpreter, whose cast truncates, integer rounding
+# in the kernel). So the weights must be equal bit for bit, not merely close.
+
+
+def _packed_case(n, k, group, bits, asym, dtype, seed=0):
+    """qweight_t / scales_t / zeros_t as the layer holds them, with random codes."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    groups = 1 if group == -1 else -(-k // group)
+    q = torch.randint(lo, hi, (n, k), generator=g).to(torch.int8)
+    scale = (torch.rand(n, groups, generator=g) * 0.02 + 0.001).to(dtype)
+    zt = None
+    if asym:
+        zp = torch.randint(lo, hi, scale.shape, generator=g)
+        zt = (zp.float() + hi).t().contiguous().to(dtype)
+    return pack_to_int32(q, bits, 1).t().contiguous(), scale.t().contiguous(), zt
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_wna16_dequant_interpreter(bits, asym, group, dtype) -> None:
+    """N = 100 and K = 196 (grouped; a partial last group) or 100 (per channel): neither is a
+    multiple of the tiles, and for 4 bits K is not a multiple of 8 (a half-filled last word)."""
+    from pagoda.kernels.triton_w4a16 import wna16_dequant
+    from pagoda.kernels.wna16 import dequantize_packed_t
+
+    n, k = 100, 100 if group == -1 else 196
+    qt, st, zt = _packed_case(n, k, group, bits, asym, dtype, seed=bits + 2 * asym)
+    w = wna16_dequant(qt, st, zt, group, bits, k=k)
+    ref = dequantize_packed_t(qt, st, zt, group, bits, k, dtype)
+    assert w.shape == (n, k) and w.dtype == dtype and w.is_contiguous()
+    assert torch.equal(w, ref)
+    # the layer passes group_size = K for per-channel weights: the same result
+    if group == -1:
+        assert torch.equal(wna16_dequant(qt, st, zt, k, bits, k=k), ref)
+
+
+def test_wna16_dequant_even_tiles_out_slices_and_config_interpreter() -> None:
+    """Unmasked tiles (N, K multiples of the tile), a caller's `out`, a non-default config and
+    column slices of the inputs (a range of N, as the chunked linear passes them)."""
+    from pagoda.kernels.triton_w4a16 import DequantConfig, wna16_dequant
+    from pagoda.kernels.wna16 import dequantize_packed_t
+
+    n, k = 128, 256
+    qt, st, zt = _packed_case(n, k, 128, 4, True, torch.bfloat16, seed=5)
+    ref = dequantize_packed_t(qt, st, zt, 128, 4, k, torch.bfloat16)
+    out = torch.full((n, k), float("nan"), dtype=torch.bfloat16)
+    assert wna16_dequant(qt, st, zt, 128, 4, out) is out
+    assert torch.equal(out, ref)
+    cfg = DequantConfig(block_n=32, block_k=256, num_warps=4)  # block_k capped to the group
+    assert torch.equal(wna16_dequant(qt, st, zt, 128, 4, config=cfg), ref)
+    part = wna16_dequant(qt[:, 40:100], st[:, 40:100], zt[:, 40:100], 128, 4, k=k)
+    assert torch.equal(part, ref[40:100])
+
+
+def test_wna16_dequant_errors() -> None:
+    from pagoda.kernels.triton_w4a16 import wna16_dequant
+
+    qt, st, _ = _packed_case(64, 128, 32, 4, False, torch.bfloat16)
+    with pytest.raises(ValueError, match="packed rows"):
+        wna16_dequant(qt, st, None, 32, 4, k=200)
+    with pytest.raises(ValueError, match="scales_t must be"):
+        wna16_dequant(qt, st[:2], None, 32, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        wna16_dequant(qt, torch.ones(11, 64), None, 12, 4)  # a word would straddle groups
+    with pytest.raises(ValueError, match="out must be"):
+        wna16_dequant(qt, st, None, 32, 4, torch.empty(128, 64, dtype=torch.bfloat16).t())
+
+
+def test_wna16_dequant_linear_chunks_interpreter() -> None:
+    """A scratch budget below the weight: chunks of 64 output rows, each GEMM writing its
+    columns of the output; equal to one dense weight through F.linear."""
+    from pagoda.kernels.triton_w4a16 import wna16_dequant_linear
+    from pagoda.kernels.wna16 import dequantize_packed_t
+
+    n, k = 200, 256
+    qt, st, zt = _packed_case(n, k, 64, 4, True, torch.float32, seed=6)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(1))
+    expect = torch.nn.functional.linear(x, dequantize_packed_t(qt, st, zt, 64, 4, k, x.dtype))
+    whole = wna16_dequant_linear(x, qt, st, zt, 64, 4)
+    chunked = wna16_dequant_linear(x, qt, st, zt, 64, 4, max_scratch_bytes=64 * k * 4)
+    torch.testing.assert_close(whole, expect, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked, expect, rtol=1e-5, atol=1e-5)
+    assert wna16_dequant_linear(x[:0], qt, st, zt, 64, 4).shape == (0, n)
+
+
+def test_large_m_threshold_rule(monkeypatch) -> None:
+    """The documented numbers: on an H200 gate_up (37888 columns = 592 GEMM column tiles, the
+    GPU filled) switches at M = 140 (168 for 8 bits); qkv / o / down (56-72 tiles < 132 SMs)
+    from the first M past the GEMV. The environment overrides it; 0 turns it off."""
+    from pagoda.kernels.wna16 import large_m_min, large_m_threshold
+
+    monkeypatch.delenv("PAGODA_W4A16_LARGE_M", raising=False)
+    assert large_m_threshold(37888, 3584) == 140
+    assert large_m_threshold(37888, 3584, bits=8) == 168
+    for n, k in ((4608, 3584), (3584, 3584), (3584, 18944)):
+        assert large_m_threshold(n, k) == 17
+    assert large_m_threshold(8385, 3584) == 140 and large_m_threshold(8384, 3584) == 17
+    assert large_m_threshold(4608, 3584, num_sms=72) == 140  # 72 tiles fill a 72-SM GPU
+    assert large_m_min(3584, 18944) == 17
+    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "64")
+    assert large_m_min(37888, 3584) == 64 and large_m_min(3584, 18944) == 64
+    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "0")
+    assert large_m_min(37888, 3584) is None
+    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "many")
+    with pytest.raises(ValueError, match="PAGODA_W4A16_LARGE_M"):
+        large_m_min(37888, 3584)
+
+
+def _triton_layer(q, scale, zp, group, bits):
+    """A layer in the CUDA layout (`qweight_t`, `scales_t`, `zeros_t`, as
+    `process_weights_after_loading` makes it) on the CPU, so that the CUDA dispatch runs under
+    the interpreter; fp32 (the interpreter's bf16 tl.dot is broken)."""
+    from torch import nn
+
+    layer = nn.Module()
+    layer.qweight_t = pack_to_int32(q, bits, 1).t().contiguous()
+    layer.scales_t = scale.t().contiguous()
+    layer.zeros_t = None if zp is None else (zp.float() + (1 << (bits - 1))).t().contiguous()
+    layer.wna16_group_size, layer.wna16_bits = group, bits
+    layer.out_features, layer.in_features = q.shape
+    layer.input_perm = None
+    layer.wna16_backend = "triton"
+    return layer
+
+
+def test_large_m_dispatch_interpreter(monkeypatch) -> None:
+    """M > 16 at or above the threshold runs dequant + cuBLAS, below it the Triton GEMM, and
+    M <= 16 the GEMV; both large-M paths give the reference. PAGODA_W4A16_LARGE_M=0 turns the
+    dequant path off, another value moves the threshold (read on a layer's first large call)."""
+    import pagoda.kernels.triton_w4a16 as tw
+    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
+
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        monkeypatch.setattr(tw, name, wrapped)
+
+    spy("wna16_dequant_linear", tw.wna16_dequant_linear)
+    spy("wna16_gemm", tw.wna16_gemm)
+    spy("wna16_gemv", lambda x, qt, *a, **kw: torch.zeros(x.shape[0], qt.shape[1]))
+    monkeypatch.setattr(WNA16LinearMethod, "small_m_kernel", "gemv")
+
+    n, k, group = 64, 256, 64  # 1 GEMM column tile < 132 SMs: threshold 17
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-8, 8, (n, k), generator=g).to(torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    zp = torch.randint(-8, 8, scale.shape, generator=g).to(torch.int8)
+    x = torch.randn(40, k, generator=g)
+    ref = wna16_linear_ref(x, q, scale, zp, group)
+    method = WNA16LinearMethod(WeightQuantArgs(4, False, group))
+
+    def run(env, m):
+        if env is None:
+            monkeypatch.delenv("PAGODA_W4A16_LARGE_M", raising=False)
+        else:
+            monkeypatch.setenv("PAGODA_W4A16_LARGE_M", env)
+        layer = _triton_layer(q, scale, zp, group, 4)
+        calls.clear()
+        y = method.apply(layer, x[:m], None)
+        return calls[0], y
+
+    assert run(None, 16)[0] == "wna16_gemv"
+    path, y_dq = run(None, 17)
+    assert path == "wna16_dequant_linear"
+    torch.testing.assert_close(y_dq, ref[:17], rtol=1e-4, atol=1e-4)
+    path, y_dq = run(None, 40)
+    assert path == "wna16_dequant_linear"
+    path, y_gemm = run("0", 40)
+    assert path == "wna16_gemm"
+    torch.testing.assert_close(y_dq, y_gemm, rtol=1e-4, atol=1e-4)  # as the GEMM tests
+    torch.testing.assert_close(y_gemm, ref, rtol=1e-4, atol=1e-4)
+    assert run("32", 17)[0] == "wna16_gemm" and run("32", 32)[0] == "wna16_dequant_linear"
+    assert run("1", 16)[0] == "wna16_gemv"  # M <= 16 stays with PAGODA_W4A16_SMALL_M's kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", QWEN7B)
+def test_wna16_dequant_qwen7b_gpu(n, k) -> None:
+    """The 7B shapes (W4A16, group 128): the kernel's weight equals the reference bit for bit,
+    and dequant + cuBLAS equals the bf16 matmul of that weight (the same cuBLAS call on the
+    same operands; one bf16 ulp allowed should cuBLAS pick another algorithm)."""
+    from pagoda.kernels.triton_w4a16 import wna16_dequant, wna16_dequant_linear
+    from pagoda.kernels.wna16 import dequantize_packed_t
+
+    _, _, _, qt, st, zt, gs = _case_gpu(n, k, 128, 4, False, seed=4)
+    w_ref = dequantize_packed_t(qt, st, zt, gs, 4, k, torch.bfloat16)
+    assert torch.equal(wna16_dequant(qt, st, zt, gs, 4, k=k), w_ref)
+    for m in (32, 128, 512):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        expect = torch.nn.functional.linear(x, w_ref)
+        out = wna16_dequant_linear(x, qt, st, zt, gs, 4)
+        atol = 1e-5 * float(expect.abs().max())
+        torch.testing.assert_close(out, expect, rtol=2.0**-7, atol=atol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,asym,group", [(4, True, 64), (8, False, 128), (8, True, -1)])
+def test_wna16_dequant_quant_types_gpu(bits, asym, group) -> None:
+    from pagoda.kernels.triton_w4a16 import wna16_dequant
+    from pagoda.kernels.wna16 import dequantize_packed_t
+
+    _, _, _, qt, st, zt, gs = _case_gpu(4608, 3584, group, bits, asym, seed=5)
+    w_ref = dequantize_packed_t(qt, st, zt, gs, bits, 3584, torch.bfloat16)
+    assert torch.equal(wna16_dequant(qt, st, zt, gs, bits, k=3584), w_ref)
+    # fp16 scales (from bf16 ones: exact) and an fp16 weight
+    st16, zt16 = st.half(), None if zt is None else zt.half()
+    w16 = dequantize_packed_t(qt, st16, zt16, gs, bits, 3584, torch.float16)
+    assert torch.equal(wna16_dequant(qt, st16, zt16, gs, bits, k=3584), w16)
+
+
+@pytest.mark.gpu
+def test_wna16_dequant_linear_cuda_graph_gpu() -> None:
+    """Captured at M = 64 (a decode batch past the GEMV): the scratch comes from the graph's
+    pool, PDL (on an H100/H200) keeps the kernel behind the previous cuBLAS call; replays with
+    new inputs give the bf16 matmul of the reference weight."""
+    from pagoda.kernels.triton_w4a16 import wna16_dequant_linear
+    from pagoda.kernels.wna16 import dequantize_packed_t
+
+    n, k = 3584, 18944
+    _, _, _, qt, st, zt, gs = _case_gpu(n, k, 128, 4, True, seed=6)
+    w_ref = dequantize_packed_t(qt, st, zt, gs, 4, k, torch.bfloat16)
+    static_x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wna16_dequant_linear(static_x, qt, st, zt, gs, 4)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        # twice in a row: the second dequant reuses the first scratch block while the first
+        # GEMM may still read it, unless the kernel waits (stream order / gdc_wait)
+        static_a = wna16_dequant_linear(static_x, qt, st, zt, gs, 4)
+        static_b = wna16_dequant_linear(static_x * 2, qt, st, zt, gs, 4)
+    for _ in range(3):
+        static_x.copy_(torch.randn_like(static_x))
+        graph.replay()
+        expect = torch.nn.functional.linear(static_x, w_ref)
+        atol = 1e-5 * float(expect.abs().max())
+        torch.testing.assert_close(static_a, expect, rtol=2.0**-7, atol=atol)
+        torch.testing.assert_close(static_b, 2 * expect, rtol=2.0**-7, atol=2 * atol)
