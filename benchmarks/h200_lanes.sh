@@ -208,6 +208,22 @@ compare() {
     --timeout 130 --out "$R/compare_qwen2.5-${size}_h200"
 }
 step_compare3b() { compare 3b; }
+# Qwen2.5-7B bf16 vs W4A16 vs W4A16 with the lm_head quantized too, transformers as baseline
+step_compare7b_lm() {
+  run compare7b_lm 420 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG7" "config:$CFG7:w4a16" "config:$CFG7:w4a16-lm_head" \
+    --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16,Qwen2.5-7B W4A16 + lm_head" --dtype bfloat16 \
+    --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline transformers \
+    --timeout 130 --out "$R/compare_qwen2.5-7b_h200"
+}
+# the final batch-1 figures: defaults vs every session-4 piece off, W4A16 with and without lm_head
+step_ab7b_final() {
+  latrun bf16 "config:$CFG7"
+  latrun bf16_old "config:$CFG7" PAGODA_PDL=0 PAGODA_DENSE_GEMV=off PAGODA_FUSED_DECODE_ATTN=0
+  latrun w4a16 "config:$CFG7:w4a16"
+  latrun w4a16_lm_head "config:$CFG7:w4a16-lm_head"
+}
 step_compare7b() { compare 7b; }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

@@ -153,28 +153,31 @@ def dequantize_packed_t(
 #    M up to 128 while the dequant pass costs about one bf16 GEMM read (2.5 vs 2 B per weight):
 #    dequant + cuBLAS wins from the first M past the GEMV (17; M = 17..31 runs the GEMM's
 #    M = 32 tiles at the M = 32 time). Above M ~ 140 rule 1 applies to these shapes too.
-# These are model numbers from one GPU; the GEMM benchmark's dequant + cuBLAS column checks them.
+# Measured (H200 run 5, `benchmarks/results/w4a16_gemm_h200_run5.json`, µs, dequant + cuBLAS
+# vs the tuned Triton GEMM): down 92 vs 149 (M=32), 141 vs 301 (512): rule 2 holds; gate_up
+# 170 vs 158 (128), 189 vs 286 (256): rule 1 holds. But qkv and o_proj contradict rule 2: their
+# dequant pass alone took 41 and 51 µs (1.0 and 0.6 TB/s, not the 3.5 assumed), so dequant +
+# cuBLAS lost at every measured M (o_proj 143 vs 63 at M=512; qkv 93 vs 93 at M=512). Rule 2
+# is therefore kept for long-K layers only (K >= 2N, where the GEMM's few column tiles each
+# walk a long K: down_proj), and the other narrow layers switch at M = 1024 (compute-bound:
+# at M=2048 o_proj's GEMM needs ~2.5x cuBLAS's ~85 µs, more than the 51 µs dequant pass).
 
 _DEQUANT_BW = 3.5e12  # B/s the dequant pass is assumed to reach (H200 HBM3e: 4.8 peak)
 _TRITON_GEMM_FLOPS = 243e12  # Triton dequant-GEMM at M = 256 (gate_up), H200
 _CUBLAS_BF16_FLOPS = 640e12  # cuBLAS bf16 at M = 256 (gate_up), H200
 _GEMM_BLOCK_N = 64  # the tuned GEMM configs' column tile for M = 32 ... 256
 _FIRST_M_PAST_GEMV = 17
+_NARROW_SHORT_K_M = 1024  # qkv / o_proj-like layers (see above)
 
 
 def large_m_threshold(n: int, k: int, bits: int = 4, num_sms: int = 132) -> int:
-    """The smallest M from which dequant + cuBLAS beats the Triton GEMM (see the notes above).
-
-    k does not enter: the dequant pass and both GEMMs all scale with N*K (it is an argument so
-    that the rule can take a shape term if measurements ask for one).
-    """
-    del k
+    """The smallest M from which dequant + cuBLAS beats the Triton GEMM (see the notes above)."""
     bytes_per_weight = bits / 8 + 2
     compute_m = bytes_per_weight / (
         2 * _DEQUANT_BW * (1 / _TRITON_GEMM_FLOPS - 1 / _CUBLAS_BF16_FLOPS)
     )
     if -(-n // _GEMM_BLOCK_N) < num_sms:
-        return _FIRST_M_PAST_GEMV
+        return _FIRST_M_PAST_GEMV if k >= 2 * n else _NARROW_SHORT_K_M
     return max(_FIRST_M_PAST_GEMV, math.ceil(compute_m))
 
 
