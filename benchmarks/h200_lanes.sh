@@ -217,6 +217,16 @@ step_compare7b_lm() {
     --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline transformers \
     --timeout 130 --out "$R/compare_qwen2.5-7b_h200"
 }
+step_final_tests() {
+  run final_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_fused_decode_attention.py tests/kernels/test_triton_gemv.py \
+    tests/entrypoints/test_gpu_engine.py
+}
+step_final_lat() {
+  latrun bf16 "config:$CFG7"
+  latrun bf16_sepreduce "config:$CFG7" PAGODA_FUSED_DECODE_REDUCE=0
+  latrun w4a16 "config:$CFG7:w4a16"
+}
 # the final batch-1 figures: defaults vs every session-4 piece off, W4A16 with and without lm_head
 step_ab7b_final() {
   latrun bf16 "config:$CFG7"

@@ -14,8 +14,9 @@ Here one program per (sequence, KV head, split) does all of it:
 4. attends the group's query heads (padded to BLOCK_M >= 16 rows for tl.dot) to the cached
    keys [0, seq_len - 1) of its split through the block table, plus the new key itself, with
    the online softmax of `triton_paged_attention._attn_tile` (float32, exp2 domain);
-5. writes the output [T, H*D] in the layout o_proj reads, or split partials that the existing
-   `_split_kv_reduce_kernel` combines.
+5. writes the output [T, H*D] in the layout o_proj reads, or split partials that the last
+   split of the group to finish combines in the same launch (a counter per sequence x KV
+   head); the existing `_split_kv_reduce_kernel` remains the fallback.
 
 The new key never goes through memory within the launch: see the comment in the kernel. The
 grid and every allocation depend only on shapes and host ints, so the call is CUDA-graph safe.
@@ -23,6 +24,8 @@ Torch reference: `paged_attention.fused_decode_attention_ref`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -69,6 +72,7 @@ def _fused_decode_attention_kernel(
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32, only when NUM_SPLITS > 1
     part_m_ptr,  # [T, H, NUM_SPLITS] fp32
     part_l_ptr,  # [T, H, NUM_SPLITS] fp32
+    cnt_ptr,  # [>= T * Hkv] int32 zeros: split arrival counters (FUSED_REDUCE)
     qk_scale,  # softmax scale * log2(e)
     num_heads,
     stride_qt,
@@ -97,6 +101,8 @@ def _fused_decode_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,  # the last split of a group combines the partials itself
     DROP: tl.constexpr,  # `_round` bits of the model dtype
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -221,12 +227,71 @@ def _fused_decode_attention_kernel(
         )
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        if FUSED_REDUCE:
+            # The split that arrives last combines all partials of the group (the CUTLASS
+            # split-K semaphore pattern, as in the W4A16 GEMV): every thread's stores are issued
+            # before one thread's acq_rel increment; the last program reads the partials from
+            # L2 (".cg": never a stale L1 line from an earlier step) and resets its counter, so
+            # the counters are zero between launches. Saves the reduce kernel's launch.
+            tl.debug_barrier()
+            group = seq * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel")
+            if done == NUM_SPLITS - 1:
+                offs_s = tl.arange(0, SPLITS_PAD)
+                base = (tok * num_heads + head) * NUM_SPLITS  # [BLOCK_M]
+                sm = row_valid[:, None] & (offs_s < NUM_SPLITS)[None, :]
+                ptr_s = base[:, None] + offs_s[None, :]  # [BLOCK_M, SPLITS_PAD]
+                m_all = tl.load(part_m_ptr + ptr_s, mask=sm, other=float("-inf"),
+                                cache_modifier=".cg")  # fmt: skip
+                l_all = tl.load(part_l_ptr + ptr_s, mask=sm, other=0.0, cache_modifier=".cg")
+                m_max = tl.max(m_all, 1)  # finite on valid rows: split 0 holds the new key
+                m_max = tl.where(row_valid, m_max, 0.0)
+                w_all = tl.exp2(m_all - m_max[:, None])  # empty splits (m = -inf) weigh 0
+                denom = tl.sum(l_all * w_all, 1)
+                o = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+                for s in tl.static_range(NUM_SPLITS):
+                    a = tl.load(
+                        part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                        mask=row_valid[:, None],
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    ms = tl.load(part_m_ptr + base + s, mask=row_valid, other=float("-inf"),
+                                 cache_modifier=".cg")  # fmt: skip
+                    o += a * tl.exp2(ms - m_max)[:, None]
+                o = o / tl.where(row_valid, denom, 1.0)[:, None]
+                tl.store(
+                    out_ptr + tok * stride_ot + head[:, None] * stride_oh
+                    + offs_d[None, :] * stride_od,
+                    o.to(out_ptr.dtype.element_ty),
+                    mask=q_mask,
+                )  # fmt: skip
+                tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed")
 
 
 # TRITON_INTERPRET=1 at import time turns the kernels into interpreted (CPU numpy) functions.
 _INTERPRETED = not isinstance(_fused_decode_attention_kernel, triton.runtime.JITFunction)
 # The reduce kernel is shared with `paged_attention_triton`; pass it the PDL flag if it has one.
 _REDUCE_TAKES_PDL = "USE_PDL" in _split_kv_reduce_kernel.arg_names
+
+
+# `PAGODA_FUSED_DECODE_REDUCE=0`: always run the separate split-KV reduce kernel (A/B runs).
+_FUSED_REDUCE = os.environ.get("PAGODA_FUSED_DECODE_REDUCE", "1") not in ("0", "off", "false")
+_counters_by_device: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """Zeroed int32 split-arrival counters (one per sequence x KV head), allocated once per
+    device outside CUDA-graph capture; None (use the reduce kernel) when capturing without
+    them or when a batch needs more than they hold. The kernel leaves them zero."""
+    key = (device.type, device.index if device.index is not None else 0)
+    buf = _counters_by_device.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(1 << 16, dtype=torch.int32, device=device)
+        _counters_by_device[key] = buf
+    return buf if needed <= buf.numel() else None
 
 
 def _heads_view(x: torch.Tensor, name: str, num_tokens: int, head_dim: int) -> torch.Tensor:
@@ -319,6 +384,9 @@ def fused_decode_attention_triton(
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     upcast_dot = _INTERPRETED and q.dtype == torch.bfloat16
 
+    # One launch when the group's last split can reduce (counters allocated outside capture).
+    counters = _split_counters(q.device, num_tokens * num_kv_heads) if num_splits > 1 else None
+    fused_reduce = counters is not None and _FUSED_REDUCE
     if num_splits > 1:
         part_acc = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
@@ -331,15 +399,17 @@ def fused_decode_attention_triton(
     _fused_decode_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         q3, k3, v3, positions, cos_cache, sin_cache, k_cache, v_cache,
         slot_mapping, seq_lens, block_tables, out3, part_acc, part_m, part_l,
+        counters if fused_reduce else seq_lens,
         scale * _LOG2E, num_heads,
         *q3.stride(), *k3.stride(), *v3.stride(), cos_cache.stride(0), sin_cache.stride(0),
         *k_cache.stride(), block_tables.stride(0), *out3.stride(),
         NUM_QUERIES_PER_KV=qpk, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits), FUSED_REDUCE=fused_reduce,
         DROP=_drop_bits(q.dtype), DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q),
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not fused_reduce:
         _split_kv_reduce_kernel[(num_tokens, num_heads)](
             out3, part_acc, part_m, part_l, query_start_loc, num_tokens, num_heads,
             *out3.stride(),

@@ -81,7 +81,11 @@ def _gemv_kernel(
     if ONE_SPLIT:
         if HAS_BIAS:
             col += bias
-        tl.store(out_ptr + offs_n, col.to(out_ptr.dtype.element_ty), mask=mask_n)
+        tl.store(
+            out_ptr + offs_n,
+            col.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+            mask=mask_n,
+        )
     else:
         tl.atomic_add(ws_ptr + offs_n, col, mask=mask_n, sem="relaxed")
         # Every thread's partial is issued before one thread's acq_rel increment; the last
@@ -95,7 +99,11 @@ def _gemv_kernel(
             total = bits.to(tl.float32, bitcast=True)
             if HAS_BIAS:
                 total += bias
-            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+            tl.store(
+                out_ptr + offs_n,
+                total.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+                mask=mask_n,
+            )
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
 
 
@@ -147,7 +155,10 @@ def gemv_bf16(
     w: torch.Tensor,  # [N, K], same dtype, unit stride along K
     bias: torch.Tensor | None = None,  # [N]
     config: DenseGemvConfig | None = None,
+    out_dtype: torch.dtype | None = None,  # e.g. float32 logits: rounded to x's dtype first
 ) -> torch.Tensor:  # [1, N]
+    """x @ w^T (+ bias), accumulated in fp32 and rounded once to x's dtype (as cuBLAS does);
+    `out_dtype` only widens the stored result (no second kernel for `.float()`)."""
     m, k = x.shape
     n = w.shape[0]
     if m != 1:
@@ -162,11 +173,11 @@ def gemv_bf16(
     cfg = config or default_dense_gemv_config(n, k)
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
     n_tiles, split, k_per_split = _plan(n, k, cfg, num_sms)
-    out = torch.empty((1, n), device=x.device, dtype=x.dtype)
+    out = torch.empty((1, n), device=x.device, dtype=out_dtype or x.dtype)
     if split > 1:
         bufs = _serial_workspace(x.device, n, n_tiles)
         if bufs is None:  # capturing with a too-small workspace: cuBLAS instead
-            return torch.nn.functional.linear(x, w, bias)
+            return torch.nn.functional.linear(x, w, bias).to(out.dtype)
         ws, cnt = bufs
     else:
         ws, cnt = out, out  # unused

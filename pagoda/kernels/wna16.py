@@ -158,9 +158,13 @@ def dequantize_packed_t(
 # 170 vs 158 (128), 189 vs 286 (256): rule 1 holds. But qkv and o_proj contradict rule 2: their
 # dequant pass alone took 41 and 51 µs (1.0 and 0.6 TB/s, not the 3.5 assumed), so dequant +
 # cuBLAS lost at every measured M (o_proj 143 vs 63 at M=512; qkv 93 vs 93 at M=512). Rule 2
-# is therefore kept for long-K layers only (K >= 2N, where the GEMM's few column tiles each
-# walk a long K: down_proj), and the other narrow layers switch at M = 1024 (compute-bound:
-# at M=2048 o_proj's GEMM needs ~2.5x cuBLAS's ~85 µs, more than the 51 µs dequant pass).
+# is therefore kept for long-K layers (K >= 2N, where the GEMM's few column tiles each walk a
+# long K: down_proj) and for layers whose GEMM runs the untuned heuristic config, and the
+# narrow layers with a measured (tuned) GEMM config switch at M = 1024 (compute-bound: at
+# M=2048 o_proj's GEMM needs ~2.5x cuBLAS's ~85 µs, more than the 51 µs dequant pass). The
+# untuned case is measured too: Qwen2.5-3B W4A16 (no 3B shapes in the tuned table) decoded
+# batch 64 at 12,305 tok/s with dequant + cuBLAS on qkv/o (run 5) and 8,920 with the GEMM
+# (run 6).
 
 _DEQUANT_BW = 3.5e12  # B/s the dequant pass is assumed to reach (H200 HBM3e: 4.8 peak)
 _TRITON_GEMM_FLOPS = 243e12  # Triton dequant-GEMM at M = 256 (gate_up), H200
@@ -170,18 +174,24 @@ _FIRST_M_PAST_GEMV = 17
 _NARROW_SHORT_K_M = 1024  # qkv / o_proj-like layers (see above)
 
 
-def large_m_threshold(n: int, k: int, bits: int = 4, num_sms: int = 132) -> int:
-    """The smallest M from which dequant + cuBLAS beats the Triton GEMM (see the notes above)."""
+def large_m_threshold(
+    n: int, k: int, bits: int = 4, num_sms: int = 132, gemm_tuned: bool = False
+) -> int:
+    """The smallest M from which dequant + cuBLAS beats the Triton GEMM (see the notes above);
+    gemm_tuned: the GEMM has a measured config for this shape on this GPU."""
     bytes_per_weight = bits / 8 + 2
     compute_m = bytes_per_weight / (
         2 * _DEQUANT_BW * (1 / _TRITON_GEMM_FLOPS - 1 / _CUBLAS_BF16_FLOPS)
     )
     if -(-n // _GEMM_BLOCK_N) < num_sms:
-        return _FIRST_M_PAST_GEMV if k >= 2 * n else _NARROW_SHORT_K_M
+        narrow_short_k = k < 2 * n and gemm_tuned
+        return _NARROW_SHORT_K_M if narrow_short_k else _FIRST_M_PAST_GEMV
     return max(_FIRST_M_PAST_GEMV, math.ceil(compute_m))
 
 
-def large_m_min(n: int, k: int, bits: int = 4, num_sms: int = 132) -> int | None:
+def large_m_min(
+    n: int, k: int, bits: int = 4, num_sms: int = 132, gemm_tuned: bool = False
+) -> int | None:
     """`large_m_threshold`, or `PAGODA_W4A16_LARGE_M=<int>` when set (0: never; None returned).
 
     Read per call (layers cache the answer on their first forward, before graph capture).
@@ -193,4 +203,4 @@ def large_m_min(n: int, k: int, bits: int = 4, num_sms: int = 132) -> int | None
         except ValueError:
             raise ValueError(f"PAGODA_W4A16_LARGE_M={env!r}: use an integer (0 = never)") from None
         return value if value > 0 else None
-    return large_m_threshold(n, k, bits, num_sms)
+    return large_m_threshold(n, k, bits, num_sms, gemm_tuned)

@@ -87,7 +87,22 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] f32
         if self.linear_method is None:
-            return F.linear(hidden, self.weight).float()
+            w = self.weight
+            if hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] == 1:
+                # Batch-1 decode: pagoda's GEMV (H200: ~5 % faster than cuBLAS on wide
+                # layers) writes the float32 logits directly, rounded to the model dtype first
+                # exactly as `F.linear(...).float()` would be, so greedy picks do not change.
+                from pagoda.layers.linear import _dense_gemv
+
+                gemv = _dense_gemv()
+                if (
+                    gemv is not None
+                    and w.dtype in (torch.bfloat16, torch.float16)
+                    and hidden.dtype == w.dtype
+                    and gemv.dense_gemv_mode() == "all"
+                ):
+                    return gemv.gemv_bf16(hidden, w, None, out_dtype=torch.float32)
+            return F.linear(hidden, w).float()
         return self.linear_method.apply(self, hidden, None).float()
 
     def extra_repr(self) -> str:

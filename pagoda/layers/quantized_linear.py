@@ -541,11 +541,15 @@ class WNA16LinearMethod(LinearMethod):
         M > 16 (the profiling forward, before CUDA-graph capture) and kept on the layer."""
         large_m = getattr(layer, "wna16_large_m", -1)
         if large_m == -1:
-            from pagoda.kernels.triton_w4a16 import _num_sms
+            from pagoda.kernels.triton_w4a16 import _device_name, _num_sms, _tuned_gemm_table
 
             w = layer.qweight_t
+            n, k, bits = w.shape[1], layer.in_features, layer.wna16_bits
             num_sms = _num_sms(w.device.index or 0) if w.is_cuda else 132
-            large_m = large_m_min(w.shape[1], layer.in_features, layer.wna16_bits, num_sms)
+            tuned = w.is_cuda and (n, k, layer.wna16_group_size, bits) in _tuned_gemm_table(
+                _device_name(w.device.index or 0)
+            )
+            large_m = large_m_min(n, k, bits, num_sms, gemm_tuned=tuned)
             layer.wna16_large_m = large_m
         return large_m
 

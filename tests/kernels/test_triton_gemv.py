@@ -44,6 +44,21 @@ def test_gemv_interpreter(n, k, dtype, bias, cfg) -> None:
         _check(gemv_bf16(x, w, b, config), x, w, b)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+def test_gemv_float32_output_is_rounded_to_the_model_dtype(split) -> None:
+    """out_dtype=float32 (the LM head's logits) stores x's-dtype-rounded values widened to
+    fp32, like `F.linear(...).float()`: no extra precision that could change greedy picks."""
+    from pagoda.kernels.triton_gemv import DenseGemvConfig, gemv_bf16
+
+    x, w, _ = _case(48, 768, torch.bfloat16, False, seed=split)
+    out = gemv_bf16(x, w, None, DenseGemvConfig(8, 256, split, 2), out_dtype=torch.float32)
+    narrow = gemv_bf16(x, w, None, DenseGemvConfig(8, 256, split, 2))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, out.to(torch.bfloat16).float())
+    assert torch.equal(out, narrow.float())
+    _check(out.to(torch.bfloat16), x, w, None)
+
+
 def test_gemv_errors() -> None:
     from pagoda.kernels.triton_gemv import gemv_bf16
 
@@ -69,6 +84,24 @@ def test_gemv_qwen_shapes_gpu(n, k, bias) -> None:
 
     x, w, b = _case(n, k, torch.bfloat16, bias, seed=n, device="cuda")
     _check(gemv_bf16(x, w, b), x, w, b)
+
+
+@pytest.mark.gpu
+def test_lm_head_uses_the_gemv_at_batch_one_gpu() -> None:
+    """The dense LM head at M = 1 gives exactly `F.linear(...).float()` up to the summation
+    order (one bf16 ulp), stored as float32 without extra precision."""
+    from pagoda.layers.embedding import LMHead
+
+    head = LMHead(152064, 3584, dtype=torch.bfloat16).cuda()
+    torch.nn.init.normal_(head.weight, std=0.02)
+    for seed in range(4):
+        h = torch.randn(1, 3584, generator=torch.Generator().manual_seed(seed))
+        h = h.to("cuda", torch.bfloat16)
+        logits = head(h)
+        ref = torch.nn.functional.linear(h, head.weight).float()
+        assert logits.dtype == torch.float32 and logits.shape == ref.shape
+        torch.testing.assert_close(logits, ref, rtol=2.0**-7, atol=1e-3)
+        assert torch.equal(logits, logits.to(torch.bfloat16).float())
 
 
 @pytest.mark.gpu

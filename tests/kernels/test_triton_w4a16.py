@@ -462,18 +462,22 @@ def test_wna16_dequant_linear_chunks_interpreter() -> None:
 def test_large_m_threshold_rule(monkeypatch) -> None:
     """The documented numbers: on an H200 gate_up (37888 columns = 592 GEMM column tiles, the
     GPU filled) switches at M = 140 (168 for 8 bits); down (56 tiles < 132 SMs, K >= 2N) from
-    the first M past the GEMV; qkv / o (narrow, short K: dequant + cuBLAS lost at every M up
-    to 512 in run 5) at M = 1024. The environment overrides it; 0 turns it off."""
+    the first M past the GEMV; qkv / o (narrow, short K) at M = 1024 when their GEMM config is
+    tuned (dequant + cuBLAS lost to it at every M up to 512 in run 5), else from M = 17. The
+    environment overrides it; 0 turns it off."""
     from pagoda.kernels.wna16 import large_m_min, large_m_threshold
 
     monkeypatch.delenv("PAGODA_W4A16_LARGE_M", raising=False)
     assert large_m_threshold(37888, 3584) == 140
     assert large_m_threshold(37888, 3584, bits=8) == 168
     assert large_m_threshold(3584, 18944) == 17
+    assert large_m_threshold(3584, 18944, gemm_tuned=True) == 17
     for n, k in ((4608, 3584), (3584, 3584)):
-        assert large_m_threshold(n, k) == 1024
-    assert large_m_threshold(8385, 3584) == 140 and large_m_threshold(8384, 3584) == 1024
-    assert large_m_threshold(2048, 11008) == 17 and large_m_threshold(2560, 2048) == 1024
+        assert large_m_threshold(n, k, gemm_tuned=True) == 1024
+        assert large_m_threshold(n, k) == 17  # the untuned GEMM loses from M = 17
+    assert large_m_threshold(8385, 3584, gemm_tuned=True) == 140
+    assert large_m_threshold(8384, 3584, gemm_tuned=True) == 1024
+    assert large_m_threshold(2048, 11008) == 17 and large_m_threshold(2560, 2048) == 17
     assert large_m_threshold(4608, 3584, num_sms=72) == 140  # 72 tiles fill a 72-SM GPU
     assert large_m_min(3584, 18944) == 17
     monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "64")
