@@ -227,6 +227,14 @@ step_final_lat() {
   latrun bf16_sepreduce "config:$CFG7" PAGODA_FUSED_DECODE_REDUCE=0
   latrun w4a16 "config:$CFG7:w4a16"
 }
+step_confirm_a() {
+  latrun bf16_final_gpu0 "config:$CFG7"
+  latrun w4a16_final "config:$CFG7:w4a16"
+}
+step_confirm_b() {
+  latrun bf16_final_gpu1 "config:$CFG7"
+  latrun w4a16_lm_head_final "config:$CFG7:w4a16-lm_head"
+}
 # the final batch-1 figures: defaults vs every session-4 piece off, W4A16 with and without lm_head
 step_ab7b_final() {
   latrun bf16 "config:$CFG7"

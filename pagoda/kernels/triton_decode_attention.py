@@ -14,9 +14,9 @@ Here one program per (sequence, KV head, split) does all of it:
 4. attends the group's query heads (padded to BLOCK_M >= 16 rows for tl.dot) to the cached
    keys [0, seq_len - 1) of its split through the block table, plus the new key itself, with
    the online softmax of `triton_paged_attention._attn_tile` (float32, exp2 domain);
-5. writes the output [T, H*D] in the layout o_proj reads, or split partials that the last
-   split of the group to finish combines in the same launch (a counter per sequence x KV
-   head); the existing `_split_kv_reduce_kernel` remains the fallback.
+5. writes the output [T, H*D] in the layout o_proj reads, or split partials that the existing
+   `_split_kv_reduce_kernel` combines (or, opt-in, the last split of the group to finish, in
+   the same launch: `PAGODA_FUSED_DECODE_REDUCE=1`, measured slower on the H200).
 
 The new key never goes through memory within the launch: see the comment in the kernel. The
 grid and every allocation depend only on shapes and host ints, so the call is CUDA-graph safe.
@@ -275,8 +275,12 @@ _INTERPRETED = not isinstance(_fused_decode_attention_kernel, triton.runtime.JIT
 _REDUCE_TAKES_PDL = "USE_PDL" in _split_kv_reduce_kernel.arg_names
 
 
-# `PAGODA_FUSED_DECODE_REDUCE=0`: always run the separate split-KV reduce kernel (A/B runs).
-_FUSED_REDUCE = os.environ.get("PAGODA_FUSED_DECODE_REDUCE", "1") not in ("0", "off", "false")
+# `PAGODA_FUSED_DECODE_REDUCE=1`: the last split reduces in the launch (no reduce kernel). Off
+# by default: on the H200 it made batch-1 Qwen2.5-7B decode slower, 248.2 vs 256.0 tok/s with
+# the separate reduce kernel (run 7, same script run): the last program's serial combine
+# (atomic, L2 reloads of every split's partials) costs more than the reduce launch it saves,
+# which PDL already overlaps with the attention kernel.
+_FUSED_REDUCE = os.environ.get("PAGODA_FUSED_DECODE_REDUCE", "0") in ("1", "on", "true")
 _counters_by_device: dict[tuple[str, int], torch.Tensor] = {}
 
 

@@ -222,6 +222,7 @@ def test_in_kernel_reduce_matches_reduce_kernel_and_leaves_counters_zero(monkeyp
     that finds none) the reduce kernel runs instead."""
     from pagoda.kernels import triton_decode_attention as mod
 
+    monkeypatch.setattr(mod, "_FUSED_REDUCE", True)  # opt-in (PAGODA_FUSED_DECODE_REDUCE=1)
     case = make_case([300, 33, 2, 129], 14, 2, 128, torch.float32, num_padding=1, seed=8)
     fused = check(case, num_splits=4)
     key = (torch.device(DEVICE).type, 0)
