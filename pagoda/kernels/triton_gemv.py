@@ -199,12 +199,28 @@ def gemv_bf16(
 
 
 @functools.cache
-def dense_gemv_mode() -> str:
-    """`PAGODA_DENSE_GEMV` (read once): "all" (default: every M = 1 linear layer; lm_head is
-    not a linear layer and stays on cuBLAS, which reads it at ~100 % of the copy bandwidth),
-    "small" (only layers with N * K <= 32 Mi elements, e.g. qkv and o_proj of a 7B model) or
-    "off" (cuBLAS everywhere)."""
-    mode = os.environ.get("PAGODA_DENSE_GEMV", "all").lower()
-    if mode not in ("off", "small", "all"):
-        raise ValueError(f"PAGODA_DENSE_GEMV={mode!r}: use 'off', 'small' or 'all'")
+def _measured_gpu(index: int) -> bool:
+    """Hopper and newer: where the GEMV was measured faster than cuBLAS on every layer (H200)."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.cache
+def _env_mode() -> str:
+    mode = os.environ.get("PAGODA_DENSE_GEMV", "auto").lower()
+    if mode not in ("auto", "off", "small", "all"):
+        raise ValueError(f"PAGODA_DENSE_GEMV={mode!r}: use 'auto', 'off', 'small' or 'all'")
     return mode
+
+
+def dense_gemv_mode(device: torch.device | None = None) -> str:
+    """`PAGODA_DENSE_GEMV` (read once): "all" (every M = 1 linear layer and the dense LM head),
+    "small" (only layers with N * K <= 32 Mi elements, e.g. qkv and o_proj of a 7B model), "off"
+    (cuBLAS everywhere) or "auto" (the default): "all" on sm_90+ GPUs, where it was measured
+    (H200: faster than cuBLAS on every Qwen2.5-3B/7B layer, BENCHMARKS.md), "off" on older GPUs
+    (RTX 40xx, Jetson Orin), where it has not been measured yet."""
+    mode = _env_mode()
+    if mode != "auto":
+        return mode
+    if device is None or device.type != "cuda":
+        return "off"
+    return "all" if _measured_gpu(device.index if device.index is not None else 0) else "off"

@@ -99,7 +99,7 @@ class LMHead(nn.Module):
                     gemv is not None
                     and w.dtype in (torch.bfloat16, torch.float16)
                     and hidden.dtype == w.dtype
-                    and gemv.dense_gemv_mode() == "all"
+                    and gemv.dense_gemv_mode(hidden.device) == "all"
                 ):
                     return gemv.gemv_bf16(hidden, w, None, out_dtype=torch.float32)
             return F.linear(hidden, w).float()

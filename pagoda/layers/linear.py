@@ -76,7 +76,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dtype in _GEMV_DTYPES:
             gemv = _dense_gemv()
             if gemv is not None:
-                mode = gemv.dense_gemv_mode()
+                mode = gemv.dense_gemv_mode(x.device)
                 if mode == "all" or (mode == "small" and w.numel() <= self._SMALL_GEMV_NUMEL):
                     return gemv.gemv_bf16(x, w, bias)
         return F.linear(x, w, bias)

@@ -119,7 +119,7 @@ def test_linear_dispatch_and_cuda_graph_gpu(monkeypatch) -> None:
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
     method = UnquantizedLinearMethod()
     out = method.apply(layer, x, b)
-    assert calls == [1] if triton_gemv.dense_gemv_mode() != "off" else calls == []
+    assert calls == [1] if triton_gemv.dense_gemv_mode(x.device) != "off" else calls == []
     _check(out, x, w, b)
     method.apply(layer, torch.cat([x, x]), b)  # M = 2: cuBLAS
     assert len(calls) <= 1
@@ -130,3 +130,29 @@ def test_linear_dispatch_and_cuda_graph_gpu(monkeypatch) -> None:
         x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)))
         graph.replay()
         _check(captured, x, w, b)
+
+
+def test_dense_gemv_mode(monkeypatch) -> None:
+    """auto: off on the CPU (and on GPUs before sm_90, where it is unmeasured); the variable
+    forces a mode; a bad value names itself."""
+    from pagoda.kernels import triton_gemv
+
+    def mode(value, device="cpu"):
+        triton_gemv._env_mode.cache_clear()
+        if value is None:
+            monkeypatch.delenv("PAGODA_DENSE_GEMV", raising=False)
+        else:
+            monkeypatch.setenv("PAGODA_DENSE_GEMV", value)
+        return triton_gemv.dense_gemv_mode(torch.device(device))
+
+    try:
+        assert mode(None) == "off" and mode("auto") == "off"
+        assert mode("all") == "all" and mode("SMALL") == "small" and mode("off") == "off"
+        monkeypatch.setattr(triton_gemv, "_measured_gpu", lambda index: True)
+        assert mode(None, "cuda:0") == "all"
+        monkeypatch.setattr(triton_gemv, "_measured_gpu", lambda index: False)
+        assert mode(None, "cuda:0") == "off" and mode("all", "cuda:0") == "all"
+        with pytest.raises(ValueError, match="PAGODA_DENSE_GEMV='fast'"):
+            mode("fast")
+    finally:
+        triton_gemv._env_mode.cache_clear()
