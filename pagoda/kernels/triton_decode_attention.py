@@ -35,7 +35,7 @@ from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_fused_ops import _drop_bits, _round
 from pagoda.kernels.triton_paged_attention import (
     _LOG2E,
-    _attn_tile,
+    _attn_range,
     _launch_config,
     _num_sms,
     _split_kv_reduce_kernel,
@@ -197,18 +197,11 @@ def _fused_decode_attention_kernel(
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    for start_n in range(lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos,
-            offs_d, d_mask, stride_cb, stride_ct, stride_cd, qk_scale,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos,
-            offs_d, d_mask, stride_cb, stride_ct, stride_cd, qk_scale,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
+    acc, l_i, m_i = _attn_range(
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, full_hi, hi, q_pos,
+        offs_d, d_mask, stride_cb, stride_ct, stride_cd, qk_scale,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
 
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]  # l_i >= 1: the largest-scoring key has weight exactly 1

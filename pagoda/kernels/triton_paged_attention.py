@@ -115,6 +115,32 @@ def _attn_tile(
 
 
 @triton.jit
+def _attn_range(
+    acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, full_hi, hi, q_pos,
+    offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """Keys [lo, hi) in BLOCK_N tiles: unmasked tiles up to full_hi first, then the masked
+    tail (the diagonal / range end). Shared by the paged and the fused decode kernels."""
+    for start_n in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos,
+            offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
+            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _attn_tile(
+            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos,
+            offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
+            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST_DOT,
+        )  # fmt: skip
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -212,18 +238,11 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # Unmasked tiles first; only the diagonal / range-end tiles pay for masking. Tiles past the
     # causal limit of the block's last query are never visited.
-    for start_n in range(lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos,
-            offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos,
-            offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST_DOT,
-        )  # fmt: skip
+    acc, l_i, m_i = _attn_range(
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, full_hi, hi, q_pos,
+        offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
+        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+    )  # fmt: skip
 
     if NUM_SPLITS == 1:
         # Every valid row saw key 0, so l_i > 0 there.

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.linear import LinearMethod, UnquantizedLinearMethod
+from pagoda.layers.linear import LinearMethod, UnquantizedLinearMethod, _dense_gemv
 
 
 class VocabEmbedding(nn.Module):
@@ -92,8 +92,6 @@ class LMHead(nn.Module):
                 # Batch-1 decode: pagoda's GEMV (H200: ~5 % faster than cuBLAS on wide
                 # layers) writes the float32 logits directly, rounded to the model dtype first
                 # exactly as `F.linear(...).float()` would be, so greedy picks do not change.
-                from pagoda.layers.linear import _dense_gemv
-
                 gemv = _dense_gemv()
                 if (
                     gemv is not None

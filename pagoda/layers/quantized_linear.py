@@ -559,6 +559,15 @@ class WNA16LinearMethod(LinearMethod):
         """(x2 @ W^T, whether `bias` is already added: the GEMV fuses it)."""
         from pagoda.kernels.triton_w4a16 import wna16_dequant_linear, wna16_gemm, wna16_gemv
 
+        # (qweight_t, scales_t, zeros_t, group_size, bits): what every kernel below takes
+        weights = (
+            layer.qweight_t,
+            layer.scales_t,
+            layer.zeros_t,
+            layer.wna16_group_size,
+            layer.wna16_bits,
+        )
+
         if x2.shape[0] <= 16:
             kernel = self.small_m_kernel
             if kernel == "tinygemm" and self._tinygemm_ready(layer):
@@ -569,36 +578,11 @@ class WNA16LinearMethod(LinearMethod):
                 return out.to(x2.dtype), False
             if kernel != "gemm":
                 fused = bias is not None and bias.dtype == x2.dtype and bias.is_contiguous()
-                out = wna16_gemv(
-                    x2,
-                    layer.qweight_t,
-                    layer.scales_t,
-                    layer.zeros_t,
-                    layer.wna16_group_size,
-                    layer.wna16_bits,
-                    bias=bias if fused else None,
-                )
-                return out, fused
+                return wna16_gemv(x2, *weights, bias=bias if fused else None), fused
         else:
             # Large M: one bandwidth-bound pass into a scratch weight (from the caching
             # allocator, so profiled and capturable), then cuBLAS.
             large_m = self._large_m(layer)
             if large_m is not None and x2.shape[0] >= large_m:
-                out = wna16_dequant_linear(
-                    x2,
-                    layer.qweight_t,
-                    layer.scales_t,
-                    layer.zeros_t,
-                    layer.wna16_group_size,
-                    layer.wna16_bits,
-                )
-                return out, False
-        out = wna16_gemm(
-            x2,
-            layer.qweight_t,
-            layer.scales_t,
-            layer.zeros_t,
-            layer.wna16_group_size,
-            layer.wna16_bits,
-        )
-        return out, False
+                return wna16_dequant_linear(x2, *weights), False
+        return wna16_gemm(x2, *weights), False
