@@ -72,20 +72,22 @@ def time_graph(fn, copies: int, replays: int = 20) -> float:
 
 
 def configs(n: int, k: int, num_sms: int):
-    base = mma.default_mma_config(1, n, k, num_sms)
-    out = [base]
-    for cg, kt, warps in ((1, 4, 4), (1, 8, 4), (1, 8, 8), (1, 16, 8), (2, 4, 4), (2, 8, 8), (1, 4, 2), (1, 8, 2)):
-        groups = n // 16
-        progs = -(-groups // cg)
-        kb = k // 64
-        for waves in (2, 4, 8):
-            split = max(1, min(round(waves * num_sms / progs), kb // kt))
-            cfg = (cg, kt, split, warps)
-            if cfg not in out:
-                out.append(cfg)
-        if (cg, kt, 1, warps) not in out:
-            out.append((cg, kt, 1, warps))
+    """("grid", (CG, KT, split, warps)) for the one-program-per-column-group kernel (run 1's
+    best) and ("sk", (KT, programs per SM, warps)) for the stream-K kernel."""
+    out = [("sk", (8, 4, 4))]
+    for cfg in ((1, 4, 1, 4), (1, 8, 1, 8), (1, 4, 5, 4)):
+        out.append(("grid", cfg))
+    for kt, warps in ((4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (4, 2), (8, 2)):
+        for per_sm in (2, 3, 4, 6, 8, 12):
+            if ("sk", (kt, per_sm, warps)) not in out:
+                out.append(("sk", (kt, per_sm, warps)))
     return out
+
+
+def run_cfg(kind, cfg, x, words, scales_t, n, G):
+    if kind == "sk":
+        return mma.wna16_mma_gemv_sk(x, words, scales_t, n, G, config=cfg)
+    return mma.wna16_mma_gemv(x, words, scales_t, n, G, config=cfg)
 
 
 def main() -> int:
@@ -131,27 +133,25 @@ def main() -> int:
             row["fma_gemv_us"] = t * 1e6
             best = None
             sweep = []
-            cfgs = [mma.default_mma_config(m, n, k, num_sms)] if args.quick else configs(n, k, num_sms)
-            for cfg in cfgs:
-                for pre in (True, False) if cfg == cfgs[0] else (True,):
+            cfgs = configs(n, k, num_sms)[:1] if args.quick else configs(n, k, num_sms)
+            for kind, cfg in cfgs:
+                for pre in (True,):
                     try:
-                        y = mma.wna16_mma_gemv(x, words, scales_t, n, G, config=cfg, prefetch=pre)
+                        y = run_cfg(kind, cfg, x, words, scales_t, n, G)
                         err = (y.float() - ref).abs().max().item()
                         if not err <= tol:
                             sweep.append({"config": cfg, "prefetch": pre, "error": f"max err {err:.3g} > {tol:.3g}"})
                             print(f"  {name} M={m} {cfg} WRONG err {err:.3g} (tol {tol:.3g})", flush=True)
                             continue
                         t = time_graph(
-                            lambda i, cfg=cfg, pre=pre: mma.wna16_mma_gemv(
-                                x, ws[i], ss[i], n, G, config=cfg, prefetch=pre
-                            ),
+                            lambda i, kind=kind, cfg=cfg: run_cfg(kind, cfg, x, ws[i], ss[i], n, G),
                             copies,
                         )
                     except Exception as e:  # noqa: BLE001 - report and go on
                         sweep.append({"config": cfg, "prefetch": pre, "error": repr(e)[:300]})
                         print(f"  {name} M={m} {cfg} FAILED {e!r}"[:400], flush=True)
                         continue
-                    rec = {"config": cfg, "prefetch": pre, "us": t * 1e6, "max_err": err,
+                    rec = {"kind": kind, "config": cfg, "us": t * 1e6, "max_err": err,
                            "bw_frac": int4_bytes / t / bw}
                     sweep.append(rec)
                     if best is None or rec["us"] < best["us"]:
@@ -165,7 +165,7 @@ def main() -> int:
                 f"{name:8s} M={m}: bf16 {row['bf16_cublas_us']:6.1f}"
                 + (f" gemv {row['bf16_gemv_us']:6.1f}" if m == 1 else "")
                 + f" | fma {row['fma_gemv_us']:6.1f} | mma default {row['mma_default_us'] or 0:6.1f}"
-                + f" best {b.get('us', 0):6.1f} {b.get('config')} pre={b.get('prefetch')}"
+                + f" best {b.get('us', 0):6.1f} {b.get('kind')} {b.get('config')}"
                 + f" ({100 * b.get('bw_frac', 0):.0f}% of copy BW)",
                 flush=True,
             )

@@ -50,6 +50,7 @@ from pagoda.kernels.pdl import pdl_launch_args
 TILE_N = 16  # output columns per tile (the MMA's M)
 TILE_K = 64  # K per tile (four MMAs of K = 16)
 MAX_M = 8  # activation rows (the MMA's N)
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def mma_supported(n: int, k: int, group_size: int, bits: int, has_zero_point: bool) -> bool:
@@ -167,10 +168,27 @@ _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
 
 
 @triton.jit
-def _tile_mma(words, xa, xb):
-    return tl.inline_asm_elementwise(
-        _ASM, _CONSTRAINTS, [words, xa, xb], dtype=tl.int32, is_pure=True, pack=4
-    )
+def _tile_mma(words, xa, xb, INTERPRET: tl.constexpr):
+    """[R, 128] words / x pairs -> [R, 128] fp32 accumulators (bit patterns in int32 on the
+    GPU). Under the Triton interpreter (no PTX) the same tile product, written with reshapes:
+    the CPU tests run the kernel's bookkeeping with it."""
+    if INTERPRET:
+        R: tl.constexpr = words.shape[0]
+        sh = tl.arange(0, 8) * 4
+        q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32) - 8.0  # [R,128,8]
+        q = tl.reshape(q, [R, 8, 4, 4, 2, 2, 2])  # g, c, v, e, half, h
+        w = tl.reshape(tl.permute(q, (0, 6, 1, 2, 5, 3, 4)), [R, 16, 64])  # (h g), (c half v e)
+        ja = tl.join((xa << 16).to(tl.float32, bitcast=True), (xa & -65536).to(tl.float32, bitcast=True))
+        jb = tl.join((xb << 16).to(tl.float32, bitcast=True), (xb & -65536).to(tl.float32, bitcast=True))
+        xx = tl.reshape(tl.join(ja, jb), [R, 8, 4, 4, 2, 2])  # n, c, v, e, half
+        xx = tl.reshape(tl.permute(xx, (0, 2, 5, 3, 4, 1)), [R, 64, 8])  # (c half v e), n
+        d = tl.sum(w[:, :, :, None] * xx[:, None, :, :], axis=2)  # [R, 16, 8]
+        d = tl.permute(tl.reshape(d, [R, 2, 8, 4, 2]), (0, 2, 3, 1, 4))  # g, c, h, e
+        return tl.reshape(d, [R, 128]).to(tl.int32, bitcast=True)
+    else:
+        return tl.inline_asm_elementwise(
+            _ASM, _CONSTRAINTS, [words, xa, xb], dtype=tl.int32, is_pure=True, pack=4
+        )
 
 
 @triton.jit
@@ -182,6 +200,7 @@ def _w4_mma_gemv_kernel(
     CG: tl.constexpr,  # column groups (16 columns each) per program
     KT: tl.constexpr,  # K tiles per column group and iteration
     HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
     ATOMIC: tl.constexpr,  # split-K: fp32 atomics into out (zeroed by the caller)
     PREFETCH: tl.constexpr,  # load the first weights before waiting on the previous kernel
     USE_PDL: tl.constexpr,
@@ -225,7 +244,7 @@ def _w4_mma_gemv_kernel(
         words_next = tl.load(w_rows + kb_next * 128, mask=ok_next, other=0)
         xa = tl.load(x_base + kb * 32, mask=ok & x_ok, other=0)
         xb = tl.load(x_base + kb * 32 + 4, mask=ok & x_ok, other=0)
-        d = _tile_mma(words, xa, xb).to(tl.float32, bitcast=True)
+        d = _tile_mma(words, xa, xb, INTERPRET).to(tl.float32, bitcast=True)
         if GROUP_TILES > 0:
             scale = tl.load(s_ptr + (kb // GROUP_TILES) * stride_sg + col, mask=ok, other=0.0)
             acc += d * scale.to(tl.float32)
@@ -251,6 +270,147 @@ def _w4_mma_gemv_kernel(
         tl.atomic_add(out_ptr + m2 * stride_om + col2, total, mask=ok2, sem="relaxed")
     else:
         tl.store(out_ptr + m2 * stride_om + col2, total.to(out_ptr.dtype.element_ty), mask=ok2)
+
+
+@triton.jit
+def _w4_mma_gemv_sk_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    M, N, K, total_steps, steps_per_group,
+    stride_xm, stride_sg, stride_om,
+    GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
+    KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile)
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Stream-K: the (column group, K step) sequence [N/16][cdiv(K/64, KT)] is cut into equal
+    contiguous ranges, one per program; a program streams its range with the next step's
+    words, scales and activations in flight, and flushes a column group's sum when it leaves
+    it: stored directly when it covered the whole group, else added to an fp32 workspace, the
+    last contributor (counted in tiles per group) storing the result and re-zeroing."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    per = total_steps // nprog
+    rem = total_steps % nprog
+    s_begin = pid * per + tl.minimum(pid, rem)
+    s_end = s_begin + per + (pid < rem).to(tl.int32)
+    kb_total = K // 64
+    r = tl.arange(0, KT)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    v = j % 4
+    g = j // 16
+    c = (j // 4) % 4
+    x_ok = g < M
+    x_lane = x_ptr + g * stride_xm + 8 * c + v  # int32 pairs; + kb * 32
+    col_in = g + 8 * (v // 2)  # [1, 128] the accumulator's column within its group
+
+    # step s -> group s // steps_per_group, tiles kb = (s % steps_per_group) * KT + r
+    ng = s_begin // steps_per_group
+    kb = (s_begin % steps_per_group) * KT + r
+    ok = kb < tl.where(s_begin < s_end, kb_total, 0)
+    words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j, mask=ok, other=0)
+    if GROUP_TILES > 0:
+        scale = tl.load(s_ptr + (kb // GROUP_TILES) * stride_sg + ng * 16 + col_in, mask=ok, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    xa = tl.load(x_lane + kb * 32, mask=ok & x_ok, other=0)
+    xb = tl.load(x_lane + kb * 32 + 4, mask=ok & x_ok, other=0)
+    acc = tl.zeros([KT, 128], dtype=tl.float32)
+    for s in range(s_begin, s_end):
+        s1 = s + 1
+        ng1 = s1 // steps_per_group
+        kb1 = (s1 % steps_per_group) * KT + r
+        ok1 = kb1 < tl.where(s1 < s_end, kb_total, 0)
+        words1 = tl.load(w_ptr + (ng1 * kb_total + kb1) * 128 + j, mask=ok1, other=0)
+        if GROUP_TILES > 0:
+            scale1 = tl.load(
+                s_ptr + (kb1 // GROUP_TILES) * stride_sg + ng1 * 16 + col_in, mask=ok1, other=0.0
+            )
+        xa1 = tl.load(x_lane + kb1 * 32, mask=ok1 & x_ok, other=0)
+        xb1 = tl.load(x_lane + kb1 * 32 + 4, mask=ok1 & x_ok, other=0)
+        d = _tile_mma(words, xa, xb, INTERPRET).to(tl.float32, bitcast=True)
+        if GROUP_TILES > 0:
+            acc += d * scale.to(tl.float32)
+        else:
+            acc += d
+        ng = s // steps_per_group
+        if (s1 == s_end) | (ng1 != ng):  # leaving group ng: flush
+            part = tl.sum(acc, axis=0)  # [128]
+            acc = tl.zeros([KT, 128], dtype=tl.float32)
+            jj = tl.arange(0, 128)
+            vv = jj % 4
+            col = ng * 16 + jj // 16 + 8 * (vv // 2)
+            m = 2 * ((jj // 4) % 4) + vv % 2
+            okm = m < M
+            if GROUP_TILES == 0:
+                part *= tl.load(s_ptr + col, mask=okm, other=0.0).to(tl.float32)
+            first = tl.maximum(s_begin, ng * steps_per_group)
+            n_steps = s - first + 1
+            if n_steps == steps_per_group:
+                if HAS_BIAS:
+                    part += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
+                tl.store(out_ptr + m * stride_om + col, part.to(out_ptr.dtype.element_ty), mask=okm)
+            else:
+                tl.atomic_add(ws_ptr + m * N + col, part, mask=okm, sem="relaxed")
+                tl.debug_barrier()
+                done = tl.atomic_add(cnt_ptr + ng, n_steps, sem="acq_rel") + n_steps
+                if done == steps_per_group:
+                    bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm, sem="relaxed")
+                    total = bits.to(tl.float32, bitcast=True)
+                    if HAS_BIAS:
+                        total += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
+                    tl.store(out_ptr + m * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=okm)
+                    tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
+        words = words1
+        xa = xa1
+        xb = xb1
+        if GROUP_TILES > 0:
+            scale = scale1
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def wna16_mma_gemv_sk(
+    x: torch.Tensor,  # [M, K] bf16, M <= 8
+    words: torch.Tensor,  # repack_mma output
+    scales_t: torch.Tensor,  # [groups, N] bf16
+    n: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,  # (KT, programs per SM, num_warps)
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    from pagoda.kernels.triton_w4a16 import _serial_workspace
+
+    m, k = x.shape
+    if m > MAX_M or x.dtype != torch.bfloat16:
+        raise ValueError(f"wna16_mma_gemv takes bf16 x with M <= {MAX_M}, got {x.dtype} M={m}")
+    kt, per_sm, warps = config or (8, 4, 4)
+    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    kb_total = k // TILE_K
+    steps_per_group = -(-kb_total // kt)
+    total = (n // TILE_N) * steps_per_group
+    nprog = min(total, per_sm * num_sms)
+    xk = x if x.stride(1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
+    xi = xk.view(torch.int32)
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
+    bufs = _serial_workspace(x.device, m * n, n // TILE_N)
+    if bufs is None:
+        raise RuntimeError("GEMV workspace too small during CUDA-graph capture")
+    ws, cnt = bufs
+    per_channel = group_size <= 0 or group_size >= k
+    _w4_mma_gemv_sk_kernel[(nprog,)](
+        xi, words, scales_t, bias if bias is not None else scales_t, out, ws, ws.view(torch.int32), cnt,
+        m, n, k, total, steps_per_group,
+        xi.stride(0), scales_t.stride(0), out.stride(0),
+        GROUP_TILES=0 if per_channel else group_size // TILE_K,
+        KT=kt,
+        HAS_BIAS=bias is not None,
+        INTERPRET=_INTERPRET,
+        num_warps=warps,
+        **pdl_launch_args(x),
+    )  # fmt: skip
+    return out
 
 
 @functools.cache
@@ -304,6 +464,7 @@ def wna16_mma_gemv(
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
         CG=cg, KT=kt,
         HAS_BIAS=bias is not None,
+        INTERPRET=_INTERPRET,
         ATOMIC=split > 1,
         PREFETCH=prefetch,
         num_warps=warps,
