@@ -72,21 +72,16 @@ def time_graph(fn, copies: int, replays: int = 20) -> float:
 
 
 def configs(n: int, k: int, num_sms: int):
-    """("grid", (CG, KT, split, warps)) for the one-program-per-column-group kernel (run 1's
-    best) and ("sk", (KT, programs per SM, warps)) for the stream-K kernel."""
-    out = [("sk", (8, 4, 4))]
-    for cfg in ((1, 4, 1, 4), (1, 8, 1, 8), (1, 4, 5, 4)):
-        out.append(("grid", cfg))
-    for kt, warps in ((4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (4, 2), (8, 2)):
+    """(KT, programs per SM, num_warps) of the stream-K kernel; the default first."""
+    out = [mma.default_mma_config(1, n, k)]
+    for kt, warps in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4)):
         for per_sm in (2, 3, 4, 6, 8, 12):
-            if ("sk", (kt, per_sm, warps)) not in out:
-                out.append(("sk", (kt, per_sm, warps)))
+            if (kt, per_sm, warps) not in out:
+                out.append((kt, per_sm, warps))
     return out
 
 
 def run_cfg(kind, cfg, x, words, scales_t, n, G):
-    if kind == "sk":
-        return mma.wna16_mma_gemv_sk(x, words, scales_t, n, G, config=cfg)
     return mma.wna16_mma_gemv(x, words, scales_t, n, G, config=cfg)
 
 
@@ -134,14 +129,24 @@ def main() -> int:
             best = None
             sweep = []
             cfgs = configs(n, k, num_sms)[:1] if args.quick else configs(n, k, num_sms)
-            for kind, cfg in cfgs:
+            for cfg in cfgs:
+                kind = "sk"
                 for pre in (True,):
                     try:
                         y = run_cfg(kind, cfg, x, words, scales_t, n, G)
                         err = (y.float() - ref).abs().max().item()
                         if not err <= tol:
-                            sweep.append({"config": cfg, "prefetch": pre, "error": f"max err {err:.3g} > {tol:.3g}"})
-                            print(f"  {name} M={m} {cfg} WRONG err {err:.3g} (tol {tol:.3g})", flush=True)
+                            sweep.append(
+                                {
+                                    "config": cfg,
+                                    "prefetch": pre,
+                                    "error": f"max err {err:.3g} > {tol:.3g}",
+                                }
+                            )
+                            print(
+                                f"  {name} M={m} {cfg} WRONG err {err:.3g} (tol {tol:.3g})",
+                                flush=True,
+                            )
                             continue
                         t = time_graph(
                             lambda i, kind=kind, cfg=cfg: run_cfg(kind, cfg, x, ws[i], ss[i], n, G),
@@ -151,8 +156,13 @@ def main() -> int:
                         sweep.append({"config": cfg, "prefetch": pre, "error": repr(e)[:300]})
                         print(f"  {name} M={m} {cfg} FAILED {e!r}"[:400], flush=True)
                         continue
-                    rec = {"kind": kind, "config": cfg, "us": t * 1e6, "max_err": err,
-                           "bw_frac": int4_bytes / t / bw}
+                    rec = {
+                        "kind": kind,
+                        "config": cfg,
+                        "us": t * 1e6,
+                        "max_err": err,
+                        "bw_frac": int4_bytes / t / bw,
+                    }
                     sweep.append(rec)
                     if best is None or rec["us"] < best["us"]:
                         best = rec

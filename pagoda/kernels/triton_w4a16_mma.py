@@ -137,7 +137,8 @@ def mma_gemv_emulate(
 # The per-thread asm: 4 words (pack = 4), 4 int32 of x pairs for slots 2c, 2c+1 (xa) and
 # 4 for slots 2c+8, 2c+9 (xb), one per MMA v; out: the 4 fp32 accumulators (c0..c3) of the
 # tile, from zero.
-_ASM = """
+_ASM = (
+    """
 {
 .reg .b32 a0, a1, a2, a3, t, one, off;
 mov.b32 one, 0x3F803F80;
@@ -146,8 +147,9 @@ mov.b32 $0, 0;
 mov.b32 $1, 0;
 mov.b32 $2, 0;
 mov.b32 $3, 0;
-""" + "".join(
-    f"""
+"""
+    + "".join(
+        f"""
 lop3.b32 a0, ${4 + v}, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 t, ${4 + v}, 4;
 lop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;
@@ -161,8 +163,10 @@ fma.rn.bf16x2 a2, a2, one, off;
 fma.rn.bf16x2 a3, a3, one, off;
 mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{${8 + v}, ${12 + v}}}, {{$0, $1, $2, $3}};
 """
-    for v in range(4)
-) + "}"
+        for v in range(4)
+    )
+    + "}"
+)
 _ASM = tl.constexpr(_ASM)
 _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
 
@@ -178,8 +182,12 @@ def _tile_mma(words, xa, xb, INTERPRET: tl.constexpr):
         q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32) - 8.0  # [R,128,8]
         q = tl.reshape(q, [R, 8, 4, 4, 2, 2, 2])  # g, c, v, e, half, h
         w = tl.reshape(tl.permute(q, (0, 6, 1, 2, 5, 3, 4)), [R, 16, 64])  # (h g), (c half v e)
-        ja = tl.join((xa << 16).to(tl.float32, bitcast=True), (xa & -65536).to(tl.float32, bitcast=True))
-        jb = tl.join((xb << 16).to(tl.float32, bitcast=True), (xb & -65536).to(tl.float32, bitcast=True))
+        ja = tl.join(
+            (xa << 16).to(tl.float32, bitcast=True), (xa & -65536).to(tl.float32, bitcast=True)
+        )
+        jb = tl.join(
+            (xb << 16).to(tl.float32, bitcast=True), (xb & -65536).to(tl.float32, bitcast=True)
+        )
         xx = tl.reshape(tl.join(ja, jb), [R, 8, 4, 4, 2, 2])  # n, c, v, e, half
         xx = tl.reshape(tl.permute(xx, (0, 2, 5, 3, 4, 1)), [R, 64, 8])  # (c half v e), n
         d = tl.sum(w[:, :, :, None] * xx[:, None, :, :], axis=2)  # [R, 16, 8]
@@ -192,88 +200,75 @@ def _tile_mma(words, xa, xb, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _w4_mma_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    M, N, K, kb_per_split,
-    stride_xm, stride_sg, stride_om,
-    GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
-    CG: tl.constexpr,  # column groups (16 columns each) per program
-    KT: tl.constexpr,  # K tiles per column group and iteration
-    HAS_BIAS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    ATOMIC: tl.constexpr,  # split-K: fp32 atomics into out (zeroed by the caller)
-    PREFETCH: tl.constexpr,  # load the first weights before waiting on the previous kernel
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    ROWS: tl.constexpr = CG * KT
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    r = tl.arange(0, ROWS)[:, None]
-    j = tl.arange(0, 128)[None, :]
-    cg = r // KT
-    kt = r % KT
-    lane = j // 4
-    v = j % 4
-    g = lane // 4
-    c = lane % 4
-    ng = pid_n * CG + cg  # [ROWS, 1] column group
-    kb_total = K // 64
-    kb_start = pid_k * kb_per_split
-    kb_end = tl.minimum(kb_start + kb_per_split, kb_total)
-    n_groups = N // 16
-    row_ok = ng < n_groups
-    col = ng * 16 + g + 8 * (v // 2)  # [ROWS, 128] the output column of accumulator v
-    x_ok = g < M  # lanes past M feed zero rows of B
-    w_rows = w_ptr + (ng * kb_total) * 128 + j  # + kb * 128
-    x_base = x_ptr + g * stride_xm + 8 * c + v  # int32 pairs; + kb * 32
-
-    kb = kb_start + kt
-    ok = row_ok & (kb < kb_end)
-    if PREFETCH:
-        words = tl.load(w_rows + kb * 128, mask=ok, other=0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    if not PREFETCH:
-        words = tl.load(w_rows + kb * 128, mask=ok, other=0)
-    acc = tl.zeros([ROWS, 128], dtype=tl.float32)
-    for kb0 in range(kb_start, kb_end, KT):
-        kb = kb0 + kt
-        ok = row_ok & (kb < kb_end)
-        kb_next = kb + KT
-        ok_next = row_ok & (kb_next < kb_end)
-        words_next = tl.load(w_rows + kb_next * 128, mask=ok_next, other=0)
-        xa = tl.load(x_base + kb * 32, mask=ok & x_ok, other=0)
-        xb = tl.load(x_base + kb * 32 + 4, mask=ok & x_ok, other=0)
-        d = _tile_mma(words, xa, xb, INTERPRET).to(tl.float32, bitcast=True)
-        if GROUP_TILES > 0:
-            scale = tl.load(s_ptr + (kb // GROUP_TILES) * stride_sg + col, mask=ok, other=0.0)
-            acc += d * scale.to(tl.float32)
-        else:
-            acc += d
-        words = words_next
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    total = tl.sum(tl.reshape(acc, [CG, KT, 128]), axis=1)  # [CG, 128]
-    cg2 = tl.arange(0, CG)[:, None]
-    j2 = tl.arange(0, 128)[None, :]
-    lane2 = j2 // 4
-    v2 = j2 % 4
-    col2 = (pid_n * CG + cg2) * 16 + lane2 // 4 + 8 * (v2 // 2)
-    m2 = 2 * (lane2 % 4) + v2 % 2
-    ok2 = (m2 < M) & (col2 < N)
-    if GROUP_TILES == 0:
-        total *= tl.load(s_ptr + col2, mask=ok2, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        if pid_k == 0:
-            total += tl.load(b_ptr + col2, mask=ok2, other=0.0).to(tl.float32)
-    if ATOMIC:
-        tl.atomic_add(out_ptr + m2 * stride_om + col2, total, mask=ok2, sem="relaxed")
+def _load_w(ng, pos, ok_step, kb_total, r, j, col_in, w_ptr, s_ptr, stride_sg,
+            KT: tl.constexpr, GROUP_TILES: tl.constexpr):  # fmt: skip
+    """Words [KT, 128] and scales of step (group ng, position pos); zeros when not ok_step."""
+    kb = pos * KT + r
+    ok = kb < tl.where(ok_step, kb_total, 0)
+    words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j, mask=ok, other=0)
+    if GROUP_TILES > 0:
+        scale = tl.load(
+            s_ptr + (kb // GROUP_TILES) * stride_sg + ng * 16 + col_in, mask=ok, other=0.0
+        )
     else:
-        tl.store(out_ptr + m2 * stride_om + col2, total.to(out_ptr.dtype.element_ty), mask=ok2)
+        scale = tl.zeros([KT, 128], dtype=tl.bfloat16)
+    return words, scale
 
 
 @triton.jit
-def _w4_mma_gemv_sk_kernel(
+def _load_x(pos, ok_step, kb_total, r, x_lane, x_ok, KT: tl.constexpr):
+    """The activation pairs of step `pos` as each lane feeds them to the MMAs (B fragments)."""
+    kb = pos * KT + r
+    ok = (kb < tl.where(ok_step, kb_total, 0)) & x_ok
+    xa = tl.load(x_lane + kb * 32, mask=ok, other=0)
+    xb = tl.load(x_lane + kb * 32 + 4, mask=ok, other=0)
+    return xa, xb
+
+
+@triton.jit
+def _mma_step(acc, words, scale, xa, xb, GROUP_TILES: tl.constexpr, INTERPRET: tl.constexpr):
+    d = _tile_mma(words, xa, xb, INTERPRET).to(tl.float32, bitcast=True)
+    if GROUP_TILES > 0:
+        return acc + d * scale.to(tl.float32)
+    else:
+        return acc + d
+
+
+@triton.jit
+def _flush(acc, ng, n_done, steps_per_group, M, N, s_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr,
+           cnt_ptr, stride_om, GROUP_TILES: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Column group ng's sum over this program's last n_done steps: stored when they are the
+    whole group, else added to the fp32 workspace; the last contributor (counting steps per
+    group) stores the total and re-zeroes the workspace and the counter."""
+    part = tl.sum(acc, axis=0)  # [128]
+    jj = tl.arange(0, 128)
+    vv = jj % 4
+    col = ng * 16 + jj // 16 + 8 * (vv // 2)
+    m = 2 * ((jj // 4) % 4) + vv % 2
+    okm = m < M
+    if GROUP_TILES == 0:
+        part *= tl.load(s_ptr + col, mask=okm, other=0.0).to(tl.float32)
+    if n_done == steps_per_group:
+        if HAS_BIAS:
+            part += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + col, part.to(out_ptr.dtype.element_ty), mask=okm)
+    else:
+        # Every thread's partial is issued before one thread's acq_rel increment (the split-K
+        # semaphore of `wna16_gemv`); the last contributor reads and re-zeroes in one atomic.
+        tl.atomic_add(ws_ptr + m * N + col, part, mask=okm, sem="relaxed")
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + ng, n_done, sem="acq_rel") + n_done
+        if done == steps_per_group:
+            bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm, sem="relaxed")
+            total = bits.to(tl.float32, bitcast=True)
+            if HAS_BIAS:
+                total += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + m * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=okm)
+            tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
+
+
+@triton.jit
+def _w4_mma_gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
     M, N, K, total_steps, steps_per_group,
     stride_xm, stride_sg, stride_om,
@@ -283,17 +278,20 @@ def _w4_mma_gemv_sk_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Stream-K: the (column group, K step) sequence [N/16][cdiv(K/64, KT)] is cut into equal
-    contiguous ranges, one per program; a program streams its range with the next step's
-    words, scales and activations in flight, and flushes a column group's sum when it leaves
-    it: stored directly when it covered the whole group, else added to an fp32 workspace, the
-    last contributor (counted in tiles per group) storing the result and re-zeroing."""
+    """Stream-K over the (column group, K step) sequence [N/16][cdiv(K/64, KT)]: each program
+    takes an equal contiguous range and walks it two steps per iteration, ping-ponging two
+    register sets (A, B): B's loads are issued before A's MMAs and A's next loads before B's
+    MMAs, so each step's words, scales and activations are in flight during the other step's
+    math. (With one register set, ptxas orders the next loads after the MMAs that read the
+    registers those loads overwrite: no overlap at all.) The first step's weights and scales
+    are loaded before `gdc_wait`: they never depend on the previous kernel. A column group's
+    sum is flushed when the program leaves the group (`_flush`)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     per = total_steps // nprog
     rem = total_steps % nprog
     s_begin = pid * per + tl.minimum(pid, rem)
-    s_end = s_begin + per + (pid < rem).to(tl.int32)
+    n_steps = per + (pid < rem).to(tl.int32)
     kb_total = K // 64
     r = tl.arange(0, KT)[:, None]
     j = tl.arange(0, 128)[None, :]
@@ -304,103 +302,100 @@ def _w4_mma_gemv_sk_kernel(
     x_lane = x_ptr + g * stride_xm + 8 * c + v  # int32 pairs; + kb * 32
     col_in = g + 8 * (v // 2)  # [1, 128] the accumulator's column within its group
 
-    # step s -> group s // steps_per_group, tiles kb = (s % steps_per_group) * KT + r
+    # A: the step at (group ng, position pos); B: the one after it.
     ng = s_begin // steps_per_group
-    kb = (s_begin % steps_per_group) * KT + r
-    ok = kb < tl.where(s_begin < s_end, kb_total, 0)
-    words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j, mask=ok, other=0)
-    if GROUP_TILES > 0:
-        scale = tl.load(s_ptr + (kb // GROUP_TILES) * stride_sg + ng * 16 + col_in, mask=ok, other=0.0)
+    pos = s_begin % steps_per_group
+    n_done = 0  # steps of the current group done by this program since its last flush
+    wa, sa = _load_w(ng, pos, n_steps > 0, kb_total, r, j, col_in, w_ptr, s_ptr, stride_sg,
+                     KT, GROUP_TILES)  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    xa = tl.load(x_lane + kb * 32, mask=ok & x_ok, other=0)
-    xb = tl.load(x_lane + kb * 32 + 4, mask=ok & x_ok, other=0)
+    xa_a, xb_a = _load_x(pos, n_steps > 0, kb_total, r, x_lane, x_ok, KT)
     acc = tl.zeros([KT, 128], dtype=tl.float32)
-    for s in range(s_begin, s_end):
-        s1 = s + 1
-        ng1 = s1 // steps_per_group
-        kb1 = (s1 % steps_per_group) * KT + r
-        ok1 = kb1 < tl.where(s1 < s_end, kb_total, 0)
-        words1 = tl.load(w_ptr + (ng1 * kb_total + kb1) * 128 + j, mask=ok1, other=0)
-        if GROUP_TILES > 0:
-            scale1 = tl.load(
-                s_ptr + (kb1 // GROUP_TILES) * stride_sg + ng1 * 16 + col_in, mask=ok1, other=0.0
-            )
-        xa1 = tl.load(x_lane + kb1 * 32, mask=ok1 & x_ok, other=0)
-        xb1 = tl.load(x_lane + kb1 * 32 + 4, mask=ok1 & x_ok, other=0)
-        d = _tile_mma(words, xa, xb, INTERPRET).to(tl.float32, bitcast=True)
-        if GROUP_TILES > 0:
-            acc += d * scale.to(tl.float32)
-        else:
-            acc += d
-        ng = s // steps_per_group
-        if (s1 == s_end) | (ng1 != ng):  # leaving group ng: flush
-            part = tl.sum(acc, axis=0)  # [128]
+    for i in range(0, n_steps, 2):
+        pos_b = pos + 1
+        ng_b = tl.where(pos_b == steps_per_group, ng + 1, ng)
+        pos_b = tl.where(pos_b == steps_per_group, 0, pos_b)
+        ok_b = i + 1 < n_steps
+        wb, sb = _load_w(ng_b, pos_b, ok_b, kb_total, r, j, col_in, w_ptr, s_ptr, stride_sg,
+                         KT, GROUP_TILES)  # fmt: skip
+        xa_b, xb_b = _load_x(pos_b, ok_b, kb_total, r, x_lane, x_ok, KT)
+        acc = _mma_step(acc, wa, sa, xa_a, xb_a, GROUP_TILES, INTERPRET)
+        n_done += 1
+        if (ng_b != ng) | (not ok_b):
+            _flush(acc, ng, n_done, steps_per_group, M, N, s_ptr, b_ptr, out_ptr, ws_ptr,
+                   wsi_ptr, cnt_ptr, stride_om, GROUP_TILES, HAS_BIAS)  # fmt: skip
             acc = tl.zeros([KT, 128], dtype=tl.float32)
-            jj = tl.arange(0, 128)
-            vv = jj % 4
-            col = ng * 16 + jj // 16 + 8 * (vv // 2)
-            m = 2 * ((jj // 4) % 4) + vv % 2
-            okm = m < M
-            if GROUP_TILES == 0:
-                part *= tl.load(s_ptr + col, mask=okm, other=0.0).to(tl.float32)
-            first = tl.maximum(s_begin, ng * steps_per_group)
-            n_steps = s - first + 1
-            if n_steps == steps_per_group:
-                if HAS_BIAS:
-                    part += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
-                tl.store(out_ptr + m * stride_om + col, part.to(out_ptr.dtype.element_ty), mask=okm)
-            else:
-                tl.atomic_add(ws_ptr + m * N + col, part, mask=okm, sem="relaxed")
-                tl.debug_barrier()
-                done = tl.atomic_add(cnt_ptr + ng, n_steps, sem="acq_rel") + n_steps
-                if done == steps_per_group:
-                    bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm, sem="relaxed")
-                    total = bits.to(tl.float32, bitcast=True)
-                    if HAS_BIAS:
-                        total += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
-                    tl.store(out_ptr + m * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=okm)
-                    tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
-        words = words1
-        xa = xa1
-        xb = xb1
-        if GROUP_TILES > 0:
-            scale = scale1
+            n_done = 0
+        pos = pos_b + 1
+        ng = tl.where(pos == steps_per_group, ng_b + 1, ng_b)
+        pos = tl.where(pos == steps_per_group, 0, pos)
+        ok_a = i + 2 < n_steps
+        wa, sa = _load_w(ng, pos, ok_a, kb_total, r, j, col_in, w_ptr, s_ptr, stride_sg,
+                         KT, GROUP_TILES)  # fmt: skip
+        xa_a, xb_a = _load_x(pos, ok_a, kb_total, r, x_lane, x_ok, KT)
+        if ok_b:
+            acc = _mma_step(acc, wb, sb, xa_b, xb_b, GROUP_TILES, INTERPRET)
+            n_done += 1
+            if (ng != ng_b) | (not ok_a):
+                _flush(acc, ng_b, n_done, steps_per_group, M, N, s_ptr, b_ptr, out_ptr, ws_ptr,
+                       wsi_ptr, cnt_ptr, stride_om, GROUP_TILES, HAS_BIAS)  # fmt: skip
+                acc = tl.zeros([KT, 128], dtype=tl.float32)
+                n_done = 0
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def wna16_mma_gemv_sk(
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+MmaConfig = tuple[int, int, int]  # (KT, programs per SM, num_warps)
+
+
+def default_mma_config(m: int, n: int, k: int) -> MmaConfig:
+    return (8, 4, 2)
+
+
+def wna16_mma_gemv(
     x: torch.Tensor,  # [M, K] bf16, M <= 8
     words: torch.Tensor,  # repack_mma output
     scales_t: torch.Tensor,  # [groups, N] bf16
     n: int,
     group_size: int,
-    bias: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,  # (KT, programs per SM, num_warps)
+    bias: torch.Tensor | None = None,  # [N]
+    config: MmaConfig | None = None,
     out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # [M, N]
+    """y = x @ dequant(W).T (+ bias), W stored by `repack_mma`, 4-bit symmetric."""
     from pagoda.kernels.triton_w4a16 import _serial_workspace
 
     m, k = x.shape
     if m > MAX_M or x.dtype != torch.bfloat16:
         raise ValueError(f"wna16_mma_gemv takes bf16 x with M <= {MAX_M}, got {x.dtype} M={m}")
-    kt, per_sm, warps = config or (8, 4, 4)
+    if not mma_supported(n, k, group_size, 4, False):
+        raise ValueError(f"wna16_mma_gemv: unsupported shape N={n} K={k} group={group_size}")
+    kt, per_sm, warps = config or default_mma_config(m, n, k)
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
     kb_total = k // TILE_K
     steps_per_group = -(-kb_total // kt)
     total = (n // TILE_N) * steps_per_group
     nprog = min(total, per_sm * num_sms)
-    xk = x if x.stride(1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
-    xi = xk.view(torch.int32)
+    if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
+        x = x.contiguous()
+    xi = x.view(torch.int32)
     out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     bufs = _serial_workspace(x.device, m * n, n // TILE_N)
     if bufs is None:
-        raise RuntimeError("GEMV workspace too small during CUDA-graph capture")
+        raise RuntimeError("wna16_mma_gemv: workspace too small during CUDA-graph capture")
     ws, cnt = bufs
     per_channel = group_size <= 0 or group_size >= k
-    _w4_mma_gemv_sk_kernel[(nprog,)](
-        xi, words, scales_t, bias if bias is not None else scales_t, out, ws, ws.view(torch.int32), cnt,
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
+    _w4_mma_gemv_kernel[(nprog,)](
+        xi, words, scales_t, bias if bias is not None else scales_t, out,
+        ws, ws.view(torch.int32), cnt,
         m, n, k, total, steps_per_group,
         xi.stride(0), scales_t.stride(0), out.stride(0),
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
@@ -411,63 +406,3 @@ def wna16_mma_gemv_sk(
         **pdl_launch_args(x),
     )  # fmt: skip
     return out
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def default_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int, int]:
-    """(CG, KT, split_k, num_warps): aim for ~16 resident warps and >= 32 KB of weights in
-    flight per SM (two iterations of 512 B per tile row)."""
-    groups = n // TILE_N
-    kb_total = k // TILE_K
-    cg, kt, warps = 1, 8, 4
-    progs = -(-groups // cg)
-    split = max(1, min(round(4 * num_sms / progs), kb_total // (2 * kt)))
-    return cg, kt, split, warps
-
-
-def wna16_mma_gemv(
-    x: torch.Tensor,  # [M, K] bf16, M <= 8
-    words: torch.Tensor,  # repack_mma output
-    scales_t: torch.Tensor,  # [groups, N] bf16
-    n: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int] | None = None,
-    prefetch: bool = True,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    m, k = x.shape
-    if m > MAX_M or x.dtype != torch.bfloat16:
-        raise ValueError(f"wna16_mma_gemv takes bf16 x with M <= {MAX_M}, got {x.dtype} M={m}")
-    num_sms = _num_sms(x.device.index or 0)
-    cg, kt, split, warps = config or default_mma_config(m, n, k, num_sms)
-    kb_total = k // TILE_K
-    kb_per = -(-kb_total // split)
-    split = -(-kb_total // kb_per)
-    xk = x if x.stride(1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
-    xi = xk.view(torch.int32) if xk.is_contiguous() else xk.contiguous().view(torch.int32)
-    out_dtype = out_dtype or x.dtype
-    if split > 1:
-        out = torch.zeros((m, n), device=x.device, dtype=torch.float32)
-    else:
-        out = torch.empty((m, n), device=x.device, dtype=out_dtype)
-    per_channel = group_size <= 0 or group_size >= k
-    grid = (-(-(n // TILE_N) // cg), split)
-    _w4_mma_gemv_kernel[grid](
-        xi, words, scales_t, bias if bias is not None else scales_t, out,
-        m, n, k, kb_per,
-        xi.stride(0), scales_t.stride(0), out.stride(0),
-        GROUP_TILES=0 if per_channel else group_size // TILE_K,
-        CG=cg, KT=kt,
-        HAS_BIAS=bias is not None,
-        INTERPRET=_INTERPRET,
-        ATOMIC=split > 1,
-        PREFETCH=prefetch,
-        num_warps=warps,
-        **pdl_launch_args(x),
-    )  # fmt: skip
-    return out if split == 1 else out.to(out_dtype)
