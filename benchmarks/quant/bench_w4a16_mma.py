@@ -72,10 +72,10 @@ def time_graph(fn, copies: int, replays: int = 20) -> float:
 
 
 def configs(n: int, k: int, num_sms: int):
-    """(KT, programs per SM, num_warps) of the stream-K kernel; the default first."""
+    """(K tiles per step, programs per SM, num_warps) of the stream-K kernel; default first."""
     out = [mma.default_mma_config(1, n, k)]
-    for kt, warps in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4)):
-        for per_sm in (2, 3, 4, 6, 8, 12):
+    for kt, warps in ((2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (8, 4)):
+        for per_sm in (4, 6, 8, 12, 16):
             if (kt, per_sm, warps) not in out:
                 out.append((kt, per_sm, warps))
     return out
@@ -106,12 +106,14 @@ def main() -> int:
         w_deq = ((u - 8).float() * scales.float().repeat_interleave(G, 1)).to(torch.bfloat16)
         words = mma.repack_mma(u)
         scales_t = scales.t().contiguous()
+        pairs = mma.repack_mma_scales(scales_t)
         qweight_t = pack_to_int32((u - 8).to(torch.int8), 4, 1).t().contiguous()
         int4_bytes = n * k // 2 + scales_t.numel() * 2
         copies = max(2, -(-4 * l2 // int4_bytes))
         copies_bf16 = max(2, -(-4 * l2 // (n * k * 2)))
         ws = [words] + [words.clone() for _ in range(copies - 1)]
         ss = [scales_t] + [scales_t.clone() for _ in range(copies - 1)]
+        ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
         qs = [qweight_t] + [qweight_t.clone() for _ in range(copies - 1)]
         wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
         for m in [int(s) for s in args.ms.split(",")]:
@@ -133,7 +135,7 @@ def main() -> int:
                 kind = "sk"
                 for pre in (True,):
                     try:
-                        y = run_cfg(kind, cfg, x, words, scales_t, n, G)
+                        y = run_cfg(kind, cfg, x, words, pairs, n, G)
                         err = (y.float() - ref).abs().max().item()
                         if not err <= tol:
                             sweep.append(
@@ -149,7 +151,7 @@ def main() -> int:
                             )
                             continue
                         t = time_graph(
-                            lambda i, kind=kind, cfg=cfg: run_cfg(kind, cfg, x, ws[i], ss[i], n, G),
+                            lambda i, kind=kind, cfg=cfg: run_cfg(kind, cfg, x, ws[i], ps[i], n, G),
                             copies,
                         )
                     except Exception as e:  # noqa: BLE001 - report and go on
@@ -179,7 +181,7 @@ def main() -> int:
                 + f" ({100 * b.get('bw_frac', 0):.0f}% of copy BW)",
                 flush=True,
             )
-        del ws, ss, qs, wb
+        del ws, ss, ps, qs, wb
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -67,13 +67,25 @@ def repack_mma(codes: torch.Tensor) -> torch.Tensor:
     if n % TILE_N or k % TILE_K:
         raise ValueError(f"repack_mma needs N % {TILE_N} == 0 and K % {TILE_K} == 0, got {n}x{k}")
     u = codes.to(torch.int64) & 0xF
-    # col = ng*16 + h*8 + g ; k = kb*64 + c*16 + half*8 + v*2 + e
-    u = u.view(n // 16, 2, 8, k // 64, 4, 2, 4, 2)  # ng, h, g, kb, c, half, v, e
-    u = u.permute(0, 3, 2, 4, 6, 7, 5, 1)  # ng, kb, g, c, v, e, half, h
+    # col = ng*16 + h*8 + g ; k = kb*64 + c*16 + v*4 + half*2 + e
+    u = u.view(n // 16, 2, 8, k // 64, 4, 4, 2, 2)  # ng, h, g, kb, c, v, half, e
+    u = u.permute(0, 3, 2, 4, 5, 7, 6, 1)  # ng, kb, g, c, v, e, half, h
     u = u.reshape(-1, 8)  # nibble i = 4e + 2half + h at bits 4i
     shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * 4
     words = (u << shifts).sum(-1)
     return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
+
+
+def repack_mma_scales(scales_t: torch.Tensor) -> torch.Tensor:
+    """Scales [groups, N] (bf16) -> int32 [N / 16, groups, 8]: word g of a (column group, scale
+    group) holds the scales of the tile columns g (low half) and g + 8 (high half), the two
+    columns MMA lane group g accumulates."""
+    groups, n = scales_t.shape
+    if scales_t.dtype != torch.bfloat16 or n % TILE_N:
+        raise ValueError(f"repack_mma_scales takes bf16 [groups, N % 16 == 0], got {scales_t.dtype}")
+    s = scales_t.t().contiguous().view(n // 16, 2, 8, groups)  # ng, h, g, group
+    s = s.permute(0, 3, 2, 1).contiguous()  # ng, group, g, h
+    return s.view(torch.int32).view(n // 16, groups, 8).contiguous()
 
 
 def unpack_mma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -81,7 +93,7 @@ def unpack_mma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
     shifts = torch.arange(8, device=words.device, dtype=torch.int32) * 4
     u = (words.view(-1, 1) >> shifts) & 0xF  # [tiles*128, 8]
     u = u.view(n // 16, k // 64, 8, 4, 4, 2, 2, 2)  # ng, kb, g, c, v, e, half, h
-    u = u.permute(0, 7, 2, 1, 3, 6, 4, 5)  # ng, h, g, kb, c, half, v, e
+    u = u.permute(0, 7, 2, 1, 3, 4, 6, 5)  # ng, h, g, kb, c, v, half, e
     return u.reshape(n, k).to(torch.uint8)
 
 
@@ -123,8 +135,8 @@ def mma_gemv_emulate(
                         a[g + 8, 2 * c], a[g + 8, 2 * c + 1] = vals[2], vals[3]
                         a[g, 2 * c + 8], a[g, 2 * c + 9] = vals[4], vals[5]
                         a[g + 8, 2 * c + 8], a[g + 8, 2 * c + 9] = vals[6], vals[7]
-                        ka = kb * 64 + 16 * c + 2 * v
-                        kb_ = ka + 8
+                        ka = kb * 64 + 16 * c + 4 * v
+                        kb_ = ka + 2
                         b[2 * c, g], b[2 * c + 1, g] = xb[g, ka], xb[g, ka + 1]
                         b[2 * c + 8, g], b[2 * c + 9, g] = xb[g, kb_], xb[g, kb_ + 1]
                 d += a @ b
@@ -134,19 +146,22 @@ def mma_gemv_emulate(
     return out[:m]
 
 
-# The per-thread asm: 4 words (pack = 4), 4 int32 of x pairs for slots 2c, 2c+1 (xa) and
-# 4 for slots 2c+8, 2c+9 (xb), one per MMA v; out: the 4 fp32 accumulators (c0..c3) of the
-# tile, from zero.
+# The per-thread asm (pack = 4: each operand is 4 consecutive elements of the thread's row):
+# $4-$7 the 4 words (one per MMA v), $8-$11 and $12-$15 the lane's 8 int32 activation pairs
+# (MMA v reads pairs 2v, 2v+1: registers already adjacent as `mma` wants them), $16 the scale
+# pair (4 int8 elements = one register), $17-$20 the accumulators in, $0-$3 out:
+# acc += scale * (the tile's MMAs, from zero). The weights enter the MMA as 128 + u (exact
+# bf16); a second MMA per v with every A element -136 (exact) adds -136 * sum(x) into the same
+# fp32 accumulator, so the tile sums x * (u - 8) without a subtract per weight.
 _ASM = (
     """
 {
-.reg .b32 a0, a1, a2, a3, t, one, off;
-mov.b32 one, 0x3F803F80;
+.reg .b32 a0, a1, a2, a3, t, off, d0, d1, d2, d3, slo, shi;
 mov.b32 off, 0xC308C308;
-mov.b32 $0, 0;
-mov.b32 $1, 0;
-mov.b32 $2, 0;
-mov.b32 $3, 0;
+mov.b32 d0, 0;
+mov.b32 d1, 0;
+mov.b32 d2, 0;
+mov.b32 d3, 0;
 """
     + "".join(
         f"""
@@ -157,86 +172,80 @@ shr.u32 t, ${4 + v}, 8;
 lop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 t, ${4 + v}, 12;
 lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 a0, a0, one, off;
-fma.rn.bf16x2 a1, a1, one, off;
-fma.rn.bf16x2 a2, a2, one, off;
-fma.rn.bf16x2 a3, a3, one, off;
-mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, {{${8 + v}, ${12 + v}}}, {{$0, $1, $2, $3}};
+mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{${8 + 2 * v}, ${9 + 2 * v}}}, {{d0, d1, d2, d3}};
+mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{d0, d1, d2, d3}}, {{off, off, off, off}}, {{${8 + 2 * v}, ${9 + 2 * v}}}, {{d0, d1, d2, d3}};
 """
         for v in range(4)
     )
-    + "}"
+    + """
+shl.b32 slo, $16, 16;
+and.b32 shi, $16, 0xFFFF0000;
+fma.rn.f32 $0, d0, slo, $17;
+fma.rn.f32 $1, d1, slo, $18;
+fma.rn.f32 $2, d2, shi, $19;
+fma.rn.f32 $3, d3, shi, $20;
+}"""
 )
 _ASM = tl.constexpr(_ASM)
-_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 12))
+_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
 
 
 @triton.jit
-def _tile_mma(words, xa, xb, INTERPRET: tl.constexpr):
-    """[R, 128] words / x pairs -> [R, 128] fp32 accumulators (bit patterns in int32 on the
-    GPU). Under the Triton interpreter (no PTX) the same tile product, written with reshapes:
-    the CPU tests run the kernel's bookkeeping with it."""
+def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr):
+    """acc [R, 128] fp32 += scale * tile product, per thread: words / x1 / x2 [R, 128] int32,
+    sp [R, 128] int8 (4 bytes per lane: the scale pair). Under the Triton interpreter (no PTX)
+    the same arithmetic written with reshapes: the CPU tests run the kernel's bookkeeping."""
     if INTERPRET:
         R: tl.constexpr = words.shape[0]
         sh = tl.arange(0, 8) * 4
         q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32) - 8.0  # [R,128,8]
         q = tl.reshape(q, [R, 8, 4, 4, 2, 2, 2])  # g, c, v, e, half, h
-        w = tl.reshape(tl.permute(q, (0, 6, 1, 2, 5, 3, 4)), [R, 16, 64])  # (h g), (c half v e)
-        ja = tl.join(
-            (xa << 16).to(tl.float32, bitcast=True), (xa & -65536).to(tl.float32, bitcast=True)
-        )
-        jb = tl.join(
-            (xb << 16).to(tl.float32, bitcast=True), (xb & -65536).to(tl.float32, bitcast=True)
-        )
-        xx = tl.reshape(tl.join(ja, jb), [R, 8, 4, 4, 2, 2])  # n, c, v, e, half
-        xx = tl.reshape(tl.permute(xx, (0, 2, 5, 3, 4, 1)), [R, 64, 8])  # (c half v e), n
-        d = tl.sum(w[:, :, :, None] * xx[:, None, :, :], axis=2)  # [R, 16, 8]
-        d = tl.permute(tl.reshape(d, [R, 2, 8, 4, 2]), (0, 2, 3, 1, 4))  # g, c, h, e
-        return tl.reshape(d, [R, 128]).to(tl.int32, bitcast=True)
+        w = tl.reshape(tl.permute(q, (0, 6, 1, 2, 3, 5, 4)), [R, 16, 64])  # (h g), (c v half e)
+        xw = tl.join(x1, x2)  # [R, 128, 2]: pair p = 4 * which + v'
+        xf = tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True))
+        xf = tl.reshape(xf, [R, 8, 4, 4, 2, 2])  # n, c, v', which, e
+        xf = tl.reshape(tl.permute(xf, (0, 2, 4, 3, 5, 1)), [R, 64, 8])  # (c which v' e), n
+        d = tl.sum(w[:, :, :, None] * xf[:, None, :, :], axis=2)  # [R, 16, 8]
+        d = tl.reshape(tl.permute(tl.reshape(d, [R, 2, 8, 4, 2]), (0, 2, 3, 1, 4)), [R, 128])
+        # the scale pair: bytes of (s[g] | s[g + 8] << 16), element v's column is g + 8 (v // 2)
+        b = tl.reshape(sp.to(tl.uint8).to(tl.int32), [R, 32, 4])
+        pair = tl.sum(b << (tl.arange(0, 4) * 8)[None, None, :], axis=2)  # [R, 32]
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & -65536).to(tl.float32, bitcast=True)
+        sc = tl.join(tl.join(lo, hi), tl.join(lo, hi))  # [R, 32, which, t]: v = 2 which + t
+        return acc + d * tl.reshape(sc, [R, 128])
     else:
         return tl.inline_asm_elementwise(
-            _ASM, _CONSTRAINTS, [words, xa, xb], dtype=tl.int32, is_pure=True, pack=4
-        )
+            _ASM,
+            _CONSTRAINTS,
+            [words, x1, x2, sp, acc.to(tl.int32, bitcast=True)],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=4,
+        ).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _load_w(ng, pos, ok_step, kb_total, r, j, col_in, w_ptr, s_ptr, stride_sg,
-            KT: tl.constexpr, GROUP_TILES: tl.constexpr):  # fmt: skip
-    """Words [KT, 128] and scales of step (group ng, position pos); zeros when not ok_step."""
-    kb = pos * KT + r
-    ok = kb < tl.where(ok_step, kb_total, 0)
-    words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j, mask=ok, other=0)
+def _load_step(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, x_lane, KT: tl.constexpr,
+               GROUP_TILES: tl.constexpr):  # fmt: skip
+    """Words, activation pairs and scale pairs of step (column group ng, position pos). No
+    masks: the caller keeps (ng, pos) valid, K tiles per step divide K / 64, and lanes past
+    M read row M - 1 (their MMA columns are never stored)."""
+    kb = pos * KT + r  # [KT, 1]
+    words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
+    x1 = tl.load(x_lane + kb * 32)
+    x2 = tl.load(x_lane + kb * 32 + 4)
     if GROUP_TILES > 0:
-        scale = tl.load(
-            s_ptr + (kb // GROUP_TILES) * stride_sg + ng * 16 + col_in, mask=ok, other=0.0
-        )
+        grp = kb // GROUP_TILES
     else:
-        scale = tl.zeros([KT, 128], dtype=tl.bfloat16)
-    return words, scale
+        grp = kb * 0
+    sp = tl.load(sp_ptr + ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4)
+    return words, x1, x2, sp
 
 
 @triton.jit
-def _load_x(pos, ok_step, kb_total, r, x_lane, x_ok, KT: tl.constexpr):
-    """The activation pairs of step `pos` as each lane feeds them to the MMAs (B fragments)."""
-    kb = pos * KT + r
-    ok = (kb < tl.where(ok_step, kb_total, 0)) & x_ok
-    xa = tl.load(x_lane + kb * 32, mask=ok, other=0)
-    xb = tl.load(x_lane + kb * 32 + 4, mask=ok, other=0)
-    return xa, xb
-
-
-@triton.jit
-def _mma_step(acc, words, scale, xa, xb, GROUP_TILES: tl.constexpr, INTERPRET: tl.constexpr):
-    d = _tile_mma(words, xa, xb, INTERPRET).to(tl.float32, bitcast=True)
-    if GROUP_TILES > 0:
-        return acc + d * scale.to(tl.float32)
-    else:
-        return acc + d
-
-
-@triton.jit
-def _flush(acc, ng, n_done, steps_per_group, M, N, s_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr,
-           cnt_ptr, stride_om, GROUP_TILES: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+def _flush(acc, ng, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+           stride_om, HAS_BIAS: tl.constexpr):  # fmt: skip
     """Column group ng's sum over this program's last n_done steps: stored when they are the
     whole group, else added to the fp32 workspace; the last contributor (counting steps per
     group) stores the total and re-zeroes the workspace and the counter."""
@@ -246,8 +255,6 @@ def _flush(acc, ng, n_done, steps_per_group, M, N, s_ptr, b_ptr, out_ptr, ws_ptr
     col = ng * 16 + jj // 16 + 8 * (vv // 2)
     m = 2 * ((jj // 4) % 4) + vv % 2
     okm = m < M
-    if GROUP_TILES == 0:
-        part *= tl.load(s_ptr + col, mask=okm, other=0.0).to(tl.float32)
     if n_done == steps_per_group:
         if HAS_BIAS:
             part += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
@@ -268,21 +275,32 @@ def _flush(acc, ng, n_done, steps_per_group, M, N, s_ptr, b_ptr, out_ptr, ws_ptr
 
 
 @triton.jit
+def _next(ng, pos, steps_per_group, n_col_groups):
+    """The step after (ng, pos), clamped to the last step of the matrix."""
+    pos1 = pos + 1
+    wrap = pos1 == steps_per_group
+    ng1 = tl.where(wrap, ng + 1, ng)
+    pos1 = tl.where(wrap, 0, pos1)
+    last = ng1 == n_col_groups
+    return tl.where(last, ng, ng1), tl.where(last, pos, pos1)
+
+
+@triton.jit
 def _w4_mma_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-    M, N, K, total_steps, steps_per_group,
-    stride_xm, stride_sg, stride_om,
+    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    M, N, K, total_steps, steps_per_group, n_groups_s,
+    stride_xm, stride_om,
     GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
-    KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile)
+    KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile), divides K / 64
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Stream-K over the (column group, K step) sequence [N/16][cdiv(K/64, KT)]: each program
-    takes an equal contiguous range and walks it two steps per iteration, ping-ponging two
-    register sets (A, B): B's loads are issued before A's MMAs and A's next loads before B's
-    MMAs, so each step's words, scales and activations are in flight during the other step's
-    math. (With one register set, ptxas orders the next loads after the MMAs that read the
+    """Stream-K over the (column group, K step) sequence [N/16][K/64/KT]: each program takes an
+    equal contiguous range and walks it two steps per iteration, ping-ponging two register
+    sets (A, B): B's loads are issued before A's MMAs and A's next loads before B's MMAs, so
+    each step's words, scales and activations are in flight during the other step's math.
+    (With one register set, ptxas orders the next loads after the MMAs that read the
     registers those loads overwrite: no overlap at all.) The first step's weights and scales
     are loaded before `gdc_wait`: they never depend on the previous kernel. A column group's
     sum is flushed when the program leaves the group (`_flush`)."""
@@ -293,53 +311,50 @@ def _w4_mma_gemv_kernel(
     s_begin = pid * per + tl.minimum(pid, rem)
     n_steps = per + (pid < rem).to(tl.int32)
     kb_total = K // 64
+    n_col_groups = N // 16
     r = tl.arange(0, KT)[:, None]
     j = tl.arange(0, 128)[None, :]
     v = j % 4
-    g = j // 16
+    g = tl.minimum(j // 16, M - 1)
     c = (j // 4) % 4
-    x_ok = g < M
-    x_lane = x_ptr + g * stride_xm + 8 * c + v  # int32 pairs; + kb * 32
-    col_in = g + 8 * (v // 2)  # [1, 128] the accumulator's column within its group
+    x_lane = x_ptr + g * stride_xm + 8 * c + v  # int32 pairs; + kb * 32 (+ 4 for x2)
 
-    # A: the step at (group ng, position pos); B: the one after it.
     ng = s_begin // steps_per_group
     pos = s_begin % steps_per_group
     n_done = 0  # steps of the current group done by this program since its last flush
-    wa, sa = _load_w(ng, pos, n_steps > 0, kb_total, r, j, col_in, w_ptr, s_ptr, stride_sg,
-                     KT, GROUP_TILES)  # fmt: skip
+    kb = pos * KT + r
+    wa = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
+    if GROUP_TILES > 0:
+        grp = kb // GROUP_TILES
+    else:
+        grp = kb * 0
+    spa = tl.load(sp_ptr + ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    xa_a, xb_a = _load_x(pos, n_steps > 0, kb_total, r, x_lane, x_ok, KT)
+    x1a = tl.load(x_lane + kb * 32)
+    x2a = tl.load(x_lane + kb * 32 + 4)
     acc = tl.zeros([KT, 128], dtype=tl.float32)
     for i in range(0, n_steps, 2):
-        pos_b = pos + 1
-        ng_b = tl.where(pos_b == steps_per_group, ng + 1, ng)
-        pos_b = tl.where(pos_b == steps_per_group, 0, pos_b)
-        ok_b = i + 1 < n_steps
-        wb, sb = _load_w(ng_b, pos_b, ok_b, kb_total, r, j, col_in, w_ptr, s_ptr, stride_sg,
-                         KT, GROUP_TILES)  # fmt: skip
-        xa_b, xb_b = _load_x(pos_b, ok_b, kb_total, r, x_lane, x_ok, KT)
-        acc = _mma_step(acc, wa, sa, xa_a, xb_a, GROUP_TILES, INTERPRET)
+        ng_b, pos_b = _next(ng, pos, steps_per_group, n_col_groups)
+        wb, x1b, x2b, spb = _load_step(ng_b, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr,
+                                       x_lane, KT, GROUP_TILES)  # fmt: skip
+        acc = _tile_mma(acc, wa, x1a, x2a, spa, INTERPRET)
         n_done += 1
+        ok_b = i + 1 < n_steps
         if (ng_b != ng) | (not ok_b):
-            _flush(acc, ng, n_done, steps_per_group, M, N, s_ptr, b_ptr, out_ptr, ws_ptr,
-                   wsi_ptr, cnt_ptr, stride_om, GROUP_TILES, HAS_BIAS)  # fmt: skip
+            _flush(acc, ng, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr, wsi_ptr,
+                   cnt_ptr, stride_om, HAS_BIAS)  # fmt: skip
             acc = tl.zeros([KT, 128], dtype=tl.float32)
             n_done = 0
-        pos = pos_b + 1
-        ng = tl.where(pos == steps_per_group, ng_b + 1, ng_b)
-        pos = tl.where(pos == steps_per_group, 0, pos)
-        ok_a = i + 2 < n_steps
-        wa, sa = _load_w(ng, pos, ok_a, kb_total, r, j, col_in, w_ptr, s_ptr, stride_sg,
-                         KT, GROUP_TILES)  # fmt: skip
-        xa_a, xb_a = _load_x(pos, ok_a, kb_total, r, x_lane, x_ok, KT)
+        ng, pos = _next(ng_b, pos_b, steps_per_group, n_col_groups)
+        wa, x1a, x2a, spa = _load_step(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr,
+                                       x_lane, KT, GROUP_TILES)  # fmt: skip
         if ok_b:
-            acc = _mma_step(acc, wb, sb, xa_b, xb_b, GROUP_TILES, INTERPRET)
+            acc = _tile_mma(acc, wb, x1b, x2b, spb, INTERPRET)
             n_done += 1
-            if (ng != ng_b) | (not ok_a):
-                _flush(acc, ng_b, n_done, steps_per_group, M, N, s_ptr, b_ptr, out_ptr, ws_ptr,
-                       wsi_ptr, cnt_ptr, stride_om, GROUP_TILES, HAS_BIAS)  # fmt: skip
+            if (ng != ng_b) | (i + 2 >= n_steps):
+                _flush(acc, ng_b, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr,
+                       wsi_ptr, cnt_ptr, stride_om, HAS_BIAS)  # fmt: skip
                 acc = tl.zeros([KT, 128], dtype=tl.float32)
                 n_done = 0
     if USE_PDL:
@@ -351,17 +366,25 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-MmaConfig = tuple[int, int, int]  # (KT, programs per SM, num_warps)
+MmaConfig = tuple[int, int, int]  # (K tiles per step (max), programs per SM, num_warps)
 
 
 def default_mma_config(m: int, n: int, k: int) -> MmaConfig:
-    return (8, 4, 2)
+    return (4, 8, 1)
+
+
+def _k_tiles_per_step(k: int, target: int) -> int:
+    kb = k // TILE_K
+    kt = 1
+    while kt * 2 <= target and kb % (kt * 2) == 0:
+        kt *= 2
+    return kt
 
 
 def wna16_mma_gemv(
     x: torch.Tensor,  # [M, K] bf16, M <= 8
     words: torch.Tensor,  # repack_mma output
-    scales_t: torch.Tensor,  # [groups, N] bf16
+    scale_pairs: torch.Tensor,  # repack_mma_scales output
     n: int,
     group_size: int,
     bias: torch.Tensor | None = None,  # [N]
@@ -372,14 +395,16 @@ def wna16_mma_gemv(
     from pagoda.kernels.triton_w4a16 import _serial_workspace
 
     m, k = x.shape
-    if m > MAX_M or x.dtype != torch.bfloat16:
-        raise ValueError(f"wna16_mma_gemv takes bf16 x with M <= {MAX_M}, got {x.dtype} M={m}")
+    if m > MAX_M or m < 1 or x.dtype != torch.bfloat16:
+        raise ValueError(f"wna16_mma_gemv takes bf16 x with 1 <= M <= {MAX_M}, got {x.dtype} M={m}")
     if not mma_supported(n, k, group_size, 4, False):
         raise ValueError(f"wna16_mma_gemv: unsupported shape N={n} K={k} group={group_size}")
-    kt, per_sm, warps = config or default_mma_config(m, n, k)
+    kt_target, per_sm, warps = config or default_mma_config(m, n, k)
+    kt = _k_tiles_per_step(k, kt_target)
+    warps = min(warps, kt)
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
     kb_total = k // TILE_K
-    steps_per_group = -(-kb_total // kt)
+    steps_per_group = kb_total // kt
     total = (n // TILE_N) * steps_per_group
     nprog = min(total, per_sm * num_sms)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
@@ -394,10 +419,10 @@ def wna16_mma_gemv(
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
     _w4_mma_gemv_kernel[(nprog,)](
-        xi, words, scales_t, bias if bias is not None else scales_t, out,
+        xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
         ws, ws.view(torch.int32), cnt,
-        m, n, k, total, steps_per_group,
-        xi.stride(0), scales_t.stride(0), out.stride(0),
+        m, n, k, total, steps_per_group, scale_pairs.shape[1],
+        xi.stride(0), out.stride(0),
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
         KT=kt,
         HAS_BIAS=bias is not None,
