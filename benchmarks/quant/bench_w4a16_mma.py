@@ -74,8 +74,8 @@ def time_graph(fn, copies: int, replays: int = 20) -> float:
 def configs(n: int, k: int, num_sms: int):
     """(K tiles per step, programs per SM, num_warps) of the stream-K kernel; default first."""
     out = [mma.default_mma_config(1, n, k)]
-    for kt, warps in ((2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (8, 4)):
-        for per_sm in (4, 6, 8, 12, 16):
+    for kt, warps in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 2), (8, 4)):
+        for per_sm in (6, 8, 12, 16, 24, 32):
             if (kt, per_sm, warps) not in out:
                 out.append((kt, per_sm, warps))
     return out

@@ -226,21 +226,28 @@ def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _load_step(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, x_lane, KT: tl.constexpr,
-               GROUP_TILES: tl.constexpr):  # fmt: skip
-    """Words, activation pairs and scale pairs of step (column group ng, position pos). No
-    masks: the caller keeps (ng, pos) valid, K tiles per step divide K / 64, and lanes past
-    M read row M - 1 (their MMA columns are never stored)."""
+def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT: tl.constexpr,
+            GROUP_TILES: tl.constexpr):  # fmt: skip
+    """Words and scale pairs of step (column group ng, position pos): the HBM stream. No masks:
+    the caller keeps (ng, pos) valid and K tiles per step divide K / 64."""
     kb = pos * KT + r  # [KT, 1]
     words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
-    x1 = tl.load(x_lane + kb * 32)
-    x2 = tl.load(x_lane + kb * 32 + 4)
     if GROUP_TILES > 0:
         grp = kb // GROUP_TILES
     else:
         grp = kb * 0
     sp = tl.load(sp_ptr + ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4)
-    return words, x1, x2, sp
+    return words, sp
+
+
+@triton.jit
+def _step(acc, words, sp, pos, r, x_lane, KT: tl.constexpr, INTERPRET: tl.constexpr):
+    """One step's MMAs; the activations are read here, just in time (L1 / L2 hits: every
+    program of an SM reads the same x), which keeps them out of the prefetched register sets."""
+    kb = pos * KT + r
+    x1 = tl.load(x_lane + kb * 32)
+    x2 = tl.load(x_lane + kb * 32 + 4)
+    return _tile_mma(acc, words, x1, x2, sp, INTERPRET)
 
 
 @triton.jit
@@ -322,23 +329,14 @@ def _w4_mma_gemv_kernel(
     ng = s_begin // steps_per_group
     pos = s_begin % steps_per_group
     n_done = 0  # steps of the current group done by this program since its last flush
-    kb = pos * KT + r
-    wa = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
-    if GROUP_TILES > 0:
-        grp = kb // GROUP_TILES
-    else:
-        grp = kb * 0
-    spa = tl.load(sp_ptr + ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4)
+    wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    x1a = tl.load(x_lane + kb * 32)
-    x2a = tl.load(x_lane + kb * 32 + 4)
     acc = tl.zeros([KT, 128], dtype=tl.float32)
     for i in range(0, n_steps, 2):
         ng_b, pos_b = _next(ng, pos, steps_per_group, n_col_groups)
-        wb, x1b, x2b, spb = _load_step(ng_b, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr,
-                                       x_lane, KT, GROUP_TILES)  # fmt: skip
-        acc = _tile_mma(acc, wa, x1a, x2a, spa, INTERPRET)
+        wb, spb = _load_w(ng_b, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        acc = _step(acc, wa, spa, pos, r, x_lane, KT, INTERPRET)
         n_done += 1
         ok_b = i + 1 < n_steps
         if (ng_b != ng) | (not ok_b):
@@ -347,10 +345,9 @@ def _w4_mma_gemv_kernel(
             acc = tl.zeros([KT, 128], dtype=tl.float32)
             n_done = 0
         ng, pos = _next(ng_b, pos_b, steps_per_group, n_col_groups)
-        wa, x1a, x2a, spa = _load_step(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr,
-                                       x_lane, KT, GROUP_TILES)  # fmt: skip
+        wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
         if ok_b:
-            acc = _tile_mma(acc, wb, x1b, x2b, spb, INTERPRET)
+            acc = _step(acc, wb, spb, pos_b, r, x_lane, KT, INTERPRET)
             n_done += 1
             if (ng != ng_b) | (i + 2 >= n_steps):
                 _flush(acc, ng_b, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr,
