@@ -168,6 +168,15 @@ def main() -> int:
                     sweep.append(rec)
                     if best is None or rec["us"] < best["us"]:
                         best = rec
+            if best is not None:  # the same loads without the math: the memory system's share
+                cfg = tuple(best["config"])
+                t = time_graph(
+                    lambda i, cfg=cfg: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg, dry=True),
+                    copies,
+                )
+                row["dry_us"] = t * 1e6
+                row["dry_bw_frac"] = int4_bytes / t / bw
+                print(f"  {name} M={m} {cfg}: loads only {t * 1e6:.1f} us ({100 * row['dry_bw_frac']:.0f}% of copy BW)", flush=True)
             row["mma_default_us"] = sweep[0].get("us")
             row["mma_best"] = best
             row["sweep"] = sweep

@@ -191,11 +191,13 @@ _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
 
 
 @triton.jit
-def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr):
+def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr, DRY: tl.constexpr = False):
     """acc [R, 128] fp32 += scale * tile product, per thread: words / x1 / x2 [R, 128] int32,
     sp [R, 128] int8 (4 bytes per lane: the scale pair). Under the Triton interpreter (no PTX)
     the same arithmetic written with reshapes: the CPU tests run the kernel's bookkeeping."""
-    if INTERPRET:
+    if DRY:  # benchmark only: the same loads, no math (what the memory system alone gives)
+        return acc + (words ^ x1 ^ x2 ^ sp.to(tl.int32)).to(tl.float32)
+    elif INTERPRET:
         R: tl.constexpr = words.shape[0]
         sh = tl.arange(0, 8) * 4
         q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32) - 8.0  # [R,128,8]
@@ -241,13 +243,14 @@ def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT: tl.constexpr
 
 
 @triton.jit
-def _step(acc, words, sp, pos, r, x_lane, KT: tl.constexpr, INTERPRET: tl.constexpr):
+def _step(acc, words, sp, pos, r, x_lane, KT: tl.constexpr, INTERPRET: tl.constexpr,
+          DRY: tl.constexpr):
     """One step's MMAs; the activations are read here, just in time (L1 / L2 hits: every
     program of an SM reads the same x), which keeps them out of the prefetched register sets."""
     kb = pos * KT + r
     x1 = tl.load(x_lane + kb * 32)
     x2 = tl.load(x_lane + kb * 32 + 4)
-    return _tile_mma(acc, words, x1, x2, sp, INTERPRET)
+    return _tile_mma(acc, words, x1, x2, sp, INTERPRET, DRY)
 
 
 @triton.jit
@@ -301,6 +304,7 @@ def _w4_mma_gemv_kernel(
     KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile), divides K / 64
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
+    DRY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Stream-K over the (column group, K step) sequence [N/16][K/64/KT]: each program takes an
@@ -336,7 +340,7 @@ def _w4_mma_gemv_kernel(
     for i in range(0, n_steps, 2):
         ng_b, pos_b = _next(ng, pos, steps_per_group, n_col_groups)
         wb, spb = _load_w(ng_b, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-        acc = _step(acc, wa, spa, pos, r, x_lane, KT, INTERPRET)
+        acc = _step(acc, wa, spa, pos, r, x_lane, KT, INTERPRET, DRY)
         n_done += 1
         ok_b = i + 1 < n_steps
         if (ng_b != ng) | (not ok_b):
@@ -347,7 +351,7 @@ def _w4_mma_gemv_kernel(
         ng, pos = _next(ng_b, pos_b, steps_per_group, n_col_groups)
         wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
         if ok_b:
-            acc = _step(acc, wb, spb, pos_b, r, x_lane, KT, INTERPRET)
+            acc = _step(acc, wb, spb, pos_b, r, x_lane, KT, INTERPRET, DRY)
             n_done += 1
             if (ng != ng_b) | (i + 2 >= n_steps):
                 _flush(acc, ng_b, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr,
@@ -387,6 +391,7 @@ def wna16_mma_gemv(
     bias: torch.Tensor | None = None,  # [N]
     config: MmaConfig | None = None,
     out_dtype: torch.dtype | None = None,
+    dry: bool = False,  # benchmarks: the loads without the math (wrong results)
 ) -> torch.Tensor:  # [M, N]
     """y = x @ dequant(W).T (+ bias), W stored by `repack_mma`, 4-bit symmetric."""
     from pagoda.kernels.triton_w4a16 import _serial_workspace
@@ -424,6 +429,7 @@ def wna16_mma_gemv(
         KT=kt,
         HAS_BIAS=bias is not None,
         INTERPRET=_INTERPRET,
+        DRY=dry,
         num_warps=warps,
         **pdl_launch_args(x),
     )  # fmt: skip
