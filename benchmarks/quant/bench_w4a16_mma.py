@@ -72,17 +72,21 @@ def time_graph(fn, copies: int, replays: int = 20) -> float:
 
 
 def configs(n: int, k: int, num_sms: int):
-    """(K tiles per step, programs per SM, num_warps) of the stream-K kernel; default first."""
-    out = [mma.default_mma_config(1, n, k)]
-    for kt, warps in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 2), (8, 4)):
-        for per_sm in (6, 8, 12, 16, 24, 32):
-            if (kt, per_sm, warps) not in out:
-                out.append((kt, per_sm, warps))
+    """("sk", (K tiles per step, programs per SM, warps)) stream-K kernel, default first;
+    ("pipe", (K tiles per step, split, warps, stages)) software-pipelined split-K kernel."""
+    out = [("sk", mma.default_mma_config(1, n, k)), ("sk", (2, 24, 1)), ("sk", (4, 12, 1))]
+    for kt in (2, 4, 8):
+        for warps in (1, 2):
+            for stages in (3, 4, 6):
+                for split in (1, 2, 4):
+                    out.append(("pipe", (kt, split, warps, stages)))
     return out
 
 
-def run_cfg(kind, cfg, x, words, scales_t, n, G):
-    return mma.wna16_mma_gemv(x, words, scales_t, n, G, config=cfg)
+def run_cfg(kind, cfg, x, words, pairs, n, G, dry=False):
+    if kind == "pipe":
+        return mma.wna16_mma_gemv_pipe(x, words, pairs, n, G, config=cfg)
+    return mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, dry=dry)
 
 
 def main() -> int:
@@ -131,8 +135,7 @@ def main() -> int:
             best = None
             sweep = []
             cfgs = configs(n, k, num_sms)[:1] if args.quick else configs(n, k, num_sms)
-            for cfg in cfgs:
-                kind = "sk"
+            for kind, cfg in cfgs:
                 for pre in (True,):
                     try:
                         y = run_cfg(kind, cfg, x, words, pairs, n, G)
@@ -168,7 +171,7 @@ def main() -> int:
                     sweep.append(rec)
                     if best is None or rec["us"] < best["us"]:
                         best = rec
-            if best is not None:  # the same loads without the math: the memory system's share
+            if best is not None and best["kind"] == "sk":  # the loads without the math
                 cfg = tuple(best["config"])
                 t = time_graph(
                     lambda i, cfg=cfg: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg, dry=True),
