@@ -436,75 +436,78 @@ def wna16_mma_gemv(
     return out
 
 
+
 @triton.jit
-def _w4_mma_gemv_pipe_kernel(
+def _w4_mma_gemv_grid_kernel(
     x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-    M, N, K, kb_per_split, n_groups_s,
+    M, N, K, steps_per_split, n_groups_s,
     stride_xm, stride_om,
     GROUP_TILES: tl.constexpr,
     KT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    DRY: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Split-K grid (column group, K slice), a plain K loop that Triton software-pipelines
-    (NUM_STAGES weight tiles in flight through shared memory), serial split-K reduction."""
+    """Grid (column group, K slice): one flush per program, at the end (no split: a plain
+    store), the K slice walked two steps per iteration with ping-ponged register sets."""
     ng = tl.program_id(0)
     pid_k = tl.program_id(1)
     kb_total = K // 64
-    kb_start = pid_k * kb_per_split
-    kb_end = tl.minimum(kb_start + kb_per_split, kb_total)
+    steps_total = kb_total // KT
+    s0 = pid_k * steps_per_split
+    n_steps = tl.minimum(steps_per_split, steps_total - s0)
     r = tl.arange(0, KT)[:, None]
     j = tl.arange(0, 128)[None, :]
     v = j % 4
     g = tl.minimum(j // 16, M - 1)
     c = (j // 4) % 4
     x_lane = x_ptr + g * stride_xm + 8 * c + v
+    pos = s0
+    wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([KT, 128], dtype=tl.float32)
-    for kb0 in tl.range(kb_start, kb_end, KT, num_stages=NUM_STAGES):
-        kb = kb0 + r
-        words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
-        if GROUP_TILES > 0:
-            grp = kb // GROUP_TILES
-        else:
-            grp = kb * 0
-        sp = tl.load(sp_ptr + ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4)
-        x1 = tl.load(x_lane + kb * 32)
-        x2 = tl.load(x_lane + kb * 32 + 4)
-        acc = _tile_mma(acc, words, x1, x2, sp, INTERPRET)
+    last = s0 + n_steps - 1
+    for i in range(0, n_steps, 2):
+        pos_b = tl.minimum(pos + 1, last)
+        wb, spb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        acc = _step(acc, wa, spa, pos, r, x_lane, KT, INTERPRET, DRY)
+        pos_a = tl.minimum(pos + 2, last)
+        wa, spa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        if i + 1 < n_steps:
+            acc = _step(acc, wb, spb, pos_b, r, x_lane, KT, INTERPRET, DRY)
+        pos = pos_a
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    n_done = (kb_end - kb_start) // KT
-    _flush(acc, ng, n_done, kb_total // KT, M, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    _flush(acc, ng, n_steps, steps_total, M, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
            stride_om, HAS_BIAS)  # fmt: skip
 
 
-def wna16_mma_gemv_pipe(x, words, scale_pairs, n, group_size, bias=None, config=None, out_dtype=None):
-    """Benchmark variant: config = (KT, split, num_warps, num_stages)."""
+def wna16_mma_gemv_grid(x, words, scale_pairs, n, group_size, bias=None, config=None,
+                        out_dtype=None, dry=False):  # fmt: skip
+    """config = (KT, split, num_warps)."""
     from pagoda.kernels.triton_w4a16 import _serial_workspace
 
     m, k = x.shape
-    kt_t, split, warps, stages = config
+    kt_t, split, warps = config
     kt = _k_tiles_per_step(k, kt_t)
     warps = min(warps, kt)
-    kb_total = k // TILE_K
-    per = -(-(kb_total // kt) // split) * kt
-    split = -(-kb_total // per)
+    steps_total = (k // TILE_K) // kt
+    per = -(-steps_total // split)
+    split = -(-steps_total // per)
     xi = x.contiguous().view(torch.int32)
     out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     ws, cnt = _serial_workspace(x.device, m * n, n // TILE_N)
     per_channel = group_size <= 0 or group_size >= k
-    _w4_mma_gemv_pipe_kernel[(n // TILE_N, split)](
+    _w4_mma_gemv_grid_kernel[(n // TILE_N, split)](
         xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
         ws, ws.view(torch.int32), cnt,
         m, n, k, per, scale_pairs.shape[1],
         xi.stride(0), out.stride(0),
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
-        KT=kt, HAS_BIAS=bias is not None, INTERPRET=_INTERPRET, NUM_STAGES=stages,
-        num_warps=warps, num_stages=stages,
+        KT=kt, HAS_BIAS=bias is not None, INTERPRET=_INTERPRET, DRY=dry,
+        num_warps=warps,
         **pdl_launch_args(x),
     )  # fmt: skip
     return out
