@@ -6,6 +6,7 @@
 #
 #   OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
+# Steps (session 5): mma_tests mma_bench ab_mma
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab w4a16_latency gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
 set -u
@@ -243,6 +244,21 @@ step_ab7b_final() {
   latrun w4a16_lm_head "config:$CFG7:w4a16-lm_head"
 }
 step_compare7b() { compare 7b; }
+# session 5: the tensor-core W4A16 GEMV (pagoda/kernels/triton_w4a16_mma.py)
+step_mma_tests() {
+  run mma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py tests/kernels/test_triton_w4a16.py \
+    tests/quant/test_lm_head.py
+}
+step_mma_bench() {
+  run mma_bench 240 python3 benchmarks/quant/bench_w4a16_mma.py --out "$R/w4a16_mma_h200.json"
+}
+step_ab_mma() {
+  latrun bf16 "config:$CFG7"
+  latrun w4a16 "config:$CFG7:w4a16"
+  latrun w4a16_nomma "config:$CFG7:w4a16" PAGODA_W4A16_MMA=0
+  latrun w4a16_lm_head "config:$CFG7:w4a16-lm_head"
+}
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
 cat "$R/gpu.txt"

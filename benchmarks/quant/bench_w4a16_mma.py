@@ -71,28 +71,24 @@ def time_graph(fn, copies: int, replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def configs(n: int, k: int, num_sms: int):
-    """("sk", (K tiles per step, programs per SM, warps)): stream-K kernel, default first;
-    ("grid", (K tiles per step, split, warps)): one program per (column group, K slice)."""
-    out = [("sk", mma.default_mma_config(1, n, k)), ("sk", (2, 24, 1)), ("sk", (4, 12, 1))]
-    for kt, warps in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8)):
-        for split in (1, 2, 4, 8):
-            out.append(("grid", (kt, split, warps)))
+def configs(m: int, n: int, k: int, num_sms: int):
+    """(K tiles per step, split-K, warps): the default first."""
+    out = [mma.default_mma_config(m, n, k, num_sms)]
+    for kt, warps in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 2), (8, 4)):
+        for split in (1, 2, 4, 8, 16):
+            if (kt, split, warps) not in out:
+                out.append((kt, split, warps))
     return out
-
-
-def run_cfg(kind, cfg, x, words, pairs, n, G, dry=False):
-    if kind == "grid":
-        return mma.wna16_mma_gemv_grid(x, words, pairs, n, G, config=cfg, dry=dry)
-    return mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, dry=dry)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="w4a16_mma.json")
-    ap.add_argument("--ms", default="1,4,8")
-    ap.add_argument("--quick", action="store_true", help="default config only")
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--sweep-ms", default="1,16,64", help="M values with a config sweep")
     args = ap.parse_args()
+    from pagoda.kernels.triton_w4a16 import wna16_dequant_linear, wna16_gemm
+
     torch.manual_seed(0)
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -102,6 +98,7 @@ def main() -> int:
     print(f"{props.name}: {num_sms} SMs, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"gpu": props.name, "copy_bw": bw, "rows": []}
     G = 128
+    sweep_ms = {int(v) for v in args.sweep_ms.split(",")}
     for name, (n, k) in SHAPES.items():
         u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
         scales = (torch.rand(n, k // G, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
@@ -114,81 +111,80 @@ def main() -> int:
         copies = max(2, -(-4 * l2 // int4_bytes))
         copies_bf16 = max(2, -(-4 * l2 // (n * k * 2)))
         ws = [words] + [words.clone() for _ in range(copies - 1)]
-        ss = [scales_t] + [scales_t.clone() for _ in range(copies - 1)]
         ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
+        ss = [scales_t] + [scales_t.clone() for _ in range(copies - 1)]
         qs = [qweight_t] + [qweight_t.clone() for _ in range(copies - 1)]
         wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
-        for m in [int(s) for s in args.ms.split(",")]:
+        for m in [int(v) for v in args.ms.split(",")]:
             x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
             ref = x.float() @ w_deq.float().t()
             tol = 2e-2 * ref.abs().max().item()
-            row = {"layer": name, "n": n, "k": k, "m": m}
-            t = time_graph(lambda i: torch.nn.functional.linear(x, wb[i]), copies_bf16)
-            row["bf16_cublas_us"] = t * 1e6
+            row = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": int4_bytes}
+            row["bf16_cublas_us"] = 1e6 * time_graph(
+                lambda i, x=x: torch.nn.functional.linear(x, wb[i]), copies_bf16
+            )
             if m == 1:
-                t = time_graph(lambda i: gemv_bf16(x, wb[i], None), copies_bf16)
-                row["bf16_gemv_us"] = t * 1e6
-            t = time_graph(lambda i: wna16_gemv(x, qs[i], ss[i], None, G), copies)
-            row["fma_gemv_us"] = t * 1e6
-            best = None
-            sweep = []
-            cfgs = configs(n, k, num_sms)[:1] if args.quick else configs(n, k, num_sms)
-            for kind, cfg in cfgs:
-                for pre in (True,):
+                row["bf16_gemv_us"] = 1e6 * time_graph(lambda i, x=x: gemv_bf16(x, wb[i], None), copies_bf16)
+            if m <= 16:
+                row["fma_gemv_us"] = 1e6 * time_graph(
+                    lambda i, x=x: wna16_gemv(x, qs[i], ss[i], None, G), copies
+                )
+            else:
+                row["triton_gemm_us"] = 1e6 * time_graph(
+                    lambda i, x=x: wna16_gemm(x, qs[i], ss[i], None, G, 4), copies
+                )
+                row["old_dequant_cublas_us"] = 1e6 * time_graph(
+                    lambda i, x=x: wna16_dequant_linear(x, qs[i], ss[i], None, G, 4), copies
+                )
+            row["mma_dequant_cublas_us"] = 1e6 * time_graph(
+                lambda i, x=x: torch.nn.functional.linear(x, mma.wna16_mma_dequant(ws[i], ps[i], n, k, G)),
+                copies,
+            )
+            y = mma.wna16_mma_dequant(words, pairs, n, k, G)
+            row["mma_dequant_exact"] = bool(torch.equal(y, w_deq))
+            sweep, best = [], None
+            cfgs = configs(m, n, k, num_sms) if m in sweep_ms else configs(m, n, k, num_sms)[:1]
+            if m <= mma.MAX_ROWS:
+                for cfg in cfgs:
                     try:
-                        y = run_cfg(kind, cfg, x, words, pairs, n, G)
+                        y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg)
                         err = (y.float() - ref).abs().max().item()
                         if not err <= tol:
-                            sweep.append(
-                                {
-                                    "config": cfg,
-                                    "prefetch": pre,
-                                    "error": f"max err {err:.3g} > {tol:.3g}",
-                                }
-                            )
-                            print(
-                                f"  {name} M={m} {cfg} WRONG err {err:.3g} (tol {tol:.3g})",
-                                flush=True,
-                            )
+                            sweep.append({"config": cfg, "error": f"max err {err:.3g} > {tol:.3g}"})
+                            print(f"  {name} M={m} {cfg} WRONG err {err:.3g} (tol {tol:.3g})", flush=True)
                             continue
                         t = time_graph(
-                            lambda i, kind=kind, cfg=cfg: run_cfg(kind, cfg, x, ws[i], ps[i], n, G),
+                            lambda i, cfg=cfg, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg),
                             copies,
                         )
                     except Exception as e:  # noqa: BLE001 - report and go on
-                        sweep.append({"config": cfg, "prefetch": pre, "error": repr(e)[:300]})
+                        sweep.append({"config": cfg, "error": repr(e)[:300]})
                         print(f"  {name} M={m} {cfg} FAILED {e!r}"[:400], flush=True)
                         continue
-                    rec = {
-                        "kind": kind,
-                        "config": cfg,
-                        "us": t * 1e6,
-                        "max_err": err,
-                        "bw_frac": int4_bytes / t / bw,
-                    }
+                    rec = {"config": cfg, "us": t * 1e6, "max_err": err, "bw_frac": int4_bytes / t / bw}
                     sweep.append(rec)
                     if best is None or rec["us"] < best["us"]:
                         best = rec
-            if best is not None:  # the same loads without the math: the memory system's share
-                cfg = tuple(best["config"])
-                t = time_graph(
-                    lambda i, cfg=cfg, kind=best["kind"]: run_cfg(kind, cfg, x, ws[i], ps[i], n, G, dry=True),
-                    copies,
-                )
-                row["dry_us"] = t * 1e6
-                row["dry_bw_frac"] = int4_bytes / t / bw
-                print(f"  {name} M={m} {cfg}: loads only {t * 1e6:.1f} us ({100 * row['dry_bw_frac']:.0f}% of copy BW)", flush=True)
-            row["mma_default_us"] = sweep[0].get("us")
-            row["mma_best"] = best
-            row["sweep"] = sweep
+                row["mma_default_us"] = sweep[0].get("us")
+                row["mma_best"] = best
+                row["sweep"] = sweep
+                if m == 1 and best is not None:  # the loads alone: the memory system's share
+                    cfg = tuple(best["config"])
+                    t = time_graph(
+                        lambda i, cfg=cfg, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg, dry=True),
+                        copies,
+                    )
+                    row["dry_us"], row["dry_bw_frac"] = t * 1e6, int4_bytes / t / bw
             results["rows"].append(row)
             b = best or {}
+            old = row.get("fma_gemv_us") or min(row["triton_gemm_us"], row["old_dequant_cublas_us"])
             print(
-                f"{name:8s} M={m}: bf16 {row['bf16_cublas_us']:6.1f}"
-                + (f" gemv {row['bf16_gemv_us']:6.1f}" if m == 1 else "")
-                + f" | fma {row['fma_gemv_us']:6.1f} | mma default {row['mma_default_us'] or 0:6.1f}"
-                + f" best {b.get('us', 0):6.1f} {b.get('kind')} {b.get('config')}"
-                + f" ({100 * b.get('bw_frac', 0):.0f}% of copy BW)",
+                f"{name:8s} M={m:3d}: bf16 {row['bf16_cublas_us']:6.1f}"
+                + (f" (gemv {row['bf16_gemv_us']:5.1f})" if m == 1 else "")
+                + f" | old W4A16 {old:6.1f} | MMA default {row.get('mma_default_us') or 0:6.1f}"
+                + f" best {b.get('us', 0):6.1f} {b.get('config')} ({100 * b.get('bw_frac', 0):.0f}% BW)"
+                + f" | MMA dequant+cuBLAS {row['mma_dequant_cublas_us']:6.1f}"
+                + (f" | loads only {row['dry_us']:.1f} ({100 * row['dry_bw_frac']:.0f}%)" if "dry_us" in row else ""),
                 flush=True,
             )
         del ws, ss, ps, qs, wb

@@ -49,7 +49,8 @@ from pagoda.kernels.pdl import pdl_launch_args
 
 TILE_N = 16  # output columns per tile (the MMA's M)
 TILE_K = 64  # K per tile (four MMAs of K = 16)
-MAX_M = 8  # activation rows (the MMA's N)
+MAX_M = 8  # activation rows per MMA (its N)
+MAX_ROWS = 64  # rows per call: up to 8 blocks of 8 share each dequantized fragment
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -82,10 +83,19 @@ def repack_mma_scales(scales_t: torch.Tensor) -> torch.Tensor:
     columns MMA lane group g accumulates."""
     groups, n = scales_t.shape
     if scales_t.dtype != torch.bfloat16 or n % TILE_N:
-        raise ValueError(f"repack_mma_scales takes bf16 [groups, N % 16 == 0], got {scales_t.dtype}")
+        raise ValueError(
+            f"repack_mma_scales takes bf16 [groups, N % 16 == 0], got {scales_t.dtype}"
+        )
     s = scales_t.t().contiguous().view(n // 16, 2, 8, groups)  # ng, h, g, group
     s = s.permute(0, 3, 2, 1).contiguous()  # ng, group, g, h
     return s.view(torch.int32).view(n // 16, groups, 8).contiguous()
+
+
+def unpack_mma_scales(scale_pairs: torch.Tensor) -> torch.Tensor:
+    """Inverse of `repack_mma_scales`: [groups, N] bf16."""
+    ncg, groups, _ = scale_pairs.shape
+    s = scale_pairs.contiguous().view(torch.bfloat16).view(ncg, groups, 8, 2)  # ng, group, g, h
+    return s.permute(1, 0, 3, 2).reshape(groups, ncg * 16).contiguous()
 
 
 def unpack_mma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -204,7 +214,9 @@ def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr, DRY: tl.constexpr
         q = tl.reshape(q, [R, 8, 4, 4, 2, 2, 2])  # g, c, v, e, half, h
         w = tl.reshape(tl.permute(q, (0, 6, 1, 2, 3, 5, 4)), [R, 16, 64])  # (h g), (c v half e)
         xw = tl.join(x1, x2)  # [R, 128, 2]: pair p = 4 * which + v'
-        xf = tl.join((xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True))
+        xf = tl.join(
+            (xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True)
+        )
         xf = tl.reshape(xf, [R, 8, 4, 4, 2, 2])  # n, c, v', which, e
         xf = tl.reshape(tl.permute(xf, (0, 2, 4, 3, 5, 1)), [R, 64, 8])  # (c which v' e), n
         d = tl.sum(w[:, :, :, None] * xf[:, None, :, :], axis=2)  # [R, 16, 8]
@@ -230,8 +242,8 @@ def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr, DRY: tl.constexpr
 @triton.jit
 def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT: tl.constexpr,
             GROUP_TILES: tl.constexpr):  # fmt: skip
-    """Words and scale pairs of step (column group ng, position pos): the HBM stream. No masks:
-    the caller keeps (ng, pos) valid and K tiles per step divide K / 64."""
+    """Words and scale pairs [KT, 128] of step `pos` of column group ng: the HBM stream. No
+    masks: the caller keeps pos valid and K tiles per step divide K / 64."""
     kb = pos * KT + r  # [KT, 1]
     words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
     if GROUP_TILES > 0:
@@ -243,39 +255,91 @@ def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT: tl.constexpr
 
 
 @triton.jit
-def _step(acc, words, sp, pos, r, x_lane, KT: tl.constexpr, INTERPRET: tl.constexpr,
-          DRY: tl.constexpr):
-    """One step's MMAs; the activations are read here, just in time (L1 / L2 hits: every
-    program of an SM reads the same x), which keeps them out of the prefetched register sets."""
-    kb = pos * KT + r
-    x1 = tl.load(x_lane + kb * 32)
-    x2 = tl.load(x_lane + kb * 32 + 4)
-    return _tile_mma(acc, words, x1, x2, sp, INTERPRET, DRY)
+def _step(acc, words, sp, pos, r, x_rows, KT: tl.constexpr, NB: tl.constexpr,
+          INTERPRET: tl.constexpr, DRY: tl.constexpr):  # fmt: skip
+    """One step: the tile's words times NB blocks of 8 activation rows ([NB, KT, 128] acc).
+    The activations are read here, just in time (L1 / L2 hits: every program on an SM reads
+    the same x), which keeps them out of the prefetched register sets."""
+    kb = (pos * KT + r)[None, :, :]  # [1, KT, 1]
+    x1 = tl.load(x_rows + kb * 32)
+    x2 = tl.load(x_rows + kb * 32 + 4)
+    w3 = tl.broadcast_to(words[None, :, :], [NB, KT, 128])
+    s3 = tl.broadcast_to(sp[None, :, :], [NB, KT, 128])
+    out = _tile_mma(tl.reshape(acc, [NB * KT, 128]), tl.reshape(w3, [NB * KT, 128]),
+                    tl.reshape(x1, [NB * KT, 128]), tl.reshape(x2, [NB * KT, 128]),
+                    tl.reshape(s3, [NB * KT, 128]), INTERPRET, DRY)  # fmt: skip
+    return tl.reshape(out, [NB, KT, 128])
 
 
 @triton.jit
-def _flush(acc, ng, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-           stride_om, HAS_BIAS: tl.constexpr):  # fmt: skip
-    """Column group ng's sum over this program's last n_done steps: stored when they are the
-    whole group, else added to the fp32 workspace; the last contributor (counting steps per
-    group) stores the total and re-zeroes the workspace and the counter."""
-    part = tl.sum(acc, axis=0)  # [128]
-    jj = tl.arange(0, 128)
+def _w4_mma_gemv_kernel(
+    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    M, N, K, steps_per_split, n_groups_s,
+    stride_xm, stride_om,
+    GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
+    KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile), divides K / 64
+    NB: tl.constexpr,  # blocks of 8 activation rows (M <= 8 NB)
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    DRY: tl.constexpr,  # benchmarks: the loads without the math (wrong results)
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (column group, K slice): walks its slice two steps per iteration with two
+    register sets (A, B) ping-ponged: B's loads are issued before A's MMAs and A's next loads
+    before B's MMAs, so each step's words and scales are in flight during the other step's
+    math. (With one register set, ptxas orders the next loads after the MMAs that read the
+    registers those loads overwrite: no overlap.) The first step's weights and scales are
+    loaded before `gdc_wait`: they never depend on the previous kernel. One flush at the end:
+    a plain store without split-K, else the self-cleaning serial reduction of `wna16_gemv`."""
+    ng = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kb_total = K // 64
+    steps_total = kb_total // KT
+    s0 = pid_k * steps_per_split
+    n_steps = tl.minimum(steps_per_split, steps_total - s0)
+    r = tl.arange(0, KT)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    nb = tl.arange(0, NB)[:, None, None]
+    j3 = j[None, :, :]
+    # lane (g, c) feeds B column g: activation row 8 nb + g (rows past M read row M - 1: their
+    # MMA columns are never stored)
+    x_row = tl.minimum(8 * nb + j3 // 16, M - 1)
+    x_rows = x_ptr + x_row * stride_xm + 8 * ((j3 // 4) % 4) + j3 % 4  # int32 pairs; + kb * 32
+    pos = s0
+    last = s0 + n_steps - 1
+    wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([NB, KT, 128], dtype=tl.float32)
+    for i in range(0, n_steps, 2):
+        pos_b = tl.minimum(pos + 1, last)
+        wb, spb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        acc = _step(acc, wa, spa, pos, r, x_rows, KT, NB, INTERPRET, DRY)
+        pos_a = tl.minimum(pos + 2, last)
+        wa, spa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        if i + 1 < n_steps:
+            acc = _step(acc, wb, spb, pos_b, r, x_rows, KT, NB, INTERPRET, DRY)
+        pos = pos_a
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    part = tl.sum(acc, axis=1)  # [NB, 128]
+    jj = tl.arange(0, 128)[None, :]
     vv = jj % 4
     col = ng * 16 + jj // 16 + 8 * (vv // 2)
-    m = 2 * ((jj // 4) % 4) + vv % 2
+    m = 8 * tl.arange(0, NB)[:, None] + 2 * ((jj // 4) % 4) + vv % 2
     okm = m < M
-    if n_done == steps_per_group:
+    if n_steps == steps_total:
         if HAS_BIAS:
             part += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + col, part.to(out_ptr.dtype.element_ty), mask=okm)
     else:
         # Every thread's partial is issued before one thread's acq_rel increment (the split-K
-        # semaphore of `wna16_gemv`); the last contributor reads and re-zeroes in one atomic.
+        # semaphore of `wna16_gemv`); the last program reads and re-zeroes in one atomic.
         tl.atomic_add(ws_ptr + m * N + col, part, mask=okm, sem="relaxed")
         tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + ng, n_done, sem="acq_rel") + n_done
-        if done == steps_per_group:
+        done = tl.atomic_add(cnt_ptr + ng, 1, sem="acq_rel")
+        if done == tl.num_programs(1) - 1:
             bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm, sem="relaxed")
             total = bits.to(tl.float32, bitcast=True)
             if HAS_BIAS:
@@ -284,94 +348,23 @@ def _flush(acc, ng, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr, wsi_p
             tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
 
 
-@triton.jit
-def _next(ng, pos, steps_per_group, n_col_groups):
-    """The step after (ng, pos), clamped to the last step of the matrix."""
-    pos1 = pos + 1
-    wrap = pos1 == steps_per_group
-    ng1 = tl.where(wrap, ng + 1, ng)
-    pos1 = tl.where(wrap, 0, pos1)
-    last = ng1 == n_col_groups
-    return tl.where(last, ng, ng1), tl.where(last, pos, pos1)
-
-
-@triton.jit
-def _w4_mma_gemv_kernel(
-    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-    M, N, K, total_steps, steps_per_group, n_groups_s,
-    stride_xm, stride_om,
-    GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
-    KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile), divides K / 64
-    HAS_BIAS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    DRY: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """Stream-K over the (column group, K step) sequence [N/16][K/64/KT]: each program takes an
-    equal contiguous range and walks it two steps per iteration, ping-ponging two register
-    sets (A, B): B's loads are issued before A's MMAs and A's next loads before B's MMAs, so
-    each step's words, scales and activations are in flight during the other step's math.
-    (With one register set, ptxas orders the next loads after the MMAs that read the
-    registers those loads overwrite: no overlap at all.) The first step's weights and scales
-    are loaded before `gdc_wait`: they never depend on the previous kernel. A column group's
-    sum is flushed when the program leaves the group (`_flush`)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    per = total_steps // nprog
-    rem = total_steps % nprog
-    s_begin = pid * per + tl.minimum(pid, rem)
-    n_steps = per + (pid < rem).to(tl.int32)
-    kb_total = K // 64
-    n_col_groups = N // 16
-    r = tl.arange(0, KT)[:, None]
-    j = tl.arange(0, 128)[None, :]
-    v = j % 4
-    g = tl.minimum(j // 16, M - 1)
-    c = (j // 4) % 4
-    x_lane = x_ptr + g * stride_xm + 8 * c + v  # int32 pairs; + kb * 32 (+ 4 for x2)
-
-    ng = s_begin // steps_per_group
-    pos = s_begin % steps_per_group
-    n_done = 0  # steps of the current group done by this program since its last flush
-    wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([KT, 128], dtype=tl.float32)
-    for i in range(0, n_steps, 2):
-        ng_b, pos_b = _next(ng, pos, steps_per_group, n_col_groups)
-        wb, spb = _load_w(ng_b, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-        acc = _step(acc, wa, spa, pos, r, x_lane, KT, INTERPRET, DRY)
-        n_done += 1
-        ok_b = i + 1 < n_steps
-        if (ng_b != ng) | (not ok_b):
-            _flush(acc, ng, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr, wsi_ptr,
-                   cnt_ptr, stride_om, HAS_BIAS)  # fmt: skip
-            acc = tl.zeros([KT, 128], dtype=tl.float32)
-            n_done = 0
-        ng, pos = _next(ng_b, pos_b, steps_per_group, n_col_groups)
-        wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-        if ok_b:
-            acc = _step(acc, wb, spb, pos_b, r, x_lane, KT, INTERPRET, DRY)
-            n_done += 1
-            if (ng != ng_b) | (i + 2 >= n_steps):
-                _flush(acc, ng_b, n_done, steps_per_group, M, N, b_ptr, out_ptr, ws_ptr,
-                       wsi_ptr, cnt_ptr, stride_om, HAS_BIAS)  # fmt: skip
-                acc = tl.zeros([KT, 128], dtype=tl.float32)
-                n_done = 0
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-MmaConfig = tuple[int, int, int]  # (K tiles per step (max), programs per SM, num_warps)
+MmaConfig = tuple[int, int, int]  # (K tiles per step (at most), split-K, num_warps)
 
 
-def default_mma_config(m: int, n: int, k: int) -> MmaConfig:
-    return (4, 8, 1)
+def default_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
+    """Measured on the H200 at M = 1 (`benchmarks/quant/bench_w4a16_mma.py`): one warp per
+    program and 4 K tiles per step where there are enough column groups to fill the GPU
+    (gate_up: 2,368), otherwise split-K to ~8 K slices (qkv / o / down: 224-288 groups)."""
+    groups = n // TILE_N
+    if groups >= 8 * num_sms:
+        return (2, 1, 1)
+    split = max(1, min(8, round(16 * num_sms / groups)))
+    return (4, split, 1 if k <= 8192 else 2)
 
 
 def _k_tiles_per_step(k: int, target: int) -> int:
@@ -383,7 +376,7 @@ def _k_tiles_per_step(k: int, target: int) -> int:
 
 
 def wna16_mma_gemv(
-    x: torch.Tensor,  # [M, K] bf16, M <= 8
+    x: torch.Tensor,  # [M, K] bf16, M <= MAX_M * nb
     words: torch.Tensor,  # repack_mma output
     scale_pairs: torch.Tensor,  # repack_mma_scales output
     n: int,
@@ -393,40 +386,47 @@ def wna16_mma_gemv(
     out_dtype: torch.dtype | None = None,
     dry: bool = False,  # benchmarks: the loads without the math (wrong results)
 ) -> torch.Tensor:  # [M, N]
-    """y = x @ dequant(W).T (+ bias), W stored by `repack_mma`, 4-bit symmetric."""
+    """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma` (4-bit symmetric), M <= 64:
+    blocks of 8 rows share each dequantized weight fragment."""
     from pagoda.kernels.triton_w4a16 import _serial_workspace
 
     m, k = x.shape
-    if m > MAX_M or m < 1 or x.dtype != torch.bfloat16:
-        raise ValueError(f"wna16_mma_gemv takes bf16 x with 1 <= M <= {MAX_M}, got {x.dtype} M={m}")
+    if not 1 <= m <= MAX_ROWS or x.dtype != torch.bfloat16:
+        raise ValueError(
+            f"wna16_mma_gemv takes bf16 x with 1 <= M <= {MAX_ROWS}, got {x.dtype} M={m}"
+        )
     if not mma_supported(n, k, group_size, 4, False):
         raise ValueError(f"wna16_mma_gemv: unsupported shape N={n} K={k} group={group_size}")
-    kt_target, per_sm, warps = config or default_mma_config(m, n, k)
+    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    kt_target, split, warps = config or default_mma_config(m, n, k, num_sms)
     kt = _k_tiles_per_step(k, kt_target)
     warps = min(warps, kt)
-    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
-    kb_total = k // TILE_K
-    steps_per_group = kb_total // kt
-    total = (n // TILE_N) * steps_per_group
-    nprog = min(total, per_sm * num_sms)
+    steps_total = (k // TILE_K) // kt
+    per = -(-steps_total // split)
+    split = -(-steps_total // per)
+    nb = triton.next_power_of_2(-(-m // MAX_M))
     if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
         x = x.contiguous()
     xi = x.view(torch.int32)
     out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
-    bufs = _serial_workspace(x.device, m * n, n // TILE_N)
-    if bufs is None:
-        raise RuntimeError("wna16_mma_gemv: workspace too small during CUDA-graph capture")
-    ws, cnt = bufs
+    ws = cnt = out
+    if split > 1:
+        bufs = _serial_workspace(x.device, m * n, n // TILE_N)
+        if bufs is None:  # capturing with a workspace too small to grow: no split-K
+            per, split = steps_total, 1
+        else:
+            ws, cnt = bufs
     per_channel = group_size <= 0 or group_size >= k
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
-    _w4_mma_gemv_kernel[(nprog,)](
+    _w4_mma_gemv_kernel[(n // TILE_N, split)](
         xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
         ws, ws.view(torch.int32), cnt,
-        m, n, k, total, steps_per_group, scale_pairs.shape[1],
+        m, n, k, per, scale_pairs.shape[1],
         xi.stride(0), out.stride(0),
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
         KT=kt,
+        NB=nb,
         HAS_BIAS=bias is not None,
         INTERPRET=_INTERPRET,
         DRY=dry,
@@ -436,78 +436,54 @@ def wna16_mma_gemv(
     return out
 
 
+# ---------------------------------------------------------------- large M: dequantize, then cuBLAS
+
 
 @triton.jit
-def _w4_mma_gemv_grid_kernel(
-    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-    M, N, K, steps_per_split, n_groups_s,
-    stride_xm, stride_om,
-    GROUP_TILES: tl.constexpr,
-    KT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    DRY: tl.constexpr,
-    USE_PDL: tl.constexpr,
+def _mma_dequant_kernel(
+    w_ptr, sp_ptr, out_ptr,
+    K, n_groups_s, stride_on,
+    T: tl.constexpr,  # K tiles per program (divides K / 64)
+    GROUP_TILES: tl.constexpr,  # 0: one scale per column
 ):  # fmt: skip
-    """Grid (column group, K slice): one flush per program, at the end (no split: a plain
-    store), the K slice walked two steps per iteration with ping-ponged register sets."""
+    """The dense [16, T * 64] block of column group ng from T tiles of `repack_mma` words:
+    (u - 8) * scale in fp32 (exact) rounded once to bf16, as `dequantize_weight` does."""
     ng = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    tb = tl.program_id(1)
     kb_total = K // 64
-    steps_total = kb_total // KT
-    s0 = pid_k * steps_per_split
-    n_steps = tl.minimum(steps_per_split, steps_total - s0)
-    r = tl.arange(0, KT)[:, None]
+    kb = tb * T + tl.arange(0, T)[:, None]  # [T, 1]
     j = tl.arange(0, 128)[None, :]
-    v = j % 4
-    g = tl.minimum(j // 16, M - 1)
-    c = (j // 4) % 4
-    x_lane = x_ptr + g * stride_xm + 8 * c + v
-    pos = s0
-    wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([KT, 128], dtype=tl.float32)
-    last = s0 + n_steps - 1
-    for i in range(0, n_steps, 2):
-        pos_b = tl.minimum(pos + 1, last)
-        wb, spb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-        acc = _step(acc, wa, spa, pos, r, x_lane, KT, INTERPRET, DRY)
-        pos_a = tl.minimum(pos + 2, last)
-        wa, spa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-        if i + 1 < n_steps:
-            acc = _step(acc, wb, spb, pos_b, r, x_lane, KT, INTERPRET, DRY)
-        pos = pos_a
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    _flush(acc, ng, n_steps, steps_total, M, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-           stride_om, HAS_BIAS)  # fmt: skip
+    words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)  # [T, 128]
+    sh = tl.arange(0, 8) * 4
+    q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32) - 8.0  # [T, 128, 8]
+    q = tl.reshape(q, [T, 8, 4, 4, 2, 2, 2])  # kb, g, c, v, e, half, h
+    w = tl.reshape(tl.permute(q, (6, 1, 0, 2, 3, 5, 4)), [16, T * 64])  # (h g), (kb c v half e)
+    if GROUP_TILES > 0:
+        grp = kb // GROUP_TILES
+    else:
+        grp = kb * 0
+    pair = tl.load(sp_ptr + (ng * n_groups_s + grp) * 8 + tl.arange(0, 8)[None, :])  # [T, 8]
+    lo = (pair << 16).to(tl.float32, bitcast=True)  # column g
+    hi = (pair & -65536).to(tl.float32, bitcast=True)  # column g + 8
+    s = tl.reshape(tl.permute(tl.join(lo, hi), (2, 1, 0)), [16, T])  # (h g), kb
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], [16, T, 64]), [16, T * 64])
+    rows = ng * 16 + tl.arange(0, 16)[:, None]
+    cols = tb * T * 64 + tl.arange(0, T * 64)[None, :]
+    tl.store(out_ptr + rows * stride_on + cols, (w * s).to(out_ptr.dtype.element_ty))
 
 
-def wna16_mma_gemv_grid(x, words, scale_pairs, n, group_size, bias=None, config=None,
-                        out_dtype=None, dry=False):  # fmt: skip
-    """config = (KT, split, num_warps)."""
-    from pagoda.kernels.triton_w4a16 import _serial_workspace
-
-    m, k = x.shape
-    kt_t, split, warps = config
-    kt = _k_tiles_per_step(k, kt_t)
-    warps = min(warps, kt)
-    steps_total = (k // TILE_K) // kt
-    per = -(-steps_total // split)
-    split = -(-steps_total // per)
-    xi = x.contiguous().view(torch.int32)
-    out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
-    ws, cnt = _serial_workspace(x.device, m * n, n // TILE_N)
+def wna16_mma_dequant(
+    words: torch.Tensor, scale_pairs: torch.Tensor, n: int, k: int, group_size: int
+) -> torch.Tensor:  # [N, K] bf16
+    """The dense weight of a `repack_mma` layer (one bandwidth-bound pass)."""
+    t = _k_tiles_per_step(k, 8)
+    out = torch.empty((n, k), device=words.device, dtype=torch.bfloat16)
     per_channel = group_size <= 0 or group_size >= k
-    _w4_mma_gemv_grid_kernel[(n // TILE_N, split)](
-        xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
-        ws, ws.view(torch.int32), cnt,
-        m, n, k, per, scale_pairs.shape[1],
-        xi.stride(0), out.stride(0),
+    _mma_dequant_kernel[(n // TILE_N, (k // TILE_K) // t)](
+        words, scale_pairs, out,
+        k, scale_pairs.shape[1], out.stride(0),
+        T=t,
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
-        KT=kt, HAS_BIAS=bias is not None, INTERPRET=_INTERPRET, DRY=dry,
-        num_warps=warps,
-        **pdl_launch_args(x),
+        num_warps=4,
     )  # fmt: skip
     return out

@@ -251,6 +251,36 @@ class _Unpacked:
     g_idx: torch.Tensor | None  # [in] group of each input column; None when contiguous
 
 
+def _use_mma_layout(
+    bits: int, symmetric: bool, dtype: torch.dtype, n: int, k: int, group: int, device
+) -> bool:
+    """Whether a CUDA layer gets the tensor-core layout (`triton_w4a16_mma`): 4-bit symmetric
+    bf16 weights with N % 16 == 0, K % 64 == 0 and groups of a multiple of 64 (or one per
+    column), on sm_80+ (`mma.sync` bf16). `PAGODA_W4A16_MMA=0` keeps the older layout."""
+    from pagoda.kernels.triton_w4a16_mma import mma_supported
+
+    if os.environ.get("PAGODA_W4A16_MMA", "1").lower() in ("0", "false", "off", "no"):
+        return False
+    if not (symmetric and dtype == torch.bfloat16 and mma_supported(n, k, group, bits, False)):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def _mma_max_m() -> int:
+    """Largest M that runs the tensor-core GEMV (larger: dequant + cuBLAS). The GEMV handles up
+    to 64 rows; `PAGODA_W4A16_MMA_MAX_M` overrides the measured default."""
+    env = os.environ.get("PAGODA_W4A16_MMA_MAX_M", "").strip()
+    if env:
+        try:
+            return max(0, min(64, int(env)))
+        except ValueError:
+            raise ValueError(f"PAGODA_W4A16_MMA_MAX_M={env!r}: use an integer 0..64") from None
+    return _MMA_MAX_M
+
+
+_MMA_MAX_M = 64
+
+
 class WNA16LinearMethod(LinearMethod):
     """Weight-only int4/int8 linear layer (compressed-tensors or legacy GPTQ checkpoints).
 
@@ -427,8 +457,19 @@ class WNA16LinearMethod(LinearMethod):
             else:
                 layer.zeros = None
             return
-        layer.wna16_backend = "triton"  # tl.dot needs K-tiles of >= 16 inside one group
         scale_t = scale.t().to(dtype).contiguous()  # [groups, out]
+        if _use_mma_layout(
+            args.num_bits, zp is None, dtype, layer.out_features, in_features, group, device
+        ):
+            # 4-bit symmetric bf16 on sm_80+: the tensor-core GEMV's layout, the only copy
+            # (M <= 64: `wna16_mma_gemv`; larger M: `wna16_mma_dequant` + cuBLAS).
+            from pagoda.kernels.triton_w4a16_mma import repack_mma, repack_mma_scales
+
+            layer.wna16_backend = "mma"
+            _param(layer, "mma_words", repack_mma(qweight.to(torch.int32) + 8), None)
+            _param(layer, "mma_scales", repack_mma_scales(scale_t), None)
+            return
+        layer.wna16_backend = "triton"  # tl.dot needs K-tiles of >= 16 inside one group
         offset = 1 << (args.num_bits - 1)
         _param(layer, "qweight_t", pack_to_int32(qweight, args.num_bits, 1).t().contiguous(), None)
         _param(layer, "scales_t", scale_t, None)
@@ -461,6 +502,12 @@ class WNA16LinearMethod(LinearMethod):
         """[out, in] weight in the kernel's column order (act-order: sorted by group)."""
         if layer.wna16_backend == "dequant":
             q, scale, zp = layer.codes, layer.scales, layer.zeros
+        elif layer.wna16_backend == "mma":
+            from pagoda.kernels.triton_w4a16_mma import unpack_mma, unpack_mma_scales
+
+            n, k = layer.out_features, layer.in_features
+            q = (unpack_mma(layer.mma_words.data, n, k).to(torch.int16) - 8).to(torch.int8)
+            scale, zp = unpack_mma_scales(layer.mma_scales.data).t(), None
         else:
             # [in / f, out] packed along the input -> [out, in] signed codes
             q = unpack_from_int32(layer.qweight_t.data, layer.wna16_bits, layer.in_features, 0).t()
@@ -491,7 +538,11 @@ class WNA16LinearMethod(LinearMethod):
         x2 = x.reshape(-1, shape[-1])  # [M, in]
         if layer.input_perm is not None:
             x2 = x2.index_select(1, layer.input_perm)
-        if layer.wna16_backend == "triton":
+        if layer.wna16_backend == "mma":
+            out, bias_added = self._apply_mma(layer, x2, bias)
+            if bias is not None and not bias_added:
+                out = out + bias
+        elif layer.wna16_backend == "triton":
             out, bias_added = self._apply_cuda(layer, x2, bias)
             if bias is not None and not bias_added:
                 out = out + bias
@@ -552,6 +603,22 @@ class WNA16LinearMethod(LinearMethod):
             large_m = large_m_min(n, k, bits, num_sms, gemm_tuned=tuned)
             layer.wna16_large_m = large_m
         return large_m
+
+    def _apply_mma(
+        self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, bool]:
+        """(x2 @ W^T, whether `bias` is already added) for the tensor-core layout."""
+        from pagoda.kernels.triton_w4a16_mma import wna16_mma_dequant, wna16_mma_gemv
+
+        n, k, group = layer.out_features, layer.in_features, layer.wna16_group_size
+        if x2.dtype == torch.bfloat16 and x2.shape[0] <= _mma_max_m():
+            fused = bias is not None and bias.dtype == x2.dtype and bias.is_contiguous()
+            out = wna16_mma_gemv(
+                x2, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None
+            )
+            return out, fused
+        w = wna16_mma_dequant(layer.mma_words, layer.mma_scales, n, k, group)
+        return torch.nn.functional.linear(x2, w.to(x2.dtype)), False
 
     def _apply_cuda(
         self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None = None

@@ -270,6 +270,9 @@ def test_quantized_layer_cuda_backends(monkeypatch) -> None:
     from pagoda.layers.linear import ReplicatedLinear
     from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
 
+    monkeypatch.setenv("PAGODA_W4A16_MMA", "0")  # the older layout's kernels (the MMA layout:
+    # tests/kernels/test_triton_w4a16_mma.py)
+
     inp, out = 1024, 512
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)

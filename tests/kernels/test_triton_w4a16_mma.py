@@ -1,0 +1,182 @@
+"""The tensor-core W4A16 GEMV (`triton_w4a16_mma`): repacking, the fragment-level emulator, the
+kernel's bookkeeping under the Triton interpreter (which runs the same tile product without PTX),
+and on the GPU the real `mma.sync` path against `wna16_linear_ref`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.kernels import triton_w4a16_mma as mm
+from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref
+
+
+def _case(m, n, k, group, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    gs = k if group <= 0 else group
+    q = torch.randint(-8, 8, (n, k), generator=g).to(torch.int8)
+    scale = (torch.rand(n, k // gs, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    words = mm.repack_mma(q.to(torch.int32) + 8)
+    pairs = mm.repack_mma_scales(scale.t().contiguous())
+    ref = wna16_linear_ref(x.float(), q, scale.float(), None, gs)
+    return x.to(device), words.to(device), pairs.to(device), ref, q, scale
+
+
+def test_repack_round_trips_and_rejects_bad_shapes() -> None:
+    g = torch.Generator().manual_seed(1)
+    u = torch.randint(0, 16, (48, 192), generator=g)
+    words = mm.repack_mma(u)
+    assert words.dtype == torch.int32 and words.numel() == 48 * 192 // 8
+    assert torch.equal(mm.unpack_mma(words, 48, 192).long(), u)
+    scales = torch.rand(3, 48, generator=g).to(torch.bfloat16)
+    pairs = mm.repack_mma_scales(scales)
+    assert pairs.shape == (3, 3, 8) and pairs.dtype == torch.int32
+    assert torch.equal(mm.unpack_mma_scales(pairs), scales)
+    with pytest.raises(ValueError, match="N % 16"):
+        mm.repack_mma(torch.zeros(40, 128, dtype=torch.int32))
+    assert not mm.mma_supported(48, 192, 32, 4, False)  # group not a multiple of 64
+    assert not mm.mma_supported(48, 192, 64, 4, True)  # zero points
+    assert not mm.mma_supported(48, 192, 64, 8, False)
+    assert mm.mma_supported(48, 192, 64, 4, False) and mm.mma_supported(48, 192, -1, 4, False)
+
+
+def test_fragment_emulator_matches_the_dequantized_matmul() -> None:
+    """The PTX m16n8k16 fragment rules applied to the repacked words give x @ W^T."""
+    x, words, _, ref, _, scale = _case(5, 32, 256, 128)
+    out = mm.mma_gemv_emulate(x, words, scale.t().contiguous(), 32, 128)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+# (M, N, K, group, (K tiles per step, split, warps), bias): odd step counts (the ping-pong's
+# lone last step), split-K with the serial reduction, M past one block of 8 rows, per-channel.
+CASES = [
+    (1, 32, 128, 64, (2, 1, 1), False),
+    (3, 48, 576, 64, (1, 3, 1), True),
+    (12, 16, 256, -1, (2, 1, 2), False),
+    (20, 32, 512, 128, (2, 2, 1), True),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,config,bias", CASES)
+def test_mma_gemv_interpreter(m, n, k, group, config, bias) -> None:
+    x, words, pairs, ref, _, _ = _case(m, n, k, group)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    if bias:
+        ref = ref + b.float()
+    y = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    # one bf16 ulp of the largest output (the interpreter's fp32 -> bf16 cast truncates)
+    tol = 2.0**-7 * ref.abs().max().item()
+    assert (y.float() - ref).abs().max().item() <= tol
+
+
+def test_mma_gemv_reuses_its_workspace_between_calls() -> None:
+    """Split-K leaves the shared workspace and counters zeroed: a second call is identical."""
+    x, words, pairs, ref, _, _ = _case(2, 32, 512, 128, seed=3)
+    a = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 4, 1))
+    b = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 4, 1))
+    assert torch.equal(a, b)
+    assert (a.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
+
+
+def test_mma_gemv_rejects_bad_input() -> None:
+    x, words, pairs, *_ = _case(1, 32, 128, 64)
+    with pytest.raises(ValueError, match="M <= 64"):
+        mm.wna16_mma_gemv(x.repeat(65, 1), words, pairs, 32, 64)
+    with pytest.raises(ValueError, match="bf16"):
+        mm.wna16_mma_gemv(x.float(), words, pairs, 32, 64)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        mm.wna16_mma_gemv(x, words, pairs, 32, 32)
+    with pytest.raises(ValueError, match="bias"):
+        mm.wna16_mma_gemv(x, words, pairs, 32, 64, bias=torch.zeros(31, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("group", [64, -1])
+def test_mma_dequant_interpreter(group) -> None:
+    _, words, pairs, _, q, scale = _case(1, 48, 576, group)
+    w = mm.wna16_mma_dequant(words, pairs, 48, 576, group)
+    ref = dequantize_weight(q, scale.float(), None, 576 if group <= 0 else group, None)
+    rel = (w.float() - ref).abs() / ref.abs().clamp_min(1e-9)
+    assert rel.max().item() <= 2.0**-7  # truncating cast in the interpreter; exact on the GPU
+
+
+def test_default_config_follows_the_shape() -> None:
+    assert mm.default_mma_config(1, 37888, 3584) == (2, 1, 1)  # 2,368 column groups
+    kt, split, warps = mm.default_mma_config(1, 3584, 18944)
+    assert split > 1 and warps == 2
+    assert mm._k_tiles_per_step(576, 4) == 1 and mm._k_tiles_per_step(3584, 4) == 4
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+@pytest.mark.parametrize("m", [1, 2, 8, 13, 64])
+def test_mma_gemv_qwen7b_gpu(m, n, k) -> None:
+    x, words, pairs, ref, _, _ = _case(m, n, k, 128, device="cuda")
+    y = mm.wna16_mma_gemv(x, words, pairs, n, 128)
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(1, 1, 1), (2, 1, 1), (4, 8, 1), (4, 8, 2), (8, 4, 4), (16, 2, 8)])
+def test_mma_gemv_configs_gpu(config) -> None:
+    x, words, pairs, ref, _, _ = _case(4, 3584, 18944, 128, device="cuda", seed=5)
+    b = torch.randn(3584, device="cuda").to(torch.bfloat16)
+    y = mm.wna16_mma_gemv(x, words, pairs, 3584, 128, bias=b, config=config)
+    expect = ref + b.float().cpu()
+    torch.testing.assert_close(
+        y.float().cpu(), expect, rtol=1e-2, atol=2e-2 * expect.abs().max().item()
+    )
+
+
+@pytest.mark.gpu
+def test_mma_dequant_is_exact_gpu() -> None:
+    _, words, pairs, _, q, scale = _case(1, 4608, 3584, 128, device="cuda")
+    w = mm.wna16_mma_dequant(words, pairs, 4608, 3584, 128)
+    ref = dequantize_weight(q, scale, None, 128, None, torch.bfloat16)
+    assert torch.equal(w.cpu(), ref)
+
+
+@pytest.mark.gpu
+def test_mma_gemv_cuda_graph_gpu() -> None:
+    x, words, pairs, ref, _, _ = _case(1, 3584, 18944, 128, device="cuda", seed=7)
+    mm.wna16_mma_gemv(x, words, pairs, 3584, 128)  # warm-up: compiles, sizes the workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mm.wna16_mma_gemv(x, words, pairs, 3584, 128)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_quantized_layer_uses_the_mma_layout_gpu(monkeypatch) -> None:
+    from pagoda.layers.linear import ReplicatedLinear
+    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
+    from pagoda.kernels.wna16 import pack_to_int32
+
+    inp, out = 1024, 512
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
+    scale = torch.rand(out, inp // 128, generator=g) * 0.02 + 0.001
+    x = torch.randn(100, inp, generator=g)
+    method = WNA16LinearMethod(WeightQuantArgs(4, True, 128))
+    with torch.device("cuda"):
+        layer = ReplicatedLinear(inp, out, bias=True, linear_method=method, dtype=torch.bfloat16)
+    layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
+    layer.weight_scale.data.copy_(scale)
+    layer.bias.data.normal_()
+    method.process_weights_after_loading(layer)
+    assert layer.wna16_backend == "mma" and not hasattr(layer, "qweight_t")
+    ref = wna16_linear_ref(x, q, scale.bfloat16().float(), None, 128, bias=layer.bias.float().cpu())
+    for m in (1, 7, 64, 100):  # GEMV (1 and 2 blocks of 8, 8 blocks), dequant + cuBLAS
+        y = layer(x[:m].cuda().bfloat16())
+        torch.testing.assert_close(y.float().cpu(), ref[:m], rtol=2e-2, atol=3e-2)
+    w = method.dequantized_weight(layer)
+    torch.testing.assert_close(
+        w.float().cpu(), dequantize_weight(q, scale.bfloat16().float(), None, 128).float()
+    )
