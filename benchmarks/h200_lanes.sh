@@ -253,6 +253,10 @@ step_mma_tests() {
 step_mma_bench() {
   run mma_bench 240 python3 benchmarks/quant/bench_w4a16_mma.py --out "$R/w4a16_mma_h200.json"
 }
+step_mma_bench_small() {
+  run mma_bench_small 120 python3 benchmarks/quant/bench_w4a16_mma.py --ms 1,8,16,32 --sweep-ms 1,16 \
+    --out "$R/w4a16_mma_small_h200.json"
+}
 step_ab_mma() {
   latrun bf16 "config:$CFG7"
   latrun w4a16 "config:$CFG7:w4a16"

@@ -280,6 +280,7 @@ def _w4_mma_gemv_kernel(
     KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile), divides K / 64
     NB: tl.constexpr,  # blocks of 8 activation rows (M <= 8 NB)
     HAS_BIAS: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,  # no split-K: the workspace arguments are unused
     INTERPRET: tl.constexpr,
     DRY: tl.constexpr,  # benchmarks: the loads without the math (wrong results)
     USE_PDL: tl.constexpr,
@@ -329,7 +330,7 @@ def _w4_mma_gemv_kernel(
     col = ng * 16 + jj // 16 + 8 * (vv // 2)
     m = 8 * tl.arange(0, NB)[:, None] + 2 * ((jj // 4) % 4) + vv % 2
     okm = m < M
-    if n_steps == steps_total:
+    if ONE_SPLIT:
         if HAS_BIAS:
             part += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + col, part.to(out_ptr.dtype.element_ty), mask=okm)
@@ -357,14 +358,20 @@ MmaConfig = tuple[int, int, int]  # (K tiles per step (at most), split-K, num_wa
 
 
 def default_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
-    """Measured on the H200 at M = 1 (`benchmarks/quant/bench_w4a16_mma.py`): one warp per
-    program and 4 K tiles per step where there are enough column groups to fill the GPU
-    (gate_up: 2,368), otherwise split-K to ~8 K slices (qkv / o / down: 224-288 groups)."""
+    """(K tiles per step, split-K, warps) measured on the H200 (`benchmarks/quant/
+    bench_w4a16_mma.py`, Qwen2.5-7B shapes): at M <= 8 one warp per program, split-K to ~16
+    programs per SM where the column groups alone do not fill the GPU (qkv / o / down: 224-288
+    groups; gate_up: 2,368, no split); at 9 <= M <= 16 (two blocks of 8 rows, twice the math
+    per weight) fewer, two-warp programs."""
     groups = n // TILE_N
-    if groups >= 8 * num_sms:
-        return (2, 1, 1)
     split = max(1, min(8, round(16 * num_sms / groups)))
-    return (4, split, 1 if k <= 8192 else 2)
+    if m <= MAX_M:
+        if groups >= 8 * num_sms:
+            return (2, 1, 1)
+        return (4, split, 1 if k <= 8192 else 2)
+    if groups >= 8 * num_sms:
+        return (2, 2, 2)
+    return (4 if k <= 8192 else 2, split if k > 8192 else max(1, split // 3), 2)
 
 
 def _k_tiles_per_step(k: int, target: int) -> int:
@@ -409,7 +416,7 @@ def wna16_mma_gemv(
         x = x.contiguous()
     xi = x.view(torch.int32)
     out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
-    ws = cnt = out
+    ws, cnt = out.view(-1)[:0].float(), words
     if split > 1:
         bufs = _serial_workspace(x.device, m * n, n // TILE_N)
         if bufs is None:  # capturing with a workspace too small to grow: no split-K
@@ -428,6 +435,7 @@ def wna16_mma_gemv(
         KT=kt,
         NB=nb,
         HAS_BIAS=bias is not None,
+        ONE_SPLIT=split == 1,
         INTERPRET=_INTERPRET,
         DRY=dry,
         num_warps=warps,

@@ -278,7 +278,7 @@ def _mma_max_m() -> int:
     return _MMA_MAX_M
 
 
-_MMA_MAX_M = 64
+_MMA_MAX_M = 16
 
 
 class WNA16LinearMethod(LinearMethod):
