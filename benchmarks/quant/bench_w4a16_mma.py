@@ -81,113 +81,125 @@ def configs(m: int, n: int, k: int, num_sms: int):
     return out
 
 
+def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
+    """Every kernel at every M for one layer shape (weights rotated over enough copies)."""
+    from pagoda.kernels.triton_w4a16 import wna16_dequant_linear, wna16_gemm
+
+    dev, G = torch.device("cuda"), 128
+    u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
+    scales = (torch.rand(n, k // G, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
+    w_deq = ((u - 8).float() * scales.float().repeat_interleave(G, 1)).to(torch.bfloat16)
+    words = mma.repack_mma(u)
+    scales_t = scales.t().contiguous()
+    pairs = mma.repack_mma_scales(scales_t)
+    qweight_t = pack_to_int32((u - 8).to(torch.int8), 4, 1).t().contiguous()
+    int4_bytes = n * k // 2 + scales_t.numel() * 2
+    copies = max(2, -(-4 * l2 // int4_bytes))
+    copies_bf16 = max(2, -(-4 * l2 // (n * k * 2)))
+    ws = [words] + [words.clone() for _ in range(copies - 1)]
+    ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
+    ss = [scales_t] + [scales_t.clone() for _ in range(copies - 1)]
+    qs = [qweight_t] + [qweight_t.clone() for _ in range(copies - 1)]
+    wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
+
+    def mma_call(x, cfg=None, dry=False):
+        return lambda i: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg, dry=dry)
+
+    rows = []
+    for m in ms:
+        x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
+        ref = x.float() @ w_deq.float().t()
+        tol = 2e-2 * ref.abs().max().item()
+        row = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": int4_bytes}
+        row["bf16_cublas_us"] = 1e6 * time_graph(
+            lambda i, x=x: torch.nn.functional.linear(x, wb[i]), copies_bf16
+        )
+        if m == 1:
+            row["bf16_gemv_us"] = 1e6 * time_graph(
+                lambda i, x=x: gemv_bf16(x, wb[i], None), copies_bf16
+            )
+        if m <= 16:
+            row["fma_gemv_us"] = 1e6 * time_graph(
+                lambda i, x=x: wna16_gemv(x, qs[i], ss[i], None, G), copies
+            )
+        else:
+            row["triton_gemm_us"] = 1e6 * time_graph(
+                lambda i, x=x: wna16_gemm(x, qs[i], ss[i], None, G, 4), copies
+            )
+            row["old_dequant_cublas_us"] = 1e6 * time_graph(
+                lambda i, x=x: wna16_dequant_linear(x, qs[i], ss[i], None, G, 4), copies
+            )
+        row["mma_dequant_cublas_us"] = 1e6 * time_graph(
+            lambda i, x=x: torch.nn.functional.linear(
+                x, mma.wna16_mma_dequant(ws[i], ps[i], n, k, G)
+            ),
+            copies,
+        )
+        row["mma_dequant_exact"] = bool(
+            torch.equal(mma.wna16_mma_dequant(words, pairs, n, k, G), w_deq)
+        )
+        sweep, best = [], None
+        cfgs = configs(m, n, k, num_sms)
+        if m not in sweep_ms:
+            cfgs = cfgs[:1]
+        for cfg in cfgs if m <= mma.MAX_ROWS else ():
+            try:
+                y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg)
+                err = (y.float() - ref).abs().max().item()
+                if not err <= tol:
+                    sweep.append({"config": cfg, "error": f"max err {err:.3g} > {tol:.3g}"})
+                    print(f"  {name} M={m} {cfg} WRONG err {err:.3g} (tol {tol:.3g})", flush=True)
+                    continue
+                t = time_graph(mma_call(x, cfg), copies)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                sweep.append({"config": cfg, "error": repr(e)[:300]})
+                print(f"  {name} M={m} {cfg} FAILED {e!r}"[:400], flush=True)
+                continue
+            rec = {"config": cfg, "us": t * 1e6, "max_err": err, "bw_frac": int4_bytes / t / bw}
+            sweep.append(rec)
+            if best is None or rec["us"] < best["us"]:
+                best = rec
+        row["mma_default_us"] = sweep[0].get("us") if sweep else None
+        row["mma_best"], row["sweep"] = best, sweep
+        if m == 1 and best is not None:  # the loads alone: the memory system's share
+            t = time_graph(mma_call(x, tuple(best["config"]), dry=True), copies)
+            row["dry_us"], row["dry_bw_frac"] = t * 1e6, int4_bytes / t / bw
+        rows.append(row)
+        b = best or {}
+        old = row.get("fma_gemv_us") or min(row["triton_gemm_us"], row["old_dequant_cublas_us"])
+        print(
+            f"{name:8s} M={m:3d}: bf16 {row['bf16_cublas_us']:6.1f}"
+            + (f" (gemv {row['bf16_gemv_us']:5.1f})" if m == 1 else "")
+            + f" | old W4A16 {old:6.1f} | MMA default {row['mma_default_us'] or 0:6.1f}"
+            + f" best {b.get('us', 0):6.1f} {b.get('config')} ({100 * b.get('bw_frac', 0):.0f}% BW)"
+            + f" | MMA dequant+cuBLAS {row['mma_dequant_cublas_us']:6.1f}"
+            + (
+                f" | loads only {row['dry_us']:.1f} ({100 * row['dry_bw_frac']:.0f}%)"
+                if "dry_us" in row
+                else ""
+            ),
+            flush=True,
+        )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="w4a16_mma.json")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--sweep-ms", default="1,16,64", help="M values with a config sweep")
     args = ap.parse_args()
-    from pagoda.kernels.triton_w4a16 import wna16_dequant_linear, wna16_gemm
-
     torch.manual_seed(0)
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
+    props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     bw = copy_bandwidth()
     print(f"{props.name}: {num_sms} SMs, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"gpu": props.name, "copy_bw": bw, "rows": []}
-    G = 128
+    ms = [int(v) for v in args.ms.split(",")]
     sweep_ms = {int(v) for v in args.sweep_ms.split(",")}
     for name, (n, k) in SHAPES.items():
-        u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
-        scales = (torch.rand(n, k // G, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
-        w_deq = ((u - 8).float() * scales.float().repeat_interleave(G, 1)).to(torch.bfloat16)
-        words = mma.repack_mma(u)
-        scales_t = scales.t().contiguous()
-        pairs = mma.repack_mma_scales(scales_t)
-        qweight_t = pack_to_int32((u - 8).to(torch.int8), 4, 1).t().contiguous()
-        int4_bytes = n * k // 2 + scales_t.numel() * 2
-        copies = max(2, -(-4 * l2 // int4_bytes))
-        copies_bf16 = max(2, -(-4 * l2 // (n * k * 2)))
-        ws = [words] + [words.clone() for _ in range(copies - 1)]
-        ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
-        ss = [scales_t] + [scales_t.clone() for _ in range(copies - 1)]
-        qs = [qweight_t] + [qweight_t.clone() for _ in range(copies - 1)]
-        wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
-        for m in [int(v) for v in args.ms.split(",")]:
-            x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
-            ref = x.float() @ w_deq.float().t()
-            tol = 2e-2 * ref.abs().max().item()
-            row = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": int4_bytes}
-            row["bf16_cublas_us"] = 1e6 * time_graph(
-                lambda i, x=x: torch.nn.functional.linear(x, wb[i]), copies_bf16
-            )
-            if m == 1:
-                row["bf16_gemv_us"] = 1e6 * time_graph(lambda i, x=x: gemv_bf16(x, wb[i], None), copies_bf16)
-            if m <= 16:
-                row["fma_gemv_us"] = 1e6 * time_graph(
-                    lambda i, x=x: wna16_gemv(x, qs[i], ss[i], None, G), copies
-                )
-            else:
-                row["triton_gemm_us"] = 1e6 * time_graph(
-                    lambda i, x=x: wna16_gemm(x, qs[i], ss[i], None, G, 4), copies
-                )
-                row["old_dequant_cublas_us"] = 1e6 * time_graph(
-                    lambda i, x=x: wna16_dequant_linear(x, qs[i], ss[i], None, G, 4), copies
-                )
-            row["mma_dequant_cublas_us"] = 1e6 * time_graph(
-                lambda i, x=x: torch.nn.functional.linear(x, mma.wna16_mma_dequant(ws[i], ps[i], n, k, G)),
-                copies,
-            )
-            y = mma.wna16_mma_dequant(words, pairs, n, k, G)
-            row["mma_dequant_exact"] = bool(torch.equal(y, w_deq))
-            sweep, best = [], None
-            cfgs = configs(m, n, k, num_sms) if m in sweep_ms else configs(m, n, k, num_sms)[:1]
-            if m <= mma.MAX_ROWS:
-                for cfg in cfgs:
-                    try:
-                        y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg)
-                        err = (y.float() - ref).abs().max().item()
-                        if not err <= tol:
-                            sweep.append({"config": cfg, "error": f"max err {err:.3g} > {tol:.3g}"})
-                            print(f"  {name} M={m} {cfg} WRONG err {err:.3g} (tol {tol:.3g})", flush=True)
-                            continue
-                        t = time_graph(
-                            lambda i, cfg=cfg, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg),
-                            copies,
-                        )
-                    except Exception as e:  # noqa: BLE001 - report and go on
-                        sweep.append({"config": cfg, "error": repr(e)[:300]})
-                        print(f"  {name} M={m} {cfg} FAILED {e!r}"[:400], flush=True)
-                        continue
-                    rec = {"config": cfg, "us": t * 1e6, "max_err": err, "bw_frac": int4_bytes / t / bw}
-                    sweep.append(rec)
-                    if best is None or rec["us"] < best["us"]:
-                        best = rec
-                row["mma_default_us"] = sweep[0].get("us")
-                row["mma_best"] = best
-                row["sweep"] = sweep
-                if m == 1 and best is not None:  # the loads alone: the memory system's share
-                    cfg = tuple(best["config"])
-                    t = time_graph(
-                        lambda i, cfg=cfg, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg, dry=True),
-                        copies,
-                    )
-                    row["dry_us"], row["dry_bw_frac"] = t * 1e6, int4_bytes / t / bw
-            results["rows"].append(row)
-            b = best or {}
-            old = row.get("fma_gemv_us") or min(row["triton_gemm_us"], row["old_dequant_cublas_us"])
-            print(
-                f"{name:8s} M={m:3d}: bf16 {row['bf16_cublas_us']:6.1f}"
-                + (f" (gemv {row['bf16_gemv_us']:5.1f})" if m == 1 else "")
-                + f" | old W4A16 {old:6.1f} | MMA default {row.get('mma_default_us') or 0:6.1f}"
-                + f" best {b.get('us', 0):6.1f} {b.get('config')} ({100 * b.get('bw_frac', 0):.0f}% BW)"
-                + f" | MMA dequant+cuBLAS {row['mma_dequant_cublas_us']:6.1f}"
-                + (f" | loads only {row['dry_us']:.1f} ({100 * row['dry_bw_frac']:.0f}%)" if "dry_us" in row else ""),
-                flush=True,
-            )
-        del ws, ss, ps, qs, wb
+        results["rows"] += bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms)
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

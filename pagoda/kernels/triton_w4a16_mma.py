@@ -163,6 +163,8 @@ def mma_gemv_emulate(
 # acc += scale * (the tile's MMAs, from zero). The weights enter the MMA as 128 + u (exact
 # bf16); a second MMA per v with every A element -136 (exact) adds -136 * sum(x) into the same
 # fp32 accumulator, so the tile sums x * (u - 8) without a subtract per weight.
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+_D = "{d0, d1, d2, d3}"
 _ASM = (
     """
 {
@@ -182,8 +184,8 @@ shr.u32 t, ${4 + v}, 8;
 lop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA;
 shr.u32 t, ${4 + v}, 12;
 lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;
-mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{${8 + 2 * v}, ${9 + 2 * v}}}, {{d0, d1, d2, d3}};
-mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{d0, d1, d2, d3}}, {{off, off, off, off}}, {{${8 + 2 * v}, ${9 + 2 * v}}}, {{d0, d1, d2, d3}};
+{_MMA} {_D}, {{a0, a1, a2, a3}}, {{${8 + 2 * v}, ${9 + 2 * v}}}, {_D};
+{_MMA} {_D}, {{off, off, off, off}}, {{${8 + 2 * v}, ${9 + 2 * v}}}, {_D};
 """
         for v in range(4)
     )

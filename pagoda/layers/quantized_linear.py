@@ -263,7 +263,8 @@ def _use_mma_layout(
         return False
     if not (symmetric and dtype == torch.bfloat16 and mma_supported(n, k, group, bits, False)):
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def _mma_max_m() -> int:

@@ -109,6 +109,45 @@ def test_default_config_follows_the_shape() -> None:
     assert mm._k_tiles_per_step(576, 4) == 1 and mm._k_tiles_per_step(3584, 4) == 4
 
 
+def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
+    """The layer's tensor-core path (`_apply_mma`, `_dequantize`), run by the interpreter:
+    the layout is chosen on CUDA only, so the test moves a processed layer into it by hand."""
+    from pagoda.kernels.wna16 import pack_to_int32
+    from pagoda.layers import quantized_linear as ql
+    from pagoda.layers.linear import ReplicatedLinear
+
+    inp, out = 256, 32
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
+    scale = (torch.rand(out, inp // 64, generator=g) * 0.02 + 0.001).bfloat16()
+    method = ql.WNA16LinearMethod(ql.WeightQuantArgs(4, True, 64))
+    layer = ReplicatedLinear(inp, out, bias=True, linear_method=method, dtype=torch.bfloat16)
+    layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
+    layer.weight_scale.data.copy_(scale)
+    layer.bias.data.normal_()
+    assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cpu"))
+    method.process_weights_after_loading(layer)
+    assert layer.wna16_backend == "dequant"
+    for name in ("codes", "scales"):
+        delattr(layer, name)
+    layer.mma_words = torch.nn.Parameter(mm.repack_mma(q.to(torch.int32) + 8), False)
+    layer.mma_scales = torch.nn.Parameter(mm.repack_mma_scales(scale.t().contiguous()), False)
+    layer.wna16_backend = "mma"
+    expect = dequantize_weight(q, scale, None, 64, None, torch.bfloat16)
+    assert torch.equal(method.dequantized_weight(layer), expect)
+    x = torch.randn(20, inp, generator=g).bfloat16()
+    ref = wna16_linear_ref(x.float(), q, scale.float(), None, 64, bias=layer.bias.float())
+    tol = 2.0**-6 * ref.abs().max().item()
+    monkeypatch.setenv("PAGODA_W4A16_MMA_MAX_M", "16")
+    for m in (1, 9, 16, 20):  # GEMV with 1 and 2 blocks of 8 rows, then dequant + matmul
+        assert (layer(x[:m]).float() - ref[:m]).abs().max().item() <= tol
+    monkeypatch.setenv("PAGODA_W4A16_MMA_MAX_M", "many")
+    with pytest.raises(ValueError, match="PAGODA_W4A16_MMA_MAX_M"):
+        layer(x[:1])
+    monkeypatch.setenv("PAGODA_W4A16_MMA", "0")
+    assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cuda"))
+
+
 # ------------------------------------------------------------------ GPU
 
 
@@ -122,7 +161,9 @@ def test_mma_gemv_qwen7b_gpu(m, n, k) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [(1, 1, 1), (2, 1, 1), (4, 8, 1), (4, 8, 2), (8, 4, 4), (16, 2, 8)])
+@pytest.mark.parametrize(
+    "config", [(1, 1, 1), (2, 1, 1), (4, 8, 1), (4, 8, 2), (8, 4, 4), (16, 2, 8)]
+)
 def test_mma_gemv_configs_gpu(config) -> None:
     x, words, pairs, ref, _, _ = _case(4, 3584, 18944, 128, device="cuda", seed=5)
     b = torch.randn(3584, device="cuda").to(torch.bfloat16)
@@ -156,9 +197,9 @@ def test_mma_gemv_cuda_graph_gpu() -> None:
 
 @pytest.mark.gpu
 def test_quantized_layer_uses_the_mma_layout_gpu(monkeypatch) -> None:
+    from pagoda.kernels.wna16 import pack_to_int32
     from pagoda.layers.linear import ReplicatedLinear
     from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
-    from pagoda.kernels.wna16 import pack_to_int32
 
     inp, out = 1024, 512
     g = torch.Generator().manual_seed(0)
@@ -178,4 +219,5 @@ def test_quantized_layer_uses_the_mma_layout_gpu(monkeypatch) -> None:
         y = layer(x[:m].cuda().bfloat16())
         torch.testing.assert_close(y.float().cpu(), ref[:m], rtol=2e-2, atol=3e-2)
     w = method.dequantized_weight(layer)
-    assert torch.equal(w.cpu(), dequantize_weight(q, scale.bfloat16(), None, 128, None, torch.bfloat16))
+    expect = dequantize_weight(q, scale.bfloat16(), None, 128, None, torch.bfloat16)
+    assert torch.equal(w.cpu(), expect)
