@@ -8,7 +8,9 @@ visible. The launch latency overlaps the predecessor's tail. CUDA-graph capture 
 programmatic edges.
 
 The contract, for every kernel launched with `**pdl_launch_args(t)`:
-- its first memory access comes after `if USE_PDL: tl.extra.cuda.gdc_wait()`;
+- its first memory access comes after `if USE_PDL: tl.extra.cuda.gdc_wait()`, except reads of
+  tensors no kernel ever writes (model weights: the tensor-core W4A16 GEMV loads its first
+  weight tile before waiting);
 - it may call `gdc_launch_dependents()` once its own inputs are read; the successor still waits
   for its completion in its own `gdc_wait()`, so this only lets the successor launch early.
 Because every PDL kernel waits for its predecessor before touching memory, ordering stays

@@ -1,45 +1,58 @@
-"""W4A16 GEMV on tensor cores: int4 -> bf16x2 in registers, then `mma.sync` (M <= 8).
+"""W4A16 GEMV on tensor cores: int4 -> bf16x2 in registers, then `mma.sync` (M <= 64).
 
 Why: the FMA GEMV (`triton_w4a16.wna16_gemv`) spends a mask-and-OR, a float subtract and an FMA
-per weight on the FP32 pipes; streaming int4 at the H200's ~4.2 TB/s is 8.4 T weights/s, which
-those three instructions per weight cannot keep up with (it reads at ~44 % of the bandwidth).
-Here a weight costs ~1.4 instructions and the multiply-add runs on the tensor cores:
-
-- per 32-bit word (8 weights): 3 shifts and 4 `lop3` turn the nibbles into four bf16x2 values
-  128 + u (the exponent of 128 makes the 4-bit code the low mantissa bits, exactly), and four
-  `fma.rn.bf16x2` subtract 128 + 8: the signed code, exact;
-- `mma.sync.m16n8k16` multiplies 16 weight columns x 16 K by 8 activation rows (M <= 8; for
-  M = 1 the other 7 columns of the MMA are zero) into fp32;
-- the group scale multiplies each tile's fp32 partial (64 K) once per output.
+per weight on the FP32 pipes and read int4 weights at ~44 % of the H200's copy bandwidth; its
+cost also grows with M. Here, per 32-bit word (8 weights), 3 shifts and 4 `lop3` turn the
+nibbles into four bf16x2 values 128 + u (the exponent of 128 makes the code the low mantissa
+bits, exactly) and `mma.sync.m16n8k16` multiplies 16 weight columns x 16 K by 8 activation rows
+into fp32; a second MMA with a constant A of -136 adds -136 * sum(x) to the same accumulator
+(the code offset, exact in fp32, no subtract per weight); the group scale multiplies each
+tile's partial (64 K) once per output. Measured on the H200 (Qwen2.5-7B shapes, M = 1): qkv 5.7,
+o 5.3, gate_up 26.3, down 14.0-16.0 µs against the FMA GEMV's 9.2 / 7.8 / 34.4 / 20.4, and at
+M = 8 nearly the M = 1 time (gate_up 31.5 vs 70.6); see BENCHMARKS.md.
 
 Triton has no way to place a tensor in an MMA fragment, so the weights are repacked once at load
 into the order in which the threads of a warp hold the MMA's A fragments, and the MMA is issued
-from `tl.inline_asm_elementwise`: every thread runs the same asm on its own 4 words, which is
-exactly the warp-wide collective `mma.sync` expects. That relies on how Triton lays out a
-[ROWS, 128] int32 tile loaded contiguously along its last dimension (16 B per thread, 32 threads
-along the row, warps down the rows): thread `lane` of a warp holds elements 4*lane ... 4*lane+3
-of a row. The sm_90 TTGIR of the kernel shows that layout (Triton 3.9; see the notes in
-`docs/architecture.md`), `mma_gemv_self_test` checks it on the GPU once per process, and a
-mismatch disables this path (the FMA GEMV takes over).
+from `tl.inline_asm_elementwise(pack=4)`: every thread runs the same asm on its own 4 words,
+which is exactly the warp-wide collective `mma.sync` expects. That relies on how Triton lays out
+a [rows, 128] int32 tile loaded contiguously along its last dimension (16 B per thread, 32
+threads along the row, warps down the rows): lane l of a warp holds elements 4l ... 4l+3 of a
+row. The sm_90 TTGIR shows that layout for every config used (Triton 3.9, compiled without a
+GPU), the GPU tests check the results on Triton 3.6, and `mma_self_test` checks them once per
+device before a model takes this path (a mismatch: the older layout and the FMA GEMV).
 
 Layout (`repack_mma`): a tile is 16 output columns x 64 K = 128 int32 words; tiles are stored
 [N / 16][K / 64] (K fastest), each as [lane 0..31][v 0..3] words. Lane = 4 g + c (the MMA's
-groupID g and thread-in-group c); word v of lane (g, c) feeds the v-th MMA of the tile. Within
-MMA v, thread c's K slots 2c, 2c+1 hold real K 16c + 2v + {0, 1} and slots 2c+8, 2c+9 hold
-16c + 8 + 2v + {0, 1}, so each thread reads 32 contiguous bytes of x per tile. The word's 8
-nibbles, low to high: (row g, kA), (row g+8, kA), (row g, kB), (row g+8, kB), then the same for
-kA+1, kB+1 in the high half-word (kA = 16c + 2v, kB = kA + 8, rows = tile columns). Shifting by
-0, 4, 8, 12 and masking 0x000F000F gives the fragments a0a1, a2a3, a4a5, a6a7.
+groupID g and thread-in-group c); word v of lane (g, c) feeds the v-th MMA of the tile. In MMA
+v, thread c's K slots 2c, 2c+1 hold real K 16c + 4v + {0, 1} and slots 2c+8, 2c+9 hold
+16c + 4v + {2, 3}: a lane's activations for a tile are 32 contiguous bytes, and MMA v's two B
+registers are adjacent in them. The word's 8 nibbles, low to high: (row g, kA), (row g+8, kA),
+(row g, kB), (row g+8, kB), then the same for kA+1, kB+1 in the high half-word (kA = 16c + 4v,
+kB = kA + 2, rows = tile columns). Shifting by 0, 4, 8, 12 and masking 0x000F000F gives the
+fragments a0a1, a2a3, a4a5, a6a7. Scales (`repack_mma_scales`): one int32 per (column group,
+scale group, g) holding the scales of columns g and g + 8, one 32-bit load per lane.
 
-The torch reference `mma_gemv_emulate` follows the same fragment rules step by step (the CPU
-tests check the repacking against the plain dequantized matmul with it), and
-`wna16_linear_ref` is the numerical oracle on the GPU.
+Kernel (`_w4_mma_gemv_kernel`): a program owns one column group and a K slice (split-K through
+the serial workspace of `wna16_gemv`), walks it two steps per iteration with two register sets
+ping-ponged so that one step's weights are in flight during the other's math, reads the
+activations just in time (L1: every program of an SM reads the same x), and loads its first
+weights before `gdc_wait` (PDL). M > 8 runs blocks of 8 activation rows over the same weights
+(each block re-dequantizes: the time grows with M, so layers switch to `wna16_mma_dequant` +
+cuBLAS above M = 16 by default). What still limits it: the same loads without the math
+(`dry=True`) reach 69-75 % of the copy bandwidth on gate_up / down and 36-43 % on qkv / o, and
+the math brings that to ~60 % / ~30 %.
+
+The torch reference `mma_gemv_emulate` follows the PTX fragment rules step by step (the CPU tests
+check the repacking against the dequantized matmul with it); under the Triton interpreter
+`_tile_mma` computes the same tile product with reshapes, so the CPU tests run the kernel's
+bookkeeping; `wna16_linear_ref` is the numerical oracle on the GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -444,6 +457,44 @@ def wna16_mma_gemv(
         **pdl_launch_args(x),
     )  # fmt: skip
     return out
+
+
+@functools.cache
+def mma_self_test(device_index: int) -> bool:
+    """Whether the kernels give the reference result on this GPU with this Triton (run once per
+    device before a model uses the layout: the layout trick depends on Triton's choice of
+    register layout, which a future version could change)."""
+    return self_test_on(torch.device("cuda", device_index))
+
+
+def self_test_on(device: torch.device) -> bool:
+    """`mma_self_test` on any device (the interpreter runs it on the CPU)."""
+    g = torch.Generator().manual_seed(0)
+    n, k, group = 32, 256, 128
+    q = torch.randint(-8, 8, (n, k), generator=g).to(torch.int8)
+    scale = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    x = torch.randn(12, k, generator=g).to(torch.bfloat16)
+    w = (q.float() * scale.float().repeat_interleave(group, 1)).to(torch.bfloat16)
+    ref = x.float() @ w.float().t()
+    words = repack_mma(q.to(torch.int32) + 8).to(device)
+    pairs = repack_mma_scales(scale.t().contiguous()).to(device)
+    try:
+        d = wna16_mma_dequant(words, pairs, n, k, group).cpu().float()
+        ok = bool(((d - w.float()).abs() <= 2.0**-7 * w.float().abs()).all())  # <= 1 bf16 ulp
+        for m, config in ((1, None), (12, (2, 2, 1))):
+            y = wna16_mma_gemv(x[:m].to(device), words, pairs, n, group, config=config).cpu()
+            ok = ok and (y.float() - ref[:m]).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    except Exception as e:  # noqa: BLE001 - any failure means: do not use this path
+        warnings.warn(
+            f"W4A16 tensor-core kernels unavailable ({e!r}); using the older layout", stacklevel=2
+        )
+        return False
+    if not ok:
+        warnings.warn(
+            "W4A16 tensor-core kernels gave wrong results here; using the older layout",
+            stacklevel=2,
+        )
+    return ok
 
 
 # ---------------------------------------------------------------- large M: dequantize, then cuBLAS

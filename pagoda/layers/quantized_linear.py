@@ -256,7 +256,8 @@ def _use_mma_layout(
 ) -> bool:
     """Whether a CUDA layer gets the tensor-core layout (`triton_w4a16_mma`): 4-bit symmetric
     bf16 weights with N % 16 == 0, K % 64 == 0 and groups of a multiple of 64 (or one per
-    column), on sm_80+ (`mma.sync` bf16). `PAGODA_W4A16_MMA=0` keeps the older layout."""
+    column), on sm_80+ (`mma.sync` bf16) where `mma_self_test` passed (once per device).
+    `PAGODA_W4A16_MMA=0` keeps the older layout."""
     from pagoda.kernels.triton_w4a16_mma import mma_supported
 
     if os.environ.get("PAGODA_W4A16_MMA", "1").lower() in ("0", "false", "off", "no"):
@@ -264,7 +265,11 @@ def _use_mma_layout(
     if not (symmetric and dtype == torch.bfloat16 and mma_supported(n, k, group, bits, False)):
         return False
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        return False
+    from pagoda.kernels.triton_w4a16_mma import mma_self_test
+
+    return mma_self_test(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _mma_max_m() -> int:

@@ -148,6 +148,20 @@ def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
     assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cuda"))
 
 
+def test_self_test_passes_and_catches_wrong_results(monkeypatch) -> None:
+    assert mm.self_test_on(torch.device("cpu"))
+    monkeypatch.setattr(mm, "wna16_mma_gemv", lambda x, *a, **kw: torch.zeros(x.shape[0], 32))
+    with pytest.warns(UserWarning, match="wrong results"):
+        assert not mm.self_test_on(torch.device("cpu"))
+
+    def broken(*a, **kw):
+        raise RuntimeError("no mma here")
+
+    monkeypatch.setattr(mm, "wna16_mma_dequant", broken)
+    with pytest.warns(UserWarning, match="no mma here"):
+        assert not mm.self_test_on(torch.device("cpu"))
+
+
 # ------------------------------------------------------------------ GPU
 
 
@@ -213,6 +227,7 @@ def test_quantized_layer_uses_the_mma_layout_gpu(monkeypatch) -> None:
     layer.weight_scale.data.copy_(scale)
     layer.bias.data.normal_()
     method.process_weights_after_loading(layer)
+    assert mm.mma_self_test(torch.cuda.current_device())
     assert layer.wna16_backend == "mma" and not hasattr(layer, "qweight_t")
     ref = wna16_linear_ref(x, q, scale.bfloat16().float(), None, 128, bias=layer.bias.float().cpu())
     for m in (1, 7, 64, 100):  # GEMV (1 and 2 blocks of 8, 8 blocks), dequant + cuBLAS
