@@ -124,6 +124,9 @@ def dequantize_packed_t(
 
 # ---------------------------------------------------------------- large-M rule
 #
+# (Layers in the tensor-core layout of `triton_w4a16_mma` do not use this rule: they run its GEMV
+# up to M = 16 and its exact dequant + cuBLAS above; see `quantized_linear._mma_max_m`.)
+#
 # For M > 16 a W4A16 layer can run the Triton dequant-GEMM (`wna16_gemm`) or expand the weight
 # into a dense scratch matrix (`wna16_dequant`, one bandwidth-bound pass) and hand it to cuBLAS.
 # Measured on an H200 (Qwen2.5-7B shapes, group 128, µs; run of benchmarks/quant/

@@ -290,7 +290,9 @@ _MMA_MAX_M = 16
 class WNA16LinearMethod(LinearMethod):
     """Weight-only int4/int8 linear layer (compressed-tensors or legacy GPTQ checkpoints).
 
-    After loading, on CUDA a layer holds `qweight_t` [in / f, out] int32 (packed along the
+    After loading, a CUDA layer with 4-bit symmetric bf16 weights of a supported shape holds
+    the tensor-core layout `mma_words` / `mma_scales` (`kernels/triton_w4a16_mma.py`; see
+    `_use_mma_layout`); other CUDA layers hold `qweight_t` [in / f, out] int32 (packed along the
     input, f = 32 / bits), `scales_t` [groups, out] and optional `zeros_t` [groups, out]
     (2^(bits-1) + zero point, as float); elsewhere `codes` [out, in] int8, `scales` and `zeros`
     [out, groups]. Act-order checkpoints with a g_idx also get `input_perm` [in]: the weight's
