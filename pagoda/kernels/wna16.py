@@ -125,7 +125,7 @@ def dequantize_packed_t(
 # ---------------------------------------------------------------- large-M rule
 #
 # (Layers in the tensor-core layout of `triton_w4a16_mma` do not use this rule: they run its GEMV
-# up to M = 16 and its exact dequant + cuBLAS above; see `quantized_linear._mma_max_m`.)
+# up to M = 16 or 32 and its exact dequant + cuBLAS above; see `quantized_linear._mma_max_m`.)
 #
 # For M > 16 a W4A16 layer can run the Triton dequant-GEMM (`wna16_gemm`) or expand the weight
 # into a dense scratch matrix (`wna16_dequant`, one bandwidth-bound pass) and hand it to cuBLAS.

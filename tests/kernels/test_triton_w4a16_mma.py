@@ -146,6 +146,9 @@ def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
         layer(x[:1])
     monkeypatch.setenv("PAGODA_W4A16_MMA", "0")
     assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cuda"))
+    monkeypatch.delenv("PAGODA_W4A16_MMA_MAX_M")
+    assert ql._mma_max_m(4608, 3584) == 16 and ql._mma_max_m(3584, 3584) == 16  # qkv, o
+    assert ql._mma_max_m(37888, 3584) == 32 and ql._mma_max_m(3584, 18944) == 32  # gate_up, down
 
 
 def test_self_test_passes_and_catches_wrong_results(monkeypatch) -> None:
