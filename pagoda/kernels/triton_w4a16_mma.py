@@ -39,8 +39,8 @@ activations just in time (L1: every program of an SM reads the same x), and load
 weights before `gdc_wait` (PDL). M > 8 runs blocks of 8 activation rows over the same weights
 (each block re-dequantizes: the time grows with M, so layers switch to `wna16_mma_dequant` +
 cuBLAS above M = 16, or 32 on the large layers: `quantized_linear._mma_max_m`). What still
-limits it: the same loads without the math (`dry=True`) reach 69-75 % of the copy bandwidth on gate_up / down and 36-43 % on qkv / o, and
-the math brings that to ~60 % / ~30 %.
+limits it: the same loads without the math (`dry=True`) reach 69-75 % of the copy bandwidth on
+gate_up / down and 36-43 % on qkv / o, and the math brings that to ~60 % / ~30 %.
 
 The torch reference `mma_gemv_emulate` follows the PTX fragment rules step by step (the CPU tests
 check the repacking against the dequantized matmul with it); under the Triton interpreter
