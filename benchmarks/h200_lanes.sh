@@ -4,7 +4,7 @@
 # never costs the others. Everything a step writes lands in $OUT/results.tar.gz (the device tool
 # fetches at most 8 files); unpack it into benchmarks/results/ and read the logs.
 #
-#   OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
+#   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
 # Steps (session 5): mma_tests mma_bench ab_mma
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab w4a16_latency gemm lora serve
@@ -281,8 +281,13 @@ if ((NGPU >= 2 && $# >= 2)); then
 else
   lane 0 "$*"
 fi
-# The device's copy of .git can be stale: write `git rev-parse HEAD > .run_commit` before the call.
-cat .run_commit >"$R/commit.txt" 2>/dev/null || git rev-parse HEAD >"$R/commit.txt" 2>/dev/null
+# The device's copy of .git can be stale and `.run_commit` is git-ignored (not carried unless
+# named in the call's `carry`): pass RUN_COMMIT=$(git rev-parse HEAD) on the command line.
+if [ -n "${RUN_COMMIT:-}" ]; then
+  echo "$RUN_COMMIT" >"$R/commit.txt"
+else
+  cat .run_commit >"$R/commit.txt" 2>/dev/null || git rev-parse HEAD >"$R/commit.txt" 2>/dev/null
+fi
 tar czf "$OUT/results.tar.gz" -C "$R" . 2>/dev/null
 cat "$R/summary.txt"
 for f in "$R"/*.log; do
