@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pagoda.bench.common import copy_bandwidth
+from pagoda.bench.common import graph_time_per_call as time_graph
 from pagoda.kernels.triton_gemv import DenseGemvConfig, _num_sms, _plan, gemv_bf16, gemv_ref
 
 SHAPES = {
@@ -46,24 +47,6 @@ def candidates() -> list[DenseGemvConfig]:
     out.append(DenseGemvConfig(16, 1024, 0, 8, 2))
     out.append(DenseGemvConfig(32, 256, 8, 4, 3))
     return out
-
-
-def time_graph(fn_per_copy, copies: int, replays: int = 20) -> float:
-    """Seconds per call: one graph of `copies` calls (one per weight copy), replayed."""
-    for i in range(copies):  # warm-up / compile outside capture
-        fn_per_copy(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn_per_copy(i)
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(replays):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (replays * copies)
 
 
 def bench_shape(name: str, bw: float, num_sms: int) -> dict:

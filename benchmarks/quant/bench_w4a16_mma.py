@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from pagoda.bench.common import copy_bandwidth  # noqa: E402
+from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.triton_gemv import gemv_bf16  # noqa: E402
 from pagoda.kernels.triton_w4a16 import wna16_gemv  # noqa: E402
@@ -31,44 +32,6 @@ SHAPES = {  # name: (N, K) of Qwen2.5-7B
     "gate_up": (37888, 3584),
     "down": (3584, 18944),
 }
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 20 / (time.perf_counter() - t)
-
-
-def time_graph(fn, copies: int, replays: int = 20) -> float:
-    """Seconds per call: one graph of `copies` calls (fn(i) uses weight copy i), replayed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(copies):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(copies):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(replays):
-            g.replay()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / (replays * copies))
-    del g
-    return sorted(times)[len(times) // 2]
 
 
 def configs(m: int, n: int, k: int, num_sms: int):
@@ -193,7 +156,7 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     num_sms = props.multi_processor_count
     l2 = getattr(props, "L2_cache_size", 50 << 20)
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     print(f"{props.name}: {num_sms} SMs, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     results = {"gpu": props.name, "copy_bw": bw, "rows": []}
     ms = [int(v) for v in args.ms.split(",")]

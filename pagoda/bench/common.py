@@ -77,6 +77,33 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, iters: int = 10)
     return 2 * n * 2 / t / 1  # elements * 2 bytes, read + write
 
 
+def graph_time_per_call(fn, copies: int, replays: int = 20, reps: int = 5) -> float:
+    """Seconds per call of `fn(i)` for i in range(copies), all captured in one CUDA graph and
+    replayed `replays` times (median of `reps` timings): back-to-back kernels as in a decode
+    graph, with `copies` weight copies so that each call reads from HBM, not the L2."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compiles, sizes workspaces) outside the capture
+        for i in range(copies):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / (replays * copies))
+    del g
+    return sorted(times)[len(times) // 2]
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     env = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

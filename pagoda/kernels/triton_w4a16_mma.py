@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels.pdl import pdl_launch_args
+from pagoda.kernels.triton_w4a16 import _serial_workspace
 
 TILE_N = 16  # output columns per tile (the MMA's M)
 TILE_K = 64  # K per tile (four MMAs of K = 16)
@@ -410,8 +411,6 @@ def wna16_mma_gemv(
 ) -> torch.Tensor:  # [M, N]
     """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma` (4-bit symmetric), M <= 64:
     blocks of 8 rows share each dequantized weight fragment."""
-    from pagoda.kernels.triton_w4a16 import _serial_workspace
-
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS or x.dtype != torch.bfloat16:
         raise ValueError(
