@@ -6,6 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
+# Steps (session 6): pf_tests pf_bench ab_pf
 # Steps (session 5): mma_tests mma_bench ab_mma
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab w4a16_latency gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
@@ -262,6 +263,26 @@ step_ab_mma() {
   latrun w4a16 "config:$CFG7:w4a16"
   latrun w4a16_nomma "config:$CFG7:w4a16" PAGODA_W4A16_MMA=0
   latrun w4a16_lm_head "config:$CFG7:w4a16-lm_head"
+}
+# session 6: L2 bulk prefetch in the tensor-core GEMV, early PDL triggers in the short kernels
+step_pf_tests() {
+  run pf_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py tests/kernels/test_fused_decode_attention.py \
+    tests/kernels/test_fused_ops.py tests/kernels/test_triton_paged_attention.py
+}
+step_pf_bench() {
+  run pf_bench 200 python3 benchmarks/quant/bench_w4a16_mma.py --prefetch-only \
+    --out "$R/w4a16_prefetch_h200.json"
+}
+step_ab_pf() {
+  latrun bf16 "config:$CFG7"
+  latrun w4a16 "config:$CFG7:w4a16"
+  latrun w4a16_s5 "config:$CFG7:w4a16" PAGODA_W4A16_PF=0 PAGODA_PDL_EARLY=0
+  latrun w4a16_nopf "config:$CFG7:w4a16" PAGODA_W4A16_PF=0
+  latrun w4a16_noearly "config:$CFG7:w4a16" PAGODA_PDL_EARLY=0
+  latrun w4a16_pfall "config:$CFG7:w4a16" PAGODA_W4A16_PF=all
+  latrun w4a16_pf4 "config:$CFG7:w4a16" PAGODA_W4A16_PF=4,loop
+  latrun bf16_noearly "config:$CFG7" PAGODA_PDL_EARLY=0
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

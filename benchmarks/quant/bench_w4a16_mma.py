@@ -146,11 +146,73 @@ def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
     return rows
 
 
+PREFETCHES = [(0, False), (2, True), (4, True), (8, True), (16, True), (4, False), (1 << 20, False)]
+
+
+def bench_prefetch(name, n, k, bw, l2, num_sms, ms=(1, 8)) -> list[dict]:
+    """The L2 bulk prefetch settings (`PAGODA_W4A16_PF`) at the default config and one
+    alternative, each checked against the reference first; M = 1 also without the math."""
+    dev, G = torch.device("cuda"), 128
+    u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
+    scales = (torch.rand(n, k // G, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
+    w_deq = ((u - 8).float() * scales.float().repeat_interleave(G, 1)).to(torch.bfloat16)
+    words, pairs = mma.repack_mma(u), mma.repack_mma_scales(scales.t().contiguous())
+    int4_bytes = n * k // 2 + scales.numel() * 2
+    copies = max(2, -(-4 * l2 // int4_bytes))
+    ws = [words] + [words.clone() for _ in range(copies - 1)]
+    ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
+    rows = []
+    for m in ms:
+        x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
+        ref = x.float() @ w_deq.float().t()
+        tol = 2e-2 * ref.abs().max().item()
+        default = mma.default_mma_config(m, n, k, num_sms)
+        alt = (4, 1, 2) if default[1] == 1 else (default[0], default[1], 3 - default[2])
+        for cfg in (default, alt):
+            for pf in PREFETCHES:
+                rec = {"layer": name, "n": n, "k": k, "m": m, "config": cfg, "prefetch": pf}
+                try:
+                    y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, prefetch=pf)
+                    err = (y.float() - ref).abs().max().item()
+                    if not err <= tol:
+                        raise RuntimeError(f"max err {err:.3g} > {tol:.3g}")
+                    t = time_graph(
+                        lambda i, x=x, c=cfg, p=pf: mma.wna16_mma_gemv(
+                            x, ws[i], ps[i], n, G, config=c, prefetch=p
+                        ),
+                        copies,
+                    )
+                    rec.update(us=t * 1e6, bw_frac=int4_bytes / t / bw)
+                    if m == 1:
+                        t = time_graph(
+                            lambda i, x=x, c=cfg, p=pf: mma.wna16_mma_gemv(
+                                x, ws[i], ps[i], n, G, config=c, prefetch=p, dry=True
+                            ),
+                            copies,
+                        )
+                        rec.update(dry_us=t * 1e6, dry_bw_frac=int4_bytes / t / bw)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    rec["error"] = repr(e)[:300]
+                rows.append(rec)
+                print(
+                    f"{name:8s} M={m:2d} {cfg} pf={pf}: "
+                    + (
+                        rec["error"]
+                        if "error" in rec
+                        else f"{rec['us']:6.1f} us ({100 * rec['bw_frac']:.0f}% BW)"
+                        + (f" dry {rec['dry_us']:5.1f}" if "dry_us" in rec else "")
+                    ),
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="w4a16_mma.json")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--sweep-ms", default="1,16,64", help="M values with a config sweep")
+    ap.add_argument("--prefetch-only", action="store_true", help="only the L2 prefetch sweep")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -162,7 +224,10 @@ def main() -> int:
     ms = [int(v) for v in args.ms.split(",")]
     sweep_ms = {int(v) for v in args.sweep_ms.split(",")}
     for name, (n, k) in SHAPES.items():
-        results["rows"] += bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms)
+        if args.prefetch_only:
+            results["rows"] += bench_prefetch(name, n, k, bw, l2, num_sms)
+        else:
+            results["rows"] += bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms)
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -11,8 +11,10 @@ The contract, for every kernel launched with `**pdl_launch_args(t)`:
 - its first memory access comes after `if USE_PDL: tl.extra.cuda.gdc_wait()`, except reads of
   tensors no kernel ever writes (model weights: the tensor-core W4A16 GEMV loads its first
   weight tile before waiting);
-- it may call `gdc_launch_dependents()` once its own inputs are read; the successor still waits
-  for its completion in its own `gdc_wait()`, so this only lets the successor launch early.
+- it may call `gdc_launch_dependents()` at any point (after its inputs are read, or first
+  thing: `PDL_EARLY`); the successor still waits for its completion in its own `gdc_wait()`, so
+  this only lets the successor launch early. A successor launched early holds its SM resources
+  while it waits, which is why only short kernels trigger first thing.
 Because every PDL kernel waits for its predecessor before touching memory, ordering stays
 transitive: kernel C (after B after A) cannot start reading before A has completed.
 Kernels launched without the flag (cuBLAS, torch ops) keep ordinary stream order.
@@ -54,7 +56,20 @@ def pdl_enabled(t: torch.Tensor) -> bool:
     return _device_supports_pdl(t.device.index if t.device.index is not None else 0)
 
 
-def pdl_launch_args(t: torch.Tensor) -> dict:
-    """Keyword arguments for a Triton launch: the kernel's `USE_PDL` constexpr and the flag."""
+@functools.cache
+def _early_enabled() -> bool:
+    return os.environ.get("PAGODA_PDL_EARLY", "1").lower() not in ("0", "false", "off", "no")
+
+
+def pdl_launch_args(t: torch.Tensor, early: bool = False) -> dict:
+    """Keyword arguments for a Triton launch: the kernel's `USE_PDL` constexpr and the flag.
+
+    `early=True` (kernels with a `PDL_EARLY` constexpr: the short kernels between two GEMVs)
+    adds `PDL_EARLY`: trigger `gdc_launch_dependents()` first thing, before `gdc_wait()`, so the
+    next kernel (a weight GEMV) is resident while this one waits and runs, and starts streaming
+    its weights into the L2 then (`PAGODA_PDL_EARLY=0`: trigger after the inputs are read)."""
     on = pdl_enabled(t)
-    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+    args = {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+    if early:
+        args["PDL_EARLY"] = on and _early_enabled()
+    return args

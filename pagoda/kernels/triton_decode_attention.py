@@ -107,7 +107,10 @@ def _fused_decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
+    PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
 ):
+    if USE_PDL and PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:  # qkv comes from the projection still running: wait before any load
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
@@ -147,7 +150,7 @@ def _fused_decode_attention_kernel(
     k_p = tl.load(k_row + partner * stride_kd, mask=d_mask, other=0.0).to(tl.float32)
     v_new = tl.load(v_ptr + tok * stride_vt + kv_head * stride_vh + offs_d * stride_vd,
                     mask=d_mask, other=0.0)  # fmt: skip
-    if USE_PDL:  # inputs read: the next kernel may launch (it still waits for our stores)
+    if USE_PDL and not PDL_EARLY:  # inputs read: the next kernel may launch (it still waits)
         tl.extra.cuda.gdc_launch_dependents()
 
     # Rotated values are exact in the model dtype (float32 here, so the casts below are exact).
@@ -265,7 +268,7 @@ def _fused_decode_attention_kernel(
 # TRITON_INTERPRET=1 at import time turns the kernels into interpreted (CPU numpy) functions.
 _INTERPRETED = not isinstance(_fused_decode_attention_kernel, triton.runtime.JITFunction)
 # The reduce kernel is shared with `paged_attention_triton`; pass it the PDL flag if it has one.
-_REDUCE_TAKES_PDL = "USE_PDL" in _split_kv_reduce_kernel.arg_names
+_REDUCE_TAKES_PDL = {"USE_PDL", "PDL_EARLY"} <= set(_split_kv_reduce_kernel.arg_names)
 
 
 # `PAGODA_FUSED_DECODE_REDUCE=1`: the last split reduces in the launch (no reduce kernel). Off
@@ -404,7 +407,7 @@ def fused_decode_attention_triton(
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits), FUSED_REDUCE=fused_reduce,
         DROP=_drop_bits(q.dtype), DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q),
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q, early=True),
     )  # fmt: skip
     if num_splits > 1 and not fused_reduce:
         _split_kv_reduce_kernel[(num_tokens, num_heads)](
@@ -413,6 +416,6 @@ def fused_decode_attention_triton(
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             num_warps=4 if head_dim_pad >= 128 else 2,
-            **(pdl_launch_args(q) if _REDUCE_TAKES_PDL else {}),
+            **(pdl_launch_args(q, early=True) if _REDUCE_TAKES_PDL else {}),
         )  # fmt: skip
     return out

@@ -68,7 +68,10 @@ def _rms_norm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
+    PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
 ):
+    if USE_PDL and PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
@@ -86,7 +89,7 @@ def _rms_norm_kernel(
         # HF adds the residual in the model dtype: round the sum before normalising it.
         x = _round(x + r.to(tl.float32), IN_DROP)
         tl.store(res_out_ptr + out_offs, x.to(res_out_ptr.dtype.element_ty), mask=mask)
-    if USE_PDL:  # inputs read: the next kernel may launch (it still waits for our stores)
+    if USE_PDL and not PDL_EARLY:  # inputs read: the next kernel may launch (it still waits)
         tl.extra.cuda.gdc_launch_dependents()
     # Masked lanes are 0, so they add nothing to the sum of squares.
     var = tl.sum(x * x, axis=1) / hidden  # [BLOCK_M]
@@ -150,7 +153,7 @@ def _launch_rms_norm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
-        **pdl_launch_args(x),
+        **pdl_launch_args(x, early=True),
     )
     return out, res_out
 
@@ -353,7 +356,10 @@ def _silu_and_mul_kernel(
     DROP: tl.constexpr,  # `_round` bits of the dtype
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
+    PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
 ):
+    if USE_PDL and PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
@@ -362,7 +368,7 @@ def _silu_and_mul_kernel(
     x_row = x_ptr + tok * stride_xt
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
+    if USE_PDL and not PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     # torch's silu formula in float32, rounded to the model dtype before the multiply by `up`
     # (F.silu and `*` are two eager ops in HF).
@@ -395,6 +401,6 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         DROP=_drop_bits(x.dtype),
         BLOCK=block,
         num_warps=4 if block >= 512 else 2,
-        **pdl_launch_args(x),
+        **pdl_launch_args(x, early=True),
     )
     return out

@@ -284,7 +284,10 @@ def _split_kv_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # programmatic dependent launch (pagoda/kernels/pdl.py)
+    PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
 ):
+    if USE_PDL and PDL_EARLY:
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     tok = tl.program_id(0)

@@ -215,6 +215,32 @@ fma.rn.f32 $3, d3, shi, $20;
 _ASM = tl.constexpr(_ASM)
 _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
 
+# One bulk L2 prefetch per program (thread 0 of the CTA; skipped when the size is <= 0): the
+# TMA unit streams `$2` bytes at `$1` into the L2 and the thread does not wait for them, so the
+# bytes in flight are not bounded by registers. The asm's output is unused; `is_pure=False`
+# keeps it.
+_PF_ASM = tl.constexpr(
+    """{
+.reg .pred p;
+.reg .b32 t;
+mov.u32 t, %tid.x;
+setp.eq.u32 p, t, 0;
+setp.gt.and.s32 p, $2, 0, p;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}"""
+)
+
+
+@triton.jit
+def _l2_prefetch(ptr, nbytes, INTERPRET: tl.constexpr):
+    """Fire-and-forget prefetch of `nbytes` (a multiple of 16, 16-byte aligned) into the L2."""
+    if not INTERPRET:
+        size = tl.zeros([], dtype=tl.int32) + nbytes  # a tensor even if nbytes is a constant
+        tl.inline_asm_elementwise(
+            _PF_ASM, "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1
+        )
+
 
 @triton.jit
 def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr, DRY: tl.constexpr = False):
@@ -299,6 +325,8 @@ def _w4_mma_gemv_kernel(
     ONE_SPLIT: tl.constexpr,  # no split-K: the workspace arguments are unused
     INTERPRET: tl.constexpr,
     DRY: tl.constexpr,  # benchmarks: the loads without the math (wrong results)
+    PF_FIRST: tl.constexpr,  # steps of the slice bulk-prefetched into the L2 before gdc_wait
+    PF_LOOP: tl.constexpr,  # keep prefetching PF_FIRST steps ahead inside the loop
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column group, K slice): walks its slice two steps per iteration with two
@@ -324,11 +352,23 @@ def _w4_mma_gemv_kernel(
     x_rows = x_ptr + x_row * stride_xm + 8 * ((j3 // 4) % 4) + j3 % 4  # int32 pairs; + kb * 32
     pos = s0
     last = s0 + n_steps - 1
+    step_bytes = KT * 512
+    w_base = w_ptr + ng * kb_total * 128  # this column group's tiles: contiguous, K fastest
+    if PF_FIRST > 0:
+        # The slice's first PF_FIRST steps and the column group's scale pairs, before anything
+        # else: with PDL this runs while the previous kernel still works (HBM otherwise idle).
+        _l2_prefetch(w_base + s0 * KT * 128, tl.minimum(n_steps, PF_FIRST) * step_bytes,
+                     INTERPRET)  # fmt: skip
+        _l2_prefetch(sp_ptr + ng * n_groups_s * 32, n_groups_s * 32, INTERPRET)
     wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros([NB, KT, 128], dtype=tl.float32)
     for i in range(0, n_steps, 2):
+        if PF_LOOP:  # the two steps PF_FIRST ahead (those already issued: size <= 0, skipped)
+            ahead = i + PF_FIRST
+            _l2_prefetch(w_base + (s0 + ahead) * KT * 128,
+                         tl.minimum(n_steps - ahead, 2) * step_bytes, INTERPRET)  # fmt: skip
         pos_b = tl.minimum(pos + 1, last)
         wb, spb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
         acc = _step(acc, wa, spa, pos, r, x_rows, KT, NB, INTERPRET, DRY)
@@ -390,6 +430,36 @@ def default_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
     return (4 if k <= 8192 else 2, split if k > 8192 else max(1, split // 3), 2)
 
 
+Prefetch = tuple[int, bool]  # (steps bulk-prefetched before gdc_wait, keep that distance in-loop)
+_PF_ALL = 1 << 20  # "the whole slice"
+
+
+def parse_prefetch(text: str) -> Prefetch:
+    """`PAGODA_W4A16_PF`: "0" (off), "all" (each program's whole slice up front), "F" (the first F
+    steps up front) or "F,loop" (and then F steps ahead inside the loop)."""
+    parts = [p.strip().lower() for p in text.split(",")]
+    try:
+        first = _PF_ALL if parts[0] == "all" else int(parts[0])
+    except ValueError:
+        first = -1
+    loop = parts[1:] == ["loop"]
+    if first < 0 or (len(parts) > 1 and not loop) or len(parts) > 2 or (loop and first == 0):
+        raise ValueError(
+            f"PAGODA_W4A16_PF={text!r}: expected 0, all, F or F,loop (F = steps, an integer >= 0)"
+        )
+    return first, loop
+
+
+def default_mma_prefetch(m: int, n: int, k: int, capability: tuple[int, int]) -> Prefetch:
+    """L2 bulk prefetch (sm_90+: `cp.async.bulk.prefetch.L2`); `PAGODA_W4A16_PF` overrides."""
+    env = os.environ.get("PAGODA_W4A16_PF")
+    if capability < (9, 0):
+        return (0, False)
+    if env is not None:
+        return parse_prefetch(env)
+    return (8, True)
+
+
 def _k_tiles_per_step(k: int, target: int) -> int:
     kb = k // TILE_K
     kt = 1
@@ -408,6 +478,7 @@ def wna16_mma_gemv(
     config: MmaConfig | None = None,
     out_dtype: torch.dtype | None = None,
     dry: bool = False,  # benchmarks: the loads without the math (wrong results)
+    prefetch: Prefetch | None = None,  # None: `default_mma_prefetch`
 ) -> torch.Tensor:  # [M, N]
     """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma` (4-bit symmetric), M <= 64:
     blocks of 8 rows share each dequantized weight fragment."""
@@ -437,6 +508,11 @@ def wna16_mma_gemv(
             per, split = steps_total, 1
         else:
             ws, cnt = bufs
+    if prefetch is None:
+        cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else (0, 0)
+        prefetch = default_mma_prefetch(m, n, k, cap)
+    pf_first = min(prefetch[0], per)
+    pf_loop = bool(prefetch[1]) and 0 < pf_first < per
     per_channel = group_size <= 0 or group_size >= k
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
@@ -452,6 +528,8 @@ def wna16_mma_gemv(
         ONE_SPLIT=split == 1,
         INTERPRET=_INTERPRET,
         DRY=dry,
+        PF_FIRST=pf_first,
+        PF_LOOP=pf_loop,
         num_warps=warps,
         **pdl_launch_args(x),
     )  # fmt: skip

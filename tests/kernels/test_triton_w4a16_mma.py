@@ -101,6 +101,51 @@ def test_mma_dequant_interpreter(group) -> None:
     assert rel.max().item() <= 2.0**-7  # truncating cast in the interpreter; exact on the GPU
 
 
+def test_prefetch_setting_parses_and_rejects_bad_values(monkeypatch) -> None:
+    assert mm.parse_prefetch("0") == (0, False)
+    assert mm.parse_prefetch("8") == (8, False)
+    assert mm.parse_prefetch(" 4 , loop") == (4, True)
+    assert mm.parse_prefetch("all")[0] >= 1 << 20
+    for bad in ("-1", "x", "4,loops", "0,loop", "4,loop,1", ""):
+        with pytest.raises(ValueError, match="PAGODA_W4A16_PF"):
+            mm.parse_prefetch(bad)
+    monkeypatch.delenv("PAGODA_W4A16_PF", raising=False)
+    assert mm.default_mma_prefetch(1, 37888, 3584, (8, 9)) == (0, False)  # no bulk prefetch
+    assert mm.default_mma_prefetch(1, 37888, 3584, (9, 0))[0] > 0
+    monkeypatch.setenv("PAGODA_W4A16_PF", "3,loop")
+    assert mm.default_mma_prefetch(1, 37888, 3584, (9, 0)) == (3, True)
+    assert mm.default_mma_prefetch(1, 37888, 3584, (8, 0)) == (0, False)
+
+
+@pytest.mark.parametrize("prefetch", [(0, False), (2, True), (1 << 20, False)])
+def test_mma_gemv_prefetch_settings_interpreter(prefetch) -> None:
+    """The prefetch is a hint (skipped by the interpreter, which has no PTX): every setting
+    compiles into the same bookkeeping and gives the same result, split-K included."""
+    x, words, pairs, ref, _, _ = _case(2, 32, 1024, 128, seed=4)
+    y = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 3, 1), prefetch=prefetch)
+    base = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 3, 1), prefetch=(0, False))
+    assert torch.equal(y, base)
+    assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
+
+
+def test_pdl_early_trigger_arguments(monkeypatch) -> None:
+    from pagoda.kernels import pdl
+
+    cpu = torch.zeros(1)
+    assert pdl.pdl_launch_args(cpu) == {"USE_PDL": False}
+    assert pdl.pdl_launch_args(cpu, early=True) == {"USE_PDL": False, "PDL_EARLY": False}
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda t: True)
+    pdl._early_enabled.cache_clear()
+    monkeypatch.setenv("PAGODA_PDL_EARLY", "0")
+    assert pdl.pdl_launch_args(cpu, early=True)["PDL_EARLY"] is False
+    pdl._early_enabled.cache_clear()
+    monkeypatch.setenv("PAGODA_PDL_EARLY", "1")
+    assert pdl.pdl_launch_args(cpu, early=True) == {
+        "USE_PDL": True, "launch_pdl": True, "PDL_EARLY": True
+    }  # fmt: skip
+    pdl._early_enabled.cache_clear()
+
+
 def test_default_config_follows_the_shape() -> None:
     assert mm.default_mma_config(1, 37888, 3584) == (2, 1, 1)  # 2,368 column groups
     kt, split, warps = mm.default_mma_config(1, 3584, 18944)
@@ -189,6 +234,22 @@ def test_mma_gemv_configs_gpu(config) -> None:
     torch.testing.assert_close(
         y.float().cpu(), expect, rtol=1e-2, atol=2e-2 * expect.abs().max().item()
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [(0, False), (4, False), (4, True), (1 << 20, False)])
+@pytest.mark.parametrize("n,k,config", [(37888, 3584, (2, 1, 1)), (3584, 18944, (4, 5, 2))])
+def test_mma_gemv_l2_prefetch_gpu(prefetch, n, k, config) -> None:
+    """The bulk L2 prefetch is only a hint: the same result with and without it (bit-identical
+    without split-K; with it the partials' atomic order varies: one bf16 ulp)."""
+    x, words, pairs, ref, _, _ = _case(1, n, k, 128, device="cuda", seed=9)
+    base = mm.wna16_mma_gemv(x, words, pairs, n, 128, config=config, prefetch=(0, False))
+    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, config=config, prefetch=prefetch)
+    if config[1] == 1:
+        assert torch.equal(y, base)
+    else:
+        assert (y.float() - base.float()).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
 
 
 @pytest.mark.gpu
