@@ -451,13 +451,13 @@ def parse_prefetch(text: str) -> Prefetch:
 
 
 def default_mma_prefetch(m: int, n: int, k: int, capability: tuple[int, int]) -> Prefetch:
-    """L2 bulk prefetch (sm_90+: `cp.async.bulk.prefetch.L2`); `PAGODA_W4A16_PF` overrides."""
+    """L2 bulk prefetch (sm_90+: `cp.async.bulk.prefetch.L2`): off by default, because it
+    measured slower in every setting (H200, session 6: gate_up 26.6 -> 25.7-32.2 µs, qkv 5.6 ->
+    6.1-6.2, batch-1 decode 462 -> 430-458 tok/s); `PAGODA_W4A16_PF` turns it on."""
     env = os.environ.get("PAGODA_W4A16_PF")
-    if capability < (9, 0):
+    if capability < (9, 0) or env is None:
         return (0, False)
-    if env is not None:
-        return parse_prefetch(env)
-    return (8, True)
+    return parse_prefetch(env)
 
 
 def _k_tiles_per_step(k: int, target: int) -> int:
