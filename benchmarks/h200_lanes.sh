@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 6): pf_tests pf_bench ab_pf
+# Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared
 # Steps (session 5): mma_tests mma_bench ab_mma
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab w4a16_latency gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
@@ -283,6 +283,29 @@ step_ab_pf() {
   latrun w4a16_pfall "config:$CFG7:w4a16" PAGODA_W4A16_PF=all
   latrun w4a16_pf4 "config:$CFG7:w4a16" PAGODA_W4A16_PF=4,loop
   latrun bf16_noearly "config:$CFG7" PAGODA_PDL_EARLY=0
+}
+step_shared_tests() {
+  run shared_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py
+}
+step_shared_bench() {
+  run shared_bench 240 python3 benchmarks/quant/bench_w4a16_mma.py --shared-only \
+    --out "$R/w4a16_shared_h200.json"
+}
+# batch 1 / 8 / 32 / 64 decode of 7B W4A16: GEMV up to 64 rows (shared dequant) vs session 5
+step_ab_shared() {
+  latrun w4a16 "config:$CFG7:w4a16"
+  for b in 8 32 64; do
+    run "b${b}_w4a16_gemv64" 90 env PAGODA_W4A16_MMA_MAX_M=64 python3 -m pagoda.entrypoints.cli \
+      bench latency "config:$CFG7:w4a16" --dtype bfloat16 --prompt-len 512 --output-len 128 \
+      --batch-size $b --iters 2 --baseline none --out "$R/lat_b${b}_w4a16_gemv64.json"
+    run "b${b}_w4a16_default" 90 python3 -m pagoda.entrypoints.cli \
+      bench latency "config:$CFG7:w4a16" --dtype bfloat16 --prompt-len 512 --output-len 128 \
+      --batch-size $b --iters 2 --baseline none --out "$R/lat_b${b}_w4a16_default.json"
+    run "b${b}_bf16" 90 python3 -m pagoda.entrypoints.cli \
+      bench latency "config:$CFG7" --dtype bfloat16 --prompt-len 512 --output-len 128 \
+      --batch-size $b --iters 2 --baseline none --out "$R/lat_b${b}_bf16.json"
+  done
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

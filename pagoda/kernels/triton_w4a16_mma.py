@@ -64,7 +64,8 @@ from pagoda.kernels.triton_w4a16 import _serial_workspace
 TILE_N = 16  # output columns per tile (the MMA's M)
 TILE_K = 64  # K per tile (four MMAs of K = 16)
 MAX_M = 8  # activation rows per MMA (its N)
-MAX_ROWS = 64  # rows per call: up to 8 blocks of 8 share each dequantized fragment
+MAX_ROWS = 64  # rows per call
+SHARED_ROWS = 32  # rows per launch of the shared-dequantization kernel (4 blocks of 8)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -214,6 +215,55 @@ fma.rn.f32 $3, d3, shi, $20;
 )
 _ASM = tl.constexpr(_ASM)
 _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
+
+
+
+def _shared_asm(nbb: int) -> str:
+    """`_ASM` for nbb blocks of 8 activation rows sharing one dequantization (M = 9-32): each
+    word becomes its four bf16x2 fragments once, u - 8 exactly (lop3 gives 128 + u, then one
+    `fma.rn.bf16x2` by 1 and -136: no offset MMA), and every block runs one MMA per fragment.
+    Operands (pack = 4): $0.. the nbb accumulators out (4 each); then the 4 words, per block its
+    x1 / x2 pairs (8), the scale pair (1), the nbb accumulators in (4 each)."""
+    w = 4 * nbb
+    x = w + 4
+    sp = x + 8 * nbb
+    a = sp + 1
+    lines = [
+        "{",
+        ".reg .b32 q<16>;",
+        f".reg .b32 d<{4 * nbb}>;",
+        ".reg .b32 t, off, one, slo, shi;",
+        "mov.b32 off, 0xC308C308;",  # bf16x2 (-136, -136)
+        "mov.b32 one, 0x3F803F80;",  # bf16x2 (1, 1)
+    ]
+    lines += [f"mov.b32 d{i}, 0;" for i in range(4 * nbb)]
+    for v in range(4):
+        for sh in range(4):
+            r = f"q{4 * v + sh}"
+            if sh == 0:
+                lines.append(f"lop3.b32 {r}, ${w + v}, 0x000F000F, 0x43004300, 0xEA;")
+            else:
+                lines.append(f"shr.u32 t, ${w + v}, {4 * sh};")
+                lines.append(f"lop3.b32 {r}, t, 0x000F000F, 0x43004300, 0xEA;")
+            lines.append(f"fma.rn.bf16x2 {r}, {r}, one, off;")
+        frag = ", ".join(f"q{4 * v + i}" for i in range(4))
+        for b in range(nbb):
+            d = ", ".join(f"d{4 * b + i}" for i in range(4))
+            p0 = x + 8 * b + 2 * v  # MMA v reads the block's pairs 2v, 2v + 1
+            lines.append(f"{_MMA} {{{d}}}, {{{frag}}}, {{${p0}, ${p0 + 1}}}, {{{d}}};")
+    lines += [f"shl.b32 slo, ${sp}, 16;", f"and.b32 shi, ${sp}, 0xFFFF0000;"]
+    for b in range(nbb):
+        for i in range(4):
+            sc = "slo" if i < 2 else "shi"
+            lines.append(f"fma.rn.f32 ${4 * b + i}, d{4 * b + i}, {sc}, ${a + 4 * b + i};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_ASM_S2 = tl.constexpr(_shared_asm(2))
+_ASM_S4 = tl.constexpr(_shared_asm(4))
+_CONS_S2 = tl.constexpr(",".join(["=r"] * 8 + ["r"] * (4 + 16 + 1 + 8)))
+_CONS_S4 = tl.constexpr(",".join(["=r"] * 16 + ["r"] * (4 + 32 + 1 + 16)))
 
 # One bulk L2 prefetch per program (thread 0 of the CTA; skipped when the size is <= 0): the
 # TMA unit streams `$2` bytes at `$1` into the L2 and the thread does not wait for them, so the
@@ -405,6 +455,171 @@ def _w4_mma_gemv_kernel(
             tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
 
 
+# ------------------------------------------- M = 9-32: blocks of 8 rows share the dequantization
+
+
+@triton.jit
+def _x_rows(x_ptr, M, stride_xm, b: tl.constexpr, j):
+    """Activation pointers [1, 128] of block b (rows 8b .. 8b + 7; rows >= M read row M - 1)."""
+    row = tl.minimum(8 * b + j // 16, M - 1)
+    return x_ptr + row * stride_xm + 8 * ((j // 4) % 4) + j % 4
+
+
+@triton.jit
+def _step_shared(acc0, acc1, acc2, acc3, words, sp, pos, r, xr0, xr1, xr2, xr3,
+                 KT: tl.constexpr, NB: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+    """One step of NB (2 or 4) blocks over the same words: one asm dequantizes each word once
+    for all of them (`_shared_asm`); the interpreter runs `_tile_mma` per block."""
+    kb = (pos * KT + r) * 32  # [KT, 1]
+    x1_0 = tl.load(xr0 + kb)
+    x2_0 = tl.load(xr0 + kb + 4)
+    x1_1 = tl.load(xr1 + kb)
+    x2_1 = tl.load(xr1 + kb + 4)
+    if NB == 4:
+        x1_2 = tl.load(xr2 + kb)
+        x2_2 = tl.load(xr2 + kb + 4)
+        x1_3 = tl.load(xr3 + kb)
+        x2_3 = tl.load(xr3 + kb + 4)
+    if INTERPRET:
+        acc0 = _tile_mma(acc0, words, x1_0, x2_0, sp, INTERPRET)
+        acc1 = _tile_mma(acc1, words, x1_1, x2_1, sp, INTERPRET)
+        if NB == 4:
+            acc2 = _tile_mma(acc2, words, x1_2, x2_2, sp, INTERPRET)
+            acc3 = _tile_mma(acc3, words, x1_3, x2_3, sp, INTERPRET)
+    elif NB == 2:
+        o0, o1 = tl.inline_asm_elementwise(
+            _ASM_S2, _CONS_S2,
+            [words, x1_0, x2_0, x1_1, x2_1, sp,
+             acc0.to(tl.int32, bitcast=True), acc1.to(tl.int32, bitcast=True)],
+            dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
+        )  # fmt: skip
+        acc0 = o0.to(tl.float32, bitcast=True)
+        acc1 = o1.to(tl.float32, bitcast=True)
+    else:
+        o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            _ASM_S4, _CONS_S4,
+            [words, x1_0, x2_0, x1_1, x2_1, x1_2, x2_2, x1_3, x2_3, sp,
+             acc0.to(tl.int32, bitcast=True), acc1.to(tl.int32, bitcast=True),
+             acc2.to(tl.int32, bitcast=True), acc3.to(tl.int32, bitcast=True)],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4,
+        )  # fmt: skip
+        acc0 = o0.to(tl.float32, bitcast=True)
+        acc1 = o1.to(tl.float32, bitcast=True)
+        acc2 = o2.to(tl.float32, bitcast=True)
+        acc3 = o3.to(tl.float32, bitcast=True)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _flush_rows(acc, b: tl.constexpr):
+    """(partial [128], activation rows, columns within the group) of block b's accumulator."""
+    part = tl.sum(acc, axis=0)
+    jj = tl.arange(0, 128)
+    vv = jj % 4
+    m = 8 * b + 2 * ((jj // 4) % 4) + vv % 2
+    return part, m, jj // 16 + 8 * (vv // 2)
+
+
+@triton.jit
+def _store_block(acc, b: tl.constexpr, ng, M, N, b_ptr, out_ptr, ws_ptr, stride_om,
+                 HAS_BIAS: tl.constexpr, ONE_SPLIT: tl.constexpr):  # fmt: skip
+    part, m, c = _flush_rows(acc, b)
+    col = ng * 16 + c
+    okm = m < M
+    if ONE_SPLIT:
+        if HAS_BIAS:
+            part += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + col, part.to(out_ptr.dtype.element_ty), mask=okm)
+    else:
+        tl.atomic_add(ws_ptr + m * N + col, part, mask=okm, sem="relaxed")
+
+
+@triton.jit
+def _final_block(b: tl.constexpr, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om,
+                 HAS_BIAS: tl.constexpr):  # fmt: skip
+    """The last program of a column group: read and re-zero block b's sums, store them."""
+    jj = tl.arange(0, 128)
+    vv = jj % 4
+    m = 8 * b + 2 * ((jj // 4) % 4) + vv % 2
+    col = ng * 16 + jj // 16 + 8 * (vv // 2)
+    okm = m < M
+    bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm, sem="relaxed")
+    total = bits.to(tl.float32, bitcast=True)
+    if HAS_BIAS:
+        total += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=okm)
+
+
+@triton.jit
+def _w4_mma_gemv_shared_kernel(
+    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    M, N, K, steps_per_split, n_groups_s,
+    stride_xm, stride_om,
+    GROUP_TILES: tl.constexpr,
+    KT: tl.constexpr,
+    NB: tl.constexpr,  # 2 or 4 blocks of 8 rows, one dequantization for all
+    HAS_BIAS: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """`_w4_mma_gemv_kernel` for M = 9-32 with one accumulator per block of 8 rows, so that
+    one asm per tile dequantizes once for every block (the older kernel's blocks each
+    re-dequantize: its time grows with M). Same grid, ping-pong, PDL and split-K flush."""
+    ng = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    kb_total = K // 64
+    steps_total = kb_total // KT
+    s0 = pid_k * steps_per_split
+    n_steps = tl.minimum(steps_per_split, steps_total - s0)
+    r = tl.arange(0, KT)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    xr0 = _x_rows(x_ptr, M, stride_xm, 0, j)
+    xr1 = _x_rows(x_ptr, M, stride_xm, 1, j)
+    xr2 = _x_rows(x_ptr, M, stride_xm, 2, j)
+    xr3 = _x_rows(x_ptr, M, stride_xm, 3, j)
+    pos = s0
+    last = s0 + n_steps - 1
+    wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc0 = tl.zeros([KT, 128], dtype=tl.float32)
+    acc1 = tl.zeros([KT, 128], dtype=tl.float32)
+    acc2 = tl.zeros([KT, 128], dtype=tl.float32)
+    acc3 = tl.zeros([KT, 128], dtype=tl.float32)
+    for i in range(0, n_steps, 2):
+        pos_b = tl.minimum(pos + 1, last)
+        wb, spb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        acc0, acc1, acc2, acc3 = _step_shared(
+            acc0, acc1, acc2, acc3, wa, spa, pos, r, xr0, xr1, xr2, xr3, KT, NB, INTERPRET
+        )
+        pos_a = tl.minimum(pos + 2, last)
+        wa, spa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        if i + 1 < n_steps:
+            acc0, acc1, acc2, acc3 = _step_shared(
+                acc0, acc1, acc2, acc3, wb, spb, pos_b, r, xr0, xr1, xr2, xr3, KT, NB, INTERPRET
+            )
+        pos = pos_a
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+    _store_block(acc0, 0, ng, M, N, b_ptr, out_ptr, ws_ptr, stride_om, HAS_BIAS, ONE_SPLIT)
+    _store_block(acc1, 1, ng, M, N, b_ptr, out_ptr, ws_ptr, stride_om, HAS_BIAS, ONE_SPLIT)
+    if NB == 4:
+        _store_block(acc2, 2, ng, M, N, b_ptr, out_ptr, ws_ptr, stride_om, HAS_BIAS, ONE_SPLIT)
+        _store_block(acc3, 3, ng, M, N, b_ptr, out_ptr, ws_ptr, stride_om, HAS_BIAS, ONE_SPLIT)
+    if not ONE_SPLIT:  # the serial split-K semaphore of `_w4_mma_gemv_kernel`
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + ng, 1, sem="acq_rel")
+        if done == tl.num_programs(1) - 1:
+            _final_block(0, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om, HAS_BIAS)
+            _final_block(1, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om, HAS_BIAS)
+            if NB == 4:
+                _final_block(2, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om, HAS_BIAS)
+                _final_block(3, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om, HAS_BIAS)
+            tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
+
+
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -479,9 +694,12 @@ def wna16_mma_gemv(
     out_dtype: torch.dtype | None = None,
     dry: bool = False,  # benchmarks: the loads without the math (wrong results)
     prefetch: Prefetch | None = None,  # None: `default_mma_prefetch`
+    shared: bool | None = None,  # M > 8: one dequantization for all blocks (None: if it works)
 ) -> torch.Tensor:  # [M, N]
-    """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma` (4-bit symmetric), M <= 64:
-    blocks of 8 rows share each dequantized weight fragment."""
+    """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma` (4-bit symmetric), M <= 64,
+    in blocks of 8 rows. With `shared` (the default above M = 8 where `mma_shared_self_test`
+    passes) up to 4 blocks share each dequantized fragment and M = 33-64 runs as two such
+    launches; otherwise every block re-dequantizes (`_w4_mma_gemv_kernel`)."""
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS or x.dtype != torch.bfloat16:
         raise ValueError(
@@ -489,6 +707,19 @@ def wna16_mma_gemv(
         )
     if not mma_supported(n, k, group_size, 4, False):
         raise ValueError(f"wna16_mma_gemv: unsupported shape N={n} K={k} group={group_size}")
+    if shared is None:
+        shared = m > MAX_M and _shared_enabled(x.device)
+    shared = shared and m > MAX_M and not dry
+    if shared and m > SHARED_ROWS:  # two launches of <= 32 rows (each reads the weights)
+        out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
+        for r0 in range(0, m, SHARED_ROWS):
+            r1 = min(m, r0 + SHARED_ROWS)
+            part = wna16_mma_gemv(
+                x[r0:r1], words, scale_pairs, n, group_size, bias, config, out_dtype,
+                shared=r1 - r0 > MAX_M,
+            )  # fmt: skip
+            out[r0:r1] = part
+        return out
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
     kt_target, split, warps = config or default_mma_config(m, n, k, num_sms)
     kt = _k_tiles_per_step(k, kt_target)
@@ -516,6 +747,22 @@ def wna16_mma_gemv(
     per_channel = group_size <= 0 or group_size >= k
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
+    if shared:
+        _w4_mma_gemv_shared_kernel[(n // TILE_N, split)](
+            xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
+            ws, ws.view(torch.int32), cnt,
+            m, n, k, per, scale_pairs.shape[1],
+            xi.stride(0), out.stride(0),
+            GROUP_TILES=0 if per_channel else group_size // TILE_K,
+            KT=kt,
+            NB=2 if m <= 2 * MAX_M else 4,
+            HAS_BIAS=bias is not None,
+            ONE_SPLIT=split == 1,
+            INTERPRET=_INTERPRET,
+            num_warps=warps,
+            **pdl_launch_args(x),
+        )  # fmt: skip
+        return out
     _w4_mma_gemv_kernel[(n // TILE_N, split)](
         xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
         ws, ws.view(torch.int32), cnt,
@@ -536,6 +783,21 @@ def wna16_mma_gemv(
     return out
 
 
+def _shared_enabled(device: torch.device) -> bool:
+    if os.environ.get("PAGODA_W4A16_MMA_SHARED", "1").lower() in ("0", "false", "off", "no"):
+        return False
+    if device.type != "cuda":
+        return True  # the interpreter: the same bookkeeping, no PTX
+    return mma_shared_self_test(device.index or 0)
+
+
+@functools.cache
+def mma_shared_self_test(device_index: int) -> bool:
+    """Whether the shared-dequantization kernel (M = 9-32) gives the reference result here (a
+    failure only turns it off: the older per-block kernel still runs those rows)."""
+    return self_test_on(torch.device("cuda", device_index), shared=True)
+
+
 @functools.cache
 def mma_self_test(device_index: int) -> bool:
     """Whether the kernels give the reference result on this GPU with this Triton (run once per
@@ -544,13 +806,14 @@ def mma_self_test(device_index: int) -> bool:
     return self_test_on(torch.device("cuda", device_index))
 
 
-def self_test_on(device: torch.device) -> bool:
-    """`mma_self_test` on any device (the interpreter runs it on the CPU)."""
+def self_test_on(device: torch.device, shared: bool = False) -> bool:
+    """`mma_self_test` (or, `shared`, `mma_shared_self_test`) on any device (the interpreter
+    runs it on the CPU)."""
     g = torch.Generator().manual_seed(0)
     n, k, group = 32, 256, 128
     q = torch.randint(-8, 8, (n, k), generator=g).to(torch.int8)
     scale = (torch.rand(n, k // group, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
-    x = torch.randn(12, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(27, k, generator=g).to(torch.bfloat16)
     w = (q.float() * scale.float().repeat_interleave(group, 1)).to(torch.bfloat16)
     ref = x.float() @ w.float().t()
     words = repack_mma(q.to(torch.int32) + 8).to(device)
@@ -558,19 +821,23 @@ def self_test_on(device: torch.device) -> bool:
     try:
         d = wna16_mma_dequant(words, pairs, n, k, group).cpu().float()
         ok = bool(((d - w.float()).abs() <= 2.0**-7 * w.float().abs()).all())  # <= 1 bf16 ulp
-        for m, config in ((1, None), (12, (2, 2, 1))):
-            y = wna16_mma_gemv(x[:m].to(device), words, pairs, n, group, config=config).cpu()
+        cases = ((12, (2, 2, 1)), (27, (2, 1, 2))) if shared else ((1, None), (12, (2, 2, 1)))
+        for m, config in cases:
+            y = wna16_mma_gemv(
+                x[:m].to(device), words, pairs, n, group, config=config, shared=shared
+            ).cpu()
             ok = ok and (y.float() - ref[:m]).abs().max().item() <= 2e-2 * ref.abs().max().item()
     except Exception as e:  # noqa: BLE001 - any failure means: do not use this path
-        warnings.warn(
-            f"W4A16 tensor-core kernels unavailable ({e!r}); using the older layout", stacklevel=2
-        )
-        return False
+        ok, why = False, f"unavailable ({e!r})"
+    else:
+        why = "gave wrong results here"
     if not ok:
-        warnings.warn(
-            "W4A16 tensor-core kernels gave wrong results here; using the older layout",
-            stacklevel=2,
+        what, instead = (
+            ("shared-dequantization kernel (M = 9-32)", "one dequantization per block of 8 rows")
+            if shared
+            else ("tensor-core kernels", "the older layout")
         )
+        warnings.warn(f"W4A16 {what} {why}; using {instead}", stacklevel=2)
     return ok
 
 

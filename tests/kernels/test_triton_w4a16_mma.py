@@ -196,8 +196,44 @@ def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
     assert ql._mma_max_m(37888, 3584) == 32 and ql._mma_max_m(3584, 18944) == 32  # gate_up, down
 
 
+# (M, N, K, group, config, bias): 2 and 4 blocks sharing one dequantization, split-K (serial
+# reduction of every block), odd step counts, per-channel, and M = 33-64 as two launches.
+SHARED_CASES = [
+    (9, 32, 128, 64, (2, 1, 1), False),
+    (16, 48, 576, 64, (1, 3, 1), True),
+    (27, 16, 256, -1, (2, 1, 2), False),
+    (32, 32, 512, 128, (2, 2, 1), True),
+    (45, 32, 256, 128, (2, 2, 1), True),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,config,bias", SHARED_CASES)
+def test_mma_gemv_shared_dequant_interpreter(m, n, k, group, config, bias) -> None:
+    x, words, pairs, ref, _, _ = _case(m, n, k, group, seed=11)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    if bias:
+        ref = ref + b.float()
+    y = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, shared=True)
+    assert y.shape == (m, n)
+    assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
+    old = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, shared=False)
+    assert torch.equal(y, old)  # the same sums in the same order under the interpreter
+
+
+def test_shared_asm_operands_line_up() -> None:
+    """The generated asm names exactly the operands its constraint string declares."""
+    import re
+
+    for nbb, asm, cons in ((2, mm._ASM_S2, mm._CONS_S2), (4, mm._ASM_S4, mm._CONS_S4)):
+        used = {int(v) for v in re.findall(r"\$(\d+)", str(asm))}
+        n_ops = len(str(cons).split(","))
+        assert used == set(range(n_ops)) and n_ops == 4 * nbb + 4 + 8 * nbb + 1 + 4 * nbb
+        assert str(asm).count("mma.sync") == 4 * nbb and str(asm).count("fma.rn.bf16x2") == 16
+
+
 def test_self_test_passes_and_catches_wrong_results(monkeypatch) -> None:
     assert mm.self_test_on(torch.device("cpu"))
+    assert mm.self_test_on(torch.device("cpu"), shared=True)
     monkeypatch.setattr(mm, "wna16_mma_gemv", lambda x, *a, **kw: torch.zeros(x.shape[0], 32))
     with pytest.warns(UserWarning, match="wrong results"):
         assert not mm.self_test_on(torch.device("cpu"))
@@ -250,6 +286,34 @@ def test_mma_gemv_l2_prefetch_gpu(prefetch, n, k, config) -> None:
     else:
         assert (y.float() - base.float()).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+@pytest.mark.parametrize("m", [9, 16, 17, 32, 40, 64])
+def test_mma_gemv_shared_dequant_gpu(m, n, k) -> None:
+    """M = 9-64 with one dequantization shared by the blocks (the default there) against the
+    reference and against the per-block kernel."""
+    assert mm.mma_shared_self_test(0)
+    x, words, pairs, ref, _, _ = _case(m, n, k, 128, device="cuda", seed=13)
+    y = mm.wna16_mma_gemv(x, words, pairs, n, 128)
+    tol = 2e-2 * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=tol)
+    old = mm.wna16_mma_gemv(x, words, pairs, n, 128, shared=False)
+    assert (y.float() - old.float()).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(2, 1, 1), (2, 1, 2), (4, 1, 2), (4, 3, 2), (8, 2, 4)])
+@pytest.mark.parametrize("m", [12, 30])
+def test_mma_gemv_shared_configs_gpu(m, config) -> None:
+    x, words, pairs, ref, _, _ = _case(m, 3584, 18944, 128, device="cuda", seed=15)
+    b = torch.randn(3584, device="cuda").to(torch.bfloat16)
+    y = mm.wna16_mma_gemv(x, words, pairs, 3584, 128, bias=b, config=config, shared=True)
+    expect = ref + b.float().cpu()
+    torch.testing.assert_close(
+        y.float().cpu(), expect, rtol=1e-2, atol=2e-2 * expect.abs().max().item()
+    )
 
 
 @pytest.mark.gpu
