@@ -217,7 +217,6 @@ _ASM = tl.constexpr(_ASM)
 _CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
 
 
-
 def _shared_asm(nbb: int) -> str:
     """`_ASM` for nbb blocks of 8 activation rows sharing one dequantization (M = 9-32): each
     word becomes its four bf16x2 fragments once, u - 8 exactly (lop3 gives 128 + u, then one
