@@ -292,20 +292,23 @@ step_shared_bench() {
   run shared_bench 240 python3 benchmarks/quant/bench_w4a16_mma.py --shared-only \
     --out "$R/w4a16_shared_h200.json"
 }
-# batch 1 / 8 / 32 / 64 decode of 7B W4A16: GEMV up to 64 rows (shared dequant) vs session 5
+# batch-1 decode A/B, then batch 8 / 32 / 64: W4A16 (shared dequant, the default) vs bf16 vs
+# the per-block kernel (PAGODA_W4A16_MMA_SHARED=0, the session-5 limits)
+batchrun() {
+  local name=$1 spec=$2 b=$3
+  shift 3
+  run "b${b}_$name" 90 env "$@" python3 -m pagoda.entrypoints.cli bench latency "$spec" \
+    --dtype bfloat16 --prompt-len 512 --output-len 128 --batch-size "$b" --iters 2 \
+    --baseline none --out "$R/lat_b${b}_$name.json"
+}
 step_ab_shared() {
+  latrun bf16 "config:$CFG7"
   latrun w4a16 "config:$CFG7:w4a16"
   for b in 8 32 64; do
-    run "b${b}_w4a16_gemv64" 90 env PAGODA_W4A16_MMA_MAX_M=64 python3 -m pagoda.entrypoints.cli \
-      bench latency "config:$CFG7:w4a16" --dtype bfloat16 --prompt-len 512 --output-len 128 \
-      --batch-size $b --iters 2 --baseline none --out "$R/lat_b${b}_w4a16_gemv64.json"
-    run "b${b}_w4a16_default" 90 python3 -m pagoda.entrypoints.cli \
-      bench latency "config:$CFG7:w4a16" --dtype bfloat16 --prompt-len 512 --output-len 128 \
-      --batch-size $b --iters 2 --baseline none --out "$R/lat_b${b}_w4a16_default.json"
-    run "b${b}_bf16" 90 python3 -m pagoda.entrypoints.cli \
-      bench latency "config:$CFG7" --dtype bfloat16 --prompt-len 512 --output-len 128 \
-      --batch-size $b --iters 2 --baseline none --out "$R/lat_b${b}_bf16.json"
+    batchrun w4a16 "config:$CFG7:w4a16" $b
+    batchrun w4a16_pershared0 "config:$CFG7:w4a16" $b PAGODA_W4A16_MMA_SHARED=0
   done
+  batchrun bf16 "config:$CFG7" 32
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

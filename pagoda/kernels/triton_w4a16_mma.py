@@ -674,6 +674,19 @@ def default_mma_prefetch(m: int, n: int, k: int, capability: tuple[int, int]) ->
     return parse_prefetch(env)
 
 
+def default_shared_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
+    """(K tiles per step, split-K, warps) of the shared-dequantization kernel (M = 9-32),
+    measured on the H200 (`bench_w4a16_mma.py --shared-only`, session 6 run 2, µs at M = 16 /
+    32): gate_up (4, 1, 2) 43.2 / 67.0; down (2, 8, 2) 21.8 then (4, 3, 2) 42.9; qkv (4, 4, 2)
+    10.3 then (4, 2, 2) 16.1; o (4, 4, 2) 10.0 then (4, 3, 2) 13.6."""
+    groups = n // TILE_N
+    if groups >= 8 * num_sms:
+        return (4, 1, 2)
+    if m <= 2 * MAX_M:
+        return (2, 8, 2) if k > 8192 else (4, 4, 2)
+    return (4, max(1, round(5 * num_sms / groups)), 2)
+
+
 def _k_tiles_per_step(k: int, target: int) -> int:
     kb = k // TILE_K
     kt = 1
@@ -720,7 +733,8 @@ def wna16_mma_gemv(
             out[r0:r1] = part
         return out
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
-    kt_target, split, warps = config or default_mma_config(m, n, k, num_sms)
+    default = default_shared_config if shared else default_mma_config
+    kt_target, split, warps = config or default(m, n, k, num_sms)
     kt = _k_tiles_per_step(k, kt_target)
     warps = min(warps, kt)
     steps_total = (k // TILE_K) // kt

@@ -272,27 +272,40 @@ def _use_mma_layout(
     return mma_self_test(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _mma_max_m(n: int, k: int) -> int:
+def _mma_max_m(n: int, k: int, device: torch.device | None = None) -> int:
     """Largest M that runs the tensor-core GEMV on an [n, k] layer (larger: dequant + cuBLAS).
 
-    Each block of 8 rows re-dequantizes the weights, so the GEMV's time grows with M while the
-    dequant pass + cuBLAS costs about one weight read and write whatever M. Measured on the H200
-    (run 10, Qwen2.5-7B shapes, µs, GEMV vs dequant + cuBLAS): at M = 16 the GEMV wins on every
-    layer (qkv 13.5 vs 20.0, o 12.1 vs 17.6, gate_up 68.4 vs 170.1, down 27.9 vs 89.7); at M = 32
-    only on the large ones (gate_up 119.9 vs 170.8, down 53.6 vs 89.0; qkv 21.6 vs 20.1, o 18.1
-    vs 17.9); at M = 64 it loses on gate_up (204.8 vs 170.0, run 9). Hence 32 rows for layers of
-    >= 64 Mi weights, 16 otherwise. `PAGODA_W4A16_MMA_MAX_M` (0..64) overrides both."""
+    Up to 32 rows the blocks of 8 share one dequantization per word (`shared`), above that two
+    launches read the weights twice, while the dequant pass + cuBLAS costs about one weight read
+    and a bf16 write + read whatever M. Measured on the H200 (session 6 run 2, Qwen2.5-7B
+    shapes, µs, GEMV vs dequant + cuBLAS): M = 32: qkv 16.1 vs 20.2, o 13.6 vs 18.5, gate_up
+    67.0 vs 170.9, down 42.9 vs 89.2; M = 64: qkv 32.4 vs 20.8, o 29.5 vs 17.0, gate_up 148.5 vs
+    169.7, down 92.2 vs 92.6. Hence 64 rows for layers of >= 64 Mi weights, 32 otherwise (16 /
+    32 where the shared kernel is off: `PAGODA_W4A16_MMA_SHARED=0` or its self-test failed).
+    `PAGODA_W4A16_MMA_MAX_M` (0..64) overrides both."""
     env = os.environ.get("PAGODA_W4A16_MMA_MAX_M", "").strip()
     if env:
         try:
             return max(0, min(64, int(env)))
         except ValueError:
             raise ValueError(f"PAGODA_W4A16_MMA_MAX_M={env!r}: use an integer 0..64") from None
-    return _MMA_MAX_M_LARGE if n * k >= _MMA_LARGE_LAYER else _MMA_MAX_M
+    large = n * k >= _MMA_LARGE_LAYER
+    if not _shared_on(device):
+        return _MMA_MAX_M_LARGE_OLD if large else _MMA_MAX_M_OLD
+    return _MMA_MAX_M_LARGE if large else _MMA_MAX_M
 
 
-_MMA_MAX_M = 16
-_MMA_MAX_M_LARGE = 32
+def _shared_on(device: torch.device | None) -> bool:
+    """Whether the shared-dequantization GEMV runs on `device` (None: the CPU interpreter)."""
+    from pagoda.kernels.triton_w4a16_mma import _shared_enabled
+
+    return _shared_enabled(device if device is not None else torch.device("cpu"))
+
+
+_MMA_MAX_M = 32
+_MMA_MAX_M_LARGE = 64
+_MMA_MAX_M_OLD = 16  # one dequantization per block of 8 rows (the session-5 kernel)
+_MMA_MAX_M_LARGE_OLD = 32
 _MMA_LARGE_LAYER = 64 << 20  # weights: Qwen2.5-7B gate_up (136 Mi) and down (68 Mi)
 
 
@@ -628,7 +641,7 @@ class WNA16LinearMethod(LinearMethod):
         from pagoda.kernels.triton_w4a16_mma import wna16_mma_dequant, wna16_mma_gemv
 
         n, k, group = layer.out_features, layer.in_features, layer.wna16_group_size
-        if x2.dtype == torch.bfloat16 and x2.shape[0] <= _mma_max_m(n, k):
+        if x2.dtype == torch.bfloat16 and x2.shape[0] <= _mma_max_m(n, k, x2.device):
             fused = bias is not None and bias.dtype == x2.dtype and bias.is_contiguous()
             out = wna16_mma_gemv(
                 x2, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None

@@ -192,8 +192,10 @@ def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
     monkeypatch.setenv("PAGODA_W4A16_MMA", "0")
     assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cuda"))
     monkeypatch.delenv("PAGODA_W4A16_MMA_MAX_M")
-    assert ql._mma_max_m(4608, 3584) == 16 and ql._mma_max_m(3584, 3584) == 16  # qkv, o
-    assert ql._mma_max_m(37888, 3584) == 32 and ql._mma_max_m(3584, 18944) == 32  # gate_up, down
+    assert ql._mma_max_m(4608, 3584) == 32 and ql._mma_max_m(3584, 3584) == 32  # qkv, o
+    assert ql._mma_max_m(37888, 3584) == 64 and ql._mma_max_m(3584, 18944) == 64  # gate_up, down
+    monkeypatch.setenv("PAGODA_W4A16_MMA_SHARED", "0")  # the per-block kernel: smaller limits
+    assert ql._mma_max_m(4608, 3584) == 16 and ql._mma_max_m(37888, 3584) == 32
 
 
 # (M, N, K, group, config, bias): 2 and 4 blocks sharing one dequantization, split-K (serial
