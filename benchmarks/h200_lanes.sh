@@ -310,6 +310,14 @@ step_ab_shared() {
   done
   batchrun bf16 "config:$CFG7" 32
 }
+step_gemm_bench() {
+  run gemm_bench 200 python3 benchmarks/quant/bench_w4a16_mma.py --gemm-only \
+    --out "$R/w4a16_mma_gemm_h200.json"
+}
+step_gemm_tests() {
+  run gemm_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py -k "gemm or layer or self_test"
+}
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
 cat "$R/gpu.txt"

@@ -278,6 +278,83 @@ def bench_shared(name, n, k, bw, l2, num_sms, ms=(9, 16, 32, 64)) -> list[dict]:
     return rows
 
 
+def bench_gemm(name, n, k, bw, l2, num_sms, ms=(64, 128, 512)) -> list[dict]:
+    """`wna16_mma_gemm` (a few configs) vs the exact dequant + cuBLAS, bf16 cuBLAS and (M <= 64)
+    the GEMV, each result checked first."""
+    dev, G = torch.device("cuda"), 128
+    u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
+    scales = (torch.rand(n, k // G, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
+    w_deq = ((u - 8).float() * scales.float().repeat_interleave(G, 1)).to(torch.bfloat16)
+    words, pairs = mma.repack_mma(u), mma.repack_mma_scales(scales.t().contiguous())
+    int4_bytes = n * k // 2 + scales.numel() * 2
+    copies = max(2, -(-4 * l2 // int4_bytes))
+    copies_bf16 = max(2, -(-4 * l2 // (n * k * 2)))
+    ws = [words] + [words.clone() for _ in range(copies - 1)]
+    ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
+    wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
+    rows = []
+    for m in ms:
+        x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
+        ref = x.float() @ w_deq.float().t()
+        tol = 2e-2 * ref.abs().max().item()
+        row = {"layer": name, "n": n, "k": k, "m": m}
+        row["bf16_cublas_us"] = 1e6 * time_graph(
+            lambda i, x=x: torch.nn.functional.linear(x, wb[i]), copies_bf16
+        )
+        row["mma_dequant_cublas_us"] = 1e6 * time_graph(
+            lambda i, x=x: torch.nn.functional.linear(
+                x, mma.wna16_mma_dequant(ws[i], ps[i], n, k, G)
+            ),
+            copies,
+        )
+        if m <= mma.MAX_ROWS:
+            row["gemv_us"] = 1e6 * time_graph(
+                lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G), copies
+            )
+        d = mma.default_mma_gemm_config(m, n, k, num_sms)
+        bm = d[0]
+        cfgs = [
+            d,
+            (bm, 8, 2, 1, 4, 3),
+            (bm, 4, 2, 1, 4, 3),
+            (bm, 8, 1, 1, 4, 4),
+            (bm, 4, 2, 4, 4, 3),
+        ]
+        if m >= 128:
+            cfgs.append((128, 8, 2, 1, 8, 3))
+        sweep = []
+        for cfg in dict.fromkeys(cfgs):
+            rec = {"config": cfg}
+            try:
+                y = mma.wna16_mma_gemm(x, words, pairs, n, G, config=cfg)
+                err = (y.float() - ref).abs().max().item()
+                if not err <= tol:
+                    raise RuntimeError(f"max err {err:.3g} > {tol:.3g}")
+                t = time_graph(
+                    lambda i, x=x, c=cfg: mma.wna16_mma_gemm(x, ws[i], ps[i], n, G, config=c),
+                    copies,
+                )
+                rec["us"] = t * 1e6
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rec["error"] = repr(e)[:300]
+                print(f"  {name} M={m} {cfg} FAILED {rec['error']}", flush=True)
+            sweep.append(rec)
+        ok = [r for r in sweep if "us" in r]
+        row["gemm_default_us"] = sweep[0].get("us")
+        row["gemm_best"] = min(ok, key=lambda r: r["us"]) if ok else None
+        row["sweep"] = sweep
+        rows.append(row)
+        b = row["gemm_best"] or {}
+        print(
+            f"{name:8s} M={m:3d}: bf16 {row['bf16_cublas_us']:6.1f} | dequant+cuBLAS "
+            f"{row['mma_dequant_cublas_us']:6.1f} | GEMV {row.get('gemv_us', 0):6.1f} | GEMM "
+            f"default {row['gemm_default_us'] or 0:6.1f} best {b.get('us', 0):6.1f} "
+            f"{b.get('config')}",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="w4a16_mma.json")
@@ -285,6 +362,7 @@ def main() -> int:
     ap.add_argument("--sweep-ms", default="1,16,64", help="M values with a config sweep")
     ap.add_argument("--prefetch-only", action="store_true", help="only the L2 prefetch sweep")
     ap.add_argument("--shared-only", action="store_true", help="only M = 9-64, shared dequant")
+    ap.add_argument("--gemm-only", action="store_true", help="only the MMA-layout GEMM")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -298,6 +376,8 @@ def main() -> int:
     for name, (n, k) in SHAPES.items():
         if args.prefetch_only:
             results["rows"] += bench_prefetch(name, n, k, bw, l2, num_sms)
+        elif args.gemm_only:
+            results["rows"] += bench_gemm(name, n, k, bw, l2, num_sms)
         elif args.shared_only:
             results["rows"] += bench_shared(name, n, k, bw, l2, num_sms)
         else:

@@ -854,6 +854,165 @@ def self_test_on(device: torch.device, shared: bool = False) -> bool:
     return ok
 
 
+# ------------------------------------------------- M = 33-512: a Triton GEMM on the MMA layout
+
+
+@triton.jit
+def _mma_gemm_kernel(
+    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr,
+    M, N, K, n_groups_s, k_tiles_per_split,
+    stride_xm, stride_om, stride_os,
+    GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
+    BLOCK_M: tl.constexpr,
+    CG: tl.constexpr,  # column groups of 16 per program (BLOCK_N = 16 CG)
+    T: tl.constexpr,  # K tiles of 64 per step (divides GROUP_TILES: one scale per column)
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,  # > 1: fp32 partials [SPLIT, M, N] summed by the caller
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """out = x @ dequant(W).T for `repack_mma` words: each step unpacks [CG, T] tiles to the
+    integer codes u - 8 (exact in bf16), multiplies x by them with `tl.dot`, and scales the
+    fp32 product once per column (a step never crosses a scale group). One weight read for all
+    of M, against the dequant pass + cuBLAS's weight read, bf16 write and bf16 read."""
+    BN: tl.constexpr = 16 * CG
+    BK: tl.constexpr = 64 * T
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = N // BN
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_rows
+    pid_n = (pid % num_in_group) // group_rows
+    kb_total = K // 64
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    ng0 = pid_n * CG
+    cg = tl.arange(0, CG)[:, None, None]
+    t = tl.arange(0, T)[None, :, None]
+    j = tl.arange(0, 128)[None, None, :]
+    w_rows = w_ptr + ((ng0 + cg) * kb_total + t) * 128 + j  # [CG, T, 128]; + kb0 * 128
+    sh = tl.arange(0, 8) * 4
+    g8 = tl.arange(0, 8)[None, :]
+    s_rows = sp_ptr + (ng0 + tl.arange(0, CG)[:, None]) * n_groups_s * 8 + g8  # [CG, 8]
+    offs_k = tl.arange(0, BK)
+    kb_lo = pid_k * k_tiles_per_split
+    kb_hi = tl.minimum(kb_lo + k_tiles_per_split, kb_total)
+    acc = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
+    for kb0 in range(kb_lo, kb_hi, T):
+        words = tl.load(w_rows + kb0 * 128)
+        q = (((words[:, :, :, None] >> sh[None, None, None, :]) & 0xF) - 8).to(tl.int8)
+        q = tl.reshape(q, [CG, T, 8, 4, 4, 2, 2, 2])  # cg, t, g, c, v, e, half, h
+        w = tl.reshape(
+            tl.permute(q, (0, 7, 2, 1, 3, 4, 6, 5)), [BN, BK]
+        )  # (cg h g), (t c v half e)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + kb0 * 64 + offs_k[None, :],
+            mask=mask_m[:, None],
+            other=0.0,
+        )
+        if INTERPRET:  # numpy has no bf16: the interpreter multiplies in fp32 (same values)
+            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        else:
+            part = tl.dot(x, tl.trans(w.to(tl.bfloat16)))  # exact integer weights
+        if GROUP_TILES > 0:
+            grp = kb0 // GROUP_TILES
+        else:
+            grp = 0
+        pair = tl.load(s_rows + grp * 8)  # [CG, 8]: columns g (low half), g + 8 (high half)
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & -65536).to(tl.float32, bitcast=True)
+        scale = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BN])  # (cg h g)
+        acc += part * scale[None, :]
+    offs_n = ng0 * 16 + tl.arange(0, BN)
+    mask = mask_m[:, None]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
+        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(ptrs, acc, mask=mask)
+
+
+GemmMmaConfig = tuple[int, int, int, int, int, int]  # BLOCK_M, CG, T, split, warps, stages
+
+
+def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmMmaConfig:
+    """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    cg = 8 if n >= 16384 else 4
+    programs = -(-m // block_m) * (n // (16 * cg))
+    split = max(1, min(8, round(num_sms / programs))) if programs < num_sms else 1
+    return (block_m, cg, 2, split, 4, 3)
+
+
+def wna16_mma_gemm(
+    x: torch.Tensor,  # [M, K] bf16
+    words: torch.Tensor,
+    scale_pairs: torch.Tensor,
+    n: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    config: GemmMmaConfig | None = None,
+) -> torch.Tensor:  # [M, N] bf16
+    """y = x @ dequant(W).T (+ bias) for `repack_mma` weights at any M (`_mma_gemm_kernel`)."""
+    m, k = x.shape
+    if x.dtype != torch.bfloat16 or not mma_supported(n, k, group_size, 4, False):
+        raise ValueError(
+            f"wna16_mma_gemm takes bf16 x and a supported shape, got {x.dtype} N={n} K={k} "
+            f"group={group_size}"
+        )
+    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    block_m, cg, t, split, warps, stages = config or default_mma_gemm_config(m, n, k, num_sms)
+    groups = n // TILE_N
+    while cg > 1 and groups % cg:
+        cg //= 2
+    per_channel = group_size <= 0 or group_size >= k
+    group_tiles = 0 if per_channel else group_size // TILE_K
+    kb_total = k // TILE_K
+    limit = kb_total if per_channel else group_tiles
+    t = _k_tiles_per_step(k, min(t, limit))
+    while group_tiles and group_tiles % t:
+        t //= 2
+    per = -(-(kb_total // t) // split) * t
+    split = -(-kb_total // per)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if split == 1:
+        out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
+        stride_os = 0
+    else:
+        out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+        stride_os = out.stride(0)
+    grid = (triton.cdiv(m, block_m) * (groups // cg), split)
+    _mma_gemm_kernel[grid](
+        x, words, scale_pairs, bias if bias is not None else x, out,
+        m, n, k, scale_pairs.shape[1], per,
+        x.stride(0), out.stride(-2), stride_os,
+        GROUP_TILES=group_tiles,
+        BLOCK_M=block_m,
+        CG=cg,
+        T=t,
+        GROUP_M=8,
+        HAS_BIAS=bias is not None and split == 1,
+        SPLIT=split,
+        INTERPRET=_INTERPRET,
+        num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    if split == 1:
+        return out
+    y = out.sum(0)
+    if bias is not None:
+        y += bias.float()
+    return y.to(torch.bfloat16)
+
+
 # ---------------------------------------------------------------- large M: dequantize, then cuBLAS
 
 
