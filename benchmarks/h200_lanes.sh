@@ -318,6 +318,14 @@ step_gemm_tests() {
   run gemm_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_triton_w4a16_mma.py -k "gemm or layer or self_test"
 }
+step_final6() {
+  run final6_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py tests/quant/test_lm_head.py -k "layer or gemm or self_test or lm_head"
+  latrun bf16 "config:$CFG7"
+  latrun w4a16 "config:$CFG7:w4a16"
+  batchrun w4a16 "config:$CFG7:w4a16" 64
+  batchrun w4a16_gemm0 "config:$CFG7:w4a16" 64 PAGODA_W4A16_MMA_GEMM_MAX_M=0
+}
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
 cat "$R/gpu.txt"

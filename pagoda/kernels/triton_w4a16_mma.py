@@ -943,12 +943,16 @@ GemmMmaConfig = tuple[int, int, int, int, int, int]  # BLOCK_M, CG, T, split, wa
 
 
 def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmMmaConfig:
-    """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    cg = 8 if n >= 16384 else 4
-    programs = -(-m // block_m) * (n // (16 * cg))
-    split = max(1, min(8, round(num_sms / programs))) if programs < num_sms else 1
-    return (block_m, cg, 2, split, 4, 3)
+    """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages), measured on the H200
+    (`bench_w4a16_mma.py --gemm-only`, session 6 run 4, Qwen2.5-7B shapes): M <= 64, 4 column
+    groups, split-K to ~2 programs per SM (gate_up 118.6 µs at M = 64, down 74.3); larger M,
+    [128, 128] tiles on 8 warps (gate_up 218.9 / 641.1 µs at M = 128 / 512)."""
+    if m > 64:
+        return (128, 8, 2, 1, 8, 3)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    programs = max(1, -(-n // (16 * 4)))
+    split = max(1, min(4, round(2 * num_sms / programs))) if programs < num_sms else 1
+    return (block_m, 4, 2, split, 4, 3)
 
 
 def wna16_mma_gemm(

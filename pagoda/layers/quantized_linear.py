@@ -272,27 +272,45 @@ def _use_mma_layout(
     return mma_self_test(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _mma_max_m(n: int, k: int, device: torch.device | None = None) -> int:
-    """Largest M that runs the tensor-core GEMV on an [n, k] layer (larger: dequant + cuBLAS).
+def _env_rows(name: str) -> int | None:
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return None
+    try:
+        return max(0, min(64, int(env)))
+    except ValueError:
+        raise ValueError(f"{name}={env!r}: use an integer 0..64") from None
 
-    Up to 32 rows the blocks of 8 share one dequantization per word (`shared`), above that two
-    launches read the weights twice, while the dequant pass + cuBLAS costs about one weight read
-    and a bf16 write + read whatever M. Measured on the H200 (session 6 run 2, Qwen2.5-7B
-    shapes, µs, GEMV vs dequant + cuBLAS): M = 32: qkv 16.1 vs 20.2, o 13.6 vs 18.5, gate_up
-    67.0 vs 170.9, down 42.9 vs 89.2; M = 64: qkv 32.4 vs 20.8, o 29.5 vs 17.0, gate_up 148.5 vs
-    169.7, down 92.2 vs 92.6. Hence 64 rows for layers of >= 64 Mi weights, 32 otherwise (16 /
-    32 where the shared kernel is off: `PAGODA_W4A16_MMA_SHARED=0` or its self-test failed).
-    `PAGODA_W4A16_MMA_MAX_M` (0..64) overrides both."""
-    env = os.environ.get("PAGODA_W4A16_MMA_MAX_M", "").strip()
-    if env:
-        try:
-            return max(0, min(64, int(env)))
-        except ValueError:
-            raise ValueError(f"PAGODA_W4A16_MMA_MAX_M={env!r}: use an integer 0..64") from None
-    large = n * k >= _MMA_LARGE_LAYER
+
+def _mma_max_m(n: int, k: int, device: torch.device | None = None) -> int:
+    """Largest M that runs the tensor-core GEMV on an [n, k] layer (then `_mma_gemm_max_m`,
+    then dequant + cuBLAS).
+
+    Up to 32 rows the blocks of 8 share one dequantization per word (`shared`). Measured on the
+    H200 (session 6 runs 2 and 4, Qwen2.5-7B shapes, µs): at M = 32 the GEMV beats dequant +
+    cuBLAS on every layer (qkv 16.1 vs 20.2, o 13.6 vs 18.5, gate_up 67.0 vs 170.9, down 42.9 vs
+    89.2); at M = 64 it loses to the MMA-layout GEMM on gate_up / down (145.8 vs 118.6, 91.0 vs
+    74.3) and to dequant + cuBLAS on qkv / o (32.2 vs 20.7, 29.5 vs 17.3). Where the shared
+    kernel is off (`PAGODA_W4A16_MMA_SHARED=0` or its self-test failed) every block
+    re-dequantizes: 16 rows, 32 on layers of >= 64 Mi weights (session 5, run 10).
+    `PAGODA_W4A16_MMA_MAX_M` (0..64) overrides."""
+    env = _env_rows("PAGODA_W4A16_MMA_MAX_M")
+    if env is not None:
+        return env
     if not _shared_on(device):
-        return _MMA_MAX_M_LARGE_OLD if large else _MMA_MAX_M_OLD
-    return _MMA_MAX_M_LARGE if large else _MMA_MAX_M
+        return _MMA_MAX_M_LARGE_OLD if n * k >= _MMA_LARGE_LAYER else _MMA_MAX_M_OLD
+    return _MMA_MAX_M
+
+
+def _mma_gemm_max_m(n: int, k: int) -> int:
+    """Largest M that runs `wna16_mma_gemm` (past the GEMV's rows): 64 on layers of >= 64 Mi
+    weights, where it beat both the GEMV and dequant + cuBLAS at M = 64 (above); none on the
+    smaller ones, and above 64 rows the dequant pass + cuBLAS wins everywhere (M = 128: gate_up
+    170.8 vs 218.9, down 93.8 vs 126.9). `PAGODA_W4A16_MMA_GEMM_MAX_M` (0..64) overrides."""
+    env = _env_rows("PAGODA_W4A16_MMA_GEMM_MAX_M")
+    if env is not None:
+        return env
+    return _MMA_GEMM_MAX_M if n * k >= _MMA_LARGE_LAYER else 0
 
 
 def _shared_on(device: torch.device | None) -> bool:
@@ -303,7 +321,7 @@ def _shared_on(device: torch.device | None) -> bool:
 
 
 _MMA_MAX_M = 32
-_MMA_MAX_M_LARGE = 64
+_MMA_GEMM_MAX_M = 64
 _MMA_MAX_M_OLD = 16  # one dequantization per block of 8 rows (the session-5 kernel)
 _MMA_MAX_M_LARGE_OLD = 32
 _MMA_LARGE_LAYER = 64 << 20  # weights: Qwen2.5-7B gate_up (136 Mi) and down (68 Mi)
@@ -638,12 +656,22 @@ class WNA16LinearMethod(LinearMethod):
         self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, bool]:
         """(x2 @ W^T, whether `bias` is already added) for the tensor-core layout."""
-        from pagoda.kernels.triton_w4a16_mma import wna16_mma_dequant, wna16_mma_gemv
+        from pagoda.kernels.triton_w4a16_mma import (
+            wna16_mma_dequant,
+            wna16_mma_gemm,
+            wna16_mma_gemv,
+        )
 
         n, k, group = layer.out_features, layer.in_features, layer.wna16_group_size
-        if x2.dtype == torch.bfloat16 and x2.shape[0] <= _mma_max_m(n, k, x2.device):
-            fused = bias is not None and bias.dtype == x2.dtype and bias.is_contiguous()
+        m = x2.shape[0]
+        fused = bias is not None and bias.dtype == x2.dtype and bias.is_contiguous()
+        if x2.dtype == torch.bfloat16 and m <= _mma_max_m(n, k, x2.device):
             out = wna16_mma_gemv(
+                x2, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None
+            )
+            return out, fused
+        if x2.dtype == torch.bfloat16 and m <= _mma_gemm_max_m(n, k):
+            out = wna16_mma_gemm(
                 x2, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None
             )
             return out, fused

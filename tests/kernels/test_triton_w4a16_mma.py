@@ -184,16 +184,23 @@ def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
     ref = wna16_linear_ref(x.float(), q, scale.float(), None, 64, bias=layer.bias.float())
     tol = 2.0**-6 * ref.abs().max().item()
     monkeypatch.setenv("PAGODA_W4A16_MMA_MAX_M", "16")
-    for m in (1, 9, 16, 20):  # GEMV with 1 and 2 blocks of 8 rows, then dequant + matmul
+    monkeypatch.setenv("PAGODA_W4A16_MMA_GEMM_MAX_M", "18")
+    for m in (1, 9, 16, 17, 20):  # GEMV (1 and 2 blocks of 8 rows), GEMM, dequant + matmul
         assert (layer(x[:m]).float() - ref[:m]).abs().max().item() <= tol
+    monkeypatch.delenv("PAGODA_W4A16_MMA_GEMM_MAX_M")
     monkeypatch.setenv("PAGODA_W4A16_MMA_MAX_M", "many")
     with pytest.raises(ValueError, match="PAGODA_W4A16_MMA_MAX_M"):
         layer(x[:1])
     monkeypatch.setenv("PAGODA_W4A16_MMA", "0")
     assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cuda"))
     monkeypatch.delenv("PAGODA_W4A16_MMA_MAX_M")
-    assert ql._mma_max_m(4608, 3584) == 32 and ql._mma_max_m(3584, 3584) == 32  # qkv, o
-    assert ql._mma_max_m(37888, 3584) == 64 and ql._mma_max_m(3584, 18944) == 64  # gate_up, down
+    assert ql._mma_max_m(4608, 3584) == 32 and ql._mma_max_m(37888, 3584) == 32
+    assert ql._mma_gemm_max_m(4608, 3584) == 0 and ql._mma_gemm_max_m(3584, 3584) == 0  # qkv, o
+    assert ql._mma_gemm_max_m(37888, 3584) == 64 and ql._mma_gemm_max_m(3584, 18944) == 64
+    monkeypatch.setenv("PAGODA_W4A16_MMA_GEMM_MAX_M", "7x")
+    with pytest.raises(ValueError, match="PAGODA_W4A16_MMA_GEMM_MAX_M"):
+        ql._mma_gemm_max_m(4608, 3584)
+    monkeypatch.delenv("PAGODA_W4A16_MMA_GEMM_MAX_M")
     monkeypatch.setenv("PAGODA_W4A16_MMA_SHARED", "0")  # the per-block kernel: smaller limits
     assert ql._mma_max_m(4608, 3584) == 16 and ql._mma_max_m(37888, 3584) == 32
 
