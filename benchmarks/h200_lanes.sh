@@ -6,7 +6,8 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared
+# Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
+#                    gemm_tests final6
 # Steps (session 5): mma_tests mma_bench ab_mma
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab w4a16_latency gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b

@@ -6,6 +6,10 @@ Correctness first: every config is checked against the fp32 matmul of the dequan
 The copy bandwidth is measured in the same process: `bw_frac` = bytes read / time / copy BW.
 
     python benchmarks/quant/bench_w4a16_mma.py --out benchmarks/results/w4a16_mma_h200.json
+
+Modes (session 6): `--prefetch-only` (the GEMV's L2 bulk-prefetch settings at M = 1 / 8),
+`--shared-only` (M = 9-64: shared dequantization vs per-block vs dequant + cuBLAS vs bf16),
+`--gemm-only` (M = 64-512: the MMA-layout GEMM against the same).
 """
 
 from __future__ import annotations

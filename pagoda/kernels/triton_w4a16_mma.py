@@ -1,4 +1,5 @@
-"""W4A16 GEMV on tensor cores: int4 -> bf16x2 in registers, then `mma.sync` (M <= 64).
+"""W4A16 on tensor cores: int4 -> bf16x2 in registers, then `mma.sync` (GEMV, M <= 64); a
+Triton GEMM on the same weight layout for M = 33-64 on the large layers.
 
 Why: the FMA GEMV (`triton_w4a16.wna16_gemv`) spends a mask-and-OR, a float subtract and an FMA
 per weight on the FP32 pipes and read int4 weights at ~44 % of the H200's copy bandwidth; its
@@ -36,11 +37,17 @@ Kernel (`_w4_mma_gemv_kernel`): a program owns one column group and a K slice (s
 the serial workspace of `wna16_gemv`), walks it two steps per iteration with two register sets
 ping-ponged so that one step's weights are in flight during the other's math, reads the
 activations just in time (L1: every program of an SM reads the same x), and loads its first
-weights before `gdc_wait` (PDL). M > 8 runs blocks of 8 activation rows over the same weights
-(each block re-dequantizes: the time grows with M, so layers switch to `wna16_mma_dequant` +
-cuBLAS above M = 16, or 32 on the large layers: `quantized_linear._mma_max_m`). What still
-limits it: the same loads without the math (`dry=True`) reach 69-75 % of the copy bandwidth on
-gate_up / down and 36-43 % on qkv / o, and the math brings that to ~60 % / ~30 %.
+weights before `gdc_wait` (PDL). M = 9-32 (`_w4_mma_gemv_shared_kernel`): one accumulator per
+block of 8 activation rows and one asm per tile (`_shared_asm`) that dequantizes each word once
+for every block, the offset by `fma.rn.bf16x2` (u - 8 exactly) instead of the constant-A MMA;
+M = 33-64 as two such launches, though layers take `wna16_mma_gemm` (large layers) or
+`wna16_mma_dequant` + cuBLAS there (`quantized_linear._mma_max_m` / `_mma_gemm_max_m`, from
+the H200 measurements in BENCHMARKS.md). What still limits the M = 1 GEMV: the same loads
+without the math (`dry=True`) reach 69-75 % of the copy bandwidth on gate_up / down and 36-43 %
+on qkv / o, and the math brings that to ~60 % / ~30 %; a bulk L2 prefetch of each program's
+slice (`PAGODA_W4A16_PF`, sm_90+) made even the loads-only kernel slower (session 6), so the
+small layers' time is fixed costs (launch, first DRAM round trip, the split-K flush), not bytes
+in flight.
 
 The torch reference `mma_gemv_emulate` follows the PTX fragment rules step by step (the CPU tests
 check the repacking against the dequantized matmul with it); under the Triton interpreter
