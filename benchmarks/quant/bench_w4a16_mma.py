@@ -150,6 +150,27 @@ def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
     return rows
 
 
+class _Layer:
+    """One layer shape's random int4 weight (group 128) in the MMA layout, its dequantized bf16
+    weight, and enough copies of each that a CUDA graph cycling over them reads HBM."""
+
+    def __init__(self, n: int, k: int, l2: int, group: int = 128):
+        dev = torch.device("cuda")
+        u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
+        scales = (torch.rand(n, k // group, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
+        self.w_deq = ((u - 8).float() * scales.float().repeat_interleave(group, 1)).to(
+            torch.bfloat16
+        )
+        self.words = mma.repack_mma(u)
+        self.pairs = mma.repack_mma_scales(scales.t().contiguous())
+        self.int4_bytes = n * k // 2 + scales.numel() * 2
+        self.copies = max(2, -(-4 * l2 // self.int4_bytes))
+        self.copies_bf16 = max(2, -(-4 * l2 // (n * k * 2)))
+        self.ws = [self.words] + [self.words.clone() for _ in range(self.copies - 1)]
+        self.ps = [self.pairs] + [self.pairs.clone() for _ in range(self.copies - 1)]
+        self.wb = [self.w_deq] + [self.w_deq.clone() for _ in range(self.copies_bf16 - 1)]
+
+
 PREFETCHES = [(0, False), (2, True), (4, True), (8, True), (16, True), (4, False), (1 << 20, False)]
 
 
@@ -157,14 +178,9 @@ def bench_prefetch(name, n, k, bw, l2, num_sms, ms=(1, 8)) -> list[dict]:
     """The L2 bulk prefetch settings (`PAGODA_W4A16_PF`) at the default config and one
     alternative, each checked against the reference first; M = 1 also without the math."""
     dev, G = torch.device("cuda"), 128
-    u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
-    scales = (torch.rand(n, k // G, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
-    w_deq = ((u - 8).float() * scales.float().repeat_interleave(G, 1)).to(torch.bfloat16)
-    words, pairs = mma.repack_mma(u), mma.repack_mma_scales(scales.t().contiguous())
-    int4_bytes = n * k // 2 + scales.numel() * 2
-    copies = max(2, -(-4 * l2 // int4_bytes))
-    ws = [words] + [words.clone() for _ in range(copies - 1)]
-    ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
+    L = _Layer(n, k, l2, G)
+    w_deq, words, pairs, int4_bytes = L.w_deq, L.words, L.pairs, L.int4_bytes
+    copies, ws, ps = L.copies, L.ws, L.ps
     rows = []
     for m in ms:
         x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
@@ -219,16 +235,10 @@ def bench_shared(name, n, k, bw, l2, num_sms, ms=(9, 16, 32, 64)) -> list[dict]:
     """M = 9-64: the shared-dequantization kernel (config sweep) vs the per-block kernel, the
     exact dequant + cuBLAS and bf16 cuBLAS, each result checked first."""
     dev, G = torch.device("cuda"), 128
-    u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
-    scales = (torch.rand(n, k // G, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
-    w_deq = ((u - 8).float() * scales.float().repeat_interleave(G, 1)).to(torch.bfloat16)
-    words, pairs = mma.repack_mma(u), mma.repack_mma_scales(scales.t().contiguous())
-    int4_bytes = n * k // 2 + scales.numel() * 2
-    copies = max(2, -(-4 * l2 // int4_bytes))
-    copies_bf16 = max(2, -(-4 * l2 // (n * k * 2)))
-    ws = [words] + [words.clone() for _ in range(copies - 1)]
-    ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
-    wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
+    L = _Layer(n, k, l2, G)
+    w_deq, words, pairs, int4_bytes = L.w_deq, L.words, L.pairs, L.int4_bytes
+    copies, ws, ps = L.copies, L.ws, L.ps
+    copies_bf16, wb = L.copies_bf16, L.wb
     rows = []
     for m in ms:
         x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
@@ -286,16 +296,10 @@ def bench_gemm(name, n, k, bw, l2, num_sms, ms=(64, 128, 512)) -> list[dict]:
     """`wna16_mma_gemm` (a few configs) vs the exact dequant + cuBLAS, bf16 cuBLAS and (M <= 64)
     the GEMV, each result checked first."""
     dev, G = torch.device("cuda"), 128
-    u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)
-    scales = (torch.rand(n, k // G, device=dev) * 0.02 + 0.001).to(torch.bfloat16)
-    w_deq = ((u - 8).float() * scales.float().repeat_interleave(G, 1)).to(torch.bfloat16)
-    words, pairs = mma.repack_mma(u), mma.repack_mma_scales(scales.t().contiguous())
-    int4_bytes = n * k // 2 + scales.numel() * 2
-    copies = max(2, -(-4 * l2 // int4_bytes))
-    copies_bf16 = max(2, -(-4 * l2 // (n * k * 2)))
-    ws = [words] + [words.clone() for _ in range(copies - 1)]
-    ps = [pairs] + [pairs.clone() for _ in range(copies - 1)]
-    wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
+    L = _Layer(n, k, l2, G)
+    w_deq, words, pairs = L.w_deq, L.words, L.pairs
+    copies, ws, ps = L.copies, L.ws, L.ps
+    copies_bf16, wb = L.copies_bf16, L.wb
     rows = []
     for m in ms:
         x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)

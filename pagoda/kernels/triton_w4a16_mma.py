@@ -517,20 +517,19 @@ def _step_shared(acc0, acc1, acc2, acc3, words, sp, pos, r, xr0, xr1, xr2, xr3,
 
 
 @triton.jit
-def _flush_rows(acc, b: tl.constexpr):
-    """(partial [128], activation rows, columns within the group) of block b's accumulator."""
-    part = tl.sum(acc, axis=0)
+def _block_rows(b: tl.constexpr, ng):
+    """(activation rows, output columns) [128] that an accumulator's elements hold for block b
+    (the MMA's D fragment: element v of lane (g, c) is row 2c + v % 2, column g + 8 (v // 2))."""
     jj = tl.arange(0, 128)
     vv = jj % 4
-    m = 8 * b + 2 * ((jj // 4) % 4) + vv % 2
-    return part, m, jj // 16 + 8 * (vv // 2)
+    return 8 * b + 2 * ((jj // 4) % 4) + vv % 2, ng * 16 + jj // 16 + 8 * (vv // 2)
 
 
 @triton.jit
 def _store_block(acc, b: tl.constexpr, ng, M, N, b_ptr, out_ptr, ws_ptr, stride_om,
                  HAS_BIAS: tl.constexpr, ONE_SPLIT: tl.constexpr):  # fmt: skip
-    part, m, c = _flush_rows(acc, b)
-    col = ng * 16 + c
+    part = tl.sum(acc, axis=0)
+    m, col = _block_rows(b, ng)
     okm = m < M
     if ONE_SPLIT:
         if HAS_BIAS:
@@ -544,10 +543,7 @@ def _store_block(acc, b: tl.constexpr, ng, M, N, b_ptr, out_ptr, ws_ptr, stride_
 def _final_block(b: tl.constexpr, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om,
                  HAS_BIAS: tl.constexpr):  # fmt: skip
     """The last program of a column group: read and re-zero block b's sums, store them."""
-    jj = tl.arange(0, 128)
-    vv = jj % 4
-    m = 8 * b + 2 * ((jj // 4) % 4) + vv % 2
-    col = ng * 16 + jj // 16 + 8 * (vv // 2)
+    m, col = _block_rows(b, ng)
     okm = m < M
     bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm, sem="relaxed")
     total = bits.to(tl.float32, bitcast=True)
