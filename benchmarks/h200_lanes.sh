@@ -6,6 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
+# Steps (session 7): verify7 ablate
 # Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
 #                    gemm_tests final6
 # Steps (session 5): mma_tests mma_bench ab_mma
@@ -326,6 +327,21 @@ step_final6() {
   latrun w4a16 "config:$CFG7:w4a16"
   batchrun w4a16 "config:$CFG7:w4a16" 64
   batchrun w4a16_gemm0 "config:$CFG7:w4a16" 64 PAGODA_W4A16_MMA_GEMM_MAX_M=0
+}
+
+# session 7: verify HEAD (early PDL triggers, last-pass refactors) incl. engine vs transformers;
+# what each small-kernel kind costs inside the batch-1 decode graph
+step_verify7() {
+  run verify7 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/entrypoints/test_gpu_engine.py tests/kernels/test_triton_w4a16_mma.py \
+    tests/kernels/test_fused_decode_attention.py tests/kernels/test_fused_ops.py \
+    tests/kernels/test_triton_paged_attention.py tests/kernels/test_wna16_gemv_bias_pdl.py
+}
+step_ablate() {
+  run ablate_w4a16 150 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
+    --out "$R/ablate_w4a16.json"
+  run ablate_bf16 150 python3 benchmarks/ablate_decode.py "config:$CFG7" \
+    --out "$R/ablate_bf16.json"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

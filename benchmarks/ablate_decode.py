@@ -1,0 +1,123 @@
+"""What does each kind of small kernel cost inside the batch-1 decode graph? (issue 4)
+
+Loads the model once, runs one greedy request (so the graph's static inputs hold a real
+sequence: prompt + output tokens of KV), then re-captures the batch-1 decode graph with parts of
+the decoder layer removed and times each graph replayed back to back (no host work). The
+outputs of an ablated graph are garbage; only the time is read. The differences are what those
+kernels cost in the PDL-chained graph, where a kernel's profiler duration overlaps its
+neighbours and says little.
+
+    python benchmarks/ablate_decode.py config:benchmarks/configs/qwen2.5-7b.json:w4a16 --out F
+
+Ablations (cumulative names are joined with '+'):
+    norm  RMSNorm returns its input (and the residual unchanged): no norm kernels
+    silu  SiluAndMul returns the gate half as a strided view: no activation kernel
+    attn  attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pagoda import LLM, SamplingParams
+
+
+def timed(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+@contextlib.contextmanager
+def ablated(parts: set[str]) -> Iterator[None]:
+    from pagoda.layers.activation import SiluAndMul
+    from pagoda.layers.norm import RMSNorm
+    from pagoda.models.llama import DecoderAttention
+
+    saved = (RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward)
+    if "norm" in parts:
+
+        def norm_forward(self, x, residual=None):
+            return x if residual is None else (x, residual)
+
+        RMSNorm.forward = norm_forward
+    if "silu" in parts:
+        SiluAndMul.forward = lambda self, x: x[:, : x.shape[1] // 2]
+    if "attn" in parts:
+
+        def attn_forward(self, positions, hidden, attn_metadata):
+            return self.o_proj(self.qkv_proj(hidden)[:, : self.q_size])
+
+        DecoderAttention.forward = attn_forward
+    try:
+        yield
+    finally:
+        RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward = saved
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--out", required=True)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument(
+        "--ablations", default="none,norm,silu,attn,norm+silu,norm+silu+attn",
+        help="comma-separated; 'none' is the real graph",
+    )  # fmt: skip
+    ns = p.parse_args()
+    llm = LLM(
+        ns.model,
+        dtype="bfloat16",
+        max_model_len=4096,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=1,
+        skip_tokenizer_init=True,
+    )
+    runner = llm.llm_engine.core.runner
+    model = runner.model
+    gr = runner.graph_runner
+    prompt = [[(7 * i) % 10000 for i in range(ns.prompt_len)]]
+    sp = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
+    llm.generate(prompt, sp, use_tqdm=False)
+    res: dict = {
+        "model": ns.model,
+        "gpu": torch.cuda.get_device_name(),
+        "seq_len": int(gr.seq_lens[0]),
+        "graph_s": {},
+    }
+    hid = gr.outputs[1]
+    res["logits_argmax_s"] = timed(lambda: model.compute_logits(hid).argmax(-1), ns.iters)
+    for name in ns.ablations.split(","):
+        parts = set() if name == "none" else set(name.split("+"))
+        with ablated(parts):
+            gr.graphs.clear()
+            gr.capture()
+        t = timed(gr.graphs[1].replay, ns.iters)
+        res["graph_s"][name] = t
+        print(f"{name:20s} {t * 1e6:8.1f} us", flush=True)
+    base = res["graph_s"].get("none")
+    if base:
+        res["saved_per_layer_us"] = {
+            k: (base - v) * 1e6 / len(model.model.layers) for k, v in res["graph_s"].items()
+        }
+    Path(ns.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
