@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 7): verify7 ablate
+# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated
 # Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
 #                    gemm_tests final6
 # Steps (session 5): mma_tests mma_bench ab_mma
@@ -342,6 +342,22 @@ step_ablate() {
     --out "$R/ablate_w4a16.json"
   run ablate_bf16 150 python3 benchmarks/ablate_decode.py "config:$CFG7" \
     --out "$R/ablate_bf16.json"
+}
+# session 7: SiLU-and-mul in the gate_up GEMV's epilogue (gated kernel)
+step_gated_tests() {
+  run gated_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py -k "gated or decoder_mlp or layer or cuda_graph"
+}
+step_gated_bench() {
+  run gated_bench 150 python3 benchmarks/quant/bench_w4a16_mma.py --gated-only \
+    --out "$R/w4a16_gated_h200.json"
+}
+step_ab_gated() {
+  latrun bf16 "config:$CFG7"
+  latrun w4a16 "config:$CFG7:w4a16"
+  latrun w4a16_silu0 "config:$CFG7:w4a16" PAGODA_W4A16_FUSED_SILU=0
+  run ablate_w4a16_gated 150 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
+    --out "$R/ablate_w4a16_gated.json"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

@@ -10,6 +10,8 @@ The copy bandwidth is measured in the same process: `bw_frac` = bytes read / tim
 Modes (session 6): `--prefetch-only` (the GEMV's L2 bulk-prefetch settings at M = 1 / 8),
 `--shared-only` (M = 9-64: shared dequantization vs per-block vs dequant + cuBLAS vs bf16),
 `--gemm-only` (M = 64-512: the MMA-layout GEMM against the same).
+Mode (session 7): `--gated-only` (gate_up at M = 1-8: the GEMV with SiLU-and-mul in its epilogue,
+config sweep, against the plain GEMV followed by the activation kernel).
 """
 
 from __future__ import annotations
@@ -363,6 +365,68 @@ def bench_gemm(name, n, k, bw, l2, num_sms, ms=(64, 128, 512)) -> list[dict]:
     return rows
 
 
+GATED_CONFIGS = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2), (4, 1, 2), (1, 2, 1), (2, 2, 2)]
+
+
+def bench_gated(name, n, k, bw, l2, num_sms, ms=(1, 2, 4, 8)) -> list[dict]:
+    """gate_up only: the gated GEMV (config sweep) vs the plain GEMV + `silu_and_mul`, both in
+    one graph per call, each result checked against silu(gate) * up of the reference first."""
+    from pagoda.kernels.fused_ops import silu_and_mul
+
+    if name != "gate_up":
+        return []
+    dev, G = torch.device("cuda"), 128
+    L = _Layer(n, k, l2, G)
+    w_deq, words, pairs, int4_bytes = L.w_deq, L.words, L.pairs, L.int4_bytes
+    copies, ws, ps = L.copies, L.ws, L.ps
+    half = n // 2
+    rows = []
+    for m in ms:
+        x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
+        ref = x.float() @ w_deq.float().t()
+        expect = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
+        tol = 2e-2 * expect.abs().max().item()
+        row = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": int4_bytes}
+        row["plain_plus_silu_us"] = 1e6 * time_graph(
+            lambda i, x=x: silu_and_mul(mma.wna16_mma_gemv(x, ws[i], ps[i], n, G)), copies
+        )
+        row["plain_only_us"] = 1e6 * time_graph(
+            lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G), copies
+        )
+        sweep = []
+        for cfg in [mma.default_gated_config(m, n, k, num_sms)] + GATED_CONFIGS:
+            rec = {"config": cfg}
+            try:
+                y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, gated=True)
+                err = (y.float() - expect).abs().max().item()
+                if not err <= tol:
+                    raise RuntimeError(f"max err {err:.3g} > {tol:.3g}")
+                t = time_graph(
+                    lambda i, x=x, c=cfg: mma.wna16_mma_gemv(
+                        x, ws[i], ps[i], n, G, config=c, gated=True
+                    ),
+                    copies,
+                )
+                rec.update(us=t * 1e6, bw_frac=int4_bytes / t / bw)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rec["error"] = repr(e)[:300]
+                print(f"  {name} M={m} {cfg} FAILED {rec['error']}", flush=True)
+            sweep.append(rec)
+        ok = [r for r in sweep if "us" in r]
+        row["gated_default_us"] = sweep[0].get("us")
+        row["gated_best"] = min(ok, key=lambda r: r["us"]) if ok else None
+        row["sweep"] = sweep
+        rows.append(row)
+        b = row["gated_best"] or {}
+        print(
+            f"{name:8s} M={m}: GEMV {row['plain_only_us']:6.1f} | GEMV + silu "
+            f"{row['plain_plus_silu_us']:6.1f} | gated default {row['gated_default_us'] or 0:6.1f}"
+            f" best {b.get('us', 0):6.1f} {b.get('config')}",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="w4a16_mma.json")
@@ -371,6 +435,7 @@ def main() -> int:
     ap.add_argument("--prefetch-only", action="store_true", help="only the L2 prefetch sweep")
     ap.add_argument("--shared-only", action="store_true", help="only M = 9-64, shared dequant")
     ap.add_argument("--gemm-only", action="store_true", help="only the MMA-layout GEMM")
+    ap.add_argument("--gated-only", action="store_true", help="only gate_up + SiLU, M = 1-8")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -384,6 +449,8 @@ def main() -> int:
     for name, (n, k) in SHAPES.items():
         if args.prefetch_only:
             results["rows"] += bench_prefetch(name, n, k, bw, l2, num_sms)
+        elif args.gated_only:
+            results["rows"] += bench_gated(name, n, k, bw, l2, num_sms)
         elif args.gemm_only:
             results["rows"] += bench_gemm(name, n, k, bw, l2, num_sms)
         elif args.shared_only:

@@ -340,8 +340,9 @@ def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr, DRY: tl.constexpr
 @triton.jit
 def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT: tl.constexpr,
             GROUP_TILES: tl.constexpr):  # fmt: skip
-    """Words and scale pairs [KT, 128] of step `pos` of column group ng: the HBM stream. No
-    masks: the caller keeps pos valid and K tiles per step divide K / 64."""
+    """Words and scale pairs [rows, 128] of step `pos` of column group ng (a scalar, or [rows,
+    1] when rows come from several column groups: the gated kernel), r the K tile of each row:
+    the HBM stream. No masks: the caller keeps pos valid and K tiles per step divide K / 64."""
     kb = pos * KT + r  # [KT, 1]
     words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
     if GROUP_TILES > 0:
@@ -353,20 +354,55 @@ def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT: tl.constexpr
 
 
 @triton.jit
-def _step(acc, words, sp, pos, r, x_rows, KT: tl.constexpr, NB: tl.constexpr,
-          INTERPRET: tl.constexpr, DRY: tl.constexpr):  # fmt: skip
-    """One step: the tile's words times NB blocks of 8 activation rows ([NB, KT, 128] acc).
-    The activations are read here, just in time (L1 / L2 hits: every program on an SM reads
-    the same x), which keeps them out of the prefetched register sets."""
-    kb = (pos * KT + r)[None, :, :]  # [1, KT, 1]
+def _step(acc, words, sp, pos, r, x_rows, KT: tl.constexpr, KR: tl.constexpr,
+          NB: tl.constexpr, INTERPRET: tl.constexpr, DRY: tl.constexpr):  # fmt: skip
+    """One step: the tile's words times NB blocks of 8 activation rows ([NB, KR, 128] acc; KR
+    = KT rows, or 2 KT in the gated kernel, r the K tile of each row). The activations are
+    read here, just in time (L1 / L2 hits: every program on an SM reads the same x), which
+    keeps them out of the prefetched register sets."""
+    kb = (pos * KT + r)[None, :, :]  # [1, KR, 1]
     x1 = tl.load(x_rows + kb * 32)
     x2 = tl.load(x_rows + kb * 32 + 4)
-    w3 = tl.broadcast_to(words[None, :, :], [NB, KT, 128])
-    s3 = tl.broadcast_to(sp[None, :, :], [NB, KT, 128])
-    out = _tile_mma(tl.reshape(acc, [NB * KT, 128]), tl.reshape(w3, [NB * KT, 128]),
-                    tl.reshape(x1, [NB * KT, 128]), tl.reshape(x2, [NB * KT, 128]),
-                    tl.reshape(s3, [NB * KT, 128]), INTERPRET, DRY)  # fmt: skip
-    return tl.reshape(out, [NB, KT, 128])
+    w3 = tl.broadcast_to(words[None, :, :], [NB, KR, 128])
+    s3 = tl.broadcast_to(sp[None, :, :], [NB, KR, 128])
+    out = _tile_mma(tl.reshape(acc, [NB * KR, 128]), tl.reshape(w3, [NB * KR, 128]),
+                    tl.reshape(x1, [NB * KR, 128]), tl.reshape(x2, [NB * KR, 128]),
+                    tl.reshape(s3, [NB * KR, 128]), INTERPRET, DRY)  # fmt: skip
+    return tl.reshape(out, [NB, KR, 128])
+
+
+@triton.jit
+def _gated_flush(gate, up, ng, col, m, okm, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+                 stride_om, HAS_BIAS: tl.constexpr, ONE_SPLIT: tl.constexpr):  # fmt: skip
+    """Store silu(gate) * up (fp32 sums, bias added first) at column col of out [M, N / 2];
+    with split-K the gate and up partials meet in the workspace (columns col and col + N / 2)
+    and the last program of the column group applies the activation."""
+    half = N // 2
+    if not ONE_SPLIT:
+        tl.atomic_add(ws_ptr + m * N + col, gate, mask=okm, sem="relaxed")
+        tl.atomic_add(ws_ptr + m * N + half + col, up, mask=okm, sem="relaxed")
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + ng, 1, sem="acq_rel")
+        if done == tl.num_programs(1) - 1:
+            g_bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm,
+                                    sem="relaxed")  # fmt: skip
+            u_bits = tl.atomic_xchg(wsi_ptr + m * N + half + col, tl.zeros_like(m), mask=okm,
+                                    sem="relaxed")  # fmt: skip
+            _gated_store(g_bits.to(tl.float32, bitcast=True), u_bits.to(tl.float32, bitcast=True),
+                         col, m, okm, half, b_ptr, out_ptr, stride_om, HAS_BIAS)  # fmt: skip
+            tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
+    else:
+        _gated_store(gate, up, col, m, okm, half, b_ptr, out_ptr, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _gated_store(gate, up, col, m, okm, half, b_ptr, out_ptr, stride_om,
+                 HAS_BIAS: tl.constexpr):  # fmt: skip
+    if HAS_BIAS:
+        gate += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
+        up += tl.load(b_ptr + half + col, mask=okm, other=0.0).to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + m * stride_om + col, y.to(out_ptr.dtype.element_ty), mask=okm)
 
 
 @triton.jit
@@ -379,6 +415,7 @@ def _w4_mma_gemv_kernel(
     NB: tl.constexpr,  # blocks of 8 activation rows (M <= 8 NB)
     HAS_BIAS: tl.constexpr,
     ONE_SPLIT: tl.constexpr,  # no split-K: the workspace arguments are unused
+    GATED: tl.constexpr,  # W = [gate; up] (N = 2 I): out [M, I] = silu(x gate^T) * (x up^T)
     INTERPRET: tl.constexpr,
     DRY: tl.constexpr,  # benchmarks: the loads without the math (wrong results)
     PF_FIRST: tl.constexpr,  # steps of the slice bulk-prefetched into the L2 before gdc_wait
@@ -391,14 +428,25 @@ def _w4_mma_gemv_kernel(
     math. (With one register set, ptxas orders the next loads after the MMAs that read the
     registers those loads overwrite: no overlap.) The first step's weights and scales are
     loaded before `gdc_wait`: they never depend on the previous kernel. One flush at the end:
-    a plain store without split-K, else the self-cleaning serial reduction of `wna16_gemv`."""
+    a plain store without split-K, else the self-cleaning serial reduction of `wna16_gemv`.
+
+    GATED (the MLP's gate_up_proj): program ng also walks column group ng + I / 16, the up
+    rows of the same columns, as KT more rows of its word tile; the MMA puts a column's gate
+    and up sums in the same thread and register, so the epilogue stores silu(gate) * up and
+    the activation kernel (one launch per layer) disappears."""
     ng = tl.program_id(0)
     pid_k = tl.program_id(1)
     kb_total = K // 64
     steps_total = kb_total // KT
     s0 = pid_k * steps_per_split
     n_steps = tl.minimum(steps_per_split, steps_total - s0)
-    r = tl.arange(0, KT)[:, None]
+    KR: tl.constexpr = 2 * KT if GATED else KT  # rows of the word tile
+    r = tl.arange(0, KR)[:, None]
+    if GATED:
+        ngr = ng + (r // KT) * (N // 32)  # rows KT..2KT-1: the up half's column group
+        r = r % KT
+    else:
+        ngr = ng
     j = tl.arange(0, 128)[None, :]
     nb = tl.arange(0, NB)[:, None, None]
     j3 = j[None, :, :]
@@ -416,32 +464,38 @@ def _w4_mma_gemv_kernel(
         _l2_prefetch(w_base + s0 * KT * 128, tl.minimum(n_steps, PF_FIRST) * step_bytes,
                      INTERPRET)  # fmt: skip
         _l2_prefetch(sp_ptr + ng * n_groups_s * 32, n_groups_s * 32, INTERPRET)
-    wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+    wa, spa = _load_w(ngr, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([NB, KT, 128], dtype=tl.float32)
+    acc = tl.zeros([NB, KR, 128], dtype=tl.float32)
     for i in range(0, n_steps, 2):
         if PF_LOOP:  # the two steps PF_FIRST ahead (those already issued: size <= 0, skipped)
             ahead = i + PF_FIRST
             _l2_prefetch(w_base + (s0 + ahead) * KT * 128,
                          tl.minimum(n_steps - ahead, 2) * step_bytes, INTERPRET)  # fmt: skip
         pos_b = tl.minimum(pos + 1, last)
-        wb, spb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-        acc = _step(acc, wa, spa, pos, r, x_rows, KT, NB, INTERPRET, DRY)
+        wb, spb = _load_w(ngr, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        acc = _step(acc, wa, spa, pos, r, x_rows, KT, KR, NB, INTERPRET, DRY)
         pos_a = tl.minimum(pos + 2, last)
-        wa, spa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        wa, spa = _load_w(ngr, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
         if i + 1 < n_steps:
-            acc = _step(acc, wb, spb, pos_b, r, x_rows, KT, NB, INTERPRET, DRY)
+            acc = _step(acc, wb, spb, pos_b, r, x_rows, KT, KR, NB, INTERPRET, DRY)
         pos = pos_a
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
-    part = tl.sum(acc, axis=1)  # [NB, 128]
     jj = tl.arange(0, 128)[None, :]
     vv = jj % 4
     col = ng * 16 + jj // 16 + 8 * (vv // 2)
     m = 8 * tl.arange(0, NB)[:, None] + 2 * ((jj // 4) % 4) + vv % 2
     okm = m < M
+    if GATED:
+        halves = tl.sum(tl.reshape(acc, [NB, 2, KT, 128]), axis=2)  # [NB, gate / up, 128]
+        gate, up = tl.split(tl.permute(halves, (0, 2, 1)))
+        _gated_flush(gate, up, ng, col, m, okm, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+                     stride_om, HAS_BIAS, ONE_SPLIT)  # fmt: skip
+        return
+    part = tl.sum(acc, axis=1)  # [NB, 128]
     if ONE_SPLIT:
         if HAS_BIAS:
             part += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
@@ -690,6 +744,16 @@ def default_shared_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConf
     return (4, max(1, round(5 * num_sms / groups)), 2)
 
 
+def default_gated_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
+    """(K tiles per step of each half, split-K, warps) of the gated GEMV (gate_up_proj, M <= 8):
+    a program walks a gate and an up column group, so one K tile per half keeps the bytes per
+    step of the plain kernel's (2, 1, 1) on gate_up."""
+    groups = n // (2 * TILE_N)
+    if groups >= 4 * num_sms:
+        return (1, 1, 1)
+    return (2, max(1, min(8, round(8 * num_sms / groups))), 2)
+
+
 def _k_tiles_per_step(k: int, target: int) -> int:
     kb = k // TILE_K
     kt = 1
@@ -710,11 +774,13 @@ def wna16_mma_gemv(
     dry: bool = False,  # benchmarks: the loads without the math (wrong results)
     prefetch: Prefetch | None = None,  # None: `default_mma_prefetch`
     shared: bool | None = None,  # M > 8: one dequantization for all blocks (None: if it works)
-) -> torch.Tensor:  # [M, N]
+    gated: bool = False,  # W = [gate; up]: return silu(x gate^T) * (x up^T), [M, N / 2]
+) -> torch.Tensor:  # [M, N] ([M, N / 2] gated)
     """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma` (4-bit symmetric), M <= 64,
     in blocks of 8 rows. With `shared` (the default above M = 8 where `mma_shared_self_test`
     passes) up to 4 blocks share each dequantized fragment and M = 33-64 runs as two such
-    launches; otherwise every block re-dequantizes (`_w4_mma_gemv_kernel`)."""
+    launches; otherwise every block re-dequantizes (`_w4_mma_gemv_kernel`). `gated` (M <= 8,
+    N / 2 % 16 == 0): the SwiGLU of the MLP in the GEMV's epilogue (`default_gated_config`)."""
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS or x.dtype != torch.bfloat16:
         raise ValueError(
@@ -722,6 +788,11 @@ def wna16_mma_gemv(
         )
     if not mma_supported(n, k, group_size, 4, False):
         raise ValueError(f"wna16_mma_gemv: unsupported shape N={n} K={k} group={group_size}")
+    if gated and (m > MAX_M or n % (2 * TILE_N) or dry):
+        raise ValueError(
+            f"wna16_mma_gemv(gated=True) takes M <= {MAX_M} and N % {2 * TILE_N} == 0, "
+            f"got M={m} N={n}"
+        )
     if shared is None:
         shared = m > MAX_M and _shared_enabled(x.device)
     shared = shared and m > MAX_M and not dry
@@ -737,9 +808,11 @@ def wna16_mma_gemv(
         return out
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
     default = default_shared_config if shared else default_mma_config
+    if gated:
+        default = default_gated_config
     kt_target, split, warps = config or default(m, n, k, num_sms)
     kt = _k_tiles_per_step(k, kt_target)
-    warps = min(warps, kt)
+    warps = min(warps, 2 * kt if gated else kt)
     steps_total = (k // TILE_K) // kt
     per = -(-steps_total // split)
     split = -(-steps_total // per)
@@ -747,7 +820,7 @@ def wna16_mma_gemv(
     if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
         x = x.contiguous()
     xi = x.view(torch.int32)
-    out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
+    out = torch.empty((m, n // 2 if gated else n), device=x.device, dtype=out_dtype or x.dtype)
     ws, cnt = out.view(-1)[:0].float(), words
     if split > 1:
         bufs = _serial_workspace(x.device, m * n, n // TILE_N)
@@ -755,6 +828,8 @@ def wna16_mma_gemv(
             per, split = steps_total, 1
         else:
             ws, cnt = bufs
+    if gated:
+        prefetch = (0, False)  # the prefetch covers one column group's tiles
     if prefetch is None:
         cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else (0, 0)
         prefetch = default_mma_prefetch(m, n, k, cap)
@@ -779,7 +854,7 @@ def wna16_mma_gemv(
             **pdl_launch_args(x),
         )  # fmt: skip
         return out
-    _w4_mma_gemv_kernel[(n // TILE_N, split)](
+    _w4_mma_gemv_kernel[(n // (2 * TILE_N) if gated else n // TILE_N, split)](
         xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
         ws, ws.view(torch.int32), cnt,
         m, n, k, per, scale_pairs.shape[1],
@@ -789,6 +864,7 @@ def wna16_mma_gemv(
         NB=nb,
         HAS_BIAS=bias is not None,
         ONE_SPLIT=split == 1,
+        GATED=gated,
         INTERPRET=_INTERPRET,
         DRY=dry,
         PF_FIRST=pf_first,

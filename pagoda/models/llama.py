@@ -145,7 +145,10 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        h = self.gate_up_proj.silu_and_mul(x)  # one kernel where the weights' method fuses it
+        if h is None:
+            h = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

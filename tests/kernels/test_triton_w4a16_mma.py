@@ -205,6 +205,90 @@ def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
     assert ql._mma_max_m(4608, 3584) == 16 and ql._mma_max_m(37888, 3584) == 32
 
 
+# (M, N = 2 I, K, group, config, bias): the gated GEMV (gate_up_proj + SiLU-and-mul): odd step
+# counts, split-K (gate and up partials meet in the workspace), per-channel, bias on both halves.
+GATED_CASES = [
+    (1, 64, 128, 64, (2, 1, 1), False),
+    (3, 96, 576, 64, (1, 3, 1), True),
+    (8, 32, 256, -1, (2, 1, 2), False),
+    (5, 64, 512, 128, (2, 2, 1), True),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,config,bias", GATED_CASES)
+def test_mma_gemv_gated_interpreter(m, n, k, group, config, bias) -> None:
+    x, words, pairs, ref, _, _ = _case(m, n, k, group, seed=5)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    if bias:
+        ref = ref + b.float()
+    half = n // 2
+    expect = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
+    y = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, gated=True)
+    assert y.shape == (m, half) and y.dtype == torch.bfloat16
+    assert (y.float() - expect).abs().max().item() <= 2.0**-7 * expect.abs().max().item()
+    if config[1] > 1:  # the workspace and counters are clean again: a second call is identical
+        again = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, gated=True)
+        assert torch.equal(y, again)
+
+
+def test_mma_gemv_gated_rejects_what_it_cannot_fuse() -> None:
+    x, words, pairs, *_ = _case(1, 48, 128, 64)
+    with pytest.raises(ValueError, match="gated=True"):
+        mm.wna16_mma_gemv(x, words, pairs, 48, 64, gated=True)  # N / 2 not a multiple of 16
+    x, words, pairs, *_ = _case(9, 64, 128, 64)
+    with pytest.raises(ValueError, match="M <= 8"):
+        mm.wna16_mma_gemv(x, words, pairs, 64, 64, gated=True)
+
+
+def _mma_layer(cls, inp, outs, seed, bias=True):
+    """A W4A16 layer moved into the tensor-core layout by hand (the layout is chosen on CUDA
+    only): the interpreter runs its path. Returns (layer, method, codes, scales)."""
+    from pagoda.kernels.wna16 import pack_to_int32
+    from pagoda.layers import quantized_linear as ql
+
+    out = sum(outs)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
+    scale = (torch.rand(out, inp // 64, generator=g) * 0.02 + 0.001).bfloat16()
+    method = ql.WNA16LinearMethod(ql.WeightQuantArgs(4, True, 64))
+    sizes = outs if len(outs) > 1 else outs[0]
+    layer = cls(inp, sizes, bias=bias, linear_method=method, dtype=torch.bfloat16)
+    layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
+    layer.weight_scale.data.copy_(scale)
+    if bias:
+        layer.bias.data.normal_(generator=g)
+    method.process_weights_after_loading(layer)
+    assert layer.wna16_backend == "dequant"
+    for name in ("codes", "scales"):
+        delattr(layer, name)
+    layer.mma_words = torch.nn.Parameter(mm.repack_mma(q.to(torch.int32) + 8), False)
+    layer.mma_scales = torch.nn.Parameter(mm.repack_mma_scales(scale.t().contiguous()), False)
+    layer.wna16_backend = "mma"
+    return layer, method, q, scale
+
+
+def test_gate_up_layer_fuses_silu_and_mul_interpreter(monkeypatch) -> None:
+    """`MergedColumnLinear.silu_and_mul`: silu(gate) * up from the gated GEMV at M <= 8, None
+    (the caller runs projection + activation) past 8 rows, with the switch off, or on a layer
+    whose method cannot fuse (the CPU dequant backend)."""
+    from pagoda.layers.linear import MergedColumnLinear
+
+    layer, _, q, scale = _mma_layer(MergedColumnLinear, 256, [32, 32], seed=4)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+    ref = wna16_linear_ref(x.float(), q, scale.float(), None, 64, bias=layer.bias.float())
+    expect = torch.nn.functional.silu(ref[:, :32]) * ref[:, 32:]
+    for m in (1, 8):
+        y = layer.silu_and_mul(x[:m])
+        assert y.shape == (m, 32)
+        assert (y.float() - expect[:m]).abs().max().item() <= 2.0**-7 * expect.abs().max().item()
+    assert layer.silu_and_mul(x) is None  # 9 rows
+    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "0")
+    assert layer.silu_and_mul(x[:1]) is None
+    monkeypatch.delenv("PAGODA_W4A16_FUSED_SILU")
+    dense = MergedColumnLinear(256, [32, 32], dtype=torch.bfloat16)
+    assert dense.silu_and_mul(x[:1]) is None  # unquantized: no fused kernel
+
+
 # (M, N, K, group, config, bias): 2 and 4 blocks sharing one dequantization, split-K (serial
 # reduction of every block), odd step counts, per-channel, and M = 33-64 as two launches.
 SHARED_CASES = [
@@ -415,3 +499,71 @@ def test_quantized_layer_uses_the_mma_layout_gpu(monkeypatch) -> None:
     w = method.dequantized_weight(layer)
     expect = dequantize_weight(q, scale.bfloat16(), None, 128, None, torch.bfloat16)
     assert torch.equal(w.cpu(), expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, (1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1), (2, 4, 2)])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_mma_gemv_gated_qwen7b_gpu(m, config) -> None:
+    """gate_up_proj of Qwen2.5-7B (I = 18944) with the SwiGLU in the epilogue, every config the
+    benchmark sweeps, against silu(gate) * up of the fp32 reference."""
+    n, k = 37888, 3584
+    x, words, pairs, ref, _, _ = _case(m, n, k, 128, device="cuda", seed=11)
+    half = n // 2
+    expect = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
+    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, config=config, gated=True)
+    torch.testing.assert_close(
+        y.float().cpu(), expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item()
+    )
+
+
+@pytest.mark.gpu
+def test_decoder_mlp_fused_silu_matches_unfused_gpu(monkeypatch) -> None:
+    """The MLP of a W4A16 model at decode sizes: the gated GEMV path (one kernel less) gives
+    what projection + SiLU-and-mul + down give, and both match the dequantized weights; a
+    captured CUDA graph of the fused MLP replays to the same output."""
+    from types import SimpleNamespace
+
+    from pagoda.kernels.wna16 import pack_to_int32
+    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
+    from pagoda.models.llama import DecoderMLP, DecoderOptions
+
+    hidden, inter = 1024, 2816
+    cfg = SimpleNamespace(hidden_act="silu", hidden_size=hidden, intermediate_size=inter)
+    with torch.device("cuda"):
+        mlp = DecoderMLP(
+            cfg, DecoderOptions(), lambda p: WNA16LinearMethod(WeightQuantArgs(4, True, 128)), "mlp"
+        )
+    g = torch.Generator().manual_seed(3)
+    dense = {}
+    for layer in (mlp.gate_up_proj, mlp.down_proj):
+        q = torch.randint(-8, 8, (layer.out_features, layer.in_features), generator=g)
+        q = q.to(torch.int8)
+        scale = torch.rand(layer.out_features, layer.in_features // 128, generator=g) * 0.02 + 1e-3
+        layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
+        layer.weight_scale.data.copy_(scale)
+        layer.linear_method.process_weights_after_loading(layer)
+        assert layer.wna16_backend == "mma"
+        dense[layer] = dequantize_weight(q, scale.bfloat16(), None, 128, None).float().cuda()
+    x = torch.randn(8, hidden, generator=g).cuda().bfloat16()
+    gu = x.float() @ dense[mlp.gate_up_proj].t()
+    ref = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ dense[mlp.down_proj].t()
+    for m in (1, 3, 8):
+        assert mlp.gate_up_proj.silu_and_mul(x[:m]) is not None  # the fused path is taken
+        fused = mlp(x[:m])
+        monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "0")
+        assert mlp.gate_up_proj.silu_and_mul(x[:m]) is None
+        unfused = mlp(x[:m])
+        monkeypatch.delenv("PAGODA_W4A16_FUSED_SILU")
+        tol = 2e-2 * ref.abs().max().item()
+        torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=tol)
+        torch.testing.assert_close(fused.float(), ref[:m], rtol=2e-2, atol=tol)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = mlp(x[:1])
+    graph.replay()
+    torch.cuda.synchronize()
+    # split-K sums in arrival order: equal up to fp32 rounding
+    torch.testing.assert_close(
+        y.float(), mlp(x[:1]).float(), rtol=1e-2, atol=1e-2 * y.abs().max().item()
+    )
