@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated
+# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2
 # Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
 #                    gemm_tests final6
 # Steps (session 5): mma_tests mma_bench ab_mma
@@ -358,6 +358,23 @@ step_ab_gated() {
   latrun w4a16_silu0 "config:$CFG7:w4a16" PAGODA_W4A16_FUSED_SILU=0
   run ablate_w4a16_gated 150 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
     --out "$R/ablate_w4a16_gated.json"
+}
+step_stream_bench() {
+  run stream_bench 120 python3 benchmarks/quant/bench_w4a16_mma.py --stream-only \
+    --out "$R/w4a16_stream_floor_h200.json"
+}
+# gated on (default) vs off: engine tok/s twice each, and the decode graph alone (three captures
+# each, so the capture-to-capture spread is measured too)
+step_ab_gated2() {
+  latrun bf16 "config:$CFG7"
+  latrun w4a16 "config:$CFG7:w4a16"
+  latrun w4a16_silu0 "config:$CFG7:w4a16" PAGODA_W4A16_FUSED_SILU=0
+  latrun w4a16_b "config:$CFG7:w4a16"
+  latrun w4a16_silu0_b "config:$CFG7:w4a16" PAGODA_W4A16_FUSED_SILU=0
+  run graph_gated 100 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
+    --ablations none,none,none --out "$R/graph_gated.json"
+  run graph_silu0 100 env PAGODA_W4A16_FUSED_SILU=0 python3 benchmarks/ablate_decode.py \
+    "config:$CFG7:w4a16" --ablations none,none,none --out "$R/graph_silu0.json"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

@@ -11,7 +11,9 @@ Modes (session 6): `--prefetch-only` (the GEMV's L2 bulk-prefetch settings at M 
 `--shared-only` (M = 9-64: shared dequantization vs per-block vs dequant + cuBLAS vs bf16),
 `--gemm-only` (M = 64-512: the MMA-layout GEMM against the same).
 Mode (session 7): `--gated-only` (gate_up at M = 1-8: the GEMV with SiLU-and-mul in its epilogue,
-config sweep, against the plain GEMV followed by the activation kernel).
+config sweep, against the plain GEMV followed by the activation kernel); `--stream-only` (the
+read floor: a loads-and-sum Triton kernel and torch's sum over each layer's int4 bytes, in the
+same CUDA-graph timing: what any kernel that reads those bytes once cannot beat).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -427,6 +431,56 @@ def bench_gated(name, n, k, bw, l2, num_sms, ms=(1, 2, 4, 8)) -> list[dict]:
     return rows
 
 
+@triton.jit
+def _stream_kernel(src, out, n_words, PER: tl.constexpr, BLOCK: tl.constexpr):
+    """Read PER blocks of BLOCK int32 words and keep one word: the bytes, no math."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(PER):
+        offs = (pid * PER + i) * BLOCK + tl.arange(0, BLOCK)
+        acc ^= tl.load(src + offs, mask=offs < n_words, other=0)
+    tl.store(out + pid, tl.sum(acc, axis=0))
+
+
+# (BLOCK words, blocks per program, warps)
+STREAM_CONFIGS = [(1024, 1, 1), (1024, 4, 1), (2048, 2, 4), (4096, 1, 4), (4096, 4, 4),
+                  (8192, 1, 8), (8192, 2, 8)]  # fmt: skip
+
+
+def bench_stream(name, n, k, bw, l2) -> list[dict]:
+    """The read floor of one layer's int4 weights + scales (group 128): the fastest of a few
+    loads-only Triton configs and torch's int32 sum, each over `copies` buffers in one graph."""
+    dev = torch.device("cuda")
+    nbytes = n * k // 2 + n * (k // 128) * 2
+    n_words = nbytes // 4
+    copies = max(2, -(-4 * l2 // nbytes))
+    bufs = [torch.randint(0, 1 << 30, (n_words,), device=dev, dtype=torch.int32)]
+    bufs += [b.clone() for b in bufs * (copies - 1)]
+    row = {"layer": name, "n": n, "k": k, "bytes": nbytes, "sweep": []}
+    for block, per, warps in STREAM_CONFIGS:
+        grid = -(-n_words // (block * per))
+        outs = torch.empty(grid, device=dev, dtype=torch.int32)
+
+        def call(i, block=block, per=per, warps=warps, grid=grid, outs=outs):
+            _stream_kernel[(grid,)](bufs[i], outs, n_words, PER=per, BLOCK=block, num_warps=warps)
+
+        t = time_graph(call, copies)
+        row["sweep"].append(
+            {"config": (block, per, warps), "us": t * 1e6, "bw_frac": nbytes / t / bw}
+        )
+    t = time_graph(lambda i: bufs[i].sum(dtype=torch.int64), copies)
+    row["torch_sum_us"] = t * 1e6
+    best = min(row["sweep"], key=lambda r: r["us"])
+    row["best"] = best
+    print(
+        f"{name:8s} {nbytes / 1e6:6.1f} MB: triton best {best['us']:6.1f} us "
+        f"({100 * best['bw_frac']:.0f}% BW) {best['config']} | torch sum "
+        f"{row['torch_sum_us']:6.1f}",
+        flush=True,
+    )
+    return [row]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="w4a16_mma.json")
@@ -436,6 +490,7 @@ def main() -> int:
     ap.add_argument("--shared-only", action="store_true", help="only M = 9-64, shared dequant")
     ap.add_argument("--gemm-only", action="store_true", help="only the MMA-layout GEMM")
     ap.add_argument("--gated-only", action="store_true", help="only gate_up + SiLU, M = 1-8")
+    ap.add_argument("--stream-only", action="store_true", help="only the read floor per layer")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -449,6 +504,8 @@ def main() -> int:
     for name, (n, k) in SHAPES.items():
         if args.prefetch_only:
             results["rows"] += bench_prefetch(name, n, k, bw, l2, num_sms)
+        elif args.stream_only:
+            results["rows"] += bench_stream(name, n, k, bw, l2)
         elif args.gated_only:
             results["rows"] += bench_gated(name, n, k, bw, l2, num_sms)
         elif args.gemm_only:

@@ -745,12 +745,14 @@ def default_shared_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConf
 
 
 def default_gated_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
-    """(K tiles per step of each half, split-K, warps) of the gated GEMV (gate_up_proj, M <= 8):
-    a program walks a gate and an up column group, so one K tile per half keeps the bytes per
-    step of the plain kernel's (2, 1, 1) on gate_up."""
+    """(K tiles per step of each half, split-K, warps) of the gated GEMV (gate_up_proj, M <= 8),
+    measured on the H200 (`bench_w4a16_mma.py --gated-only`, session 7 run 2, Qwen2.5-7B
+    gate_up, µs at M = 1 / 8): (2, 1, 2) 27.6 / 30.8, the best at every M, against the plain
+    GEMV + SiLU-and-mul's 28.2 / 33.5; (1, 1, 1) 34.7 / 43.6 and (1, 1, 2) 32.2 / 40.2 were the
+    worst. Few column groups: split-K as the plain kernel does."""
     groups = n // (2 * TILE_N)
     if groups >= 4 * num_sms:
-        return (1, 1, 1)
+        return (2, 1, 2)
     return (2, max(1, min(8, round(8 * num_sms / groups))), 2)
 
 

@@ -231,6 +231,12 @@ def test_mma_gemv_gated_interpreter(m, n, k, group, config, bias) -> None:
         assert torch.equal(y, again)
 
 
+def test_gated_config_follows_the_shape() -> None:
+    assert mm.default_gated_config(1, 37888, 3584, 132) == (2, 1, 2)  # 7B gate_up: no split
+    kt, split, warps = mm.default_gated_config(1, 3072, 576, 132)  # SmolLM2: 96 column groups
+    assert (kt, warps) == (2, 2) and split > 1
+
+
 def test_mma_gemv_gated_rejects_what_it_cannot_fuse() -> None:
     x, words, pairs, *_ = _case(1, 48, 128, 64)
     with pytest.raises(ValueError, match="gated=True"):
@@ -530,10 +536,18 @@ def test_decoder_mlp_fused_silu_matches_unfused_gpu(monkeypatch) -> None:
 
     hidden, inter = 1024, 2816
     cfg = SimpleNamespace(hidden_act="silu", hidden_size=hidden, intermediate_size=inter)
-    with torch.device("cuda"):
-        mlp = DecoderMLP(
-            cfg, DecoderOptions(), lambda p: WNA16LinearMethod(WeightQuantArgs(4, True, 128)), "mlp"
-        )
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # the layers' dtype (the MMA layout is bf16 only)
+    try:
+        with torch.device("cuda"):
+            mlp = DecoderMLP(
+                cfg,
+                DecoderOptions(),
+                lambda p: WNA16LinearMethod(WeightQuantArgs(4, True, 128)),
+                "mlp",
+            )
+    finally:
+        torch.set_default_dtype(default_dtype)
     g = torch.Generator().manual_seed(3)
     dense = {}
     for layer in (mlp.gate_up_proj, mlp.down_proj):
