@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2
+# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2 final7
 # Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
 #                    gemm_tests final6
 # Steps (session 5): mma_tests mma_bench ab_mma
@@ -375,6 +375,15 @@ step_ab_gated2() {
     --ablations none,none,none --out "$R/graph_gated.json"
   run graph_silu0 100 env PAGODA_W4A16_FUSED_SILU=0 python3 benchmarks/ablate_decode.py \
     "config:$CFG7:w4a16" --ablations none,none,none --out "$R/graph_silu0.json"
+}
+# session 7 final: the whole MMA file and engine vs transformers at HEAD, the toolchain on the
+# device (is there a CUDA compiler besides Triton's?), batch-1 latency for the record
+step_final7() {
+  { which nvcc; ls -d /usr/local/cuda* 2>&1; python3 -c "import torch.utils.cpp_extension as c; print('CUDA_HOME', c.CUDA_HOME)"; } >"$R/toolchain.txt" 2>&1
+  run final7_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py tests/entrypoints/test_gpu_engine.py
+  latrun bf16 "config:$CFG7"
+  latrun w4a16 "config:$CFG7:w4a16"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

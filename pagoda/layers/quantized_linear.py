@@ -602,10 +602,12 @@ class WNA16LinearMethod(LinearMethod):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
         """silu(x W_gate^T) * (x W_up^T) for a [gate; up] layer in one kernel, where the
-        tensor-core GEMV can fuse it (M <= 8, bf16: decode); None elsewhere (the caller runs
-        the projection, then the activation). Measured on the H200: the activation kernel cost
-        3.8 µs per layer of the W4A16 decode graph (`benchmarks/ablate_decode.py`).
-        `PAGODA_W4A16_FUSED_SILU=0` turns it off."""
+        tensor-core GEMV can fuse it (M <= 8, bf16: decode) and `PAGODA_W4A16_FUSED_SILU=1`
+        asks for it; None otherwise (the caller runs the projection, then the activation).
+
+        Opt-in because it measured no faster (H200, session 7 run 3, Qwen2.5-7B batch 1):
+        459.4 / 459.2 tok/s with it, 461.3 / 460.5 without; alone, gate_up + activation 28.2 µs
+        vs the gated GEMV's 27.6, a program walking two column groups streams no faster."""
         from pagoda.kernels.triton_w4a16_mma import MAX_M, wna16_mma_gemv
 
         n = layer.out_features
@@ -616,7 +618,7 @@ class WNA16LinearMethod(LinearMethod):
             or not 1 <= x2.shape[0] <= MAX_M
             or n % 32
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))
-            or os.environ.get("PAGODA_W4A16_FUSED_SILU", "1").lower() in ("0", "false", "off", "no")
+            or os.environ.get("PAGODA_W4A16_FUSED_SILU", "0").lower() not in ("1", "true", "on")
         ):
             return None
         if layer.input_perm is not None:

@@ -274,11 +274,12 @@ def _mma_layer(cls, inp, outs, seed, bias=True):
 
 
 def test_gate_up_layer_fuses_silu_and_mul_interpreter(monkeypatch) -> None:
-    """`MergedColumnLinear.silu_and_mul`: silu(gate) * up from the gated GEMV at M <= 8, None
-    (the caller runs projection + activation) past 8 rows, with the switch off, or on a layer
-    whose method cannot fuse (the CPU dequant backend)."""
+    """`MergedColumnLinear.silu_and_mul` with `PAGODA_W4A16_FUSED_SILU=1`: silu(gate) * up from
+    the gated GEMV at M <= 8; None (the caller runs projection + activation) past 8 rows,
+    without the switch (the default), or on a layer whose method cannot fuse."""
     from pagoda.layers.linear import MergedColumnLinear
 
+    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
     layer, _, q, scale = _mma_layer(MergedColumnLinear, 256, [32, 32], seed=4)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
     ref = wna16_linear_ref(x.float(), q, scale.float(), None, 64, bias=layer.bias.float())
@@ -288,9 +289,11 @@ def test_gate_up_layer_fuses_silu_and_mul_interpreter(monkeypatch) -> None:
         assert y.shape == (m, 32)
         assert (y.float() - expect[:m]).abs().max().item() <= 2.0**-7 * expect.abs().max().item()
     assert layer.silu_and_mul(x) is None  # 9 rows
+    monkeypatch.delenv("PAGODA_W4A16_FUSED_SILU")
+    assert layer.silu_and_mul(x[:1]) is None  # opt-in
     monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "0")
     assert layer.silu_and_mul(x[:1]) is None
-    monkeypatch.delenv("PAGODA_W4A16_FUSED_SILU")
+    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
     dense = MergedColumnLinear(256, [32, 32], dtype=torch.bfloat16)
     assert dense.silu_and_mul(x[:1]) is None  # unquantized: no fused kernel
 
@@ -562,13 +565,14 @@ def test_decoder_mlp_fused_silu_matches_unfused_gpu(monkeypatch) -> None:
     x = torch.randn(8, hidden, generator=g).cuda().bfloat16()
     gu = x.float() @ dense[mlp.gate_up_proj].t()
     ref = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ dense[mlp.down_proj].t()
+    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
     for m in (1, 3, 8):
         assert mlp.gate_up_proj.silu_and_mul(x[:m]) is not None  # the fused path is taken
         fused = mlp(x[:m])
         monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "0")
         assert mlp.gate_up_proj.silu_and_mul(x[:m]) is None
         unfused = mlp(x[:m])
-        monkeypatch.delenv("PAGODA_W4A16_FUSED_SILU")
+        monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
         tol = 2e-2 * ref.abs().max().item()
         torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=tol)
         torch.testing.assert_close(fused.float(), ref[:m], rtol=2e-2, atol=tol)
