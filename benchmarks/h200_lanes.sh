@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2 final7
+# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2 final7 ttft7
 # Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
 #                    gemm_tests final6
 # Steps (session 5): mma_tests mma_bench ab_mma
@@ -384,6 +384,17 @@ step_final7() {
     tests/kernels/test_triton_w4a16_mma.py tests/entrypoints/test_gpu_engine.py
   latrun bf16 "config:$CFG7"
   latrun w4a16 "config:$CFG7:w4a16"
+}
+# TTFT per engine instance: four W4A16 processes and two bf16, each profiles one prefill
+step_ttft7() {
+  for i in 1 2 3 4; do
+    run ttft_w4a16_$i 60 python3 benchmarks/profile_prefill.py "config:$CFG7:w4a16" \
+      --out "$R/ttft_w4a16_$i.json"
+  done
+  for i in 1 2; do
+    run ttft_bf16_$i 60 python3 benchmarks/profile_prefill.py "config:$CFG7" \
+      --out "$R/ttft_bf16_$i.json"
+  done
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
