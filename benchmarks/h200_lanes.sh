@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2 final7 ttft7
+# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2 final7 ttft7 bias7
 # Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
 #                    gemm_tests final6
 # Steps (session 5): mma_tests mma_bench ab_mma
@@ -395,6 +395,13 @@ step_ttft7() {
     run ttft_bf16_$i 60 python3 benchmarks/profile_prefill.py "config:$CFG7" \
       --out "$R/ttft_bf16_$i.json"
   done
+}
+# the bias of qkv in cuBLAS's epilogue on the dequant path (prefill): layer tests + one prefill
+step_bias7() {
+  run bias7_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py -k "layer or decoder_mlp"
+  run ttft_w4a16_bias 60 python3 benchmarks/profile_prefill.py "config:$CFG7:w4a16" \
+    --out "$R/ttft_w4a16_bias.json"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

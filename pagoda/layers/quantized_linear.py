@@ -705,8 +705,10 @@ class WNA16LinearMethod(LinearMethod):
                 x2, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None
             )
             return out, fused
+        # cuBLAS adds the bias in its epilogue (a separate add measured 7.4 µs per layer of a
+        # 512-token Qwen2.5-7B prefill on the H200: session 7, benchmarks/profile_prefill.py)
         w = wna16_mma_dequant(layer.mma_words, layer.mma_scales, n, k, group)
-        return torch.nn.functional.linear(x2, w.to(x2.dtype)), False
+        return torch.nn.functional.linear(x2, w.to(x2.dtype), bias if fused else None), fused
 
     def _apply_cuda(
         self, layer: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None = None
