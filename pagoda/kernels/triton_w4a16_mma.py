@@ -47,7 +47,11 @@ without the math (`dry=True`) reach 69-75 % of the copy bandwidth on gate_up / d
 on qkv / o, and the math brings that to ~60 % / ~30 %; a bulk L2 prefetch of each program's
 slice (`PAGODA_W4A16_PF`, sm_90+) made even the loads-only kernel slower (session 6), so the
 small layers' time is fixed costs (launch, first DRAM round trip, the split-K flush), not bytes
-in flight.
+in flight. A kernel that only reads the same bytes (one-shot programs, 8 x 16-byte loads per
+thread) takes 3.8 / 3.4 / 17.6 / 9.6 µs on qkv / o / gate_up / down against this GEMV's 5.6 /
+5.3 / 25.7 / 16.1 (session 7). `gated=True` (M <= 8) applies the MLP's SwiGLU in the epilogue
+(a program walks a gate and an up column group); it measured no faster than the GEMV followed
+by the activation kernel, so layers use it only when asked (`PAGODA_W4A16_FUSED_SILU=1`).
 
 The torch reference `mma_gemv_emulate` follows the PTX fragment rules step by step (the CPU tests
 check the repacking against the dequantized matmul with it); under the Triton interpreter
