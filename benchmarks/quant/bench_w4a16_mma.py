@@ -233,6 +233,32 @@ def bench_prefetch(name, n, k, bw, l2, num_sms, ms=(1, 8)) -> list[dict]:
     return rows
 
 
+def _sweep(label, cfgs, call, layer, expect, nbytes, bw) -> list[dict]:
+    """Each config of `call(words, pairs, c=config)`: checked against `expect` (2 % of its
+    largest value), then timed over the layer's weight copies; a failure is reported, not
+    fatal. Returns one record per config (the first is the default)."""
+    tol = 2e-2 * expect.abs().max().item()
+    sweep = []
+    for cfg in cfgs:
+        rec = {"config": cfg}
+        try:
+            err = (call(layer.words, layer.pairs, c=cfg).float() - expect).abs().max().item()
+            if not err <= tol:
+                raise RuntimeError(f"max err {err:.3g} > {tol:.3g}")
+            t = time_graph(lambda i, c=cfg: call(layer.ws[i], layer.ps[i], c=c), layer.copies)
+            rec.update(us=t * 1e6, bw_frac=nbytes / t / bw)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            rec["error"] = repr(e)[:300]
+            print(f"  {label} {cfg} FAILED {rec['error']}", flush=True)
+        sweep.append(rec)
+    return sweep
+
+
+def _default_and_best(sweep: list[dict]) -> tuple[float | None, dict | None]:
+    ok = [r for r in sweep if "us" in r]
+    return sweep[0].get("us"), (min(ok, key=lambda r: r["us"]) if ok else None)
+
+
 SHARED_CONFIGS = [(2, 1, 1), (2, 1, 2), (4, 1, 2), (2, 2, 2), (4, 2, 2), (4, 4, 2), (8, 2, 4),
                   (4, 3, 2)]  # fmt: skip
 
@@ -242,14 +268,13 @@ def bench_shared(name, n, k, bw, l2, num_sms, ms=(9, 16, 32, 64)) -> list[dict]:
     exact dequant + cuBLAS and bf16 cuBLAS, each result checked first."""
     dev, G = torch.device("cuda"), 128
     L = _Layer(n, k, l2, G)
-    w_deq, words, pairs, int4_bytes = L.w_deq, L.words, L.pairs, L.int4_bytes
+    w_deq, int4_bytes = L.w_deq, L.int4_bytes
     copies, ws, ps = L.copies, L.ws, L.ps
     copies_bf16, wb = L.copies_bf16, L.wb
     rows = []
     for m in ms:
         x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
         ref = x.float() @ w_deq.float().t()
-        tol = 2e-2 * ref.abs().max().item()
         row = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": int4_bytes}
         row["bf16_cublas_us"] = 1e6 * time_graph(
             lambda i, x=x: torch.nn.functional.linear(x, wb[i]), copies_bf16
@@ -263,29 +288,13 @@ def bench_shared(name, n, k, bw, l2, num_sms, ms=(9, 16, 32, 64)) -> list[dict]:
         row["per_block_us"] = 1e6 * time_graph(
             lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, shared=False), copies
         )
-        sweep = []
-        for cfg in [mma.default_mma_config(m, n, k, num_sms)] + SHARED_CONFIGS:
-            rec = {"config": cfg}
-            try:
-                y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, shared=True)
-                err = (y.float() - ref).abs().max().item()
-                if not err <= tol:
-                    raise RuntimeError(f"max err {err:.3g} > {tol:.3g}")
-                t = time_graph(
-                    lambda i, x=x, c=cfg: mma.wna16_mma_gemv(
-                        x, ws[i], ps[i], n, G, config=c, shared=True
-                    ),
-                    copies,
-                )
-                rec.update(us=t * 1e6, bw_frac=int4_bytes * -(-m // 32) / t / bw)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                rec["error"] = repr(e)[:300]
-                print(f"  {name} M={m} {cfg} FAILED {rec['error']}", flush=True)
-            sweep.append(rec)
-        ok = [r for r in sweep if "us" in r]
-        row["shared_default_us"] = sweep[0].get("us")
-        row["shared_best"] = min(ok, key=lambda r: r["us"]) if ok else None
-        row["sweep"] = sweep
+        row["sweep"] = _sweep(
+            f"{name} M={m}",
+            [mma.default_mma_config(m, n, k, num_sms)] + SHARED_CONFIGS,
+            lambda w, p, x=x, c=None: mma.wna16_mma_gemv(x, w, p, n, G, config=c, shared=True),
+            L, ref, int4_bytes * -(-m // 32), bw,
+        )  # fmt: skip
+        row["shared_default_us"], row["shared_best"] = _default_and_best(row["sweep"])
         rows.append(row)
         b = row["shared_best"] or {}
         print(
@@ -381,7 +390,7 @@ def bench_gated(name, n, k, bw, l2, num_sms, ms=(1, 2, 4, 8)) -> list[dict]:
         return []
     dev, G = torch.device("cuda"), 128
     L = _Layer(n, k, l2, G)
-    w_deq, words, pairs, int4_bytes = L.w_deq, L.words, L.pairs, L.int4_bytes
+    w_deq, int4_bytes = L.w_deq, L.int4_bytes
     copies, ws, ps = L.copies, L.ws, L.ps
     half = n // 2
     rows = []
@@ -389,7 +398,6 @@ def bench_gated(name, n, k, bw, l2, num_sms, ms=(1, 2, 4, 8)) -> list[dict]:
         x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
         ref = x.float() @ w_deq.float().t()
         expect = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
-        tol = 2e-2 * expect.abs().max().item()
         row = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": int4_bytes}
         row["plain_plus_silu_us"] = 1e6 * time_graph(
             lambda i, x=x: silu_and_mul(mma.wna16_mma_gemv(x, ws[i], ps[i], n, G)), copies
@@ -397,29 +405,13 @@ def bench_gated(name, n, k, bw, l2, num_sms, ms=(1, 2, 4, 8)) -> list[dict]:
         row["plain_only_us"] = 1e6 * time_graph(
             lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G), copies
         )
-        sweep = []
-        for cfg in [mma.default_gated_config(m, n, k, num_sms)] + GATED_CONFIGS:
-            rec = {"config": cfg}
-            try:
-                y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, gated=True)
-                err = (y.float() - expect).abs().max().item()
-                if not err <= tol:
-                    raise RuntimeError(f"max err {err:.3g} > {tol:.3g}")
-                t = time_graph(
-                    lambda i, x=x, c=cfg: mma.wna16_mma_gemv(
-                        x, ws[i], ps[i], n, G, config=c, gated=True
-                    ),
-                    copies,
-                )
-                rec.update(us=t * 1e6, bw_frac=int4_bytes / t / bw)
-            except Exception as e:  # noqa: BLE001 - report and go on
-                rec["error"] = repr(e)[:300]
-                print(f"  {name} M={m} {cfg} FAILED {rec['error']}", flush=True)
-            sweep.append(rec)
-        ok = [r for r in sweep if "us" in r]
-        row["gated_default_us"] = sweep[0].get("us")
-        row["gated_best"] = min(ok, key=lambda r: r["us"]) if ok else None
-        row["sweep"] = sweep
+        row["sweep"] = _sweep(
+            f"{name} M={m}",
+            [mma.default_gated_config(m, n, k, num_sms)] + GATED_CONFIGS,
+            lambda w, p, x=x, c=None: mma.wna16_mma_gemv(x, w, p, n, G, config=c, gated=True),
+            L, expect, int4_bytes, bw,
+        )  # fmt: skip
+        row["gated_default_us"], row["gated_best"] = _default_and_best(row["sweep"])
         rows.append(row)
         b = row["gated_best"] or {}
         print(

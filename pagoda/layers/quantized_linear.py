@@ -282,6 +282,18 @@ def _env_rows(name: str) -> int | None:
         raise ValueError(f"{name}={env!r}: use an integer 0..64") from None
 
 
+def _env_flag(name: str, default: bool = False) -> bool:
+    """An on/off switch: 1/true/on/yes or 0/false/off/no (unset or empty: `default`)."""
+    env = os.environ.get(name, "").strip().lower()
+    if not env:
+        return default
+    if env in ("1", "true", "on", "yes"):
+        return True
+    if env in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{name}={env!r}: use 1 / on or 0 / off")
+
+
 def _mma_max_m(n: int, k: int, device: torch.device | None = None) -> int:
     """Largest M that runs the tensor-core GEMV on an [n, k] layer (then `_mma_gemm_max_m`,
     then dequant + cuBLAS).
@@ -610,6 +622,8 @@ class WNA16LinearMethod(LinearMethod):
         vs the gated GEMV's 27.6, a program walking two column groups streams no faster."""
         from pagoda.kernels.triton_w4a16_mma import MAX_M, wna16_mma_gemv
 
+        if not _env_flag("PAGODA_W4A16_FUSED_SILU"):
+            return None  # the default
         n = layer.out_features
         x2 = x.reshape(-1, x.shape[-1])
         if (
@@ -618,7 +632,6 @@ class WNA16LinearMethod(LinearMethod):
             or not 1 <= x2.shape[0] <= MAX_M
             or n % 32
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))
-            or os.environ.get("PAGODA_W4A16_FUSED_SILU", "0").lower() not in ("1", "true", "on")
         ):
             return None
         if layer.input_perm is not None:

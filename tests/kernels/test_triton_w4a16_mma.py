@@ -293,6 +293,9 @@ def test_gate_up_layer_fuses_silu_and_mul_interpreter(monkeypatch) -> None:
     assert layer.silu_and_mul(x[:1]) is None  # opt-in
     monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "0")
     assert layer.silu_and_mul(x[:1]) is None
+    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "maybe")
+    with pytest.raises(ValueError, match="PAGODA_W4A16_FUSED_SILU='maybe'"):
+        layer.silu_and_mul(x[:1])
     monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
     dense = MergedColumnLinear(256, [32, 32], dtype=torch.bfloat16)
     assert dense.silu_and_mul(x[:1]) is None  # unquantized: no fused kernel
