@@ -1,0 +1,47 @@
+"""Every `PAGODA_*` environment variable pagoda reads, in one place.
+
+Each variable has one accessor here; no other module reads `os.environ` for a `PAGODA_*` name.
+Values are parsed strictly: an unknown value raises a ValueError that names the variable and
+what it accepts, instead of being silently taken as the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def _flag(name: str, default: bool) -> bool:
+    """An on/off switch: 1/true/on/yes or 0/false/off/no (unset or empty: `default`)."""
+    env = os.environ.get(name, "").strip().lower()
+    if not env:
+        return default
+    if env in _TRUE:
+        return True
+    if env in _FALSE:
+        return False
+    raise ValueError(f"{name}={env!r}: use 1 / on or 0 / off")
+
+
+def disabled_kernels() -> frozenset[str]:
+    """`PAGODA_DISABLED_KERNELS`: comma-separated kernel names the registries must skip (A/B
+    runs; e.g. "mma_gemv,dense_gemv"). Names are checked against the registry that uses them."""
+    env = os.environ.get("PAGODA_DISABLED_KERNELS", "")
+    return frozenset(n.strip() for n in env.split(",") if n.strip())
+
+
+def pdl() -> bool:
+    """`PAGODA_PDL` (default on): programmatic dependent launch on sm_90+ (off for A/B runs)."""
+    return _flag("PAGODA_PDL", True)
+
+
+def api_key() -> str | None:
+    """`PAGODA_API_KEY`: the server's bearer token when `--api-key` is not given."""
+    return os.environ.get("PAGODA_API_KEY") or None
+
+
+def triton_interpret() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (`TRITON_INTERPRET`, Triton's own)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,76 @@
+"""What the machine is: device resolution, compute capability, SM count, integrated (unified-
+memory) GPUs and whether Triton can be used.
+
+One place for these questions, so the worker, the kernel registries and the quantizer agree and
+no kernel hard-codes an SM count. Importing this module never imports Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """ "auto" -> CUDA when available, else CPU; a clear ValueError for anything unusable."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        msg = f"device={device!r} is not a device; use 'auto', 'cpu' or 'cuda'"
+        raise ValueError(msg) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
+    return dev
+
+
+def _index(device: torch.device | int | None) -> int:
+    if isinstance(device, int):
+        return device
+    if device is None or device.index is None:
+        return torch.cuda.current_device()
+    return device.index
+
+
+def capability(device: torch.device | int | None = None) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device; (0, 0) for the CPU."""
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return (0, 0)
+    if not torch.cuda.is_available():
+        return (0, 0)
+    return _capability(_index(device))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
+def num_sms(device: torch.device | int | None = None) -> int:
+    """Streaming multiprocessors of a CUDA device (kernels size their grids by it)."""
+    return _num_sms(_index(device))
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def is_integrated_gpu(device: torch.device) -> bool:
+    """Jetson-class GPUs share system RAM with the CPU (unified memory)."""
+    return device.type == "cuda" and bool(
+        getattr(torch.cuda.get_device_properties(device), "is_integrated", False)
+    )
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the `triton` package is installed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
