@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from pagoda.quant.formats import ParamSpec
+from pagoda.quant.scheme import UnpackedWeight, WeightQuantArgs
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word -> output column within the word
 _AWQ_COLUMN_NIBBLE = tuple(AWQ_ORDER.index(c) for c in range(8))  # column -> nibble
 BITS = 4
@@ -139,3 +142,38 @@ def unpack_awq_gemm(
     codes = (_unpack_columns(qweight) - _OFFSET).t().to(torch.int8).contiguous()
     zeros = (_unpack_columns(qzeros) - _OFFSET).t().contiguous()
     return codes, scales.t().contiguous(), zeros
+
+
+def param_specs(
+    fmt: str, args: WeightQuantArgs, in_features: int, out_features_per_shard: list[int]
+) -> list[ParamSpec]:
+    """The tensors an AutoAWQ GEMM layer loads: [in, out] layouts packed along the output."""
+    if args.num_bits != BITS:
+        raise ValueError(f"AutoAWQ checkpoints are 4-bit, got num_bits={args.num_bits}")
+    group = args.group_size_for(in_features)
+    if in_features % group:
+        raise ValueError(f"AutoAWQ group_size={group} does not divide in_features={in_features}")
+    if any(o % 8 for o in out_features_per_shard):
+        raise ValueError(
+            f"AutoAWQ packs 8 output columns per int32; output sizes {out_features_per_shard} "
+            "are not multiples of 8"
+        )
+    out, groups = sum(out_features_per_shard), in_features // group
+    return [
+        ParamSpec("qweight", (in_features, out // 8), torch.int32, 1, 8),
+        ParamSpec("qzeros", (groups, out // 8), torch.int32, 1, 8),
+        ParamSpec("scales", (groups, out), None, 1),
+    ]
+
+
+def unpack_params(
+    fmt: str,
+    tensors: dict[str, torch.Tensor],
+    args: WeightQuantArgs,
+    in_features: int,
+    out_features: int,
+) -> UnpackedWeight:
+    """The canonical weight of an AutoAWQ GEMM layer (zero points dropped when all are the
+    midpoint: such a layer is symmetric and takes the symmetric kernels)."""
+    codes, scales, zeros = unpack_awq_gemm(tensors["qweight"], tensors["qzeros"], tensors["scales"])
+    return UnpackedWeight(codes, scales, zeros if bool(zeros.any()) else None, None)
