@@ -20,6 +20,7 @@ from pagoda.config import (
     normalize_dtype,
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
+from pagoda.platform import resolve_device
 from pagoda.quant.scheme import QUANT_METHODS, normalize_quant_method, parse_quantization_config
 
 # `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128);
@@ -97,8 +98,6 @@ class EngineArgs:
     def create_configs(
         self,
     ) -> tuple[ModelSource, ModelConfig, CacheConfig, SchedulerConfig, RunnerConfig]:
-        from pagoda.worker.model_runner import resolve_device
-
         for name in ("max_num_seqs", "block_size", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):

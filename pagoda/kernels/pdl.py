@@ -26,16 +26,15 @@ interpreter and on GPUs before Hopper.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from pagoda import envs
 
 
 @functools.cache
 def _device_supports_pdl(index: int) -> bool:
-    if os.environ.get("PAGODA_PDL", "1").lower() in ("0", "false", "off", "no"):
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not envs.pdl() or envs.triton_interpret():
         return False
     if torch.cuda.get_device_capability(index)[0] < 9:
         return False
@@ -58,7 +57,7 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
 @functools.cache
 def _early_enabled() -> bool:
-    return os.environ.get("PAGODA_PDL_EARLY", "1").lower() not in ("0", "false", "off", "no")
+    return envs.pdl_early()
 
 
 def pdl_launch_args(t: torch.Tensor, early: bool = False) -> dict:

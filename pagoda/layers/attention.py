@@ -7,14 +7,13 @@ references. `attn_metadata=None` means no cache: causal attention over all token
 
 Decode-only CUDA batches can instead take `forward_fused_decode`, which also applies RoPE: one
 kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
-(`triton_decode_attention.py`). `use_fused_decode` says when; `PAGODA_FUSED_DECODE_ATTN=0` (read
-once per process) turns it off for A/B measurements.
+(`triton_decode_attention.py`). `use_fused_decode` says when;
+`PAGODA_DISABLED_KERNELS=fused_decode_attn` (read once per process) turns it off for A/B runs.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import envs
 from pagoda.kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
 from pagoda.layers.rotary import RotaryEmbedding
 
@@ -61,7 +61,7 @@ def _triton_kernels() -> tuple[Callable, Callable] | None:
 @functools.cache
 def _fused_decode_kernel() -> Callable | None:
     """`fused_decode_attention_triton`, or None when Triton is unusable or the env var is off."""
-    if os.environ.get("PAGODA_FUSED_DECODE_ATTN", "1").lower() in ("0", "false", "off", "no"):
+    if not envs.kernel_enabled("fused_decode_attn"):
         return None
     try:
         from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton

@@ -31,6 +31,7 @@ class KernelConfig:
     device_index: int  # CUDA device index (0 on the CPU)
     capability: tuple[int, int]  # (0, 0) on the CPU
     num_sms: int  # 0 on the CPU
+    device_name: str  # the GPU's name (tuned-config tables are per GPU); "" on the CPU
     n: int  # out features
     k: int  # in features
     bits: int
@@ -64,6 +65,7 @@ def kernel_config(layer: nn.Module, bits: int, has_zero_point: bool, device) -> 
         device_index=index,
         capability=platform.capability(device),
         num_sms=platform.num_sms(device) if cuda else 0,
+        device_name=torch.cuda.get_device_name(index) if cuda else "",
         n=layer.out_features,
         k=layer.in_features,
         bits=bits,
@@ -236,10 +238,10 @@ class TritonGemv(_PackedLayout):
 
 def _large_m(cfg: KernelConfig) -> int:
     """The M from which dequant + cuBLAS beats the Triton GEMM (`large_m_threshold`)."""
-    from pagoda.kernels.triton_w4a16 import _device_name, _tuned_gemm_table
+    from pagoda.kernels.triton_w4a16 import _tuned_gemm_table
 
     key = (cfg.n, cfg.k, cfg.group_size, cfg.bits)
-    tuned = key in _tuned_gemm_table(_device_name(cfg.device_index))
+    tuned = key in _tuned_gemm_table(cfg.device_name)
     return large_m_threshold(cfg.n, cfg.k, cfg.bits, cfg.num_sms, gemm_tuned=tuned)
 
 

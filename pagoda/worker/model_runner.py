@@ -20,6 +20,7 @@ from pagoda.config import CacheConfig, ModelConfig, RunnerConfig
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.sampler import Sampler, SamplingMetadata, to_device
 from pagoda.models.loader import load_model
+from pagoda.platform import is_integrated_gpu, resolve_device
 from pagoda.worker.memory import (
     MemoryReport,
     blocks_for_budget,
@@ -102,24 +103,6 @@ class _PendingInputs:
     def fill_embeds(self, embeds: torch.Tensor, ids: torch.Tensor, model: Any) -> None:
         rows = model.embed_input_ids(ids.index_select(0, self.dst))
         embeds.index_copy_(0, self.dst, rows.to(embeds.dtype))
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
-    return dev
-
-
-def is_integrated_gpu(device: torch.device) -> bool:
-    """Jetson-class GPUs share system RAM with the CPU."""
-    return device.type == "cuda" and bool(
-        getattr(torch.cuda.get_device_properties(device), "is_integrated", False)
-    )
 
 
 class ModelRunner:

@@ -266,41 +266,6 @@ def test_wna16_gemv_cuda_graph_gpu() -> None:
         _check_gpu(static_x, q, scale, zp, gs, static_out)
 
 
-@pytest.mark.gpu
-def test_quantized_layer_cuda_backends(monkeypatch) -> None:
-    from pagoda.layers.linear import ReplicatedLinear
-    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
-
-    monkeypatch.setenv("PAGODA_W4A16_MMA", "0")  # the older layout's kernels (the MMA layout:
-    # tests/kernels/test_triton_w4a16_mma.py)
-
-    inp, out = 1024, 512
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
-    scale = torch.rand(out, inp // 128, generator=g) * 0.02 + 0.001
-    x = torch.randn(4, inp, generator=g)
-    ref = wna16_linear_ref(x, q, scale, None, 128)
-    for small_m in ("gemv", "gemm", "tinygemm"):
-        monkeypatch.setattr(WNA16LinearMethod, "small_m_kernel", small_m)
-        method = WNA16LinearMethod(WeightQuantArgs(4, True, 128))
-        with torch.device("cuda"):
-            layer = ReplicatedLinear(inp, out, linear_method=method, dtype=torch.bfloat16)
-        layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
-        layer.weight_scale.data.copy_(scale)
-        method.process_weights_after_loading(layer)
-        assert layer.wna16_backend == "triton"
-        for m in (1, 4, 64):
-            y = (
-                layer(x[:1].repeat(m, 1).cuda().bfloat16())
-                if m != 4
-                else layer(x.cuda().bfloat16())
-            )
-            expect = ref[:1].repeat(m, 1) if m != 4 else ref
-            torch.testing.assert_close(y.float().cpu(), expect, rtol=2e-2, atol=3e-2)
-        # tinygemm's int4 copy is made on the first small-M call, only when selected
-        assert hasattr(layer, "int4pack") == (small_m == "tinygemm")
-
-
 def test_tuned_gemv_configs_cover_the_measured_shapes_and_only_their_gpu():
     """The H200 table gives the measured best config; other GPUs / shapes get None."""
     import json
@@ -464,105 +429,25 @@ def test_wna16_dequant_linear_chunks_interpreter() -> None:
     assert wna16_dequant_linear(x[:0], qt, st, zt, 64, 4).shape == (0, n)
 
 
-def test_large_m_threshold_rule(monkeypatch) -> None:
-    """The documented numbers: on an H200 gate_up (37888 columns = 592 GEMM column tiles, the
-    GPU filled) switches at M = 140 (168 for 8 bits); down (56 tiles < 132 SMs, K >= 2N) from
-    the first M past the GEMV; qkv / o (narrow, short K) at M = 1024 when their GEMM config is
-    tuned (dequant + cuBLAS lost to it at every M up to 512 in run 5), else from M = 17. The
-    environment overrides it; 0 turns it off."""
-    from pagoda.kernels.wna16 import large_m_min, large_m_threshold
+def test_large_m_threshold_rule() -> None:
+    """The documented numbers: on an H200 (132 SMs) gate_up (37888 columns = 592 GEMM column
+    tiles, the GPU filled) switches at M = 140 (168 for 8 bits); down (56 tiles < 132 SMs,
+    K >= 2N) from the first M past the GEMV; qkv / o (narrow, short K) at M = 1024 when their
+    GEMM config is tuned, else from M = 17."""
+    from pagoda.kernels.wna16 import large_m_threshold
 
-    monkeypatch.delenv("PAGODA_W4A16_LARGE_M", raising=False)
-    assert large_m_threshold(37888, 3584) == 140
-    assert large_m_threshold(37888, 3584, bits=8) == 168
-    assert large_m_threshold(3584, 18944) == 17
-    assert large_m_threshold(3584, 18944, gemm_tuned=True) == 17
+    assert large_m_threshold(37888, 3584, 4, 132) == 140
+    assert large_m_threshold(37888, 3584, 8, 132) == 168
+    assert large_m_threshold(3584, 18944, 4, 132) == 17
+    assert large_m_threshold(3584, 18944, 4, 132, gemm_tuned=True) == 17
     for n, k in ((4608, 3584), (3584, 3584)):
-        assert large_m_threshold(n, k, gemm_tuned=True) == 1024
-        assert large_m_threshold(n, k) == 17  # the untuned GEMM loses from M = 17
-    assert large_m_threshold(8385, 3584, gemm_tuned=True) == 140
-    assert large_m_threshold(8384, 3584, gemm_tuned=True) == 1024
-    assert large_m_threshold(2048, 11008) == 17 and large_m_threshold(2560, 2048) == 17
-    assert large_m_threshold(4608, 3584, num_sms=72) == 140  # 72 tiles fill a 72-SM GPU
-    assert large_m_min(3584, 18944) == 17
-    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "64")
-    assert large_m_min(37888, 3584) == 64 and large_m_min(3584, 18944) == 64
-    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "0")
-    assert large_m_min(37888, 3584) is None
-    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "many")
-    with pytest.raises(ValueError, match="PAGODA_W4A16_LARGE_M"):
-        large_m_min(37888, 3584)
-
-
-def _triton_layer(q, scale, zp, group, bits):
-    """A layer in the CUDA layout (`qweight_t`, `scales_t`, `zeros_t`, as
-    `process_weights_after_loading` makes it) on the CPU, so that the CUDA dispatch runs under
-    the interpreter; fp32 (the interpreter's bf16 tl.dot is broken)."""
-    from torch import nn
-
-    layer = nn.Module()
-    layer.qweight_t = pack_to_int32(q, bits, 1).t().contiguous()
-    layer.scales_t = scale.t().contiguous()
-    layer.zeros_t = None if zp is None else (zp.float() + (1 << (bits - 1))).t().contiguous()
-    layer.wna16_group_size, layer.wna16_bits = group, bits
-    layer.out_features, layer.in_features = q.shape
-    layer.input_perm = None
-    layer.wna16_backend = "triton"
-    return layer
-
-
-def test_large_m_dispatch_interpreter(monkeypatch) -> None:
-    """M > 16 at or above the threshold runs dequant + cuBLAS, below it the Triton GEMM, and
-    M <= 16 the GEMV; both large-M paths give the reference. PAGODA_W4A16_LARGE_M=0 turns the
-    dequant path off, another value moves the threshold (read on a layer's first large call)."""
-    import pagoda.kernels.triton_w4a16 as tw
-    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
-
-    calls = []
-
-    def spy(name, fn):
-        def wrapped(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        monkeypatch.setattr(tw, name, wrapped)
-
-    spy("wna16_dequant_linear", tw.wna16_dequant_linear)
-    spy("wna16_gemm", tw.wna16_gemm)
-    spy("wna16_gemv", lambda x, qt, *a, **kw: torch.zeros(x.shape[0], qt.shape[1]))
-    monkeypatch.setattr(WNA16LinearMethod, "small_m_kernel", "gemv")
-
-    n, k, group = 64, 256, 64  # 1 GEMM column tile < 132 SMs: threshold 17
-    g = torch.Generator().manual_seed(3)
-    q = torch.randint(-8, 8, (n, k), generator=g).to(torch.int8)
-    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
-    zp = torch.randint(-8, 8, scale.shape, generator=g).to(torch.int8)
-    x = torch.randn(40, k, generator=g)
-    ref = wna16_linear_ref(x, q, scale, zp, group)
-    method = WNA16LinearMethod(WeightQuantArgs(4, False, group))
-
-    def run(env, m):
-        if env is None:
-            monkeypatch.delenv("PAGODA_W4A16_LARGE_M", raising=False)
-        else:
-            monkeypatch.setenv("PAGODA_W4A16_LARGE_M", env)
-        layer = _triton_layer(q, scale, zp, group, 4)
-        calls.clear()
-        y = method.apply(layer, x[:m], None)
-        return calls[0], y
-
-    assert run(None, 16)[0] == "wna16_gemv"
-    path, y_dq = run(None, 17)
-    assert path == "wna16_dequant_linear"
-    torch.testing.assert_close(y_dq, ref[:17], rtol=1e-4, atol=1e-4)
-    path, y_dq = run(None, 40)
-    assert path == "wna16_dequant_linear"
-    path, y_gemm = run("0", 40)
-    assert path == "wna16_gemm"
-    torch.testing.assert_close(y_dq, y_gemm, rtol=1e-4, atol=1e-4)  # as the GEMM tests
-    torch.testing.assert_close(y_gemm, ref, rtol=1e-4, atol=1e-4)
-    assert run("32", 17)[0] == "wna16_gemm" and run("32", 32)[0] == "wna16_dequant_linear"
-    assert run("1", 16)[0] == "wna16_gemv"  # M <= 16 stays with PAGODA_W4A16_SMALL_M's kernel
+        assert large_m_threshold(n, k, 4, 132, gemm_tuned=True) == 1024
+        assert large_m_threshold(n, k, 4, 132) == 17  # the untuned GEMM loses from M = 17
+    assert large_m_threshold(8385, 3584, 4, 132, gemm_tuned=True) == 140
+    assert large_m_threshold(8384, 3584, 4, 132, gemm_tuned=True) == 1024
+    assert large_m_threshold(2048, 11008, 4, 132) == 17
+    assert large_m_threshold(2560, 2048, 4, 132) == 17
+    assert large_m_threshold(4608, 3584, 4, 72) == 140  # 72 tiles fill a 72-SM GPU
 
 
 @pytest.mark.gpu

@@ -154,57 +154,6 @@ def test_default_config_follows_the_shape() -> None:
     assert mm._k_tiles_per_step(576, 4) == 1 and mm._k_tiles_per_step(3584, 4) == 4
 
 
-def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
-    """The layer's tensor-core path (`_apply_mma`, `_dequantize`), run by the interpreter:
-    the layout is chosen on CUDA only, so the test moves a processed layer into it by hand."""
-    from pagoda.layers import quantized_linear as ql
-    from pagoda.layers.linear import ReplicatedLinear
-    from pagoda.quant.packing import pack_to_int32
-
-    inp, out = 256, 32
-    g = torch.Generator().manual_seed(2)
-    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
-    scale = (torch.rand(out, inp // 64, generator=g) * 0.02 + 0.001).bfloat16()
-    method = ql.WNA16LinearMethod(ql.WeightQuantArgs(4, True, 64))
-    layer = ReplicatedLinear(inp, out, bias=True, linear_method=method, dtype=torch.bfloat16)
-    layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
-    layer.weight_scale.data.copy_(scale)
-    layer.bias.data.normal_()
-    assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cpu"))
-    method.process_weights_after_loading(layer)
-    assert layer.wna16_backend == "dequant"
-    for name in ("codes", "scales"):
-        delattr(layer, name)
-    layer.mma_words = torch.nn.Parameter(mm.repack_mma(q.to(torch.int32) + 8), False)
-    layer.mma_scales = torch.nn.Parameter(mm.repack_mma_scales(scale.t().contiguous()), False)
-    layer.wna16_backend = "mma"
-    expect = dequantize_weight(q, scale, None, 64, None, torch.bfloat16)
-    assert torch.equal(method.dequantized_weight(layer), expect)
-    x = torch.randn(20, inp, generator=g).bfloat16()
-    ref = wna16_linear_ref(x.float(), q, scale.float(), None, 64, bias=layer.bias.float())
-    tol = 2.0**-6 * ref.abs().max().item()
-    monkeypatch.setenv("PAGODA_W4A16_MMA_MAX_M", "16")
-    monkeypatch.setenv("PAGODA_W4A16_MMA_GEMM_MAX_M", "18")
-    for m in (1, 9, 16, 17, 20):  # GEMV (1 and 2 blocks of 8 rows), GEMM, dequant + matmul
-        assert (layer(x[:m]).float() - ref[:m]).abs().max().item() <= tol
-    monkeypatch.delenv("PAGODA_W4A16_MMA_GEMM_MAX_M")
-    monkeypatch.setenv("PAGODA_W4A16_MMA_MAX_M", "many")
-    with pytest.raises(ValueError, match="PAGODA_W4A16_MMA_MAX_M"):
-        layer(x[:1])
-    monkeypatch.setenv("PAGODA_W4A16_MMA", "0")
-    assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cuda"))
-    monkeypatch.delenv("PAGODA_W4A16_MMA_MAX_M")
-    assert ql._mma_max_m(4608, 3584) == 32 and ql._mma_max_m(37888, 3584) == 32
-    assert ql._mma_gemm_max_m(4608, 3584) == 0 and ql._mma_gemm_max_m(3584, 3584) == 0  # qkv, o
-    assert ql._mma_gemm_max_m(37888, 3584) == 64 and ql._mma_gemm_max_m(3584, 18944) == 64
-    monkeypatch.setenv("PAGODA_W4A16_MMA_GEMM_MAX_M", "7x")
-    with pytest.raises(ValueError, match="PAGODA_W4A16_MMA_GEMM_MAX_M"):
-        ql._mma_gemm_max_m(4608, 3584)
-    monkeypatch.delenv("PAGODA_W4A16_MMA_GEMM_MAX_M")
-    monkeypatch.setenv("PAGODA_W4A16_MMA_SHARED", "0")  # the per-block kernel: smaller limits
-    assert ql._mma_max_m(4608, 3584) == 16 and ql._mma_max_m(37888, 3584) == 32
-
-
 # (M, N = 2 I, K, group, config, bias): the gated GEMV (gate_up_proj + SiLU-and-mul): odd step
 # counts, split-K (gate and up partials meet in the workspace), per-channel, bias on both halves.
 GATED_CASES = [
@@ -244,61 +193,6 @@ def test_mma_gemv_gated_rejects_what_it_cannot_fuse() -> None:
     x, words, pairs, *_ = _case(9, 64, 128, 64)
     with pytest.raises(ValueError, match="M <= 8"):
         mm.wna16_mma_gemv(x, words, pairs, 64, 64, gated=True)
-
-
-def _mma_layer(cls, inp, outs, seed, bias=True):
-    """A W4A16 layer moved into the tensor-core layout by hand (the layout is chosen on CUDA
-    only): the interpreter runs its path. Returns (layer, method, codes, scales)."""
-    from pagoda.layers import quantized_linear as ql
-    from pagoda.quant.packing import pack_to_int32
-
-    out = sum(outs)
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
-    scale = (torch.rand(out, inp // 64, generator=g) * 0.02 + 0.001).bfloat16()
-    method = ql.WNA16LinearMethod(ql.WeightQuantArgs(4, True, 64))
-    sizes = outs if len(outs) > 1 else outs[0]
-    layer = cls(inp, sizes, bias=bias, linear_method=method, dtype=torch.bfloat16)
-    layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
-    layer.weight_scale.data.copy_(scale)
-    if bias:
-        layer.bias.data.normal_(generator=g)
-    method.process_weights_after_loading(layer)
-    assert layer.wna16_backend == "dequant"
-    for name in ("codes", "scales"):
-        delattr(layer, name)
-    layer.mma_words = torch.nn.Parameter(mm.repack_mma(q.to(torch.int32) + 8), False)
-    layer.mma_scales = torch.nn.Parameter(mm.repack_mma_scales(scale.t().contiguous()), False)
-    layer.wna16_backend = "mma"
-    return layer, method, q, scale
-
-
-def test_gate_up_layer_fuses_silu_and_mul_interpreter(monkeypatch) -> None:
-    """`MergedColumnLinear.silu_and_mul` with `PAGODA_W4A16_FUSED_SILU=1`: silu(gate) * up from
-    the gated GEMV at M <= 8; None (the caller runs projection + activation) past 8 rows,
-    without the switch (the default), or on a layer whose method cannot fuse."""
-    from pagoda.layers.linear import MergedColumnLinear
-
-    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
-    layer, _, q, scale = _mma_layer(MergedColumnLinear, 256, [32, 32], seed=4)
-    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
-    ref = wna16_linear_ref(x.float(), q, scale.float(), None, 64, bias=layer.bias.float())
-    expect = torch.nn.functional.silu(ref[:, :32]) * ref[:, 32:]
-    for m in (1, 8):
-        y = layer.silu_and_mul(x[:m])
-        assert y.shape == (m, 32)
-        assert (y.float() - expect[:m]).abs().max().item() <= 2.0**-7 * expect.abs().max().item()
-    assert layer.silu_and_mul(x) is None  # 9 rows
-    monkeypatch.delenv("PAGODA_W4A16_FUSED_SILU")
-    assert layer.silu_and_mul(x[:1]) is None  # opt-in
-    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "0")
-    assert layer.silu_and_mul(x[:1]) is None
-    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "maybe")
-    with pytest.raises(ValueError, match="PAGODA_W4A16_FUSED_SILU='maybe'"):
-        layer.silu_and_mul(x[:1])
-    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
-    dense = MergedColumnLinear(256, [32, 32], dtype=torch.bfloat16)
-    assert dense.silu_and_mul(x[:1]) is None  # unquantized: no fused kernel
 
 
 # (M, N, K, group, config, bias): 2 and 4 blocks sharing one dequantization, split-K (serial
@@ -526,65 +420,4 @@ def test_mma_gemv_gated_qwen7b_gpu(m, config) -> None:
     y = mm.wna16_mma_gemv(x, words, pairs, n, 128, config=config, gated=True)
     torch.testing.assert_close(
         y.float().cpu(), expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item()
-    )
-
-
-@pytest.mark.gpu
-def test_decoder_mlp_fused_silu_matches_unfused_gpu(monkeypatch) -> None:
-    """The MLP of a W4A16 model at decode sizes: the gated GEMV path (one kernel less) gives
-    what projection + SiLU-and-mul + down give, and both match the dequantized weights; a
-    captured CUDA graph of the fused MLP replays to the same output."""
-    from types import SimpleNamespace
-
-    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
-    from pagoda.models.llama import DecoderMLP, DecoderOptions
-    from pagoda.quant.packing import pack_to_int32
-
-    hidden, inter = 1024, 2816
-    cfg = SimpleNamespace(hidden_act="silu", hidden_size=hidden, intermediate_size=inter)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # the layers' dtype (the MMA layout is bf16 only)
-    try:
-        with torch.device("cuda"):
-            mlp = DecoderMLP(
-                cfg,
-                DecoderOptions(),
-                lambda p: WNA16LinearMethod(WeightQuantArgs(4, True, 128)),
-                "mlp",
-            )
-    finally:
-        torch.set_default_dtype(default_dtype)
-    g = torch.Generator().manual_seed(3)
-    dense = {}
-    for layer in (mlp.gate_up_proj, mlp.down_proj):
-        q = torch.randint(-8, 8, (layer.out_features, layer.in_features), generator=g)
-        q = q.to(torch.int8)
-        scale = torch.rand(layer.out_features, layer.in_features // 128, generator=g) * 0.02 + 1e-3
-        layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
-        layer.weight_scale.data.copy_(scale)
-        layer.linear_method.process_weights_after_loading(layer)
-        assert layer.wna16_backend == "mma"
-        dense[layer] = dequantize_weight(q, scale.bfloat16(), None, 128, None).float().cuda()
-    x = torch.randn(8, hidden, generator=g).cuda().bfloat16()
-    gu = x.float() @ dense[mlp.gate_up_proj].t()
-    ref = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]) @ dense[mlp.down_proj].t()
-    monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
-    for m in (1, 3, 8):
-        assert mlp.gate_up_proj.silu_and_mul(x[:m]) is not None  # the fused path is taken
-        fused = mlp(x[:m])
-        monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "0")
-        assert mlp.gate_up_proj.silu_and_mul(x[:m]) is None
-        unfused = mlp(x[:m])
-        monkeypatch.setenv("PAGODA_W4A16_FUSED_SILU", "1")
-        tol = 2e-2 * ref.abs().max().item()
-        torch.testing.assert_close(fused.float(), unfused.float(), rtol=2e-2, atol=tol)
-        torch.testing.assert_close(fused.float(), ref[:m], rtol=2e-2, atol=tol)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = mlp(x[:1])
-    graph.replay()
-    torch.cuda.synchronize()
-    # split-K sums in arrival order: equal up to fp32 rounding
-    torch.testing.assert_close(
-        y.float(), mlp(x[:1]).float(), rtol=1e-2, atol=1e-2 * y.abs().max().item()
     )
