@@ -11,7 +11,7 @@ once and one kernel per GEMV. Here:
   software pipeline; products accumulate elementwise in fp32 and are summed over K once at the
   end (no per-tile reductions);
 - split-K partials meet in the same self-cleaning "serial" reduction as the W4A16 GEMV
-  (`triton_w4a16._serial_workspace`: atomics into an fp32 workspace, the last program of a
+  (`workspace.SplitKWorkspace`: atomics into an fp32 workspace, the last program of a
   column tile reads the sums back with atomic exchanges, adds the bias, stores in the output
   dtype and resets its counter): one kernel per GEMV, CUDA-graph capturable;
 - programmatic dependent launch (`pagoda/kernels/pdl.py`): the GEMV launches while the
@@ -34,7 +34,7 @@ import triton.language as tl
 
 from pagoda import platform
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_w4a16 import _serial_workspace
+from pagoda.kernels.workspace import SplitKWorkspace
 
 
 @triton.jit
@@ -149,6 +149,7 @@ def gemv_bf16(
     bias: torch.Tensor | None = None,  # [N]
     config: DenseGemvConfig | None = None,
     out_dtype: torch.dtype | None = None,  # e.g. float32 logits: rounded to x's dtype first
+    workspace: SplitKWorkspace | None = None,  # split-K configs only (None: cuBLAS for them)
 ) -> torch.Tensor:  # [1, N]
     """x @ w^T (+ bias), accumulated in fp32 and rounded once to x's dtype (as cuBLAS does);
     `out_dtype` only widens the stored result (no second kernel for `.float()`)."""
@@ -168,7 +169,7 @@ def gemv_bf16(
     n_tiles, split, k_per_split = _plan(n, k, cfg, num_sms)
     out = torch.empty((1, n), device=x.device, dtype=out_dtype or x.dtype)
     if split > 1:
-        bufs = _serial_workspace(x.device, n, n_tiles)
+        bufs = None if workspace is None else workspace.buffers(x.device, n, n_tiles)
         if bufs is None:  # capturing with a too-small workspace: cuBLAS instead
             return torch.nn.functional.linear(x, w, bias).to(out.dtype)
         ws, cnt = bufs

@@ -98,7 +98,10 @@ class LMHead(nn.Module):
                     and w.dtype in (torch.bfloat16, torch.float16)
                     and hidden.dtype == w.dtype
                 ):
-                    return gemv.gemv_bf16(hidden, w, None, out_dtype=torch.float32)
+                    workspace = getattr(self, "split_k_workspace", None)
+                    return gemv.gemv_bf16(
+                        hidden, w, None, out_dtype=torch.float32, workspace=workspace
+                    )
             return F.linear(hidden, w).float()
         return self.linear_method.apply(self, hidden, None).float()
 

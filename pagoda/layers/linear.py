@@ -76,7 +76,8 @@ class UnquantizedLinearMethod(LinearMethod):
         if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dtype in _GEMV_DTYPES:
             gemv = dense_gemv_kernel(x.device)
             if gemv is not None:
-                return gemv.gemv_bf16(x, w, bias)
+                workspace = getattr(layer, "split_k_workspace", None)  # bound by the runner
+                return gemv.gemv_bf16(x, w, bias, workspace=workspace)
         return F.linear(x, w, bias)
 
 

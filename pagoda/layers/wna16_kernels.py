@@ -233,7 +233,9 @@ class TritonGemv(_PackedLayout):
         from pagoda.kernels.triton_w4a16 import wna16_gemv
 
         fused = _fusable(bias, x)
-        return wna16_gemv(x, *cls._weights(layer), bias=bias if fused else None), fused
+        workspace = getattr(layer, "split_k_workspace", None)  # bound by the model runner
+        out = wna16_gemv(x, *cls._weights(layer), bias=bias if fused else None, workspace=workspace)
+        return out, fused
 
 
 def _large_m(cfg: KernelConfig) -> int:

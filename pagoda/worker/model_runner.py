@@ -17,7 +17,10 @@ import numpy as np
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig
+from pagoda.kernels.workspace import SplitKWorkspace
 from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.embedding import LMHead
+from pagoda.layers.linear import LinearBase
 from pagoda.layers.sampler import Sampler, SamplingMetadata, to_device
 from pagoda.models.loader import load_model
 from pagoda.platform import is_integrated_gpu, resolve_device
@@ -146,6 +149,11 @@ class ModelRunner:
             before = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         self.model = load_model(self.model_config, self.device)
+        # Split-K kernels' scratch: one for every linear layer of this runner's stream.
+        self.split_k_workspace = SplitKWorkspace()
+        for module in self.model.modules():
+            if isinstance(module, (LinearBase, LMHead)):
+                module.split_k_workspace = self.split_k_workspace
         if self.runner_config.multimodal is not None:
             from pagoda.multimodal.image_processor import ImageProcessorConfig
             from pagoda.worker.encoder_runner import EncoderRunner

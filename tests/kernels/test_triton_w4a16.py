@@ -104,15 +104,20 @@ def test_wna16_gemv_interpreter(case) -> None:
 def test_wna16_gemv_serial_reduction_interpreter() -> None:
     """The last program of each column tile writes the sum and leaves workspace and counters
     zero, so repeated calls (different shapes, same buffers) stay correct."""
-    from pagoda.kernels.triton_w4a16 import GemvConfig, _workspaces, wna16_gemv
+    from pagoda.kernels.triton_w4a16 import GemvConfig, wna16_gemv
+    from pagoda.kernels.workspace import SplitKWorkspace
 
+    workspace = SplitKWorkspace()
     for seed, (m, n, split) in enumerate(((1, 256, 4), (2, 128, 3), (1, 256, 2))):
         x, qt, st, zt, gs, ref = _case(m, n, 512, 64, 4, True, dtype=torch.bfloat16, seed=seed)
+        cfg = GemvConfig(128, 64, split, 1)
         for _ in range(2):
-            out = wna16_gemv(x, qt, st, zt, gs, 4, GemvConfig(128, 64, split, 1), torch.float32)
+            out = wna16_gemv(x, qt, st, zt, gs, 4, cfg, torch.float32, workspace=workspace)
             _check(out, ref, torch.float32)
-        ws, cnt = _workspaces[("cpu", 0)][-2:]
-        assert int(ws.count_nonzero()) == 0 and int(cnt.count_nonzero()) == 0
+        bufs = workspace.all_buffers()
+        assert len(bufs) == 2 and all(int(b.count_nonzero()) == 0 for b in bufs)
+    # without a workspace the atomic reduction runs (a zeroed buffer per call): same result
+    _check(wna16_gemv(x, qt, st, zt, gs, 4, cfg, torch.float32), ref, torch.float32)
 
 
 def test_wna16_gemv_default_config_interpreter() -> None:
@@ -149,7 +154,7 @@ def test_gemv_configs_and_errors() -> None:
         assert 4 * 132 <= warps_total <= 9 * 132 and k // cfg.block_k // cfg.split_k >= 2
         assert default_gemv_config(16, n, k, 128, 4, num_sms=132).use_dot
     assert gemv_dot_ok(4096, 128, 4) and not gemv_dot_ok(4096, 64, 4) and gemv_dot_ok(4096, 64, 8)
-    assert not default_gemv_config(16, 4096, 4096, 32, 4).use_dot  # K-tile < 16 words
+    assert not default_gemv_config(16, 4096, 4096, 32, 4, 132).use_dot  # K-tile < 16 words
     assert any(c.use_dot for c in gemv_candidate_configs(8, 3584, 128))
     assert not any(c.use_dot for c in gemv_candidate_configs(1, 3584, 128))
     x, qt, st, _, _, _ = _case(17, 64, 128, 32, 4, False)
@@ -228,8 +233,10 @@ def test_wna16_gemv_candidates_gpu() -> None:
     the serial reduction leaves its workspace zero after repeated calls."""
     from dataclasses import replace
 
-    from pagoda.kernels.triton_w4a16 import _workspaces, gemv_candidate_configs, wna16_gemv
+    from pagoda.kernels.triton_w4a16 import gemv_candidate_configs, wna16_gemv
+    from pagoda.kernels.workspace import SplitKWorkspace
 
+    workspace = SplitKWorkspace()
     q, scale, zp, qt, st, zt, gs = _case_gpu(4608, 3584, 128, 4, False, seed=2)
     for m in (1, 8):
         x = torch.randn(m, 3584, device="cuda", dtype=torch.bfloat16)
@@ -237,11 +244,10 @@ def test_wna16_gemv_candidates_gpu() -> None:
         configs = [*cands, replace(cands[0], split_k=1), replace(cands[0], reduce="atomic")]
         for cfg in configs:
             for _ in range(3):
-                out = wna16_gemv(x, qt, st, zt, gs, 4, cfg)
+                out = wna16_gemv(x, qt, st, zt, gs, 4, cfg, workspace=workspace)
                 _check_gpu(x, q, scale, zp, gs, out)
     torch.cuda.synchronize()
-    for bufs in _workspaces.values():
-        assert all(int(b.count_nonzero()) == 0 for b in bufs)
+    assert all(int(b.count_nonzero()) == 0 for b in workspace.all_buffers())
 
 
 @pytest.mark.gpu
@@ -249,17 +255,19 @@ def test_wna16_gemv_cuda_graph_gpu() -> None:
     """Captured once, replayed with new inputs: the serial split-K reduction needs no sync
     (atomics make the fp32 sum order vary, so compare with the reference, not bit-exactly)."""
     from pagoda.kernels.triton_w4a16 import wna16_gemv
+    from pagoda.kernels.workspace import SplitKWorkspace
 
+    ws = SplitKWorkspace()
     q, scale, zp, qt, st, zt, gs = _case_gpu(37888, 3584, 128, 4, False, seed=3)
     static_x = torch.randn(1, 3584, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up: compiles, allocates the workspace
-        wna16_gemv(static_x, qt, st, zt, gs, 4)
+        wna16_gemv(static_x, qt, st, zt, gs, 4, workspace=ws)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = wna16_gemv(static_x, qt, st, zt, gs, 4)
+        static_out = wna16_gemv(static_x, qt, st, zt, gs, 4, workspace=ws)
     for _ in range(3):
         static_x.copy_(torch.randn_like(static_x))
         graph.replay()
