@@ -1115,6 +1115,23 @@ def _pair_halves(pair, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, kb0, GROUP_TILES: tl.constexpr,
+                  HAS_ZP: tl.constexpr):  # fmt: skip
+    """Words [BR, T * 16] and the scale / zero pairs [BR] of the step at K tile kb0."""
+    words = tl.load(w_rows + kb0 * 128)
+    if GROUP_TILES > 0:
+        grp = kb0 // GROUP_TILES
+    else:
+        grp = 0
+    sp = tl.load(sp_ptr + pair_rows + grp * 8)
+    if HAS_ZP:
+        zp = tl.load(zp_ptr + pair_rows + grp * 8)
+    else:
+        zp = sp
+    return words, sp, zp
+
+
+@triton.jit
 def _mma_tc_gemm_kernel(
     x_ptr, w_ptr, sp_ptr, zp_ptr, b_ptr, out_ptr,
     M, N, K, n_groups_s, k_tiles_per_split,
@@ -1165,15 +1182,17 @@ def _mma_tc_gemm_kernel(
     else:
         acc0 = tl.zeros([BLOCK_M, BR], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_M, BR], dtype=tl.float32)
+    # The weight stream is prefetched one step ahead by hand (the loads of step i + 1 are
+    # issued before step i's math): Triton's pipeliner only stages loads that feed a dot, and
+    # these feed the unpacking asm.
+    words, sp, zp = _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, kb_lo, GROUP_TILES, HAS_ZP)
     for kb0 in range(kb_lo, kb_hi, T):
-        words = tl.load(w_rows + kb0 * 128)
-        if GROUP_TILES > 0:
-            grp = kb0 // GROUP_TILES
-        else:
-            grp = 0
-        s0, s1 = _pair_halves(tl.load(sp_ptr + pair_rows + grp * 8), INTERPRET)
+        nxt = tl.minimum(kb0 + T, kb_hi - T)
+        words_n, sp_n, zp_n = _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, nxt, GROUP_TILES,
+                                            HAS_ZP)  # fmt: skip
+        s0, s1 = _pair_halves(sp, INTERPRET)
         if HAS_ZP:
-            z0, z1 = _pair_halves(tl.load(zp_ptr + pair_rows + grp * 8), INTERPRET)
+            z0, z1 = _pair_halves(zp, INTERPRET)
         else:
             z0 = tl.full([BR], -136.0, s0.dtype)
             z1 = z0
@@ -1202,6 +1221,7 @@ def _mma_tc_gemm_kernel(
         else:
             acc0 = tl.dot(x, tl.trans(w0), acc0)
             acc1 = tl.dot(x, tl.trans(w1), acc1)
+        words, sp, zp = words_n, sp_n, zp_n
     if SWAP:
         acc0 = tl.trans(acc0)
         acc1 = tl.trans(acc1)
