@@ -310,19 +310,30 @@ class _MmaLayout(WNA16Kernel):
 
     @staticmethod
     def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
-        from pagoda.kernels.triton_w4a16_mma import repack_mma, repack_mma_scales
+        from pagoda.kernels.triton_w4a16_mma import (
+            repack_mma,
+            repack_mma_scales,
+            repack_mma_zeros,
+        )
 
         scale_t = w.scale.t().to(layer.params_dtype).contiguous()  # [groups, out]
         _param(layer, "mma_words", repack_mma(w.codes.to(torch.int32) + 8))
         _param(layer, "mma_scales", repack_mma_scales(scale_t))
+        if w.zero_point is not None:  # unsigned zero codes z = zero point + 8
+            _param(layer, "mma_zeros", repack_mma_zeros(w.zero_point.t().to(torch.int32) + 8))
+        else:
+            layer.mma_zeros = None
 
     @staticmethod
     def dequantize(layer):
-        from pagoda.kernels.triton_w4a16_mma import unpack_mma, unpack_mma_scales
+        from pagoda.kernels.triton_w4a16_mma import unpack_mma, unpack_mma_scales, unpack_mma_zeros
 
         n, k = layer.out_features, layer.in_features
         q = (unpack_mma(layer.mma_words.data, n, k).to(torch.int16) - 8).to(torch.int8)
-        return q, unpack_mma_scales(layer.mma_scales.data).t(), None
+        zp = None
+        if layer.mma_zeros is not None:
+            zp = (unpack_mma_zeros(layer.mma_zeros.data) - 8).t()
+        return q, unpack_mma_scales(layer.mma_scales.data).t(), zp
 
 
 class MmaGemv(_MmaLayout):
@@ -348,7 +359,13 @@ class MmaGemv(_MmaLayout):
         fused = _fusable(bias, x)
         n, group = layer.out_features, layer.wna16_group_size
         out = wna16_mma_gemv(
-            x, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None
+            x,
+            layer.mma_words,
+            layer.mma_scales,
+            n,
+            group,
+            bias=bias if fused else None,
+            zero_pairs=layer.mma_zeros,
         )
         return out, fused
 
@@ -360,6 +377,8 @@ class MmaGemm(_MmaLayout):
 
     @classmethod
     def can_implement(cls, cfg):
+        if cfg.has_zero_point:
+            return False, "no zero points in this GEMM"
         return cls._mma_ok(cfg)
 
     @classmethod
@@ -392,7 +411,7 @@ class MmaDequantCublas(_MmaLayout):
         from pagoda.kernels.triton_w4a16_mma import wna16_mma_dequant
 
         n, k, group = layer.out_features, layer.in_features, layer.wna16_group_size
-        w = wna16_mma_dequant(layer.mma_words, layer.mma_scales, n, k, group)
+        w = wna16_mma_dequant(layer.mma_words, layer.mma_scales, n, k, group, layer.mma_zeros)
         fused = _fusable(bias, x)
         return torch.nn.functional.linear(x, w.to(x.dtype), bias if fused else None), fused
 

@@ -23,6 +23,24 @@ def _case(m, n, k, group, seed=0, device="cpu"):
     return x.to(device), words.to(device), pairs.to(device), ref, q, scale
 
 
+def _zp_case(m, n, k, group, seed=0, device="cpu"):
+    """Asymmetric weights (AWQ / GPTQ with zero points): unsigned codes u and zeros z in 0..15,
+    W = (u - z) * s; the reference is the fp32 matmul of the independently dequantized W."""
+    g = torch.Generator().manual_seed(seed)
+    gs = k if group <= 0 else group
+    u = torch.randint(0, 16, (n, k), generator=g)
+    z = torch.randint(0, 16, (n, k // gs), generator=g)
+    scale = (torch.rand(n, k // gs, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (u - z.repeat_interleave(gs, 1)).float() * scale.float().repeat_interleave(gs, 1)
+    ref = x.float() @ w.t()
+    words = mm.repack_mma(u.to(torch.int32))
+    pairs = mm.repack_mma_scales(scale.t().contiguous())
+    zeros = mm.repack_mma_zeros(z.t().contiguous())
+    dev = [t.to(device) for t in (x, words, pairs, zeros)]
+    return (*dev, ref, w)
+
+
 def test_repack_round_trips_and_rejects_bad_shapes() -> None:
     g = torch.Generator().manual_seed(1)
     u = torch.randint(0, 16, (48, 192), generator=g)
@@ -36,7 +54,7 @@ def test_repack_round_trips_and_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="N % 16"):
         mm.repack_mma(torch.zeros(40, 128, dtype=torch.int32))
     assert not mm.mma_supported(48, 192, 32, 4, False)  # group not a multiple of 64
-    assert not mm.mma_supported(48, 192, 64, 4, True)  # zero points
+    assert mm.mma_supported(48, 192, 64, 4, True)  # zero points
     assert not mm.mma_supported(48, 192, 64, 8, False)
     assert mm.mma_supported(48, 192, 64, 4, False) and mm.mma_supported(48, 192, -1, 4, False)
 
@@ -101,33 +119,6 @@ def test_mma_dequant_interpreter(group) -> None:
     assert rel.max().item() <= 2.0**-7  # truncating cast in the interpreter; exact on the GPU
 
 
-def test_prefetch_setting_parses_and_rejects_bad_values(monkeypatch) -> None:
-    assert mm.parse_prefetch("0") == (0, False)
-    assert mm.parse_prefetch("8") == (8, False)
-    assert mm.parse_prefetch(" 4 , loop") == (4, True)
-    assert mm.parse_prefetch("all")[0] >= 1 << 20
-    for bad in ("-1", "x", "4,loops", "0,loop", "4,loop,1", ""):
-        with pytest.raises(ValueError, match="PAGODA_W4A16_PF"):
-            mm.parse_prefetch(bad)
-    monkeypatch.delenv("PAGODA_W4A16_PF", raising=False)
-    assert mm.default_mma_prefetch(1, 37888, 3584, (8, 9)) == (0, False)  # no bulk prefetch
-    assert mm.default_mma_prefetch(1, 37888, 3584, (9, 0)) == (0, False)  # measured slower
-    monkeypatch.setenv("PAGODA_W4A16_PF", "3,loop")
-    assert mm.default_mma_prefetch(1, 37888, 3584, (9, 0)) == (3, True)
-    assert mm.default_mma_prefetch(1, 37888, 3584, (8, 0)) == (0, False)
-
-
-@pytest.mark.parametrize("prefetch", [(0, False), (2, True), (1 << 20, False)])
-def test_mma_gemv_prefetch_settings_interpreter(prefetch) -> None:
-    """The prefetch is a hint (skipped by the interpreter, which has no PTX): every setting
-    compiles into the same bookkeeping and gives the same result, split-K included."""
-    x, words, pairs, ref, _, _ = _case(2, 32, 1024, 128, seed=4)
-    y = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 3, 1), prefetch=prefetch)
-    base = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 3, 1), prefetch=(0, False))
-    assert torch.equal(y, base)
-    assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
-
-
 def test_pdl_early_trigger_arguments(monkeypatch) -> None:
     from pagoda.kernels import pdl
 
@@ -152,47 +143,6 @@ def test_default_config_follows_the_shape() -> None:
     assert split > 1 and warps == 2
     assert mm.default_mma_config(16, 4608, 3584) == (4, 2, 2)
     assert mm._k_tiles_per_step(576, 4) == 1 and mm._k_tiles_per_step(3584, 4) == 4
-
-
-# (M, N = 2 I, K, group, config, bias): the gated GEMV (gate_up_proj + SiLU-and-mul): odd step
-# counts, split-K (gate and up partials meet in the workspace), per-channel, bias on both halves.
-GATED_CASES = [
-    (1, 64, 128, 64, (2, 1, 1), False),
-    (3, 96, 576, 64, (1, 3, 1), True),
-    (8, 32, 256, -1, (2, 1, 2), False),
-    (5, 64, 512, 128, (2, 2, 1), True),
-]
-
-
-@pytest.mark.parametrize("m,n,k,group,config,bias", GATED_CASES)
-def test_mma_gemv_gated_interpreter(m, n, k, group, config, bias) -> None:
-    x, words, pairs, ref, _, _ = _case(m, n, k, group, seed=5)
-    b = torch.randn(n).to(torch.bfloat16) if bias else None
-    if bias:
-        ref = ref + b.float()
-    half = n // 2
-    expect = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
-    y = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, gated=True)
-    assert y.shape == (m, half) and y.dtype == torch.bfloat16
-    assert (y.float() - expect).abs().max().item() <= 2.0**-7 * expect.abs().max().item()
-    if config[1] > 1:  # the workspace and counters are clean again: a second call is identical
-        again = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, gated=True)
-        assert torch.equal(y, again)
-
-
-def test_gated_config_follows_the_shape() -> None:
-    assert mm.default_gated_config(1, 37888, 3584, 132) == (2, 1, 2)  # 7B gate_up: no split
-    kt, split, warps = mm.default_gated_config(1, 3072, 576, 132)  # SmolLM2: 96 column groups
-    assert (kt, warps) == (2, 2) and split > 1
-
-
-def test_mma_gemv_gated_rejects_what_it_cannot_fuse() -> None:
-    x, words, pairs, *_ = _case(1, 48, 128, 64)
-    with pytest.raises(ValueError, match="gated=True"):
-        mm.wna16_mma_gemv(x, words, pairs, 48, 64, gated=True)  # N / 2 not a multiple of 16
-    x, words, pairs, *_ = _case(9, 64, 128, 64)
-    with pytest.raises(ValueError, match="M <= 8"):
-        mm.wna16_mma_gemv(x, words, pairs, 64, 64, gated=True)
 
 
 # (M, N, K, group, config, bias): 2 and 4 blocks sharing one dequantization, split-K (serial
@@ -301,22 +251,6 @@ def test_mma_gemv_configs_gpu(config) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [(0, False), (4, False), (4, True), (1 << 20, False)])
-@pytest.mark.parametrize("n,k,config", [(37888, 3584, (2, 1, 1)), (3584, 18944, (4, 5, 2))])
-def test_mma_gemv_l2_prefetch_gpu(prefetch, n, k, config) -> None:
-    """The bulk L2 prefetch is only a hint: the same result with and without it (bit-identical
-    without split-K; with it the partials' atomic order varies: one bf16 ulp)."""
-    x, words, pairs, ref, _, _ = _case(1, n, k, 128, device="cuda", seed=9)
-    base = mm.wna16_mma_gemv(x, words, pairs, n, 128, config=config, prefetch=(0, False))
-    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, config=config, prefetch=prefetch)
-    if config[1] == 1:
-        assert torch.equal(y, base)
-    else:
-        assert (y.float() - base.float()).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
-    torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 @pytest.mark.parametrize("m", [9, 16, 17, 32, 40, 64])
 def test_mma_gemv_shared_dequant_gpu(m, n, k) -> None:
@@ -407,17 +341,111 @@ def test_quantized_layer_uses_the_mma_layout_gpu(monkeypatch) -> None:
     assert torch.equal(w.cpu(), expect)
 
 
+# ------------------------------------------------------------ zero points (asymmetric weights)
+
+
+def test_zero_pairs_round_trip_and_reject_bad_codes() -> None:
+    z = torch.randint(0, 16, (3, 48), generator=torch.Generator().manual_seed(2))
+    pairs = mm.repack_mma_zeros(z)
+    assert pairs.shape == (3, 3, 8) and pairs.dtype == torch.int32
+    assert torch.equal(mm.unpack_mma_zeros(pairs).long(), z)
+    with pytest.raises(ValueError, match="0..15"):
+        mm.repack_mma_zeros(torch.full((1, 16), 16))
+
+
+ZP_CASES = [  # (M, N, K, group, config, shared): M <= 8, 2 and 4 shared blocks, split-K
+    (1, 32, 128, 64, (2, 1, 1), False),
+    (5, 48, 576, 64, (1, 3, 1), False),
+    (12, 32, 256, 128, (2, 2, 1), True),
+    (27, 16, 256, -1, (2, 1, 2), True),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,config,shared", ZP_CASES)
+def test_mma_gemv_zero_points_interpreter(m, n, k, group, config, shared) -> None:
+    x, words, pairs, zeros, ref, _ = _zp_case(m, n, k, group, seed=23)
+    y = mm.wna16_mma_gemv(x, words, pairs, n, group, config=config, shared=shared,
+                          zero_pairs=zeros)  # fmt: skip
+    assert y.shape == (m, n)
+    assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
+
+
+def test_zero_pairs_of_eight_equal_the_symmetric_path() -> None:
+    """z = 8 everywhere is the symmetric code offset: the same result as no zero pairs."""
+    x, words, pairs, _, _, _ = _case(3, 32, 256, 128, seed=4)
+    eights = mm.repack_mma_zeros(torch.full((2, 32), 8))
+    a = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(2, 1, 1))
+    b = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(2, 1, 1), zero_pairs=eights)
+    assert torch.equal(a, b)
+
+
+def test_mma_dequant_zero_points_interpreter() -> None:
+    _, words, pairs, zeros, _, w = _zp_case(1, 48, 576, 64, seed=5)
+    d = mm.wna16_mma_dequant(words, pairs, 48, 576, 64, zero_pairs=zeros)
+    # (u - z) * s is exact in fp32; the interpreter's cast to bf16 truncates: <= 1 ulp
+    assert ((d.float() - w).abs() <= 2.0**-7 * w.abs()).all()
+
+
+def test_zero_point_asm_operands_line_up() -> None:
+    import re
+
+    for asm, cons in (
+        (mm._ASM, mm._CONSTRAINTS),
+        (mm._ASM_Z, mm._CONSTRAINTS_Z),
+        (mm._ASM_S2Z, mm._CONS_S2Z),
+        (mm._ASM_S4Z, mm._CONS_S4Z),
+        (mm._UNPACK_ASM, mm._UNPACK_CONS),
+    ):
+        used = {int(v) for v in re.findall(r"\$(\d+)", str(asm))}
+        assert used == set(range(len(str(cons).split(","))))
+
+
+# (M, N, K, group, (BLOCK_M, CG, T, split, warps, stages, swap), bias, zero points): the
+# tensor-core GEMM: swap-AB and not, several M blocks, split-K, CG not dividing the column
+# groups, per-channel, group 64, zero points.
+TC_CASES = [
+    (20, 32, 256, 128, (16, 2, 2, 1, 4, 1, True), False, False),
+    (70, 64, 512, 64, (32, 4, 1, 2, 4, 1, False), True, True),
+    (5, 48, 576, -1, (16, 4, 4, 3, 4, 1, True), True, False),
+    (33, 80, 384, 128, (64, 8, 2, 1, 4, 1, False), False, True),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group,config,bias,zp", TC_CASES)
+def test_mma_tc_gemm_interpreter(m, n, k, group, config, bias, zp) -> None:
+    if zp:
+        x, words, pairs, zeros, ref, _ = _zp_case(m, n, k, group, seed=29)
+    else:
+        (x, words, pairs, ref, _, _), zeros = _case(m, n, k, group, seed=29), None
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    if bias:
+        ref = ref + b.float()
+    y = mm.wna16_mma_tc_gemm(x, words, pairs, n, group, bias=b, config=config, zero_pairs=zeros)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, (1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1), (2, 4, 2)])
-@pytest.mark.parametrize("m", [1, 2, 8])
-def test_mma_gemv_gated_qwen7b_gpu(m, config) -> None:
-    """gate_up_proj of Qwen2.5-7B (I = 18944) with the SwiGLU in the epilogue, every config the
-    benchmark sweeps, against silu(gate) * up of the fp32 reference."""
-    n, k = 37888, 3584
-    x, words, pairs, ref, _, _ = _case(m, n, k, 128, device="cuda", seed=11)
-    half = n // 2
-    expect = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
-    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, config=config, gated=True)
-    torch.testing.assert_close(
-        y.float().cpu(), expect, rtol=2e-2, atol=2e-2 * expect.abs().max().item()
-    )
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+@pytest.mark.parametrize("m", [1, 8, 13, 33, 64])
+def test_mma_gemv_zero_points_qwen7b_gpu(m, n, k) -> None:
+    x, words, pairs, zeros, ref, w = _zp_case(m, n, k, 128, device="cuda", seed=31)
+    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, zero_pairs=zeros)
+    tol = 2e-2 * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=tol)
+    d = mm.wna16_mma_dequant(words, pairs, n, k, 128, zero_pairs=zeros)
+    assert torch.equal(d.cpu(), w.to(torch.bfloat16))  # exact product, rounded once
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+@pytest.mark.parametrize("m", [16, 33, 64, 128, 256])
+@pytest.mark.parametrize("zp", [False, True])
+def test_mma_tc_gemm_qwen7b_gpu(m, n, k, zp) -> None:
+    if zp:
+        x, words, pairs, zeros, ref, _ = _zp_case(m, n, k, 128, device="cuda", seed=37)
+    else:
+        (x, words, pairs, ref, _, _), zeros = _case(m, n, k, 128, device="cuda", seed=37), None
+    y = mm.wna16_mma_tc_gemm(x, words, pairs, n, 128, zero_pairs=zeros)
+    tol = 2e-2 * ref.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=tol)

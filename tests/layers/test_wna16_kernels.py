@@ -54,6 +54,10 @@ def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None
     assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
         "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
     )
+    # zero points (AWQ, asymmetric GPTQ): the GEMM has none, dequant + cuBLAS takes over
+    assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
+        "mma_gemv M=1..32, mma_dequant M=33.."
+    )
 
 
 def test_packed_layout_follows_the_large_m_rule(mma_passes) -> None:
@@ -79,7 +83,7 @@ def test_packed_layout_follows_the_large_m_rule(mma_passes) -> None:
 @pytest.mark.parametrize(
     ("cfg", "layout"),
     [
-        (_cfg(zp=True), "triton"),  # zero points: not (yet) in the MMA layout
+        (_cfg(zp=True), "mma"),  # zero points in the MMA GEMV and dequant
         (_cfg(bits=8), "triton"),
         (_cfg(dtype=torch.float16), "triton"),  # the MMA kernels are bf16 only
         (_cfg(capability=(7, 5)), "triton"),  # no mma.sync bf16 before sm_80
@@ -166,25 +170,28 @@ def test_packed_layout_kernels_interpreter(monkeypatch) -> None:
     torch.testing.assert_close(w, dequantize_weight(q, scale, zp, group), rtol=0, atol=0)
 
 
-def test_mma_layout_kernels_interpreter() -> None:
-    """The tensor-core layout's GEMV (1 and 2 blocks of 8 rows), GEMM and dequant + matmul,
-    run by the interpreter through a hand-made table (the registry picks them on CUDA only)."""
+@pytest.mark.parametrize("zp", [False, True])
+def test_mma_layout_kernels_interpreter(zp) -> None:
+    """The tensor-core layout's GEMV (1 and 2 blocks of 8 rows), GEMM (symmetric only) and
+    dequant + matmul, run by the interpreter through a hand-made table (the registry picks
+    them on CUDA only), with and without zero points."""
     from pagoda.layers.quantized_linear import WNA16LinearMethod
     from pagoda.quant.scheme import WeightQuantArgs
 
     n, k, group = 32, 256, 64
-    q, scale, _ = _weights(n, k, group, False, seed=2)
+    q, scale, z = _weights(n, k, group, zp, seed=2)
     scale = scale.bfloat16()
     layer = _layer(n, k, group, torch.bfloat16)
-    wk.MmaGemv.prepare(layer, UnpackedWeight(q, scale, None, None))
+    wk.MmaGemv.prepare(layer, UnpackedWeight(q, scale, z, None))
+    middle = () if zp else ((18, wk.MmaGemm),)
     layer.wna16_kernels = wk.KernelTable(
-        "mma", ((16, wk.MmaGemv), (18, wk.MmaGemm), (None, wk.MmaDequantCublas))
+        "mma", ((16, wk.MmaGemv), *middle, (None, wk.MmaDequantCublas))
     )
-    expect = dequantize_weight(q, scale, None, group, None, torch.bfloat16)
+    expect = dequantize_weight(q, scale, z, group, None, torch.bfloat16)
     assert torch.equal(wk.dense_weight(layer, torch.bfloat16), expect)
     bias = torch.randn(n).bfloat16()
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(4)).bfloat16()
-    ref = wna16_linear_ref(x.float(), q, scale.float(), None, group, bias=bias.float())
+    ref = wna16_linear_ref(x.float(), q, scale.float(), z, group, bias=bias.float())
     tol = 2.0**-6 * ref.abs().max().item()
     method = WNA16LinearMethod(WeightQuantArgs(4, True, group))
     for m in (1, 9, 16, 17, 20):
