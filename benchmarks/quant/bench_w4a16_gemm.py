@@ -170,7 +170,8 @@ def main() -> None:
         wna16_gemm,
         wna16_gemv,
     )
-    from pagoda.kernels.wna16 import large_m_threshold, pack_to_int32
+    from pagoda.kernels.wna16 import large_m_threshold
+    from pagoda.quant.packing import pack_to_int32
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)

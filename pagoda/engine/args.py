@@ -20,6 +20,7 @@ from pagoda.config import (
     normalize_dtype,
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
+from pagoda.quant.scheme import QUANT_METHODS, normalize_quant_method, parse_quantization_config
 
 # `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128);
 # `:w4a16-lm_head` / `:w8a16-lm_head` quantize the (untied) LM head too. Suffix -> (bits, head).
@@ -141,7 +142,8 @@ class EngineArgs:
                 load_format = "gguf"
 
         quant = quantization_config(hf_config)
-        if self.quantization is not None and quant is None and source.quant_override is None:
+        requested = normalize_quant_method(self.quantization)
+        if requested is not None and quant is None and source.quant_override is None:
             raise ValueError(
                 f"quantization={self.quantization!r} was requested but the checkpoint has no "
                 "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
@@ -151,16 +153,22 @@ class EngineArgs:
             quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])
         if quant is not None:
             method = quant.get("quant_method")
-            if method not in ("compressed-tensors", "gptq"):
+            method = method.lower() if isinstance(method, str) else method
+            if method not in QUANT_METHODS:
                 raise ValueError(
                     f"the checkpoint's quant_method={method!r} is not supported; pagoda serves "
-                    "compressed-tensors (pagoda quantize, llmcompressor) and gptq checkpoints"
+                    "compressed-tensors (pagoda quantize, llmcompressor), gptq and awq (AutoAWQ "
+                    "GEMM) checkpoints"
                 )
-            if self.quantization not in (None, method):
+            if requested not in (None, method):
                 raise ValueError(
                     f"quantization={self.quantization!r} was requested but the checkpoint is "
                     f"{method!r}"
                 )
+            try:
+                parse_quantization_config(quant)  # every bad field: one clear error, now
+            except NotImplementedError as e:
+                raise ValueError(str(e)) from None
 
         model_config = ModelConfig(
             model=source.path,

@@ -193,16 +193,6 @@ class MergedColumnLinear(LinearBase):
     Shard ids are the integer positions in `out_features_per_shard`.
     """
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up straight from the projection ([T, I]) where the linear method fuses
-        the activation into its kernel for this input (`apply_silu_and_mul`: the W4A16
-        tensor-core GEMV at decode sizes); None: run the projection, then the activation."""
-        fused = getattr(self.linear_method, "apply_silu_and_mul", None)
-        shards = self.out_features_per_shard
-        if fused is None or len(shards) != 2 or shards[0] != shards[1]:
-            return None
-        return fused(self, x, self.bias)
-
 
 class QKVLinear(LinearBase):
     """Fused q/k/v projection: output [q (H*D) | k (Hkv*D) | v (Hkv*D)], shard ids "q", "k", "v"."""

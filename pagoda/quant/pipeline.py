@@ -31,11 +31,11 @@ from torch import nn
 
 from pagoda.layers.linear import LinearBase
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.quantized_linear import WeightQuantArgs
 from pagoda.layers.rotary import get_rope
 from pagoda.quant.formats.compressed_tensors import compress
 from pagoda.quant.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quant.rtn import QuantizedWeight, hessian_weighted_error, rtn_quantize
+from pagoda.quant.scheme import WeightQuantArgs
 
 # Architectures whose decoder layers the pipeline knows how to run (the Llama skeleton).
 QUANTIZABLE_ARCHITECTURES = (

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels.wna16 import pack_to_int32, wna16_linear_ref
+from pagoda.kernels.wna16 import wna16_linear_ref
+from pagoda.quant.packing import pack_to_int32
 
 
 def _case(m, n, k, group, bits, asym, device="cpu", dtype=torch.float32, seed=0):
@@ -323,7 +324,8 @@ def test_tuned_gemv_configs_cover_the_measured_shapes_and_only_their_gpu():
 def test_gemv_with_a_tuned_config_matches_the_reference():
     """A tuned config (small split, 1 warp) computes the same result under the interpreter."""
     from pagoda.kernels.triton_w4a16 import GemvConfig, wna16_gemv
-    from pagoda.kernels.wna16 import pack_to_int32, wna16_linear_ref
+    from pagoda.kernels.wna16 import wna16_linear_ref
+    from pagoda.quant.packing import pack_to_int32
 
     torch.manual_seed(0)
     n, k, g = 256, 512, 128

@@ -157,9 +157,9 @@ def test_default_config_follows_the_shape() -> None:
 def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
     """The layer's tensor-core path (`_apply_mma`, `_dequantize`), run by the interpreter:
     the layout is chosen on CUDA only, so the test moves a processed layer into it by hand."""
-    from pagoda.kernels.wna16 import pack_to_int32
     from pagoda.layers import quantized_linear as ql
     from pagoda.layers.linear import ReplicatedLinear
+    from pagoda.quant.packing import pack_to_int32
 
     inp, out = 256, 32
     g = torch.Generator().manual_seed(2)
@@ -249,8 +249,8 @@ def test_mma_gemv_gated_rejects_what_it_cannot_fuse() -> None:
 def _mma_layer(cls, inp, outs, seed, bias=True):
     """A W4A16 layer moved into the tensor-core layout by hand (the layout is chosen on CUDA
     only): the interpreter runs its path. Returns (layer, method, codes, scales)."""
-    from pagoda.kernels.wna16 import pack_to_int32
     from pagoda.layers import quantized_linear as ql
+    from pagoda.quant.packing import pack_to_int32
 
     out = sum(outs)
     g = torch.Generator().manual_seed(seed)
@@ -486,9 +486,9 @@ def test_mma_gemv_cuda_graph_gpu() -> None:
 
 @pytest.mark.gpu
 def test_quantized_layer_uses_the_mma_layout_gpu(monkeypatch) -> None:
-    from pagoda.kernels.wna16 import pack_to_int32
     from pagoda.layers.linear import ReplicatedLinear
     from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
+    from pagoda.quant.packing import pack_to_int32
 
     inp, out = 1024, 512
     g = torch.Generator().manual_seed(0)
@@ -536,9 +536,9 @@ def test_decoder_mlp_fused_silu_matches_unfused_gpu(monkeypatch) -> None:
     captured CUDA graph of the fused MLP replays to the same output."""
     from types import SimpleNamespace
 
-    from pagoda.kernels.wna16 import pack_to_int32
     from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
     from pagoda.models.llama import DecoderMLP, DecoderOptions
+    from pagoda.quant.packing import pack_to_int32
 
     hidden, inter = 1024, 2816
     cfg = SimpleNamespace(hidden_act="silu", hidden_size=hidden, intermediate_size=inter)
