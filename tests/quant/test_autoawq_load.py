@@ -25,11 +25,12 @@ ARCHS = ["llama", "qwen2", "qwen3"]
 
 def _awq_checkpoint(src: Path, dst: Path, group: int = 32, **qc_overrides) -> dict:
     """Quantize every decoder projection of `src` (asymmetric 4-bit min-max, `group`) into the
-    AutoAWQ GEMM layout at `dst`; returns the dense state dict of the dequantized weights."""
+    AutoAWQ GEMM layout at `dst`, as AutoAWQ does (decoder layers only, never a vision tower);
+    returns the dense state dict of the dequantized weights."""
     state = load_file(src / "model.safetensors")
     dense = dict(state)
     for name in list(state):
-        if not name.endswith(tuple(f"{p}.weight" for p in PROJ)):
+        if not name.endswith(tuple(f"{p}.weight" for p in PROJ)) or ".layers." not in name:
             continue
         w = state[name].float()  # [out, in]
         out, inp = w.shape
@@ -49,6 +50,9 @@ def _awq_checkpoint(src: Path, dst: Path, group: int = 32, **qc_overrides) -> di
             {f"{module}.qweight": qweight, f"{module}.qzeros": qzeros, f"{module}.scales": scales}
         )
     dst.mkdir()
+    for extra in src.iterdir():  # tokenizer / processor files
+        if extra.suffix in (".json", ".jinja") and extra.name != "config.json":
+            shutil.copy(extra, dst / extra.name)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "awq",
@@ -201,3 +205,31 @@ def test_llm_generates_from_awq_checkpoint(tiny_src, tmp_path) -> None:
     hf.load_state_dict(dense, strict=False)
     ref = hf.generate(IDS[None, :8], max_new_tokens=6, do_sample=False)[0, 8:].tolist()
     assert list(out) == ref
+
+
+def test_awq_qwen2_5_vl_text_decoder(tmp_path) -> None:
+    """Qwen2.5-VL with an AutoAWQ-quantized text decoder (vision tower dense): text-only
+    logits equal transformers' on the dequantized decoder weights."""
+    from tests.models.test_qwen2_5_vl import save_tiny_vl
+
+    from transformers import AutoModelForImageTextToText
+
+    save_tiny_vl(tmp_path / "dense")
+    dense = _awq_checkpoint(tmp_path / "dense", tmp_path / "awq")
+    quantized = [n for n in dense if n.endswith("q_proj.weight")]
+    assert quantized and all(".layers." in n for n in quantized)
+    # transformers on the dequantized weights, saved in the checkpoint's own layout
+    shutil.copytree(tmp_path / "dense", tmp_path / "deq")
+    save_file(dense, str(tmp_path / "deq" / "model.safetensors"))
+    hf = AutoModelForImageTextToText.from_pretrained(tmp_path / "deq", dtype=torch.float32).eval()
+    args = EngineArgs(model=str(tmp_path / "awq"), dtype="float32", device="cpu")
+    _, config, *_ = args.create_configs()
+    model = load_model(config, "cpu")
+    decoder = model.model.language_model.layers[0]
+    assert decoder.self_attn.qkv_proj.wna16_kernels is not None
+    assert not hasattr(model.model.visual.blocks[0].attn.qkv, "wna16_kernels")  # dense tower
+    ids = IDS[:12]
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        ours = model.compute_logits(model(ids, torch.arange(len(ids)), None))
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-4)
