@@ -210,9 +210,9 @@ def test_llm_generates_from_awq_checkpoint(tiny_src, tmp_path) -> None:
 def test_awq_qwen2_5_vl_text_decoder(tmp_path) -> None:
     """Qwen2.5-VL with an AutoAWQ-quantized text decoder (vision tower dense): text-only
     logits equal transformers' on the dequantized decoder weights."""
-    from tests.models.test_qwen2_5_vl import save_tiny_vl
-
     from transformers import AutoModelForImageTextToText
+
+    from tests.models.test_qwen2_5_vl import save_tiny_vl
 
     save_tiny_vl(tmp_path / "dense")
     dense = _awq_checkpoint(tmp_path / "dense", tmp_path / "awq")
