@@ -53,6 +53,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     add_async_scheduling_arg(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
+    g.add_argument(
+        "--quantization",
+        default=None,
+        help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from it)",
+    )
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -71,6 +76,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=ns.async_scheduling,
         seed=ns.seed,
         load_format=ns.load_format,
+        quantization=ns.quantization,
     )
 
 

@@ -80,3 +80,15 @@ def test_seed_script_runs_on_autoawq_llama() -> None:
     assert len(lines) == 4
     assert lines[2].startswith("Prompt: 'The capital of France is', Generated text: '")
     assert all(len(line) > len("Prompt: '', Generated text: ''") + 10 for line in lines)
+
+
+def test_cli_quantization_flag(capsys) -> None:
+    from pagoda.entrypoints.cli import main
+
+    model = str(AWQ_FIXTURES / "llama")
+    argv = ["generate", "--model", model, "--device", "cpu", "--max-tokens", "3", "Hello"]
+    assert main([*argv, "--quantization", "AWQ"]) == 0
+    assert main([*argv, "--quantization", "gptq"]) == 2
+    err = capsys.readouterr().err
+    assert "error: quantization='gptq' was requested but the checkpoint is 'awq'" in err
+    assert "Traceback" not in err
