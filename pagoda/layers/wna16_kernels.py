@@ -92,11 +92,18 @@ class WNA16Kernel:
 
     @classmethod
     def can_implement(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        if not _within(cfg, cls.max_rows):
+            return False, f"M up to {cls.max_rows} only"
+        return cls.supports(cfg)
+
+    @classmethod
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        """Everything but the M range: device, shape, bits, zero point, group, dtype."""
         raise NotImplementedError
 
     @classmethod
     def best_max_m(cls, cfg: KernelConfig) -> int | None:
-        return None
+        return cls.max_rows
 
     @staticmethod
     def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
@@ -152,7 +159,7 @@ class TorchDequant(_CodesLayout):
     name = "torch_dequant"
 
     @classmethod
-    def can_implement(cls, cfg):
+    def supports(cls, cfg):
         return True, ""
 
     @classmethod
@@ -167,7 +174,7 @@ class _PackedLayout(WNA16Kernel):
     layout = "triton"
 
     @classmethod
-    def _packed_ok(cls, cfg: KernelConfig) -> tuple[bool, str]:
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
         if cfg.device_type != "cuda":
             return False, "needs a CUDA device"
         if not platform.triton_available():
@@ -219,16 +226,6 @@ class TritonGemv(_PackedLayout):
     max_rows = 16
 
     @classmethod
-    def can_implement(cls, cfg):
-        if not _within(cfg, cls.max_rows):
-            return False, f"M up to {cls.max_rows} only"
-        return cls._packed_ok(cfg)
-
-    @classmethod
-    def best_max_m(cls, cfg):
-        return cls.max_rows
-
-    @classmethod
     def apply(cls, layer, x, bias):
         from pagoda.kernels.triton_w4a16 import wna16_gemv
 
@@ -253,10 +250,6 @@ class TritonGemm(_PackedLayout):
     name = "triton_gemm"
 
     @classmethod
-    def can_implement(cls, cfg):
-        return cls._packed_ok(cfg)
-
-    @classmethod
     def best_max_m(cls, cfg):
         return _large_m(cfg) - 1
 
@@ -271,10 +264,6 @@ class TritonDequantCublas(_PackedLayout):
     """One bandwidth-bound pass into a scratch weight, then cuBLAS (large M)."""
 
     name = "triton_dequant"
-
-    @classmethod
-    def can_implement(cls, cfg):
-        return cls._packed_ok(cfg)
 
     @classmethod
     def apply(cls, layer, x, bias):
@@ -293,7 +282,7 @@ class _MmaLayout(WNA16Kernel):
     layout = "mma"
 
     @classmethod
-    def _mma_ok(cls, cfg: KernelConfig) -> tuple[bool, str]:
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
         if cfg.device_type != "cuda" or cfg.capability < (8, 0):
             return False, "needs CUDA sm_80+ (mma.sync bf16)"
         if not platform.triton_available():
@@ -343,12 +332,6 @@ class MmaGemv(_MmaLayout):
     max_rows = 64
 
     @classmethod
-    def can_implement(cls, cfg):
-        if not _within(cfg, cls.max_rows):
-            return False, f"M up to {cls.max_rows} only"
-        return cls._mma_ok(cfg)
-
-    @classmethod
     def best_max_m(cls, cfg):
         return 32
 
@@ -376,10 +359,10 @@ class MmaGemm(_MmaLayout):
     name = "mma_gemm"
 
     @classmethod
-    def can_implement(cls, cfg):
+    def supports(cls, cfg):
         if cfg.has_zero_point:
             return False, "no zero points in this GEMM"
-        return cls._mma_ok(cfg)
+        return super().supports(cfg)
 
     @classmethod
     def best_max_m(cls, cfg):
@@ -401,10 +384,6 @@ class MmaDequantCublas(_MmaLayout):
     """The exact dense weight from the MMA layout, then cuBLAS (its epilogue adds the bias)."""
 
     name = "mma_dequant"
-
-    @classmethod
-    def can_implement(cls, cfg):
-        return cls._mma_ok(cfg)
 
     @classmethod
     def apply(cls, layer, x, bias):

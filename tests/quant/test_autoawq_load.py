@@ -233,3 +233,17 @@ def test_awq_qwen2_5_vl_text_decoder(tmp_path) -> None:
         ref = hf(ids[None]).logits[0]
         ours = model.compute_logits(model(ids, torch.arange(len(ids)), None))
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-4)
+
+
+def test_cli_quantization_flag(capsys) -> None:
+    """`--quantization` on the command line: AutoAWQ's own Llama fixture loads with "AWQ";
+    a mismatch exits 2 with a one-line error."""
+    from pagoda.entrypoints.cli import main
+
+    model = str(Path(__file__).resolve().parents[1] / "fixtures" / "autoawq-tiny" / "llama")
+    argv = ["generate", "--model", model, "--device", "cpu", "--max-tokens", "3", "Hello"]
+    assert main([*argv, "--quantization", "AWQ"]) == 0
+    assert main([*argv, "--quantization", "gptq"]) == 2
+    err = capsys.readouterr().err
+    assert "error: quantization='gptq' was requested but the checkpoint is 'awq'" in err
+    assert "Traceback" not in err
