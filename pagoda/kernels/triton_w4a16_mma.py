@@ -1244,12 +1244,16 @@ TcGemmConfig = tuple[int, int, int, int, int, int, bool]  # BM, CG, T, split, wa
 
 
 def default_tc_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> TcGemmConfig:
-    """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages, swap-AB)."""
+    """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages, swap-AB) from the H200
+    sweep (`bench_w4a16_tc.py --sweep`, Qwen2.5-7B / 3B shapes, M = 16-256): [64 | 128, BN] tiles
+    without swap-AB; 16 column groups on 8 warps for the narrow 7B layers (qkv, o, down), 8
+    otherwise; split-K until the programs fill the SMs."""
     block_m = 64 if m <= 64 else 128
-    cg = 8
+    cg = 16 if (n <= 8192 and k >= 3584) else 8
+    warps = 8 if (cg == 16 or block_m == 128) else 4
     programs = -(-m // block_m) * max(1, n // (16 * cg))
     split = max(1, min(8, round(num_sms / programs))) if programs < num_sms else 1
-    return (block_m, cg, 2, split, 4, 3, m <= 64)
+    return (block_m, cg, 2, split, warps, 3, False)
 
 
 def wna16_mma_tc_gemm(
