@@ -272,7 +272,8 @@ class TritonDequantCublas(_PackedLayout):
         return wna16_dequant_linear(x, *cls._weights(layer)), False
 
 
-_MMA_LARGE_LAYER = 64 << 20  # weights: the MMA GEMM beats both neighbours at M = 33-64 here
+_MMA_LARGE_LAYER = 64 << 20  # weights (7B gate_up, down): the MMA GEMM wins M = 33-128
+_MMA_MEDIUM_LAYER = 12 << 20  # (7B qkv, o): M = 33-64
 
 
 class _MmaLayout(WNA16Kernel):
@@ -354,19 +355,17 @@ class MmaGemv(_MmaLayout):
 
 
 class MmaGemm(_MmaLayout):
-    """Triton GEMM on the MMA layout: preferred at M = 33-64 on layers of >= 64 Mi weights."""
+    """Tensor-core GEMM on the MMA layout (dequantization in registers, `tl.dot`): preferred
+    past the GEMV's 32 rows up to 128 on layers of >= 64 Mi weights and up to 64 on layers of
+    >= 12 Mi; dequant + cuBLAS beat it on the smaller layers and above (BENCHMARKS.md)."""
 
     name = "mma_gemm"
 
     @classmethod
-    def supports(cls, cfg):
-        if cfg.has_zero_point:
-            return False, "no zero points in this GEMM"
-        return super().supports(cfg)
-
-    @classmethod
     def best_max_m(cls, cfg):
-        return 64 if cfg.n * cfg.k >= _MMA_LARGE_LAYER else 0
+        if cfg.n * cfg.k >= _MMA_LARGE_LAYER:
+            return 128
+        return 64 if cfg.n * cfg.k >= _MMA_MEDIUM_LAYER else 0
 
     @classmethod
     def apply(cls, layer, x, bias):
@@ -375,7 +374,13 @@ class MmaGemm(_MmaLayout):
         fused = _fusable(bias, x)
         n, group = layer.out_features, layer.wna16_group_size
         out = wna16_mma_gemm(
-            x, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None
+            x,
+            layer.mma_words,
+            layer.mma_scales,
+            n,
+            group,
+            bias=bias if fused else None,
+            zero_pairs=layer.mma_zeros,
         )
         return out, fused
 

@@ -169,27 +169,6 @@ def test_mma_gemv_shared_dequant_interpreter(m, n, k, group, config, bias) -> No
     assert torch.equal(y, old)  # the same sums in the same order under the interpreter
 
 
-# (M, N, K, group, (BLOCK_M, CG, T, split, warps, stages), bias): one and several M blocks,
-# split-K (fp32 partials), column groups that CG does not divide, per-channel, group 64.
-GEMM_CASES = [
-    (20, 32, 256, 128, (16, 2, 2, 1, 4, 1), False),
-    (70, 64, 512, 64, (32, 4, 2, 2, 4, 1), True),
-    (5, 48, 576, -1, (16, 4, 4, 3, 4, 1), True),
-    (33, 80, 384, 128, (32, 8, 1, 1, 4, 1), False),
-]
-
-
-@pytest.mark.parametrize("m,n,k,group,config,bias", GEMM_CASES)
-def test_mma_gemm_interpreter(m, n, k, group, config, bias) -> None:
-    x, words, pairs, ref, _, _ = _case(m, n, k, group, seed=17)
-    b = torch.randn(n).to(torch.bfloat16) if bias else None
-    if bias:
-        ref = ref + b.float()
-    y = mm.wna16_mma_gemm(x, words, pairs, n, group, bias=b, config=config)
-    assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
-
-
 def test_mma_gemm_rejects_bad_input() -> None:
     x, words, pairs, *_ = _case(4, 32, 128, 64)
     with pytest.raises(ValueError, match="wna16_mma_gemm"):
@@ -281,7 +260,7 @@ def test_mma_gemv_shared_configs_gpu(m, config) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 @pytest.mark.parametrize("m", [17, 64, 100, 512])
-def test_mma_gemm_qwen7b_gpu(m, n, k) -> None:
+def test_mma_gemm_bias_qwen7b_gpu(m, n, k) -> None:
     x, words, pairs, ref, _, _ = _case(m, n, k, 128, device="cuda", seed=19)
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     y = mm.wna16_mma_gemm(x, words, pairs, n, 128, bias=b)
@@ -412,7 +391,7 @@ TC_CASES = [
 
 
 @pytest.mark.parametrize("m,n,k,group,config,bias,zp", TC_CASES)
-def test_mma_tc_gemm_interpreter(m, n, k, group, config, bias, zp) -> None:
+def test_mma_gemm_interpreter(m, n, k, group, config, bias, zp) -> None:
     if zp:
         x, words, pairs, zeros, ref, _ = _zp_case(m, n, k, group, seed=29)
     else:
@@ -420,7 +399,7 @@ def test_mma_tc_gemm_interpreter(m, n, k, group, config, bias, zp) -> None:
     b = torch.randn(n).to(torch.bfloat16) if bias else None
     if bias:
         ref = ref + b.float()
-    y = mm.wna16_mma_tc_gemm(x, words, pairs, n, group, bias=b, config=config, zero_pairs=zeros)
+    y = mm.wna16_mma_gemm(x, words, pairs, n, group, bias=b, config=config, zero_pairs=zeros)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
 
@@ -441,11 +420,11 @@ def test_mma_gemv_zero_points_qwen7b_gpu(m, n, k) -> None:
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 @pytest.mark.parametrize("m", [16, 33, 64, 128, 256])
 @pytest.mark.parametrize("zp", [False, True])
-def test_mma_tc_gemm_qwen7b_gpu(m, n, k, zp) -> None:
+def test_mma_gemm_qwen7b_gpu(m, n, k, zp) -> None:
     if zp:
         x, words, pairs, zeros, ref, _ = _zp_case(m, n, k, 128, device="cuda", seed=37)
     else:
         (x, words, pairs, ref, _, _), zeros = _case(m, n, k, 128, device="cuda", seed=37), None
-    y = mm.wna16_mma_tc_gemm(x, words, pairs, n, 128, zero_pairs=zeros)
+    y = mm.wna16_mma_gemm(x, words, pairs, n, 128, zero_pairs=zeros)
     tol = 2e-2 * ref.abs().max().item()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=tol)

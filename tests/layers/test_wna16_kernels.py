@@ -46,17 +46,20 @@ def test_cpu_layers_dequantize_per_call() -> None:
 
 
 def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
-    # qkv (small layer): GEMV to 32 rows, then dequant + cuBLAS; gate_up (>= 64 Mi weights):
-    # the MMA GEMM at M = 33-64 in between.
+    # qkv (>= 12 Mi weights): GEMV to 32 rows, the MMA GEMM to 64, then dequant + cuBLAS;
+    # gate_up (>= 64 Mi weights): the MMA GEMM to 128; small layers: no GEMM.
     assert wk.choose_kernels(_cfg(), frozenset()).describe() == (
-        "mma_gemv M=1..32, mma_dequant M=33.."
-    )
-    assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
         "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
     )
-    # zero points (AWQ, asymmetric GPTQ): the GEMM has none, dequant + cuBLAS takes over
-    assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
+    assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
+        "mma_gemv M=1..32, mma_gemm M=33..128, mma_dequant M=129.."
+    )
+    assert wk.choose_kernels(_cfg(n=1024), frozenset()).describe() == (
         "mma_gemv M=1..32, mma_dequant M=33.."
+    )
+    # zero points (AWQ, asymmetric GPTQ) take the same kernels
+    assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
+        "mma_gemv M=1..32, mma_gemm M=33..128, mma_dequant M=129.."
     )
 
 
@@ -172,7 +175,7 @@ def test_packed_layout_kernels_interpreter(monkeypatch) -> None:
 
 @pytest.mark.parametrize("zp", [False, True])
 def test_mma_layout_kernels_interpreter(zp) -> None:
-    """The tensor-core layout's GEMV (1 and 2 blocks of 8 rows), GEMM (symmetric only) and
+    """The tensor-core layout's GEMV (1 and 2 blocks of 8 rows), GEMM and
     dequant + matmul, run by the interpreter through a hand-made table (the registry picks
     them on CUDA only), with and without zero points."""
     from pagoda.layers.quantized_linear import WNA16LinearMethod
@@ -183,7 +186,7 @@ def test_mma_layout_kernels_interpreter(zp) -> None:
     scale = scale.bfloat16()
     layer = _layer(n, k, group, torch.bfloat16)
     wk.MmaGemv.prepare(layer, UnpackedWeight(q, scale, z, None))
-    middle = () if zp else ((18, wk.MmaGemm),)
+    middle = ((18, wk.MmaGemm),)
     layer.wna16_kernels = wk.KernelTable(
         "mma", ((16, wk.MmaGemv), *middle, (None, wk.MmaDequantCublas))
     )
