@@ -150,6 +150,10 @@ class EngineArgs:
             )
         if quant is None and source.quant_override in _DUMMY_QUANT:
             quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])
+        if quant is None and source.quant_override == "awq":
+            from pagoda.quant.formats.autoawq import quantization_config as awq_config
+
+            quant = awq_config(group_size=128, zero_point=True)
         if quant is not None:
             method = quant.get("quant_method")
             method = method.lower() if isinstance(method, str) else method

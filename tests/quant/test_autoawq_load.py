@@ -247,3 +247,35 @@ def test_cli_quantization_flag(capsys) -> None:
     err = capsys.readouterr().err
     assert "error: quantization='gptq' was requested but the checkpoint is 'awq'" in err
     assert "Traceback" not in err
+
+
+def test_dummy_config_awq_suffix_builds_zero_point_layers(tmp_path) -> None:
+    """`config:PATH.json:awq` (benchmarks of the AWQ path on real shapes): random AutoAWQ GEMM
+    weights with zero points, lm_head dense, generating tokens."""
+    import json
+
+    from pagoda import LLM, SamplingParams
+
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    from pagoda.engine.args import EngineArgs
+
+    _, model_config, *_ = EngineArgs(model=f"config:{path}:awq", device="cpu").create_configs()
+    qc = model_config.quantization
+    assert qc["quant_method"] == "awq" and qc["zero_point"] and qc["group_size"] == 128
+    llm = LLM(f"config:{path}:awq", max_model_len=64, dtype="float32", print_memory_report=False)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
