@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2 final7 ttft7 bias7 reduce7
+# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2 final7 ttft7 bias7 (reduce7: deleted with the in-launch reduce)
 # Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
 #                    gemm_tests final6
 # Steps (session 5): mma_tests mma_bench ab_mma
@@ -228,7 +228,6 @@ step_final_tests() {
 }
 step_final_lat() {
   latrun bf16 "config:$CFG7"
-  latrun bf16_sepreduce "config:$CFG7" PAGODA_FUSED_DECODE_REDUCE=0
   latrun w4a16 "config:$CFG7:w4a16"
 }
 step_confirm_a() {
@@ -402,16 +401,6 @@ step_bias7() {
     tests/kernels/test_triton_w4a16_mma.py -k "layer or decoder_mlp"
   run ttft_w4a16_bias 60 python3 benchmarks/profile_prefill.py "config:$CFG7:w4a16" \
     --out "$R/ttft_w4a16_bias.json"
-}
-# the opt-in in-launch split-KV reduce (last split of a group merges), re-measured now that the
-# short kernels trigger PDL early: batch-1 decode A/B and its tests
-step_reduce7() {
-  run reduce7_tests 90 env PAGODA_FUSED_DECODE_REDUCE=1 python3 -m pytest -q -p no:cacheprovider \
-    -m gpu -rfE tests/kernels/test_fused_decode_attention.py
-  latrun bf16 "config:$CFG7"
-  latrun bf16_reduce1 "config:$CFG7" PAGODA_FUSED_DECODE_REDUCE=1
-  latrun w4a16 "config:$CFG7:w4a16"
-  latrun w4a16_reduce1 "config:$CFG7:w4a16" PAGODA_FUSED_DECODE_REDUCE=1
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

@@ -207,7 +207,11 @@ class DecoderModel(nn.Module):
         super().__init__()
         layer_types = getattr(config, "layer_types", None) or ()
         if "sliding_attention" in layer_types:
-            raise NotImplementedError("sliding-window attention layers are not supported")
+            # One window for all layers is supported (Mistral, `DecoderOptions.sliding_window`);
+            # a per-layer mix of full and sliding layers is not.
+            raise NotImplementedError(
+                "per-layer sliding-window attention (layer_types) is not supported"
+            )
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # Registered here (as HF does) and referenced from every layer's self_attn.
         self.rotary_emb = get_rope(config, _head_dim(config))
