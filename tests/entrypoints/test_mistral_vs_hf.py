@@ -169,3 +169,82 @@ def test_gpu_greedy_matches_transformers(mistral, variant, enforce_eager):
         assert llm.llm_engine.core.runner.graph_runner is not None
     for i, out in enumerate(outs):
         assert out.outputs[0].token_ids == ref_tokens[i], f"window {window}/{variant} prompt {i}"
+
+
+def test_bad_window_in_config_is_one_clear_error(tmp_path, capsys):
+    import json
+    import shutil
+
+    from pagoda.entrypoints.cli import main
+
+    path = save_tiny_mistral(tmp_path, 8)
+    # a tokenizer, so that the CLI gets as far as building the model
+    tokenizer = Path(__file__).parents[1] / "fixtures" / "qwen2.5-tokenizer"
+    for f in tokenizer.iterdir():
+        shutil.copy(f, path / f.name)
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = 0
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.sliding_window must be null or an int >= 1"):
+        LLM(str(path), device="cpu", skip_tokenizer_init=True, print_memory_report=False)
+    assert main(["generate", "hi", "--model", str(path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "config.sliding_window must be null or an int >= 1" in err and "Traceback" not in err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda-graphs"])
+def test_gpu_mistral_7b_shapes_bf16(tmp_path, eager):
+    """Mistral-7B's real heads / head size / vocabulary (benchmarks/configs/mistral-7b.json) with
+    3 layers and a window of 64, bf16 on CUDA: prompts up to 300 tokens, prefix sharing and
+    chunked prefill. Sequences may only part at an exact bf16 tie in transformers' logits."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_file = Path(__file__).parents[2] / "benchmarks" / "configs" / "mistral-7b.json"
+    data = json.loads(config_file.read_text())
+    data.update(num_hidden_layers=3, sliding_window=64)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    config = AutoConfig.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    hf.save_pretrained(tmp_path)
+    hf.eval()
+    rng = random.Random(0)
+    shared = [rng.randrange(3, 32000) for _ in range(100)]
+    prompts = [[rng.randrange(3, 32000) for _ in range(n)] for n in (7, 100, 300, 65)]
+    prompts += [shared + [5, 6, 7], shared + [8, 9]]
+    ref, ref_logits = [], []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([p], device="cuda"), max_new_tokens=80, do_sample=False,
+                pad_token_id=0, eos_token_id=None, output_logits=True,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+        ref.append(out.sequences[0, len(p) :].tolist())
+        ref_logits.append([s[0].float() for s in out.logits])
+    del hf
+    torch.cuda.empty_cache()
+    llm = LLM(str(tmp_path), dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+              enforce_eager=eager, skip_tokenizer_init=True, max_num_batched_tokens=128,
+              print_memory_report=False)  # fmt: skip
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True), use_tqdm=False
+    )
+    assert llm.llm_engine.core.kv_cache_manager.sliding_window == 64
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        g = o.outputs[0].token_ids
+        if g == r:
+            continue
+        k = next(j for j in range(len(r)) if g[j] != r[j])
+        logits = ref_logits[i][k]
+        gap = (logits[r[k]] - logits[g[k]]).item()
+        assert gap <= 2**-7 * abs(logits[r[k]].item()) + 1e-3, (i, k, gap, g, r)
