@@ -33,6 +33,7 @@ class EngineCore:
             num_blocks=self.memory_report.num_blocks + 1,  # + the null block
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
+            sliding_window=self.runner.sliding_window,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.async_scheduling = scheduler_config.async_scheduling

@@ -81,9 +81,13 @@ class CudaGraphRunner:
         self.stats: GraphCaptureStats | None = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        from pagoda.kernels.triton_paged_attention import choose_num_splits
+        from pagoda.kernels.triton_paged_attention import choose_num_splits, effective_kv_len
 
-        num_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        layer = self.model.attention_layers()[0]
+        num_kv_heads = layer.num_kv_heads
+        # A sliding window caps the keys a decode reads (the window is the layer's, a kernel
+        # argument baked into the graph like the rest of the layer's parameters).
+        kv_len = effective_kv_len(self.max_model_len, 1, layer.sliding_window)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return AttentionMetadata(
             num_actual_tokens=size,
@@ -95,7 +99,7 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[1] * size,
-            num_splits=choose_num_splits(size, num_kv_heads, 1, self.max_model_len, sms),
+            num_splits=choose_num_splits(size, num_kv_heads, 1, kv_len, sms),
         )
 
     @torch.inference_mode()

@@ -384,16 +384,22 @@ class ModelRunner:
         Copying every request's whole block list into a fresh table each step costs more host
         time than the GPU spends on a decode step at large batch; only new blocks are copied.
         The scheduler's list object changes when the request is preempted, which resets it.
+        With a sliding window the KV manager replaces leading blocks by the null block 0 in
+        place; the row follows (no kernel reads them, but a freed id must not linger).
         """
         entry = self._block_rows.get(req_id)
         if entry is None or entry[0] is not block_ids:
-            entry = [block_ids, np.zeros(self.max_num_blocks_per_seq, dtype=np.int32), 0]
+            entry = [block_ids, np.zeros(self.max_num_blocks_per_seq, dtype=np.int32), 0, 0]
             self._block_rows[req_id] = entry
-        _, row, filled = entry
+        _, row, filled, nulled = entry
         n = len(block_ids)
         if n > filled:
             row[filled:n] = block_ids[filled:n]
             entry[2] = n
+        while nulled < n and block_ids[nulled] == 0:
+            row[nulled] = 0
+            nulled += 1
+        entry[3] = nulled
         return row
 
     def _build_metadata(
@@ -422,6 +428,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window every attention layer keeps (None if some layer sees all keys): what the
+        KV cache manager may free blocks by."""
+        windows = [layer.sliding_window for layer in self.model.attention_layers()]
+        if not windows or None in windows:
+            return None
+        return max(windows)
 
     def add_lora(self, lora_key: str, lora_path: str) -> None:
         """Register an adapter under `lora_key` (validated against the model now)."""

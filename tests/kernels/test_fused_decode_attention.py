@@ -215,26 +215,6 @@ def test_splits_agree_with_single_pass():
     torch.testing.assert_close(four, one, rtol=1e-5, atol=1e-5)
 
 
-def test_in_kernel_reduce_matches_reduce_kernel_and_leaves_counters_zero(monkeypatch):
-    """The last split of each group combines the partials in the same launch; its result
-    equals the separate reduce kernel's, and the arrival counters are all zero afterwards (the
-    next launch, e.g. the next layer, starts clean). With no counters (as during a capture
-    that finds none) the reduce kernel runs instead."""
-    from pagoda.kernels import triton_decode_attention as mod
-
-    monkeypatch.setattr(mod, "_FUSED_REDUCE", True)  # opt-in (PAGODA_FUSED_DECODE_REDUCE=1)
-    case = make_case([300, 33, 2, 129], 14, 2, 128, torch.float32, num_padding=1, seed=8)
-    fused = check(case, num_splits=4)
-    key = (torch.device(DEVICE).type, 0)
-    assert int(mod._counters_by_device[key].count_nonzero()) == 0
-    check(case, num_splits=4)  # again, on the same counters
-    assert int(mod._counters_by_device[key].count_nonzero()) == 0
-    monkeypatch.setattr(mod, "_split_counters", lambda device, needed: None)
-    separate = check(case, num_splits=4)
-    n = case.num_real
-    torch.testing.assert_close(fused[:n], separate[:n], rtol=1e-5, atol=1e-5)
-
-
 def test_float32():
     check(make_case(SEQ_LENS, 8, 2, 64, torch.float32, seed=5), num_splits=1)
 
