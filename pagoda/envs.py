@@ -45,3 +45,11 @@ def api_key() -> str | None:
 def triton_interpret() -> bool:
     """Whether Triton kernels run in its CPU interpreter (`TRITON_INTERPRET`, Triton's own)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels (`TRITON_CACHE_DIR`, Triton's own; default
+    ~/.triton/cache): start-up counts new entries there to tell a cold start from a warm one."""
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".triton", "cache"
+    )

@@ -70,6 +70,11 @@ def is_integrated_gpu(device: torch.device) -> bool:
     )
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (for modules that keep torch out of their imports)."""
+    return torch.cuda.is_available()
+
+
 @functools.cache
 def triton_available() -> bool:
     """Whether the `triton` package is installed (checked without importing it)."""

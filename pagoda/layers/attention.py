@@ -24,6 +24,7 @@ from torch import nn
 
 from pagoda.kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.platform import triton_available
 
 
 @dataclass
@@ -50,11 +51,11 @@ def _triton_kernels() -> tuple[Callable, Callable] | None:
 
     Cached so a failed import is not retried by every layer of every step.
     """
-    try:
-        from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
-        from pagoda.kernels.triton_paged_attention import paged_attention_triton
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
+    from pagoda.kernels.triton_paged_attention import paged_attention_triton
+
     return write_kv_cache_triton, paged_attention_triton
 
 
@@ -63,10 +64,10 @@ def _fused_decode_kernel() -> Callable | None:
     """`fused_decode_attention_triton`, or None when Triton is unusable or the env var is off."""
     if os.environ.get("PAGODA_FUSED_DECODE_ATTN", "1").lower() in ("0", "false", "off", "no"):
         return None
-    try:
-        from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
+
     return fused_decode_attention_triton
 
 

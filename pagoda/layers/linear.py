@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.platform import triton_available
+
 
 class LinearMethod:
     """Creates a linear layer's parameters and computes `x @ W^T + b` with them.
@@ -88,10 +90,10 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 @functools.cache
 def _dense_gemv():
     """pagoda.kernels.triton_gemv, or None without a usable Triton (imported on first use)."""
-    try:
-        from pagoda.kernels import triton_gemv
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels import triton_gemv
+
     return triton_gemv
 
 
@@ -201,6 +203,8 @@ class MergedColumnLinear(LinearBase):
         shards = self.out_features_per_shard
         if fused is None or len(shards) != 2 or shards[0] != shards[1]:
             return None
+        if not triton_available():
+            return None  # every fused activation is a Triton kernel: never import it without
         return fused(self, x, self.bias)
 
 
