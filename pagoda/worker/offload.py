@@ -41,14 +41,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _layer_tensors(layer: nn.Module, shared: set[int]) -> list[tuple[nn.Module, str, str]]:
-    """(module, kind, name) of every tensor owned by this layer alone: parameters, buffers and
-    plain tensor attributes (repacked quantized weights); `shared` holds ids of tensors that
-    other layers use too (the rotary tables every layer points at)."""
+    """(module, kind, name) of every parameter and buffer owned by this layer alone; `shared`
+    holds ids of tensors that other layers use too (the rotary tables every layer points at).
+    Plain tensor attributes are state, not weights (the KV cache the runner binds)."""
     out, seen = [], set()
     for module in layer.modules():
         items = [("param", n, t) for n, t in module._parameters.items()]
         items += [("buffer", n, t) for n, t in module._buffers.items()]
-        items += [("attr", n, t) for n, t in vars(module).items() if isinstance(t, torch.Tensor)]
         for kind, name, t in items:
             if t is None or id(t) in shared or id(t) in seen:
                 continue
@@ -58,28 +57,20 @@ def _layer_tensors(layer: nn.Module, shared: set[int]) -> list[tuple[nn.Module, 
 
 
 def _get(module: nn.Module, kind: str, name: str) -> torch.Tensor:
-    if kind == "param":
-        return module._parameters[name]
-    if kind == "buffer":
-        return module._buffers[name]
-    return vars(module)[name]
+    return module._parameters[name] if kind == "param" else module._buffers[name]
 
 
 def _set(module: nn.Module, kind: str, name: str, value: torch.Tensor) -> None:
     if kind == "param":
         module._parameters[name].data = value
-    elif kind == "buffer":
-        module._buffers[name] = value
     else:
-        setattr(module, name, value)
+        module._buffers[name] = value
 
 
 def _shared_ids(layers: nn.ModuleList) -> set[int]:
     counts: dict[int, int] = {}
     for layer in layers:
         ids = {id(t) for t in list(layer.parameters()) + list(layer.buffers())}
-        for m in layer.modules():
-            ids |= {id(t) for t in vars(m).values() if isinstance(t, torch.Tensor)}
         for i in ids:
             counts[i] = counts.get(i, 0) + 1
     return {i for i, c in counts.items() if c > 1}
