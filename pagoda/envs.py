@@ -53,3 +53,19 @@ def triton_cache_dir() -> str:
     return os.environ.get("TRITON_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".triton", "cache"
     )
+
+
+def emulated_capability() -> tuple[int, int] | None:
+    """`PAGODA_EMULATE_CAPABILITY` ("8.9"): the compute capability `platform.capability` reports
+    instead of the device's, so the kernel registries pick what a smaller GPU would run
+    (`pagoda bench edge --emulate-capability`); only lower than the real one makes sense."""
+    env = os.environ.get("PAGODA_EMULATE_CAPABILITY", "").strip()
+    if not env:
+        return None
+    try:
+        major, minor = (int(v) for v in env.split("."))
+    except ValueError:
+        raise ValueError(
+            f"PAGODA_EMULATE_CAPABILITY={env!r}: use MAJOR.MINOR, e.g. 8.9 or 8.7"
+        ) from None
+    return (major, minor)

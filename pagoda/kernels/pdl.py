@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from pagoda.platform import triton_available
+from pagoda.platform import capability, triton_available
 
 
 @functools.cache
@@ -39,7 +39,7 @@ def _device_supports_pdl(index: int) -> bool:
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
-    if torch.cuda.get_device_capability(index)[0] < 9 or not triton_available():
+    if capability(index)[0] < 9 or not triton_available():
         return False
     try:
         import triton.language as tl
