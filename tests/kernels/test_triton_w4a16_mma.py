@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")  # a kernel-only module (no Triton: the CI venv skips it)
-
-from pagoda.kernels import triton_w4a16_mma as mm  # noqa: E402
-from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref  # noqa: E402
+from pagoda.kernels import triton_w4a16_mma as mm
+from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref
 
 
 def _case(m, n, k, group, seed=0, device="cpu"):
