@@ -352,6 +352,10 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         self._profile_run(max_num_seqs, max_num_batched_tokens)
+        if not triton_available():
+            # The torch attention path materialises [heads, q, k] float32 scores per sequence:
+            # its worst case is one prompt filling the whole step, not many short ones.
+            self._profile_run(1, min(max_num_batched_tokens, self.model_config.max_model_len))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         free, total = torch.cuda.mem_get_info(self.device)
