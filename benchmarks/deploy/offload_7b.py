@@ -39,6 +39,9 @@ def worker(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=util,
         cpu_offload_gb=args.cpu_offload_gb,
+        # the same small step in both engines: activations stay small under the cap
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
         print_memory_report=False,
     )
     greedy = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
