@@ -90,6 +90,7 @@ class EngineArgs:
     allow_remote_images: bool = False
     image_fetch_timeout: float = 10.0
     max_image_bytes: int = 20 << 20
+    cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed per layer
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -226,5 +227,13 @@ class EngineArgs:
             max_num_batched_tokens=max_batched,
             lora=lora_config,
             multimodal=mm_config,
+            cpu_offload_gb=self.cpu_offload_gb,
         )
+        if runner_config.cpu_offload_gb and quant is not None:
+            raise ValueError(
+                "cpu_offload_gb works with unquantized checkpoints only; a W4A16 checkpoint "
+                "already takes about a quarter of the bf16 weights"
+            )
+        if runner_config.cpu_offload_gb and lora_config is not None:
+            raise ValueError("cpu_offload_gb cannot be combined with enable_lora yet")
         return source, model_config, cache_config, scheduler_config, runner_config

@@ -58,6 +58,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default=None,
         help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from it)",
     )
+    g.add_argument(
+        "--cpu-offload-gb",
+        type=float,
+        default=0.0,
+        help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
+    )
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -77,6 +83,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         seed=ns.seed,
         load_format=ns.load_format,
         quantization=ns.quantization,
+        cpu_offload_gb=ns.cpu_offload_gb,
     )
 
 

@@ -30,13 +30,14 @@ import functools
 import torch
 
 from pagoda import envs
+from pagoda.platform import capability, triton_available
 
 
 @functools.cache
 def _device_supports_pdl(index: int) -> bool:
     if not envs.pdl() or envs.triton_interpret():
         return False
-    if torch.cuda.get_device_capability(index)[0] < 9:
+    if capability(index)[0] < 9 or not triton_available():
         return False
     try:
         import triton.language as tl

@@ -30,6 +30,7 @@ from pagoda.kernels.paged_attention import (
     write_kv_cache_ref,
 )
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.platform import triton_available
 
 
 @dataclass
@@ -56,11 +57,11 @@ def _triton_kernels() -> tuple[Callable, Callable] | None:
 
     Cached so a failed import is not retried by every layer of every step.
     """
-    try:
-        from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
-        from pagoda.kernels.triton_paged_attention import paged_attention_triton
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
+    from pagoda.kernels.triton_paged_attention import paged_attention_triton
+
     return write_kv_cache_triton, paged_attention_triton
 
 
@@ -69,10 +70,10 @@ def _fused_decode_kernel() -> Callable | None:
     """`fused_decode_attention_triton`, or None when Triton is unusable or the env var is off."""
     if not envs.kernel_enabled("fused_decode_attn"):
         return None
-    try:
-        from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
+
     return fused_decode_attention_triton
 
 

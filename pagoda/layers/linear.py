@@ -106,6 +106,8 @@ def _dense_gemv_for(index: int) -> ModuleType | None:
         from pagoda.kernels import triton_gemv
     except ImportError:
         return None
+    from pagoda.kernels import triton_gemv
+
     return triton_gemv
 
 
