@@ -76,7 +76,9 @@ def per_process_memory_cap(device: torch.device, total: int) -> int | None:
     get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if get is None:
         return None
-    fraction = float(get(device))
+    # torch wants an index here: torch.device("cuda") without one is a ValueError
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fraction = float(get(index))
     return int(fraction * total) if fraction < 1.0 else None
 
 
