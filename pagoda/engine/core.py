@@ -41,6 +41,13 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
         self.num_preemptions = 0
+        self.closed = False
+
+    def shutdown(self) -> None:
+        """Drop the step in flight and free the runner's device memory (idempotent)."""
+        self._in_flight = None
+        self.closed = True
+        self.runner.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -9,14 +9,13 @@ every path; the window is the layer's, fixed for the model, so captured CUDA gra
 
 Decode-only CUDA batches can instead take `forward_fused_decode`, which also applies RoPE: one
 kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
-(`triton_decode_attention.py`). `use_fused_decode` says when; `PAGODA_FUSED_DECODE_ATTN=0` (read
-once per process) turns it off for A/B measurements.
+(`triton_decode_attention.py`). `use_fused_decode` says when;
+`PAGODA_DISABLED_KERNELS=fused_decode_attn` (read once per process) turns it off for A/B runs.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,12 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import envs
 from pagoda.kernels.paged_attention import (
     check_sliding_window,
     paged_attention_ref,
     write_kv_cache_ref,
 )
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.platform import triton_available
 
 
 @dataclass
@@ -56,23 +57,23 @@ def _triton_kernels() -> tuple[Callable, Callable] | None:
 
     Cached so a failed import is not retried by every layer of every step.
     """
-    try:
-        from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
-        from pagoda.kernels.triton_paged_attention import paged_attention_triton
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
+    from pagoda.kernels.triton_paged_attention import paged_attention_triton
+
     return write_kv_cache_triton, paged_attention_triton
 
 
 @functools.cache
 def _fused_decode_kernel() -> Callable | None:
     """`fused_decode_attention_triton`, or None when Triton is unusable or the env var is off."""
-    if os.environ.get("PAGODA_FUSED_DECODE_ATTN", "1").lower() in ("0", "false", "off", "no"):
+    if not envs.kernel_enabled("fused_decode_attn"):
         return None
-    try:
-        from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
+
     return fused_decode_attention_triton
 
 

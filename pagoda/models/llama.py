@@ -152,10 +152,7 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        h = self.gate_up_proj.silu_and_mul(x)  # one kernel where the weights' method fuses it
-        if h is None:
-            h = self.act_fn(self.gate_up_proj(x))
-        return self.down_proj(h)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -348,10 +348,10 @@ def test_decoder_attention_fused_path_matches_unfused(monkeypatch, qk_norm):
 
 def test_env_var_turns_fused_path_off(monkeypatch):
     try:
-        monkeypatch.setenv("PAGODA_FUSED_DECODE_ATTN", "0")
+        monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "fused_decode_attn")
         attention_mod._fused_decode_kernel.cache_clear()
         assert attention_mod._fused_decode_kernel() is None
-        monkeypatch.delenv("PAGODA_FUSED_DECODE_ATTN")
+        monkeypatch.delenv("PAGODA_DISABLED_KERNELS")
         attention_mod._fused_decode_kernel.cache_clear()
         assert attention_mod._fused_decode_kernel() is fused_decode_attention_triton
     finally:
@@ -441,7 +441,8 @@ def test_gpu_cuda_graph_replay():
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
 def test_gpu_decoder_attention_fused_vs_unfused(monkeypatch, qk_norm):
     """The layer on CUDA takes the fused path for decode-only batches only, and it agrees with
-    `PAGODA_FUSED_DECODE_ATTN=0` (the unfused kernels): output close, cache identical."""
+    `PAGODA_DISABLED_KERNELS=fused_decode_attn` (the unfused kernels): output close, cache
+    identical."""
     dtype = torch.bfloat16
     layer = _layer(qk_norm, dtype, DEVICE, heads=(28, 4), head_dim=128)
     case = make_case([700, 1, 33, 5000], 28, 4, 128, dtype, num_padding=2, seed=14)
@@ -455,7 +456,7 @@ def test_gpu_decoder_attention_fused_vs_unfused(monkeypatch, qk_norm):
     assert not layer.attn.use_fused_decode(case.positions, case.q, mrope, md)
     got, got_cache = _run_layer(layer, case, hidden, md)
     try:
-        monkeypatch.setenv("PAGODA_FUSED_DECODE_ATTN", "0")
+        monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "fused_decode_attn")
         attention_mod._fused_decode_kernel.cache_clear()
         assert not layer.attn.use_fused_decode(case.positions, case.q, layer.rotary_emb, md)
         want, want_cache = _run_layer(layer, case, hidden, md)

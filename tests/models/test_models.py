@@ -337,7 +337,7 @@ def test_unsupported_quantization_config_is_refused() -> None:
     config = _config("llama")
     model_config = ModelConfig(
         model="x", hf_config=config, dtype="float32", max_model_len=64,
-        quantization={"quant_method": "awq"},
+        quantization={"quant_method": "bitsandbytes"},
     )  # fmt: skip
     with pytest.raises(NotImplementedError, match="compressed-tensors"):
         load_model(model_config, "cpu")
