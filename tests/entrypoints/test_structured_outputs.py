@@ -244,3 +244,22 @@ def test_stop_token_text_is_left_out(llm):
     )
     out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert out.text == tok.decode(ids[: j + 1])
+
+
+@pytest.mark.gpu
+def test_gpu_async_structured_outputs_match_the_in_order_loop():
+    """On CUDA: the bitmask goes through xgrammar's Triton kernel, CUDA graphs replay the
+    decode forward, and the async loop samples after the previous token landed."""
+    kinds = ["json", "regex", "choice", "grammar"]
+    results = []
+    for async_scheduling in (True, False):
+        llm = LLM(max_model_len=512, async_scheduling=async_scheduling, print_memory_report=False)
+        prompts = [_chat(llm, PROMPTS[k]) for k in kinds] + ["The weather today"]
+        params = [_params(**CASES[k]) for k in kinds]
+        params.append(SamplingParams(temperature=0, max_tokens=10))
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    for kind, a, s in zip(kinds, *results, strict=False):
+        assert a.outputs[0].finish_reason == "stop"
+        assert _valid(kind, a.outputs[0].text), a.outputs[0].text
+        assert a.outputs[0].text == s.outputs[0].text
