@@ -8,9 +8,10 @@ decode tok/s and their ratio. Part 2 measures whether compiling grammars stalls 
 schemas arrive; it reports the running requests' step gaps before and while the grammars compile,
 and how long one such compile takes when done on the calling thread instead.
 
-    python benchmarks/structured/bench_structured.py --out DIR          # Qwen2.5-3B shape
-    python benchmarks/structured/bench_structured.py --model config:benchmarks/structured/tiny-qwen2.json \\
-        --batch 4 --output-len 16 --device cpu --out DIR                 # CPU smoke run
+    python benchmarks/structured/bench_structured.py --out DIR      # Qwen2.5-3B shape
+    python benchmarks/structured/bench_structured.py --device cpu --dtype float32 \\
+        --model config:benchmarks/structured/tiny-qwen2.json --batch 4 --output-len 16 \\
+        --out DIR                                                   # CPU smoke run
 """
 
 from __future__ import annotations
