@@ -71,6 +71,15 @@ class PendingOutput:
         self.host_ids: torch.Tensor | None = None
         # Set while the sampler waits for the grammar bitmask: (logits, SamplingMetadata).
         self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
+        if any(t[1].is_cuda for t in self.prompt_logprobs.values()):
+            # Into pinned memory behind the event too: a plain .tolist() later would wait for
+            # the step launched after this one.
+            self.prompt_logprobs = {
+                rid: (first, *(_to_pinned(t) for t in tensors))
+                for rid, (first, *tensors) in self.prompt_logprobs.items()
+            }
+            self.event = torch.cuda.Event()
+            self.event.record()
         if result is not None:
             self.set_result(result)
 
@@ -89,15 +98,16 @@ class PendingOutput:
 
     def result(self) -> ModelRunnerOutput:
         assert self.deferred is None, "the step's grammar bitmask was never supplied"
+        if self.event is not None:
+            self.event.synchronize()
         out = ModelRunnerOutput()
         for req_id, (first, ids, lps, ranks) in self.prompt_logprobs.items():
             out.prompt_logprobs[req_id] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         res = self.result_
         if res is None:
             return out
-        if self.event is not None:
-            self.event.synchronize()
-            sampled = self.host_ids.tolist()
+        if self.host_ids is not None:
+            sampled = self.host_ids.tolist()  # the event above covered its copy
         else:
             sampled = res.sampled_token_ids.tolist()
         sreqs = self.reqs
@@ -112,6 +122,11 @@ class PendingOutput:
                     continue
                 out.logprobs[r.req_id] = (ids[row][: k + 1], lps[row][: k + 1], ranks[row])
         return out
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class _PendingInputs:
