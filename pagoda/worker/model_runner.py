@@ -614,7 +614,9 @@ class ModelRunner:
         if bitmask is not None:
             mask, rows = bitmask
             smd.grammar_bitmask = mask.to(self.device, non_blocking=self._pin)
-            smd.grammar_rows = rows
+            # On CUDA the rows go as a tensor through pinned memory: xgrammar would copy a list
+            # from pageable memory, which waits for the forward just launched.
+            smd.grammar_rows = to_device(rows, torch.int32, self.device) if self._pin else rows
         self._sample(pending, logits, smd)
 
     def _sample(self, pending: PendingOutput, logits: torch.Tensor, smd: SamplingMetadata) -> None:
