@@ -8,10 +8,12 @@ fail `generate` with a ValueError naming the field. Also the other sampling fiel
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("xgrammar")
 
@@ -253,12 +255,20 @@ def test_gpu_async_structured_outputs_match_the_in_order_loop():
     kinds = ["json", "regex", "choice", "grammar"]
     results = []
     for async_scheduling in (True, False):
-        llm = LLM(max_model_len=512, async_scheduling=async_scheduling, print_memory_report=False)
+        llm = LLM(
+            max_model_len=512,
+            async_scheduling=async_scheduling,
+            gpu_memory_utilization=0.3,
+            print_memory_report=False,
+        )
+        assert llm.llm_engine.core.async_scheduling == async_scheduling
         prompts = [_chat(llm, PROMPTS[k]) for k in kinds] + ["The weather today"]
         params = [_params(**CASES[k]) for k in kinds]
         params.append(SamplingParams(temperature=0, max_tokens=10))
         results.append(llm.generate(prompts, params, use_tqdm=False))
         del llm
+        gc.collect()
+        torch.cuda.empty_cache()
     for kind, a, s in zip(kinds, *results, strict=False):
         assert a.outputs[0].finish_reason == "stop"
         assert _valid(kind, a.outputs[0].text), a.outputs[0].text
