@@ -31,7 +31,7 @@ from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.triton_gemv import gemv_bf16  # noqa: E402
 from pagoda.kernels.triton_w4a16 import wna16_gemv  # noqa: E402
-from pagoda.kernels.wna16 import pack_to_int32  # noqa: E402
+from pagoda.quant.packing import pack_to_int32  # noqa: E402
 
 SHAPES = {  # name: (N, K) of Qwen2.5-7B
     "qkv": (4608, 3584),

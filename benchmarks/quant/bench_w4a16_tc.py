@@ -1,8 +1,8 @@
 """W4A16 per-layer kernels at M = 1-256 against bf16 cuBLAS, Qwen2.5-7B and 3B shapes (H200).
 
 Kernels (all on the `repack_mma` tensor-core layout, the layer's only weight copy):
-`gemv` (M <= 64: `wna16_mma_gemv`), `tc` (`wna16_mma_tc_gemm`: dequantization in registers,
-`tl.dot`; `--sweep` tries its configs), `gemm` (the older `wna16_mma_gemm`), `dequant+cublas`
+`gemv` (M <= 64: `wna16_mma_gemv`), `tc` (`wna16_mma_gemm`: dequantization in registers,
+`tl.dot`; `--sweep` tries its configs), `dequant+cublas`
 (`wna16_mma_dequant` then `F.linear`), and `bf16` (cuBLAS on the dense weight) as the
 denominator of every ratio. Each is timed inside one CUDA graph cycling over enough weight
 copies to stream > 4x the L2 from HBM per replay (`pagoda.bench.common.graph_time_per_call`),
@@ -37,10 +37,10 @@ MS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 GROUP = 128
 
 
-def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.TcGemmConfig]:
+def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
     """The default first, then swap-AB tiles of the two largest BLOCK_M up to M (cap 128) and
     plain [64 | 128, 8 CG | 16 CG] tiles, each with and without split-K where few programs."""
-    out = [mma.default_tc_gemm_config(m, n, k, num_sms)]
+    out = [mma.default_mma_gemm_config(m, n, k, num_sms)]
     p2 = 16
     while p2 < m and p2 < 128:
         p2 *= 2
@@ -109,8 +109,6 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: in
     cands["dequant+cublas"] = lambda i: F.linear(
         x, mma.wna16_mma_dequant(layer.words[i], layer.pairs[i], n, k, GROUP, layer.z(i))
     )
-    if not zp and m > 8:
-        cands["gemm"] = lambda i: mma.wna16_mma_gemm(x, layer.words[i], layer.pairs[i], n, GROUP)
     configs = [None]
     if sweep and m in (16, 32, 64, 128, 256) and not zp:
         configs = tc_sweep(m, n, k, num_sms)
@@ -118,7 +116,7 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: in
         for c in configs:
 
             def fn(i, c=c):
-                return mma.wna16_mma_tc_gemm(
+                return mma.wna16_mma_gemm(
                     x, layer.words[i], layer.pairs[i], n, GROUP, config=c, zero_pairs=layer.z(i)
                 )
 

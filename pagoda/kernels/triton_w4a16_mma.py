@@ -1,62 +1,41 @@
-"""W4A16 on tensor cores: int4 -> bf16x2 in registers, then `mma.sync` (GEMV, M <= 64); a
-Triton GEMM on the same weight layout for M = 33-64 on the large layers.
+"""W4A16 on tensor cores, one weight layout (`repack_mma`) for every M: a GEMV with the int4
+-> bf16 conversion and `mma.sync` in inline asm (M <= 64), a Triton GEMM with the dequantization
+in registers feeding `tl.dot` (larger M), and an exact dequantization pass (then cuBLAS).
 
-Why: the FMA GEMV (`triton_w4a16.wna16_gemv`) spends a mask-and-OR, a float subtract and an FMA
-per weight on the FP32 pipes and read int4 weights at ~44 % of the H200's copy bandwidth; its
-cost also grows with M. Here, per 32-bit word (8 weights), 3 shifts and 4 `lop3` turn the
-nibbles into four bf16x2 values 128 + u (the exponent of 128 makes the code the low mantissa
-bits, exactly) and `mma.sync.m16n8k16` multiplies 16 weight columns x 16 K by 8 activation rows
-into fp32; a second MMA with a constant A of -136 adds -136 * sum(x) to the same accumulator
-(the code offset, exact in fp32, no subtract per weight); the group scale multiplies each
-tile's partial (64 K) once per output. Measured on the H200 (Qwen2.5-7B shapes, M = 1): qkv 5.7,
-o 5.3, gate_up 26.3, down 14.0-16.0 µs against the FMA GEMV's 9.2 / 7.8 / 34.4 / 20.4, and at
-M = 8 nearly the M = 1 time (gate_up 31.5 vs 70.6); see BENCHMARKS.md.
-
-Triton has no way to place a tensor in an MMA fragment, so the weights are repacked once at load
-into the order in which the threads of a warp hold the MMA's A fragments, and the MMA is issued
-from `tl.inline_asm_elementwise(pack=4)`: every thread runs the same asm on its own 4 words,
-which is exactly the warp-wide collective `mma.sync` expects. That relies on how Triton lays out
-a [rows, 128] int32 tile loaded contiguously along its last dimension (16 B per thread, 32
-threads along the row, warps down the rows): lane l of a warp holds elements 4l ... 4l+3 of a
-row. The sm_90 TTGIR shows that layout for every config used (Triton 3.9, compiled without a
-GPU), the GPU tests check the results on Triton 3.6, and `mma_self_test` checks them once per
-device before a model takes this path (a mismatch: the older layout and the FMA GEMV).
+GEMV: per 32-bit word (8 weights) 3 shifts and 4 `lop3` turn the nibbles into four bf16x2
+values 128 + u (the exponent of 128 makes the code the low mantissa bits, exactly) and
+`mma.sync.m16n8k16` multiplies 16 weight columns x 16 K by 8 activation rows into fp32; a second
+MMA whose A holds -(128 + z) per column (z = 8 for symmetric weights, else the zero point of the
+column's group) adds -(128 + z) * sum(x) to the same accumulator; the group scale multiplies each
+tile's partial once per output. Triton cannot place a tensor in an MMA fragment, so the weights
+are stored in the order in which the threads of a warp hold the MMA's A fragments and the MMA is
+issued from `tl.inline_asm_elementwise(pack=4)`: every thread runs the same asm on its own 4
+words, which is the warp-wide collective `mma.sync` expects. That relies on how Triton lays out
+a [rows, 128] int32 tile loaded contiguously along its last dimension (lane l of a warp holds
+elements 4l ... 4l+3 of a row); `mma_self_test` checks it once per device before a model takes
+this layout.
 
 Layout (`repack_mma`): a tile is 16 output columns x 64 K = 128 int32 words; tiles are stored
 [N / 16][K / 64] (K fastest), each as [lane 0..31][v 0..3] words. Lane = 4 g + c (the MMA's
 groupID g and thread-in-group c); word v of lane (g, c) feeds the v-th MMA of the tile. In MMA
 v, thread c's K slots 2c, 2c+1 hold real K 16c + 4v + {0, 1} and slots 2c+8, 2c+9 hold
-16c + 4v + {2, 3}: a lane's activations for a tile are 32 contiguous bytes, and MMA v's two B
-registers are adjacent in them. The word's 8 nibbles, low to high: (row g, kA), (row g+8, kA),
-(row g, kB), (row g+8, kB), then the same for kA+1, kB+1 in the high half-word (kA = 16c + 4v,
-kB = kA + 2, rows = tile columns). Shifting by 0, 4, 8, 12 and masking 0x000F000F gives the
-fragments a0a1, a2a3, a4a5, a6a7. Scales (`repack_mma_scales`): one int32 per (column group,
-scale group, g) holding the scales of columns g and g + 8, one 32-bit load per lane.
+16c + 4v + {2, 3}. The word's 8 nibbles, low to high: (row g, kA), (row g+8, kA), (row g, kB),
+(row g+8, kB), then the same for kA+1, kB+1 in the high half-word (kA = 16c + 4v, kB = kA + 2,
+rows = tile columns). Scales (`repack_mma_scales`) and zero offsets (`repack_mma_zeros`, bf16
+-(128 + z)): one int32 per (column group, scale group, g) holding the values of columns g and
+g + 8, one 32-bit load per lane.
 
-Kernel (`_w4_mma_gemv_kernel`): a program owns one column group and a K slice (split-K through
-the serial workspace of `wna16_gemv`), walks it two steps per iteration with two register sets
-ping-ponged so that one step's weights are in flight during the other's math, reads the
-activations just in time (L1: every program of an SM reads the same x), and loads its first
-weights before `gdc_wait` (PDL). M = 9-32 (`_w4_mma_gemv_shared_kernel`): one accumulator per
-block of 8 activation rows and one asm per tile (`_shared_asm`) that dequantizes each word once
-for every block, the offset by `fma.rn.bf16x2` (u - 8 exactly) instead of the constant-A MMA;
-M = 33-64 as two such launches, though layers take `wna16_mma_gemm` (large layers) or
-`wna16_mma_dequant` + cuBLAS there (`quantized_linear._mma_max_m` / `_mma_gemm_max_m`, from
-the H200 measurements in BENCHMARKS.md). What still limits the M = 1 GEMV: the same loads
-without the math (`dry=True`) reach 69-75 % of the copy bandwidth on gate_up / down and 36-43 %
-on qkv / o, and the math brings that to ~60 % / ~30 %; a bulk L2 prefetch of each program's
-slice (`PAGODA_W4A16_PF`, sm_90+) made even the loads-only kernel slower (session 6), so the
-small layers' time is fixed costs (launch, first DRAM round trip, the split-K flush), not bytes
-in flight. A kernel that only reads the same bytes (one-shot programs, 8 x 16-byte loads per
-thread) takes 3.8 / 3.4 / 17.6 / 9.6 µs on qkv / o / gate_up / down against this GEMV's 5.6 /
-5.3 / 25.7 / 16.1 (session 7). `gated=True` (M <= 8) applies the MLP's SwiGLU in the epilogue
-(a program walks a gate and an up column group); it measured no faster than the GEMV followed
-by the activation kernel, so layers use it only when asked (`PAGODA_W4A16_FUSED_SILU=1`).
+GEMV kernels: a program owns one column group and a K slice (split-K through the serial
+workspace), walks it two steps per iteration with two register sets ping-ponged, and loads its
+first weights before `gdc_wait` (PDL). M = 9-32 (`_w4_mma_gemv_shared_kernel`): one asm per tile
+dequantizes each word once for every block of 8 rows (the offset by `fma.rn.bf16x2`).
+GEMM (`_mma_gemm_kernel`): the nibbles h, 2 + h, 4 + h, 6 + h of a word are column 8h + g at K
+offsets 0, 2, 1, 3 of the lane's 4, so words loaded as [columns, K / 4] unpack into two weight
+tiles (one per column half) whose K order is natural once interleaved: no permute.
 
-The torch reference `mma_gemv_emulate` follows the PTX fragment rules step by step (the CPU tests
-check the repacking against the dequantized matmul with it); under the Triton interpreter
-`_tile_mma` computes the same tile product with reshapes, so the CPU tests run the kernel's
-bookkeeping; `wna16_linear_ref` is the numerical oracle on the GPU.
+`mma_gemv_emulate` follows the PTX fragment rules step by step (the CPU oracle of the
+repacking); under the Triton interpreter the asm is replaced by the same arithmetic written with
+reshapes, so the CPU tests run the kernels' bookkeeping.
 """
 
 from __future__ import annotations
@@ -877,169 +856,6 @@ def self_test_on(device: torch.device, shared: bool = False) -> bool:
     return ok
 
 
-# ------------------------------------------------- M = 33-512: a Triton GEMM on the MMA layout
-
-
-@triton.jit
-def _mma_gemm_kernel(
-    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr,
-    M, N, K, n_groups_s, k_tiles_per_split,
-    stride_xm, stride_om, stride_os,
-    GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
-    BLOCK_M: tl.constexpr,
-    CG: tl.constexpr,  # column groups of 16 per program (BLOCK_N = 16 CG)
-    T: tl.constexpr,  # K tiles of 64 per step (divides GROUP_TILES: one scale per column)
-    GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,  # > 1: fp32 partials [SPLIT, M, N] summed by the caller
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """out = x @ dequant(W).T for `repack_mma` words: each step unpacks [CG, T] tiles to the
-    integer codes u - 8 (exact in bf16), multiplies x by them with `tl.dot`, and scales the
-    fp32 product once per column (a step never crosses a scale group). One weight read for all
-    of M, against the dequant pass + cuBLAS's weight read, bf16 write and bf16 read."""
-    BN: tl.constexpr = 16 * CG
-    BK: tl.constexpr = 64 * T
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = N // BN
-    num_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_in_group
-    first_m = group_id * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_in_group) % group_rows
-    pid_n = (pid % num_in_group) // group_rows
-    kb_total = K // 64
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    ng0 = pid_n * CG
-    cg = tl.arange(0, CG)[:, None, None]
-    t = tl.arange(0, T)[None, :, None]
-    j = tl.arange(0, 128)[None, None, :]
-    w_rows = w_ptr + ((ng0 + cg) * kb_total + t) * 128 + j  # [CG, T, 128]; + kb0 * 128
-    sh = tl.arange(0, 8) * 4
-    g8 = tl.arange(0, 8)[None, :]
-    s_rows = sp_ptr + (ng0 + tl.arange(0, CG)[:, None]) * n_groups_s * 8 + g8  # [CG, 8]
-    offs_k = tl.arange(0, BK)
-    kb_lo = pid_k * k_tiles_per_split
-    kb_hi = tl.minimum(kb_lo + k_tiles_per_split, kb_total)
-    acc = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
-    for kb0 in range(kb_lo, kb_hi, T):
-        words = tl.load(w_rows + kb0 * 128)
-        q = (((words[:, :, :, None] >> sh[None, None, None, :]) & 0xF) - 8).to(tl.int8)
-        q = tl.reshape(q, [CG, T, 8, 4, 4, 2, 2, 2])  # cg, t, g, c, v, e, half, h
-        w = tl.reshape(
-            tl.permute(q, (0, 7, 2, 1, 3, 4, 6, 5)), [BN, BK]
-        )  # (cg h g), (t c v half e)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + kb0 * 64 + offs_k[None, :],
-            mask=mask_m[:, None],
-            other=0.0,
-        )
-        if INTERPRET:  # numpy has no bf16: the interpreter multiplies in fp32 (same values)
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-        else:
-            part = tl.dot(x, tl.trans(w.to(tl.bfloat16)))  # exact integer weights
-        if GROUP_TILES > 0:
-            grp = kb0 // GROUP_TILES
-        else:
-            grp = 0
-        pair = tl.load(s_rows + grp * 8)  # [CG, 8]: columns g (low half), g + 8 (high half)
-        lo = (pair << 16).to(tl.float32, bitcast=True)
-        hi = (pair & -65536).to(tl.float32, bitcast=True)
-        scale = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BN])  # (cg h g)
-        acc += part * scale[None, :]
-    offs_n = ng0 * 16 + tl.arange(0, BN)
-    mask = mask_m[:, None]
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
-        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(ptrs, acc, mask=mask)
-
-
-GemmMmaConfig = tuple[int, int, int, int, int, int]  # BLOCK_M, CG, T, split, warps, stages
-
-
-def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmMmaConfig:
-    """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages), measured on the H200
-    (`bench_w4a16_mma.py --gemm-only`, session 6 run 4, Qwen2.5-7B shapes): M <= 64, 4 column
-    groups, split-K to ~2 programs per SM (gate_up 118.6 µs at M = 64, down 74.3); larger M,
-    [128, 128] tiles on 8 warps (gate_up 218.9 / 641.1 µs at M = 128 / 512)."""
-    if m > 64:
-        return (128, 8, 2, 1, 8, 3)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    programs = max(1, -(-n // (16 * 4)))
-    split = max(1, min(4, round(2 * num_sms / programs))) if programs < num_sms else 1
-    return (block_m, 4, 2, split, 4, 3)
-
-
-def wna16_mma_gemm(
-    x: torch.Tensor,  # [M, K] bf16
-    words: torch.Tensor,
-    scale_pairs: torch.Tensor,
-    n: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-    config: GemmMmaConfig | None = None,
-) -> torch.Tensor:  # [M, N] bf16
-    """y = x @ dequant(W).T (+ bias) for `repack_mma` weights at any M (`_mma_gemm_kernel`)."""
-    m, k = x.shape
-    if x.dtype != torch.bfloat16 or not mma_supported(n, k, group_size, 4, False):
-        raise ValueError(
-            f"wna16_mma_gemm takes bf16 x and a supported shape, got {x.dtype} N={n} K={k} "
-            f"group={group_size}"
-        )
-    num_sms = platform.num_sms(x.device) if x.is_cuda else 4
-    block_m, cg, t, split, warps, stages = config or default_mma_gemm_config(m, n, k, num_sms)
-    groups = n // TILE_N
-    while cg > 1 and groups % cg:
-        cg //= 2
-    per_channel = group_size <= 0 or group_size >= k
-    group_tiles = 0 if per_channel else group_size // TILE_K
-    kb_total = k // TILE_K
-    limit = kb_total if per_channel else group_tiles
-    t = _k_tiles_per_step(k, min(t, limit))
-    while group_tiles and group_tiles % t:
-        t //= 2
-    per = -(-(kb_total // t) // split) * t
-    split = -(-kb_total // per)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if split == 1:
-        out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
-        stride_os = 0
-    else:
-        out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-        stride_os = out.stride(0)
-    grid = (triton.cdiv(m, block_m) * (groups // cg), split)
-    _mma_gemm_kernel[grid](
-        x, words, scale_pairs, bias if bias is not None else x, out,
-        m, n, k, scale_pairs.shape[1], per,
-        x.stride(0), out.stride(-2), stride_os,
-        GROUP_TILES=group_tiles,
-        BLOCK_M=block_m,
-        CG=cg,
-        T=t,
-        GROUP_M=8,
-        HAS_BIAS=bias is not None and split == 1,
-        SPLIT=split,
-        INTERPRET=_INTERPRET,
-        num_warps=warps,
-        num_stages=stages,
-    )  # fmt: skip
-    if split == 1:
-        return out
-    y = out.sum(0)
-    if bias is not None:
-        y += bias.float()
-    return y.to(torch.bfloat16)
-
-
 # ------------------------------------ M > 32: tensor-core GEMM with dequantization in registers
 
 
@@ -1132,7 +948,7 @@ def _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, kb0, GROUP_TILES: tl.conste
 
 
 @triton.jit
-def _mma_tc_gemm_kernel(
+def _mma_gemm_kernel(
     x_ptr, w_ptr, sp_ptr, zp_ptr, b_ptr, out_ptr,
     M, N, K, n_groups_s, k_tiles_per_split,
     stride_xm, stride_om, stride_os,
@@ -1240,10 +1056,10 @@ def _mma_tc_gemm_kernel(
         tl.store(ptrs + 8, acc1, mask=mask)
 
 
-TcGemmConfig = tuple[int, int, int, int, int, int, bool]  # BM, CG, T, split, warps, stages, swap
+GemmMmaConfig = tuple[int, int, int, int, int, int, bool]  # BM, CG, T, split, warps, stages, swap
 
 
-def default_tc_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> TcGemmConfig:
+def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmMmaConfig:
     """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages, swap-AB) from the H200
     sweep (`bench_w4a16_tc.py --sweep`, Qwen2.5-7B / 3B shapes, M = 16-256): [64 | 128, BN] tiles
     without swap-AB; 16 column groups on 8 warps for the narrow 7B layers (qkv, o, down), 8
@@ -1256,25 +1072,25 @@ def default_tc_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> TcGemm
     return (block_m, cg, 2, split, warps, 3, False)
 
 
-def wna16_mma_tc_gemm(
+def wna16_mma_gemm(
     x: torch.Tensor,  # [M, K] bf16
     words: torch.Tensor,
     scale_pairs: torch.Tensor,
     n: int,
     group_size: int,
     bias: torch.Tensor | None = None,
-    config: TcGemmConfig | None = None,
+    config: GemmMmaConfig | None = None,
     zero_pairs: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N] bf16
-    """y = x @ dequant(W).T (+ bias) for `repack_mma` weights at any M (`_mma_tc_gemm_kernel`)."""
+    """y = x @ dequant(W).T (+ bias) for `repack_mma` weights at any M (`_mma_gemm_kernel`)."""
     m, k = x.shape
     if x.dtype != torch.bfloat16 or not mma_supported(n, k, group_size, 4, False):
         raise ValueError(
-            f"wna16_mma_tc_gemm takes bf16 x and a supported shape, got {x.dtype} N={n} K={k} "
+            f"wna16_mma_gemm takes bf16 x and a supported shape, got {x.dtype} N={n} K={k} "
             f"group={group_size}"
         )
     num_sms = platform.num_sms(x.device) if x.is_cuda else 4
-    block_m, cg, t, split, warps, stages, swap = config or default_tc_gemm_config(m, n, k, num_sms)
+    block_m, cg, t, split, warps, stages, swap = config or default_mma_gemm_config(m, n, k, num_sms)
     groups = n // TILE_N
     while cg > 1 and groups % cg:
         cg //= 2
@@ -1295,7 +1111,7 @@ def wna16_mma_tc_gemm(
         out = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
         stride_os = out.stride(0)
     grid = (triton.cdiv(m, block_m) * (groups // cg), split)
-    _mma_tc_gemm_kernel[grid](
+    _mma_gemm_kernel[grid](
         x, words, scale_pairs, zero_pairs if zero_pairs is not None else scale_pairs,
         bias if bias is not None else x, out,
         m, n, k, scale_pairs.shape[1], per,

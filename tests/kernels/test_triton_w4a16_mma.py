@@ -145,57 +145,6 @@ def test_default_config_follows_the_shape() -> None:
     assert mm._k_tiles_per_step(576, 4) == 1 and mm._k_tiles_per_step(3584, 4) == 4
 
 
-def test_layer_mma_backend_on_cpu_interpreter(monkeypatch) -> None:
-    """The layer's tensor-core path (`_apply_mma`, `_dequantize`), run by the interpreter:
-    the layout is chosen on CUDA only, so the test moves a processed layer into it by hand."""
-    from pagoda.kernels.wna16 import pack_to_int32
-    from pagoda.layers import quantized_linear as ql
-    from pagoda.layers.linear import ReplicatedLinear
-
-    inp, out = 256, 32
-    g = torch.Generator().manual_seed(2)
-    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
-    scale = (torch.rand(out, inp // 64, generator=g) * 0.02 + 0.001).bfloat16()
-    method = ql.WNA16LinearMethod(ql.WeightQuantArgs(4, True, 64))
-    layer = ReplicatedLinear(inp, out, bias=True, linear_method=method, dtype=torch.bfloat16)
-    layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
-    layer.weight_scale.data.copy_(scale)
-    layer.bias.data.normal_()
-    assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cpu"))
-    method.process_weights_after_loading(layer)
-    assert layer.wna16_backend == "dequant"
-    for name in ("codes", "scales"):
-        delattr(layer, name)
-    layer.mma_words = torch.nn.Parameter(mm.repack_mma(q.to(torch.int32) + 8), False)
-    layer.mma_scales = torch.nn.Parameter(mm.repack_mma_scales(scale.t().contiguous()), False)
-    layer.wna16_backend = "mma"
-    expect = dequantize_weight(q, scale, None, 64, None, torch.bfloat16)
-    assert torch.equal(method.dequantized_weight(layer), expect)
-    x = torch.randn(20, inp, generator=g).bfloat16()
-    ref = wna16_linear_ref(x.float(), q, scale.float(), None, 64, bias=layer.bias.float())
-    tol = 2.0**-6 * ref.abs().max().item()
-    monkeypatch.setenv("PAGODA_W4A16_MMA_MAX_M", "16")
-    monkeypatch.setenv("PAGODA_W4A16_MMA_GEMM_MAX_M", "18")
-    for m in (1, 9, 16, 17, 20):  # GEMV (1 and 2 blocks of 8 rows), GEMM, dequant + matmul
-        assert (layer(x[:m]).float() - ref[:m]).abs().max().item() <= tol
-    monkeypatch.delenv("PAGODA_W4A16_MMA_GEMM_MAX_M")
-    monkeypatch.setenv("PAGODA_W4A16_MMA_MAX_M", "many")
-    with pytest.raises(ValueError, match="PAGODA_W4A16_MMA_MAX_M"):
-        layer(x[:1])
-    monkeypatch.setenv("PAGODA_W4A16_MMA", "0")
-    assert not ql._use_mma_layout(4, True, torch.bfloat16, out, inp, 64, torch.device("cuda"))
-    monkeypatch.delenv("PAGODA_W4A16_MMA_MAX_M")
-    assert ql._mma_max_m(4608, 3584) == 32 and ql._mma_max_m(37888, 3584) == 32
-    assert ql._mma_gemm_max_m(4608, 3584) == 0 and ql._mma_gemm_max_m(3584, 3584) == 0  # qkv, o
-    assert ql._mma_gemm_max_m(37888, 3584) == 64 and ql._mma_gemm_max_m(3584, 18944) == 64
-    monkeypatch.setenv("PAGODA_W4A16_MMA_GEMM_MAX_M", "7x")
-    with pytest.raises(ValueError, match="PAGODA_W4A16_MMA_GEMM_MAX_M"):
-        ql._mma_gemm_max_m(4608, 3584)
-    monkeypatch.delenv("PAGODA_W4A16_MMA_GEMM_MAX_M")
-    monkeypatch.setenv("PAGODA_W4A16_MMA_SHARED", "0")  # the per-block kernel: smaller limits
-    assert ql._mma_max_m(4608, 3584) == 16 and ql._mma_max_m(37888, 3584) == 32
-
-
 # (M, N, K, group, config, bias): 2 and 4 blocks sharing one dequantization, split-K (serial
 # reduction of every block), odd step counts, per-channel, and M = 33-64 as two launches.
 SHARED_CASES = [
@@ -218,27 +167,6 @@ def test_mma_gemv_shared_dequant_interpreter(m, n, k, group, config, bias) -> No
     assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
     old = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, shared=False)
     assert torch.equal(y, old)  # the same sums in the same order under the interpreter
-
-
-# (M, N, K, group, (BLOCK_M, CG, T, split, warps, stages), bias): one and several M blocks,
-# split-K (fp32 partials), column groups that CG does not divide, per-channel, group 64.
-GEMM_CASES = [
-    (20, 32, 256, 128, (16, 2, 2, 1, 4, 1), False),
-    (70, 64, 512, 64, (32, 4, 2, 2, 4, 1), True),
-    (5, 48, 576, -1, (16, 4, 4, 3, 4, 1), True),
-    (33, 80, 384, 128, (32, 8, 1, 1, 4, 1), False),
-]
-
-
-@pytest.mark.parametrize("m,n,k,group,config,bias", GEMM_CASES)
-def test_mma_gemm_interpreter(m, n, k, group, config, bias) -> None:
-    x, words, pairs, ref, _, _ = _case(m, n, k, group, seed=17)
-    b = torch.randn(n).to(torch.bfloat16) if bias else None
-    if bias:
-        ref = ref + b.float()
-    y = mm.wna16_mma_gemm(x, words, pairs, n, group, bias=b, config=config)
-    assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
 
 
 def test_mma_gemm_rejects_bad_input() -> None:
@@ -332,7 +260,7 @@ def test_mma_gemv_shared_configs_gpu(m, config) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 @pytest.mark.parametrize("m", [17, 64, 100, 512])
-def test_mma_gemm_qwen7b_gpu(m, n, k) -> None:
+def test_mma_gemm_bias_qwen7b_gpu(m, n, k) -> None:
     x, words, pairs, ref, _, _ = _case(m, n, k, 128, device="cuda", seed=19)
     b = torch.randn(n, device="cuda").to(torch.bfloat16)
     y = mm.wna16_mma_gemm(x, words, pairs, n, 128, bias=b)
@@ -365,9 +293,9 @@ def test_mma_gemv_cuda_graph_gpu() -> None:
 
 @pytest.mark.gpu
 def test_quantized_layer_uses_the_mma_layout_gpu(monkeypatch) -> None:
-    from pagoda.kernels.wna16 import pack_to_int32
     from pagoda.layers.linear import ReplicatedLinear
     from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
+    from pagoda.quant.packing import pack_to_int32
 
     inp, out = 1024, 512
     g = torch.Generator().manual_seed(0)
@@ -463,7 +391,7 @@ TC_CASES = [
 
 
 @pytest.mark.parametrize("m,n,k,group,config,bias,zp", TC_CASES)
-def test_mma_tc_gemm_interpreter(m, n, k, group, config, bias, zp) -> None:
+def test_mma_gemm_interpreter(m, n, k, group, config, bias, zp) -> None:
     if zp:
         x, words, pairs, zeros, ref, _ = _zp_case(m, n, k, group, seed=29)
     else:
@@ -471,7 +399,7 @@ def test_mma_tc_gemm_interpreter(m, n, k, group, config, bias, zp) -> None:
     b = torch.randn(n).to(torch.bfloat16) if bias else None
     if bias:
         ref = ref + b.float()
-    y = mm.wna16_mma_tc_gemm(x, words, pairs, n, group, bias=b, config=config, zero_pairs=zeros)
+    y = mm.wna16_mma_gemm(x, words, pairs, n, group, bias=b, config=config, zero_pairs=zeros)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
 
@@ -492,11 +420,11 @@ def test_mma_gemv_zero_points_qwen7b_gpu(m, n, k) -> None:
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 @pytest.mark.parametrize("m", [16, 33, 64, 128, 256])
 @pytest.mark.parametrize("zp", [False, True])
-def test_mma_tc_gemm_qwen7b_gpu(m, n, k, zp) -> None:
+def test_mma_gemm_qwen7b_gpu(m, n, k, zp) -> None:
     if zp:
         x, words, pairs, zeros, ref, _ = _zp_case(m, n, k, 128, device="cuda", seed=37)
     else:
         (x, words, pairs, ref, _, _), zeros = _case(m, n, k, 128, device="cuda", seed=37), None
-    y = mm.wna16_mma_tc_gemm(x, words, pairs, n, 128, zero_pairs=zeros)
+    y = mm.wna16_mma_gemm(x, words, pairs, n, 128, zero_pairs=zeros)
     tol = 2e-2 * ref.abs().max().item()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=tol)
