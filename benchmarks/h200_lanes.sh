@@ -251,6 +251,9 @@ step_two_engines() {
   run two_engines 120 python3 benchmarks/deploy/two_engines.py --out "$R/two_engines_h200.json"
 }
 
+nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
+cat "$R/gpu.txt"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 lane() {
   local gpu=$1
   shift
