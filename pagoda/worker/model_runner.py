@@ -79,7 +79,9 @@ def per_process_memory_cap(device: torch.device, total: int) -> int | None:
     if get is None:
         return None
     # torch wants an index here: torch.device("cuda") without one is a ValueError
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
     fraction = float(get(index))
     return int(fraction * total) if fraction < 1.0 else None
 
