@@ -618,7 +618,8 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Free every device allocation this runner made: CUDA graphs and their memory pool,
-        the KV cache, the encoder's cached outputs, LoRA slots and the model. Idempotent."""
+        the KV cache, the encoder's cached outputs, LoRA slots, offload buffers, the split-K
+        workspace, cuBLAS's workspaces and the model. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -632,6 +633,7 @@ class ModelRunner:
         if self.model is not None:
             self._release_kv_cache()
         self.graph_runner = self.encoder_runner = self.lora_manager = self.model = None
+        self.split_k_workspace = None  # the split-K kernels' scratch (the layers' went above)
         self.kv_caches = []
         self.generators.clear()
         self._block_rows.clear()

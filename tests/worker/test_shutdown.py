@@ -32,9 +32,11 @@ def test_shutdown_frees_the_model_and_cache(tiny):
     runner = llm.llm_engine.core.runner
     model = weakref.ref(runner.model)
     cache = weakref.ref(runner.kv_caches[0])
+    workspace = weakref.ref(runner.split_k_workspace)
     llm.shutdown()
     gc.collect()
-    assert model() is None and cache() is None  # nothing else kept them alive
+    # nothing else kept them alive
+    assert model() is None and cache() is None and workspace() is None
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     llm.shutdown()  # idempotent
