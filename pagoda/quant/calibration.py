@@ -16,9 +16,10 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Multimodal placeholders in fine-tuning data; the text-only calibration never sees pixels.
 _MEDIA_TAG = re.compile(r"<(image|video)>\n?")
@@ -271,6 +272,8 @@ def load_calibration_data(
     seed: int = 0,
 ) -> CalibrationData:
     """Tokenised calibration samples: every record (or chunk) truncated, shuffled with `seed`."""
+    import torch  # here, not at the top: `pagoda --help` shows this module's formats_help
+
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if max_seq_len < 2:
