@@ -56,10 +56,10 @@ def metrics_for(settings: dict[str, Any]) -> list[Metric]:
         rows.append(
             Metric("throughput_tok_s", f"throughput, {n} requests (output tok/s)", "toks", "higher")
         )
-    if settings.get("ppl_text"):
-        rows.append(
-            Metric("ppl", f"perplexity ({settings['ppl_window']}-token windows)", "ppl", "lower")
-        )
+    # every run has a perplexity: on --ppl-text, else on a default text (see compare_worker)
+    rows.append(
+        Metric("ppl", f"perplexity ({settings['ppl_window']}-token windows)", "ppl", "lower")
+    )
     return rows
 
 
@@ -203,26 +203,26 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"[{s['throughput_len_range'][0]}, {s['throughput_len_range'][1]}], temperature "
             "0.6, ignore_eos), all submitted at once."
         )
-    if s.get("ppl_text"):
-        parts.append("")
-        ppl = (
-            next(
-                (
-                    c["result"].get("perplexity")
-                    for c in report["configs"]
-                    if c["status"] == "ok" and c["result"].get("perplexity")
-                ),
-                None,
-            )
-            or {}
+    parts.append("")
+    ppl = (
+        next(
+            (
+                c["result"].get("perplexity")
+                for c in report["configs"]
+                if c["status"] == "ok" and c["result"].get("perplexity")
+            ),
+            None,
         )
-        parts.append(
-            f"Perplexity: `{s['ppl_text']}`, {ppl.get('text_tokens', '?')} tokens scored in "
-            f"windows of {ppl.get('window', s['ppl_window'])} (stride = window, every token after "
-            f"the first predicted once; {ppl.get('windows', '?')} windows, tokens hash "
-            f"`{ppl.get('tokens_sha256', '?')}`), by `{ppl.get('method', '?')}`: "
-            "`pagoda eval perplexity MODEL --text FILE --window W` gives the same number."
-        )
+        or {}
+    )
+    parts.append(
+        f"Perplexity: {ppl.get('text') if not s.get('ppl_text') else '`' + s['ppl_text'] + '`'}"
+        f", {ppl.get('text_tokens', '?')} tokens scored in "
+        f"windows of {ppl.get('window', s['ppl_window'])} (stride = window, every token after "
+        f"the first predicted once; {ppl.get('windows', '?')} windows, tokens hash "
+        f"`{ppl.get('tokens_sha256', '?')}`), by `{ppl.get('method', '?')}`: "
+        "`pagoda eval perplexity MODEL --text FILE --window W` gives the same number."
+    )
     notes = []
     cores = os.cpu_count() or 1
     loads = [
