@@ -36,11 +36,12 @@ def _ignore_list(ns: argparse.Namespace) -> list[str]:
 def _cmd_quantize(ns: argparse.Namespace) -> int:
     from pagoda.quant.api import quantize
 
-    if ns.method == "gptq" and ns.dataset is None:
+    if ns.method != "rtn" and ns.dataset is None:
         # the API's message names its argument; the CLI user needs the flag
+        what = "GPTQ" if ns.method == "gptq" else "AWQ"
         raise ValueError(
-            "GPTQ needs calibration data: pass --dataset FILE (.json/.jsonl chats or text, or "
-            "plain text; see `pagoda quantize --help`), or use --method rtn"
+            f"{what} needs calibration data: pass --dataset FILE (.json/.jsonl chats or text, "
+            "or plain text; see `pagoda quantize --help`), or use --method rtn"
         )
 
     report = quantize(
@@ -61,6 +62,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         dtype=ns.dtype,
         progress=not ns.no_progress,
         gptq_scales=ns.gptq_scales,
+        format=ns.format,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -81,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     q = sub.add_parser(
         "quantize",
-        help="quantize a model (GPTQ / RTN) to compressed-tensors",
+        help="quantize a model (GPTQ / AWQ / RTN)",
         epilog=formats_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -92,8 +94,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="HF model directory or .gguf file (default: the embedded SmolLM2)",
     )
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    q.add_argument("--scheme", default="W4A16", help="W4A16 | W4A16_ASYM | W8A16")
-    q.add_argument("--method", default="gptq", choices=["gptq", "rtn"])
+    q.add_argument(
+        "--scheme",
+        default=None,
+        help="W4A16 | W4A16_ASYM | W8A16 (default: W4A16, or W4A16_ASYM for AWQ)",
+    )
+    q.add_argument(
+        "--method",
+        default="gptq",
+        choices=["gptq", "rtn", "awq", "awq+gptq"],
+        help="awq: AWQ's activation-aware scales and clipping, then round to nearest; "
+        "awq+gptq: AWQ's scales and clipping, then GPTQ",
+    )
+    q.add_argument(
+        "--format",
+        default="compressed-tensors",
+        choices=["compressed-tensors", "autoawq"],
+        help="checkpoint layout: compressed-tensors (pack-quantized), or AutoAWQ's GEMM "
+        "layout (quant_method awq; 4-bit, lm_head dense)",
+    )
     q.add_argument("--group-size", type=_group_size, default=128, help="-1: per channel")
     q.add_argument(
         "--ignore",
