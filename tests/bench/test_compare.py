@@ -294,7 +294,8 @@ def test_interrupted_run_keeps_its_measurements_and_resume_finishes_it(models, t
     out = tmp_path / "run"
     argv = [
         sys.executable, "-m", "pagoda.entrypoints.cli", "compare", str(small), "--device", "cpu",
-        "--max-model-len", "128", "--prompt-len", "16", "--output-len", "8", "--batch-sizes",
+        # 100 output tokens: the decode runs after TTFT take seconds, so SIGTERM lands in them
+        "--max-model-len", "128", "--prompt-len", "16", "--output-len", "100", "--batch-sizes",
         "1,2", "--iters", "1", "--throughput-requests", "2", "--ppl-text", str(text),
         "--ppl-window", "64", "--cpu-threads", "1", "--out", str(out),
     ]  # fmt: skip
@@ -306,7 +307,7 @@ def test_interrupted_run_keeps_its_measurements_and_resume_finishes_it(models, t
         partial = compare.read_result(result_file) or {}
         if "ttft_ms" in partial:
             break
-        time.sleep(0.2)
+        time.sleep(0.05)
     else:
         proc.kill()
         pytest.fail("the worker never wrote its TTFT")
@@ -317,6 +318,7 @@ def test_interrupted_run_keeps_its_measurements_and_resume_finishes_it(models, t
     assert f"--out {out} --resume" in err.decode()
     md = (out / "report.md").read_text()
     assert "| TTFT p50, prompt 16 (ms) |" in md and "was interrupted" in md
+    assert partial.get("complete") is False and not (partial.get("decode") or {}).get("2")
     ttft = json.loads((out / "report.json").read_text())["configs"][0]["values"]["ttft_ms"]
     assert ttft == pytest.approx(partial["ttft_ms"])
 
