@@ -155,6 +155,9 @@ class LLM:
         self, items: list, params: list[SamplingParams], use_tqdm: bool, loras: list | None = None
     ) -> list[RequestOutput]:
         engine = self.llm_engine
+        limit = engine.model_config.max_model_len
+        for (_, processed), p in zip(items, params, strict=True):
+            _check_context(len(processed.prompt_token_ids), p.max_tokens, limit)
         ids = []
         loras = loras or [None] * len(items)
         try:
@@ -187,6 +190,18 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _check_context(prompt_len: int, max_tokens: int | None, limit: int) -> None:
+    """max_tokens beyond the context is an error, as on the server (a 400 there), not a
+    silent stop at max_model_len; None means "up to the context limit"."""
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise ValueError(
+            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and the "
+            f"context (max_model_len) is {limit}, so at most {limit - prompt_len} can be "
+            "generated; lower max_tokens, pass max_tokens=None (up to the limit), or raise "
+            "max_model_len"
+        )
 
 
 def _lora_list(lora_request: Any, n: int) -> list[Any]:
