@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagoda import __version__
 from pagoda.engine.args import EngineArgs
 from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pagoda.entrypoints.openai.errors import (
@@ -30,6 +31,7 @@ from pagoda.entrypoints.openai.middleware import ServerGuard
 from pagoda.entrypoints.openai.protocol import ModelCard, ModelList
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("pagoda")
 
@@ -53,6 +55,7 @@ class ServerArgs:
     lora_modules: dict[str, str] = field(default_factory=dict)  # served name -> adapter dir
     max_loras: int | None = None
     max_lora_rank: int = 64
+    tool_call_parser: str | None = None  # None: chosen from the chat template
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -86,11 +89,13 @@ def build_app(
     max_concurrent_requests: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     lora_modules: dict[str, str] | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. It does not own the engine: the caller shuts it down.
 
     `lora_modules` maps served names to PEFT adapter directories (the engine must have been
     built with `enable_lora=True`); a request's `model` field picks the adapter.
+    `tool_call_parser` (hermes | llama3_json) overrides the parser chosen from the template.
     """
     if max_concurrent_requests is not None and max_concurrent_requests < 1:
         raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
@@ -107,8 +112,9 @@ def build_app(
             lora_requests[name] = LoRARequest(name, i, path)
     shared = (async_engine, served_model_name, metrics, lora_requests)
     completion = OpenAIServingCompletion(*shared)
-    chat = OpenAIServingChat(*shared)
-    app = FastAPI(title="pagoda", summary="OpenAI-compatible LLM server", version="0.1.0")
+    chat = OpenAIServingChat(*shared, tool_call_parser=tool_call_parser)
+    tokenization = OpenAIServingTokenization(*shared)
+    app = FastAPI(title="pagoda", summary="OpenAI-compatible LLM server", version=__version__)
     app.state.engine = async_engine
     app.state.metrics = metrics
 
@@ -149,8 +155,16 @@ def build_app(
             return error_response(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    def model_cards() -> list[ModelCard]:
         cards = [
             ModelCard(
                 id=served_model_name,
@@ -167,7 +181,21 @@ def build_app(
             )
             for name, lr in lora_requests.items()
         ]
-        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+        return cards
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        body = ModelList(data=model_cards()).model_dump_json()
+        return Response(body, media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        for card in model_cards():
+            if card.id == model_id:
+                return Response(card.model_dump_json(), media_type="application/json")
+        raise APIError(
+            404, f"the model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
 
     @app.get("/v1/memory")
     async def memory() -> Response:
@@ -195,6 +223,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await chat.create(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await tokenization.detokenize(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        return await tokenization.tokenizer_info()
 
     app.add_middleware(
         ServerGuard,
@@ -225,6 +265,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
             max_concurrent_requests=server_args.max_concurrent_requests,
             max_body_bytes=server_args.max_body_bytes,
             lora_modules=server_args.lora_modules,
+            tool_call_parser=server_args.tool_call_parser,
         )
         config = uvicorn.Config(
             app,

@@ -73,6 +73,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="adapters resident on the device at once (default: all given, max 8)",
     )
     g.add_argument("--max-lora-rank", type=_positive_int, default=64)
+    g.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool calls are read from the model's text with tool_choice auto "
+        "(default: chosen from the chat template)",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -127,6 +134,7 @@ def server_args_from(ns: argparse.Namespace, server_args_cls: type) -> Any:
         lora_modules=parse_lora_modules(ns.lora_modules),
         max_loras=ns.max_loras,
         max_lora_rank=ns.max_lora_rank,
+        tool_call_parser=ns.tool_call_parser,
     )
     if ns.max_body_bytes is not None:
         kwargs["max_body_bytes"] = ns.max_body_bytes
