@@ -67,7 +67,12 @@ class LLM:
         loras = _lora_list(lora_request, len(prompt_list))
         # Offline: images may be local paths (a server never passes allow_local_paths).
         processor = self.llm_engine.input_processor
-        processed = [processor.process(p, allow_local_paths=True) for p in prompt_list]
+        processed = [
+            processor.process(
+                p, allow_local_paths=True, truncate_prompt_tokens=sp.truncate_prompt_tokens
+            )
+            for p, sp in zip(prompt_list, params, strict=True)
+        ]
         items = list(zip(prompt_list, processed, strict=True))
         return self._run(items, params, use_tqdm, loras)
 
@@ -94,8 +99,9 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                truncate_prompt_tokens=sp.truncate_prompt_tokens,
             )
-            for conv in conversations
+            for conv, sp in zip(conversations, params, strict=True)
         ]
         loras = _lora_list(lora_request, len(conversations))
         return self._run([(None, p) for p in processed], params, use_tqdm, loras)
