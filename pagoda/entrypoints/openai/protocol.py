@@ -54,6 +54,9 @@ class _TopLevel(_Request):
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
 
+    def ignored_fields(self) -> list[str]:
+        return self.unknown_fields()
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
