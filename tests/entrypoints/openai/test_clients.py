@@ -19,7 +19,9 @@ class City(BaseModel):
 
     name: str = Field(description="the city's name")
     country: str
-    population: int
+    # Bounded: without a bound the 135M model can write digits until max_tokens (the grammar
+    # keeps the JSON valid, not short).
+    population: int = Field(ge=0, le=99_999_999)
 
 
 def get_weather(city: str, unit: str) -> str:
