@@ -56,6 +56,10 @@ class ServerArgs:
     max_loras: int | None = None
     max_lora_rank: int = 64
     tool_call_parser: str | None = None  # None: chosen from the chat template
+    # sys.setswitchinterval for the server process (None: Python's 5 ms). The engine thread
+    # shares the GIL with the HTTP loop; each time it releases the GIL (a device sync, a
+    # socket write) it may wait this long to get it back while the loop is busy.
+    gil_switch_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -68,6 +72,10 @@ class ServerArgs:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
+            raise ValueError(
+                f"--gil-switch-interval must be > 0 seconds, got {self.gil_switch_interval_s}"
+            )
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
 
@@ -250,6 +258,8 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     import uvicorn
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if server_args.gil_switch_interval_s is not None:
+        sys.setswitchinterval(server_args.gil_switch_interval_s)
     engine = AsyncLLMEngine.from_engine_args(engine_args)
     try:
         name = server_args.served_model_name or engine.model_name

@@ -80,6 +80,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how tool calls are read from the model's text with tool_choice auto "
         "(default: chosen from the chat template)",
     )
+    g.add_argument(
+        "--gil-switch-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="sys.setswitchinterval for the server process (default: Python's 0.005); lower "
+        "lets the engine thread take the GIL back sooner from the HTTP loop",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -135,6 +143,7 @@ def server_args_from(ns: argparse.Namespace, server_args_cls: type) -> Any:
         max_loras=ns.max_loras,
         max_lora_rank=ns.max_lora_rank,
         tool_call_parser=ns.tool_call_parser,
+        gil_switch_interval_s=ns.gil_switch_interval,
     )
     if ns.max_body_bytes is not None:
         kwargs["max_body_bytes"] = ns.max_body_bytes
