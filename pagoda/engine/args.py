@@ -20,6 +20,8 @@ from pagoda.config import (
     normalize_dtype,
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
+from pagoda.platform import resolve_device
+from pagoda.quant.scheme import QUANT_METHODS, normalize_quant_method, parse_quantization_config
 
 # `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128);
 # `:w4a16-lm_head` / `:w8a16-lm_head` quantize the (untied) LM head too. Suffix -> (bits, head).
@@ -88,6 +90,7 @@ class EngineArgs:
     allow_remote_images: bool = False
     image_fetch_timeout: float = 10.0
     max_image_bytes: int = 20 << 20
+    cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed per layer
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -96,8 +99,6 @@ class EngineArgs:
     def create_configs(
         self,
     ) -> tuple[ModelSource, ModelConfig, CacheConfig, SchedulerConfig, RunnerConfig]:
-        from pagoda.worker.model_runner import resolve_device
-
         for name in ("max_num_seqs", "block_size", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -141,7 +142,8 @@ class EngineArgs:
                 load_format = "gguf"
 
         quant = quantization_config(hf_config)
-        if self.quantization is not None and quant is None and source.quant_override is None:
+        requested = normalize_quant_method(self.quantization)
+        if requested is not None and quant is None and source.quant_override is None:
             raise ValueError(
                 f"quantization={self.quantization!r} was requested but the checkpoint has no "
                 "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
@@ -149,18 +151,28 @@ class EngineArgs:
             )
         if quant is None and source.quant_override in _DUMMY_QUANT:
             quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])
+        if quant is None and source.quant_override == "awq":
+            from pagoda.quant.formats.autoawq import quantization_config as awq_config
+
+            quant = awq_config(group_size=128, zero_point=True)
         if quant is not None:
             method = quant.get("quant_method")
-            if method not in ("compressed-tensors", "gptq"):
+            method = method.lower() if isinstance(method, str) else method
+            if method not in QUANT_METHODS:
                 raise ValueError(
                     f"the checkpoint's quant_method={method!r} is not supported; pagoda serves "
-                    "compressed-tensors (pagoda quantize, llmcompressor) and gptq checkpoints"
+                    "compressed-tensors (pagoda quantize, llmcompressor), gptq and awq (AutoAWQ "
+                    "GEMM) checkpoints"
                 )
-            if self.quantization not in (None, method):
+            if requested not in (None, method):
                 raise ValueError(
                     f"quantization={self.quantization!r} was requested but the checkpoint is "
                     f"{method!r}"
                 )
+            try:
+                parse_quantization_config(quant)  # every bad field: one clear error, now
+            except NotImplementedError as e:
+                raise ValueError(str(e)) from None
 
         model_config = ModelConfig(
             model=source.path,
@@ -215,5 +227,13 @@ class EngineArgs:
             max_num_batched_tokens=max_batched,
             lora=lora_config,
             multimodal=mm_config,
+            cpu_offload_gb=self.cpu_offload_gb,
         )
+        if runner_config.cpu_offload_gb and quant is not None:
+            raise ValueError(
+                "cpu_offload_gb works with unquantized checkpoints only; a W4A16 checkpoint "
+                "already takes about a quarter of the bf16 weights"
+            )
+        if runner_config.cpu_offload_gb and lora_config is not None:
+            raise ValueError("cpu_offload_gb cannot be combined with enable_lora yet")
         return source, model_config, cache_config, scheduler_config, runner_config

@@ -36,7 +36,9 @@ from pagoda.model_files import (
     resolve_model,
 )
 from pagoda.models.registry import architectures_of, get_model_class
+from pagoda.platform import resolve_device
 from pagoda.quant.calibration import load_calibration_data
+from pagoda.quant.formats.autoawq import quantization_config as autoawq_quant_config
 from pagoda.quant.formats.compressed_tensors import (
     copy_model_files,
     save_safetensors,
@@ -44,6 +46,7 @@ from pagoda.quant.formats.compressed_tensors import (
     write_config,
 )
 from pagoda.quant.pipeline import (
+    FORMATS,
     METHODS,
     QUANTIZABLE_ARCHITECTURES,
     PipelineOptions,
@@ -62,17 +65,6 @@ from pagoda.quant.schemes import SCHEMES, scheme_args
 from pagoda.quant.schemes import quantization_config as make_quant_config
 
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not supported; use auto, cpu or cuda")
-    return dev
 
 
 def _storage_dtype(dtype: str, hf_config: Any) -> torch.dtype:
@@ -115,6 +107,17 @@ def _keep_vision_dense(skeleton: torch.nn.Module, arch: str, ignore: list[str]) 
     return [*ignore, *missing]
 
 
+def _modules_to_not_convert(skeleton: torch.nn.Module, ignore: list[str]) -> list[str] | None:
+    """AutoAWQ's `modules_to_not_convert` (matched as substrings of module names by vLLM,
+    transformers and pagoda): every dense linear by name, lm_head left implicit (AutoAWQ never
+    quantizes it) and a vision tower as the one entry "visual", as AutoAWQ writes it."""
+    names = [n for n in dense_module_names(skeleton, ignore) if n != "lm_head"]
+    short = [n for n in names if ".visual." not in f".{n}"]
+    if len(short) < len(names):
+        short.append("visual")
+    return short or None
+
+
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype):
     previous = torch.get_default_dtype()
@@ -128,7 +131,7 @@ def _default_dtype(dtype: torch.dtype):
 def quantize(
     model: str | os.PathLike[str] | None,
     out_dir: str | os.PathLike[str],
-    scheme: str = "W4A16",
+    scheme: str | None = None,
     method: str = "gptq",
     group_size: int = 128,
     ignore: list[str] | None = None,
@@ -143,6 +146,7 @@ def quantize(
     dtype: str = "auto",
     progress: bool = True,
     gptq_scales: str = "first_touch",
+    format: str = "compressed-tensors",
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
@@ -156,11 +160,19 @@ def quantize(
     deterministic random weights. `dtype`: what the checkpoint stores (scales, unquantized
     tensors); "auto" takes the model's dtype (bfloat16 when it has none). `gptq_scales`:
     "first_touch" (a group's scale from the error-updated weights when GPTQ reaches it) or
-    "upfront" (from the original weights).
+    "upfront" (from the original weights). `scheme`: default W4A16 (symmetric) for GPTQ
+    and RTN, W4A16_ASYM for AWQ ("awq": AWQ scales and clipping, then RTN; "awq+gptq": then
+    GPTQ). `format`: "compressed-tensors", or "autoawq" (AutoAWQ's GEMM layout, 4-bit,
+    lm_head dense, float16 scales).
     """
     start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not supported; use one of {', '.join(FORMATS)}")
+    awq = method in ("awq", "awq+gptq")
+    if scheme is None:
+        scheme = "W4A16_ASYM" if awq else "W4A16"
     if scheme.upper() not in SCHEMES:
         raise ValueError(f"scheme {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
     if actorder in ("none", "None", ""):
@@ -172,10 +184,14 @@ def quantize(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     # Act-order changes the order GPTQ visits columns; RTN has no order.
-    args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
+    args = scheme_args(scheme, group_size, actorder if method in ("gptq", "awq+gptq") else None)
     ignore = list(ignore if ignore is not None else ["lm_head"])
-    if method == "gptq" and dataset is None:
+    if method in ("gptq", "awq+gptq") and dataset is None:
         raise ValueError("GPTQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")
+    if awq and dataset is None:
+        raise ValueError("AWQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")
+    if format == "autoawq" and args.num_bits != 4:
+        raise ValueError(f"format='autoawq' stores 4-bit weights only; scheme {scheme} has 8")
 
     source = resolve_model(model)
     hf_config = load_hf_config(source)
@@ -188,7 +204,7 @@ def quantize(
         )
     if quantization_config(hf_config) is not None:
         raise ValueError(f"{source.path} is already quantized (it has a quantization_config)")
-    dev = _device(device)
+    dev = resolve_device(device)
     storage_dtype = _storage_dtype(dtype, hf_config)
     # CPU kernels for half types are slow: calibrate in float32 there.
     compute_dtype = torch.float32 if dev.type == "cpu" else storage_dtype
@@ -210,6 +226,11 @@ def quantize(
             raise ValueError(f"{arch} from a GGUF file cannot be quantized; use the HF directory")
         ignore = _keep_vision_dense(skeleton, arch, ignore)
     check_group_size(skeleton, args, ignore)
+    if format == "autoawq" and quantizes_lm_head(skeleton, ignore):
+        raise ValueError(
+            "format='autoawq' keeps lm_head unquantized (AutoAWQ checkpoints never quantize "
+            "it); drop --quantize-lm-head or use the compressed-tensors format"
+        )
     for i in range(len(decoder_of(skeleton)[0].layers)):
         for t in layer_targets(skeleton, i, ignore):
             if len(set(t.quantized)) > 1:
@@ -265,6 +286,7 @@ def quantize(
         storage_dtype=storage_dtype,
         progress=progress,
         gptq_scales=gptq_scales,
+        format=format,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     quantize_head = quantizes_lm_head(skeleton, ignore)
@@ -304,7 +326,13 @@ def quantize(
             stored_module = weights.checkpoint_name(f"{module}.weight").removesuffix(".weight")
             state[f"{stored_module}.{key}"] = tensor
         save_safetensors(state, tmp)
-        write_config(hf_config, make_quant_config(args, config_ignore), tmp, storage_dtype)
+        if format == "autoawq":
+            quant_config = autoawq_quant_config(
+                args.group_size, True, _modules_to_not_convert(skeleton, ignore)
+            )
+        else:
+            quant_config = make_quant_config(args, config_ignore)
+        write_config(hf_config, quant_config, tmp, storage_dtype)
         if source.kind == "hf_dir":
             copy_model_files(source.path, tmp)
         if tokenizer is not None and not (tmp / "tokenizer_config.json").exists():

@@ -54,6 +54,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         dtype=ns.dtype,
         progress=not ns.no_progress,
         gptq_scales=ns.gptq_scales,
+        format=ns.format,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -70,7 +71,7 @@ def _cmd_perplexity(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    q = sub.add_parser("quantize", help="quantize a model (GPTQ / RTN) to compressed-tensors")
+    q = sub.add_parser("quantize", help="quantize a model (GPTQ / AWQ / RTN)")
     q.add_argument(
         "model",
         nargs="?",
@@ -78,8 +79,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="HF model directory or .gguf file (default: the embedded SmolLM2)",
     )
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
-    q.add_argument("--scheme", default="W4A16", help="W4A16 | W4A16_ASYM | W8A16")
-    q.add_argument("--method", default="gptq", choices=["gptq", "rtn"])
+    q.add_argument(
+        "--scheme",
+        default=None,
+        help="W4A16 | W4A16_ASYM | W8A16 (default: W4A16, or W4A16_ASYM for AWQ)",
+    )
+    q.add_argument(
+        "--method",
+        default="gptq",
+        choices=["gptq", "rtn", "awq", "awq+gptq"],
+        help="awq: AWQ's activation-aware scales and clipping, then round to nearest; "
+        "awq+gptq: AWQ's scales and clipping, then GPTQ",
+    )
+    q.add_argument(
+        "--format",
+        default="compressed-tensors",
+        choices=["compressed-tensors", "autoawq"],
+        help="checkpoint layout: compressed-tensors (pack-quantized), or AutoAWQ's GEMM "
+        "layout (quant_method awq; 4-bit, lm_head dense)",
+    )
     q.add_argument("--group-size", type=_group_size, default=128, help="-1: per channel")
     q.add_argument(
         "--ignore",

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.layers.quantized_linear import WeightQuantArgs
 from pagoda.quant.rtn import QuantizedWeight, compute_qparams, fake_quantize, quantize_codes
+from pagoda.quant.scheme import WeightQuantArgs
 
 
 class HessianAccumulator:

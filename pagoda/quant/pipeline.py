@@ -5,6 +5,9 @@ are captured once; then per decoder layer: its weights alone are loaded onto the
 pass accumulates one Hessian per linear input (q/k/v share one, gate/up share one), each
 projection is quantized (GPTQ or RTN), a second pass through the quantized layer produces
 the next layer's inputs, and the layer goes back to meta. Quantized tensors wait on the CPU.
+AWQ keeps that pass's linear inputs instead: it searches and folds the channel scales of each
+`SmoothMapping` (the layer's math unchanged), clips the weights, then rounds (RTN, or GPTQ
+for "awq+gptq" with Hessians of the scaled inputs); the rescaled norms are written too.
 
 The LM head, when quantized (not ignored, embeddings untied), comes last: the final norm of
 the decoder runs on the quantized decoder's outputs, its outputs give lm_head's Hessian, and
@@ -31,11 +34,20 @@ from torch import nn
 
 from pagoda.layers.linear import LinearBase
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.quantized_linear import WeightQuantArgs
 from pagoda.layers.rotary import get_rope
+from pagoda.quant.awq import (
+    AWQOptions,
+    ScaleSearch,
+    activation_mean,
+    apply_clip,
+    search_clip,
+    search_scales,
+)
+from pagoda.quant.formats.autoawq import pack_awq_gemm
 from pagoda.quant.formats.compressed_tensors import compress
 from pagoda.quant.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quant.rtn import QuantizedWeight, hessian_weighted_error, rtn_quantize
+from pagoda.quant.scheme import WeightQuantArgs
 
 # Architectures whose decoder layers the pipeline knows how to run (the Llama skeleton).
 QUANTIZABLE_ARCHITECTURES = (
@@ -44,8 +56,10 @@ QUANTIZABLE_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
+    "MistralForCausalLM",
 )
-METHODS = ("gptq", "rtn")
+METHODS = ("gptq", "rtn", "awq", "awq+gptq")
+FORMATS = ("compressed-tensors", "autoawq")
 _CANDIDATE_GROUPS = (32, 64, 128, 256)
 
 
@@ -254,6 +268,36 @@ def layer_targets(model: nn.Module, layer_index: int, ignore: list[str]) -> list
     return targets
 
 
+@dataclass(frozen=True)
+class SmoothMapping:
+    """One AWQ scale search in a decoder layer (attribute paths of pagoda's modules).
+
+    `linear` reads the output of `prev`: an RMSNorm, or the shard `prev_shard` of a fused
+    linear (v_proj of qkv_proj, up_proj of gate_up_proj). Its input channels are multiplied by
+    s and `prev`'s outputs divided by s; `inspect` is the module whose output error scores s.
+    """
+
+    prev: str
+    linear: str
+    inspect: str
+    prev_shard: str | None = None
+
+
+# pagoda's Llama skeleton (Llama, Qwen2/3, Mistral, the Qwen2-VL / 2.5-VL text decoder): the
+# four smoothings of AutoAWQ and llmcompressor. v_proj -> o_proj applies only where v's output
+# is o_proj's input channel for channel (as many KV heads as heads).
+DECODER_AWQ_MAPPINGS = (
+    SmoothMapping("input_layernorm", "self_attn.qkv_proj", "self_attn"),
+    SmoothMapping("self_attn.qkv_proj", "self_attn.o_proj", "self_attn.o_proj", "v_proj"),
+    SmoothMapping("post_attention_layernorm", "mlp.gate_up_proj", "mlp"),
+    SmoothMapping("mlp.gate_up_proj", "mlp.down_proj", "mlp.down_proj", "up_proj"),
+)
+AWQ_MAPPINGS = {arch: DECODER_AWQ_MAPPINGS for arch in QUANTIZABLE_ARCHITECTURES}
+# AutoAWQ does not clip q/k: their error passes through the q·k product, which the
+# per-linear clip loss does not see.
+_AWQ_UNCLIPPED = ("q_proj", "k_proj")
+
+
 def check_group_size(model: nn.Module, args: WeightQuantArgs, ignore: list[str]) -> None:
     """One error naming every layer whose input size the group size does not divide."""
     if args.group_size == -1:
@@ -307,10 +351,22 @@ class ModuleReport:
 
 
 @dataclass
+class SmoothReport:
+    """One AWQ scale search: the winning exponent and the inspected module's output MSE."""
+
+    prev: str  # e.g. "model.layers.3.input_layernorm"
+    linear: str
+    ratio: float | None  # None: s = 1 (no smoothing) won
+    loss: float
+    initial_loss: float  # with s = 1
+
+
+@dataclass
 class LayerReport:
     index: int
     seconds: float
     modules: list[ModuleReport] = field(default_factory=list)
+    smoothing: list[SmoothReport] = field(default_factory=list)  # AWQ only
 
 
 @dataclass
@@ -371,6 +427,13 @@ class PipelineOptions:
     storage_dtype: torch.dtype = torch.bfloat16  # scales written to the checkpoint
     progress: bool = True
     gptq_scales: str = "first_touch"  # or "upfront" (see gptq_quantize)
+    awq: AWQOptions = AWQOptions()
+    format: str = "compressed-tensors"  # or "autoawq" (AutoAWQ GEMM tensors)
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """What scales are rounded to before codes are computed: AutoAWQ stores float16."""
+        return torch.float16 if self.format == "autoawq" else self.storage_dtype
 
 
 def _load_layer(
@@ -475,22 +538,189 @@ def _quantize_matrix(
     report: QuantizeReport,
     name: str,
 ) -> tuple[QuantizedWeight, torch.Tensor, float | None]:
-    """GPTQ or RTN of one float32 [out, in] matrix: (quantized, dequantized, GPTQ loss)."""
-    if options.method == "gptq":
+    """GPTQ or RTN of one float32 [out, in] matrix: (quantized, dequantized, GPTQ loss).
+
+    AWQ rounds its smoothed, clipped weights with RTN ("awq") or GPTQ ("awq+gptq")."""
+    if options.method in ("gptq", "awq+gptq"):
         result = gptq_quantize(
             w,
             hessian,
             args,
             options.block_size,
             options.dampening,
-            options.storage_dtype,
+            options.scale_dtype,
             options.gptq_scales,
         )
         if result.used_rtn_fallback:
             report.rtn_fallbacks.append(name)
         return result.quantized, result.dequantized, result.loss
-    qw = rtn_quantize(w, args, options.storage_dtype)
+    qw = rtn_quantize(w, args, options.scale_dtype)
     return qw, qw.dequantize(torch.float32), None
+
+
+def pack_module(qw: QuantizedWeight, args: WeightQuantArgs, options: PipelineOptions):
+    """One module's checkpoint tensors (names relative to the module) in `options.format`."""
+    if options.format == "autoawq":
+        qweight, qzeros, scales = pack_awq_gemm(
+            qw.qweight, qw.scale, qw.zero_point, options.scale_dtype
+        )
+        return {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    return compress(qw, args, options.storage_dtype)
+
+
+# ---------------------------------------------------------------- AWQ
+
+
+def _capture_inputs(
+    layer: nn.Module, attrs: list[str], hidden_states: list[torch.Tensor]
+) -> dict[str, list[torch.Tensor]]:
+    """The input of each linear `attrs` on every sample (each [T, in]), from one layer pass."""
+    captured: dict[str, list[torch.Tensor]] = {a: [] for a in attrs}
+    handles = [
+        layer.get_submodule(a).register_forward_pre_hook(
+            lambda _m, inp, store=captured[a]: store.append(inp[0].detach())
+        )
+        for a in attrs
+    ]
+    with torch.no_grad():
+        _run_layer(layer, hidden_states)
+    for h in handles:
+        h.remove()
+    return captured
+
+
+def _module_outputs(module: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`module` on each sample; attention takes the text positions too."""
+    if hasattr(module, "qkv_proj"):
+        return [module(text_positions(x.shape[0], x.device), x, None) for x in inputs]
+    return [module(x) for x in inputs]
+
+
+def _output_mse(reference: list[torch.Tensor], outputs: list[torch.Tensor]) -> float:
+    total = sum(
+        float((o - r).float().pow(2).sum(dtype=torch.float64)) for o, r in zip(outputs, reference)
+    )
+    return total / max(sum(r.numel() for r in reference), 1)
+
+
+def _shard_rows(model: nn.Module, layer: nn.Module, attr: str, shard: str) -> slice:
+    """The output rows of HF module `shard` (e.g. v_proj) inside pagoda's fused `attr`."""
+    module = layer.get_submodule(attr)
+    leaf = attr.rpartition(".")[2]
+    names = model.packed_modules_mapping.get(leaf, [leaf])
+    i = names.index(shard)
+    sizes = module.out_features_per_shard
+    start = sum(sizes[:i])
+    return slice(start, start + sizes[i])
+
+
+def _search_linear_scales(
+    linear: nn.Module,
+    inspect: nn.Module,
+    inputs: list[torch.Tensor],
+    args: WeightQuantArgs,
+    options: PipelineOptions,
+) -> ScaleSearch:
+    """`search_scales` for `linear`, scored by the output MSE of `inspect` (which contains
+    it) on `inputs`; `linear` keeps its original weight afterwards."""
+    original = linear.weight.data
+    reference = _module_outputs(inspect, inputs)
+
+    def loss_of(candidate: torch.Tensor) -> float:
+        linear.weight.data = candidate
+        return _output_mse(reference, _module_outputs(inspect, inputs))
+
+    try:
+        return search_scales(
+            original, activation_mean(inputs), args, loss_of, options.awq, options.scale_dtype
+        )
+    finally:
+        linear.weight.data = original
+
+
+def smooth_layer(
+    model: nn.Module,
+    layer: nn.Module,
+    index: int,
+    mappings: tuple[SmoothMapping, ...],
+    captured: dict[str, list[torch.Tensor]],
+    args: WeightQuantArgs,
+    options: PipelineOptions,
+) -> tuple[dict[str, torch.Tensor], list[SmoothReport]]:
+    """AWQ's scale search for each mapping in turn, folded into the layer's weights at once
+    (the next search sees them). `captured` holds the inputs of the quantized linears and is
+    divided by the scales as they are applied. Returns the dense tensors the folding changed
+    (norm weights, a shard's bias; HF module names) and one report per search."""
+    _, decoder_name = decoder_of(model)
+    prefix = f"{decoder_name}.layers.{index}"
+    changed: dict[str, torch.Tensor] = {}
+    reports = []
+    for m in mappings:
+        if m.linear not in captured:  # ignored (kept dense): nothing to protect
+            continue
+        linear = layer.get_submodule(m.linear)
+        prev = layer.get_submodule(m.prev)
+        rows = None
+        if m.prev_shard is not None:
+            if m.prev not in captured:  # a dense prev would have to be rewritten whole
+                continue
+            rows = _shard_rows(model, layer, m.prev, m.prev_shard)
+            if rows.stop - rows.start != linear.in_features:  # e.g. v_proj -> o_proj with GQA
+                continue
+        inspect = layer.get_submodule(m.inspect)
+        inputs = captured[m.linear]  # the inspected module reads the same input
+        original = linear.weight.data
+        with torch.no_grad():
+            result = _search_linear_scales(linear, inspect, inputs, args, options)
+            s = result.scales.to(original.device)  # [in]
+            linear.weight.data = (original.float() * s).to(original.dtype)
+            if rows is None:  # RMSNorm: y = w * x / rms(x)
+                prev.weight.data = (prev.weight.data.float() / s).to(prev.weight.dtype)
+                changed[f"{prefix}.{m.prev}.weight"] = prev.weight.data.clone()
+            else:
+                w = prev.weight.data
+                w[rows] = (w[rows].float() / s[:, None]).to(w.dtype)
+                if getattr(prev, "bias", None) is not None:
+                    b = prev.bias.data
+                    b[rows] = (b[rows].float() / s).to(b.dtype)
+                    parent = m.prev.rpartition(".")[0]
+                    changed[f"{prefix}.{parent}.{m.prev_shard}.bias"] = b[rows].clone()
+            captured[m.linear] = [(x.float() / s).to(x.dtype) for x in inputs]
+        reports.append(
+            SmoothReport(
+                f"{prefix}.{m.prev}" + (f"[{m.prev_shard}]" if m.prev_shard else ""),
+                f"{prefix}.{m.linear}",
+                result.ratio,
+                result.loss,
+                result.initial_loss,
+            )
+        )
+    return changed, reports
+
+
+def clip_layer(
+    layer: nn.Module,
+    targets: list[TargetLinear],
+    captured: dict[str, list[torch.Tensor]],
+    args: WeightQuantArgs,
+    options: PipelineOptions,
+) -> dict[str, torch.Tensor]:
+    """attr -> the weight [sum(out), in] each target is rounded from: AWQ's clip search per
+    shard (q_proj / k_proj left as they are)."""
+    clipped = {}
+    for t in targets:
+        module = layer.get_submodule(t.attr)
+        w = module.weight.data.to(torch.float32).clone()
+        x = torch.cat([c.reshape(-1, module.in_features) for c in captured[t.attr]])
+        start = 0
+        for name, size, quantized in zip(t.hf_names, module.out_features_per_shard, t.quantized):
+            if quantized and not name.endswith(_AWQ_UNCLIPPED):
+                part = w[start : start + size]
+                max_val = search_clip(part, x, args, options.awq, options.scale_dtype)
+                w[start : start + size] = apply_clip(part, max_val)
+            start += size
+        clipped[t.attr] = w
+    return clipped
 
 
 def final_norm_outputs(
@@ -557,15 +787,25 @@ def quantize_layers(
     on_layer: Callable[[int], None] | None = None,
     lm_head: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Quantize every decoder layer of `model` (built on meta); returns the compressed tensors.
+    """Quantize every decoder layer of `model` (built on meta); returns the tensors that
+    replace the checkpoint's: each quantized module's (`{module}.weight_packed`, ... or
+    `{module}.qweight`, ...) and, for AWQ, the dense ones its smoothing changed (norm weights).
 
     `lm_head`: quantize the LM head too, after the last layer (see `_quantize_lm_head`).
-    Tensor names are module names (`{module}.weight_packed`, ...); `WeightSource.checkpoint_name`
-    turns them into the checkpoint's layout.
+    Tensor names are module names; `WeightSource.checkpoint_name` turns them into the
+    checkpoint's layout.
     """
     from tqdm import tqdm
 
     device, dtype = options.device, options.compute_dtype
+    awq = options.method in ("awq", "awq+gptq")
+    mappings: tuple[SmoothMapping, ...] = ()
+    if awq:
+        mappings = AWQ_MAPPINGS.get(type(model).__name__, ())
+        if not mappings:
+            raise ValueError(f"AWQ has no smoothing mappings for {type(model).__name__}")
+    if awq and not samples:
+        raise ValueError("AWQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")
     rope = calibration_rope(model, device)
     # Inputs of layer 0, captured once: the embeddings of every sample.
     hidden_states = layer_inputs(model, source, samples, device, dtype)  # each [T, hidden]
@@ -583,9 +823,24 @@ def quantize_layers(
 
         hessians: dict[str, HessianAccumulator] = {}
         handles = []
+        rounded_from: dict[str, torch.Tensor] = {}  # AWQ: the clipped weights to round
+        if awq:
+            captured = _capture_inputs(layer, [t.attr for t in targets], hidden_states)
+            changed, layer_report.smoothing = smooth_layer(
+                model, layer, index, mappings, captured, args, options
+            )
+            for name, tensor in changed.items():
+                compressed[name] = tensor.to(options.storage_dtype).cpu()
+            if options.awq.clip:
+                rounded_from = clip_layer(layer, targets, captured, args, options)
+            for t in targets:  # Hessians of the scaled inputs: GPTQ's, and the report's
+                acc = HessianAccumulator(layer.get_submodule(t.attr).in_features, device)
+                for x in captured.pop(t.attr):
+                    acc.add(x)
+                hessians[t.attr] = acc
         # RTN needs no Hessian itself, but the report's error is Hessian-weighted; without
         # calibration samples (RTN only) H = I and the error is the plain weight error.
-        if samples:
+        elif samples:
             for t in targets:
                 module = layer.get_submodule(t.attr)
                 acc = HessianAccumulator(module.in_features, device)
@@ -617,10 +872,11 @@ def quantize_layers(
                 ]
             )
             w = weight[rows].to(torch.float32)
+            source_w = rounded_from[t.attr][rows] if t.attr in rounded_from else w
             # Rows are independent given H: q/k/v (or gate/up) are quantized in one call and
             # stored as the separate HF modules the checkpoint format expects.
             qw, deq, loss = _quantize_matrix(
-                w, hessian, args, options, report, f"{decoder_name}.layers.{index}.{t.attr}"
+                source_w, hessian, args, options, report, f"{decoder_name}.layers.{index}.{t.attr}"
             )
             weight[rows] = deq.to(weight.dtype)  # the quantized layer feeds the next one
             seconds = time.perf_counter() - t0
@@ -638,7 +894,7 @@ def quantize_layers(
                     w[row : row + size], torch.zeros_like(w[row : row + size]), hessian
                 )
                 err = hessian_weighted_error(w[row : row + size], deq[row : row + size], hessian)
-                for key, tensor in compress(part, args, options.storage_dtype).items():
+                for key, tensor in pack_module(part, args, options).items():
                     compressed[f"{name}.{key}"] = tensor.cpu()
                 layer_report.modules.append(
                     ModuleReport(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.kernels.wna16 import dequantize_weight
-from pagoda.layers.quantized_linear import WeightQuantArgs
+from pagoda.quant.scheme import WeightQuantArgs
 
 
 @dataclass

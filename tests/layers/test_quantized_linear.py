@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels.wna16 import pack_to_int32, wna16_linear_ref
+from pagoda.kernels.wna16 import wna16_linear_ref
 from pagoda.layers.linear import QKVLinear, ReplicatedLinear, UnquantizedLinearMethod
 from pagoda.layers.quantized_linear import (
     WeightQuantArgs,
     WNA16LinearMethod,
     make_linear_method_factory,
 )
+from pagoda.quant.packing import pack_to_int32
 
 
 def _codes(out: int, inp: int, bits: int, groups: int, asym: bool, seed: int = 0):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels.wna16 import pack_to_int32, unpack_from_int32
+from pagoda.quant.packing import pack_to_int32, unpack_from_int32
 
 
 @pytest.mark.parametrize("bits", [4, 8])

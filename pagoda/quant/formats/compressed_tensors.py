@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Iterator
@@ -19,9 +20,10 @@ from typing import Any
 
 import torch
 
-from pagoda.kernels.wna16 import pack_factor, pack_to_int32, unpack_from_int32
-from pagoda.layers.quantized_linear import WeightQuantArgs, parse_quantization_config
+from pagoda.quant.formats import ParamSpec, check_zero_point_packing
+from pagoda.quant.packing import pack_factor, pack_to_int32, unpack_from_int32
 from pagoda.quant.rtn import QuantizedWeight
+from pagoda.quant.scheme import UnpackedWeight, WeightQuantArgs, parse_quantization_config
 
 _SHARD_BYTES = 4 * 1024**3  # larger checkpoints are split, with a safetensors index
 # Files a model directory needs besides weights and config (tokenizer, processor, templates).
@@ -40,6 +42,60 @@ _COPIED_FILES = (
     "video_preprocessor_config.json",
     "generation_config.json",
 )
+
+
+def param_specs(
+    fmt: str, args: WeightQuantArgs, in_features: int, out_features_per_shard: list[int]
+) -> list[ParamSpec]:
+    """The tensors a layer of format `fmt` ("pack-quantized" / "naive-quantized") loads."""
+    f = pack_factor(args.num_bits)
+    out = sum(out_features_per_shard)
+    groups = math.ceil(in_features / args.group_size_for(in_features))
+    if fmt == "pack-quantized":
+        if not args.symmetric:
+            check_zero_point_packing(out_features_per_shard, f)
+        specs = [
+            ParamSpec("weight_packed", (out, math.ceil(in_features / f)), torch.int32, 0),
+            ParamSpec("weight_scale", (out, groups), None, 0),
+            # [out, in] of the checkpoint; one shape per HF module, so not split by shard.
+            ParamSpec("weight_shape", (2,), torch.int64, None),
+        ]
+        if not args.symmetric:
+            specs.append(ParamSpec("weight_zero_point", (out // f, groups), torch.int32, 0, f))
+    elif fmt == "naive-quantized":
+        specs = [
+            ParamSpec("weight", (out, in_features), torch.int8, 0),
+            ParamSpec("weight_scale", (out, groups), None, 0),
+        ]
+        if not args.symmetric:
+            specs.append(ParamSpec("weight_zero_point", (out, groups), torch.int8, 0))
+    else:
+        raise ValueError(f"compressed-tensors format {fmt!r} is not supported")
+    if args.has_g_idx:
+        specs.append(ParamSpec("weight_g_idx", (in_features,), torch.int32, None))
+    return specs
+
+
+def unpack_params(
+    fmt: str,
+    tensors: dict[str, torch.Tensor],
+    args: WeightQuantArgs,
+    in_features: int,
+    out_features: int,
+) -> UnpackedWeight:
+    """The canonical weight of a layer from its loaded `param_specs` tensors."""
+    zp = None
+    if fmt == "pack-quantized":
+        q = unpack_from_int32(tensors["weight_packed"], args.num_bits, in_features, 1)
+        if not args.symmetric:
+            zp = unpack_from_int32(tensors["weight_zero_point"], args.num_bits, out_features, 0)
+    else:
+        q = tensors["weight"].to(torch.int8)
+        if not args.symmetric:
+            zp = tensors["weight_zero_point"]
+    g_idx = tensors.get("weight_g_idx") if args.has_g_idx else None
+    zp = None if zp is None else zp.to(torch.int16)
+    return UnpackedWeight(q, tensors["weight_scale"], zp, g_idx)
 
 
 def compress(

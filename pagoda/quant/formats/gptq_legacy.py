@@ -8,10 +8,49 @@ off-by-one: w = s * (u - (z + 1)); v2 stores z itself. Serving goes through `WNA
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from pagoda.kernels.wna16 import pack_to_int32, unpack_from_int32
+from pagoda.quant.formats import ParamSpec, check_zero_point_packing
+from pagoda.quant.packing import pack_factor, pack_to_int32, unpack_from_int32
 from pagoda.quant.rtn import QuantizedWeight
+from pagoda.quant.scheme import UnpackedWeight, WeightQuantArgs
+
+
+def param_specs(
+    fmt: str, args: WeightQuantArgs, in_features: int, out_features_per_shard: list[int]
+) -> list[ParamSpec]:
+    """The tensors a legacy GPTQ layer loads: [in, out] layouts, output along dim 1."""
+    f = pack_factor(args.num_bits)
+    out = sum(out_features_per_shard)
+    groups = math.ceil(in_features / args.group_size_for(in_features))
+    check_zero_point_packing(out_features_per_shard, f)
+    return [
+        ParamSpec("qweight", (math.ceil(in_features / f), out), torch.int32, 1),
+        ParamSpec("qzeros", (groups, out // f), torch.int32, 1, f),
+        ParamSpec("scales", (groups, out), None, 1),
+        ParamSpec("g_idx", (in_features,), torch.int32, None),
+    ]
+
+
+def unpack_params(
+    fmt: str,
+    tensors: dict[str, torch.Tensor],
+    args: WeightQuantArgs,
+    in_features: int,
+    out_features: int,
+) -> UnpackedWeight:
+    """The canonical weight of a legacy GPTQ layer (v1 `gptq` or `gptq_v2`)."""
+    bits = args.num_bits
+    # Unsigned codes u in [0, 2^b): unpacking subtracts 2^(b-1), so q = u - 2^(b-1).
+    q = unpack_from_int32(tensors["qweight"], bits, in_features, 0).t()
+    z = unpack_from_int32(tensors["qzeros"], bits, out_features, 1).t().to(torch.int16)
+    # GPTQ v1 stores zero - 1 (the AutoGPTQ off-by-one); v2 stores the zero itself.
+    zp = z + 1 if fmt == "gptq" else z
+    if not bool(zp.any()):
+        zp = None  # symmetric: every zero point is the midpoint
+    return UnpackedWeight(q.contiguous(), tensors["scales"].t(), zp, tensors["g_idx"])
 
 
 def unpack_gptq(

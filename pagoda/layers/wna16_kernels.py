@@ -1,0 +1,491 @@
+"""The kernel registry of weight-only quantized linears (W4A16 / W8A16).
+
+Each kernel is a class: `can_implement(KernelConfig) -> (ok, reason)` for a device, shape, bit
+width, zero point, group size, activation dtype and M range; `prepare(layer, weight)` (its
+weight layout, made once at load and shared by the kernels of that layout) and `apply`. At load
+`choose_kernels` fixes one small dispatch table per layer: by M range, the first kernel of the
+priority list that can, all of one layout (one copy of the weights). `PAGODA_DISABLED_KERNELS`
+removes kernels by name for A/B runs. Triton modules are imported only inside prepare / apply.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from pagoda import envs, platform
+from pagoda.kernels.wna16 import dequantize_weight, large_m_threshold
+from pagoda.quant.packing import pack_to_int32, unpack_from_int32
+from pagoda.quant.scheme import UnpackedWeight
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """What a kernel must handle for one layer: y[M, n] = x[M, k] @ W^T, M in [min_m, max_m]."""
+
+    device_type: str  # "cuda" | "cpu"
+    device_index: int  # CUDA device index (0 on the CPU)
+    capability: tuple[int, int]  # (0, 0) on the CPU
+    num_sms: int  # 0 on the CPU
+    device_name: str  # the GPU's name (tuned-config tables are per GPU); "" on the CPU
+    n: int  # out features
+    k: int  # in features
+    bits: int
+    has_zero_point: bool
+    group_size: int  # columns per group (k: one group per output channel)
+    act_dtype: torch.dtype
+    min_m: int = 1
+    max_m: int | None = None  # None: unbounded
+
+    def __post_init__(self) -> None:
+        if self.min_m < 1 or (self.max_m is not None and self.max_m < self.min_m):
+            raise ValueError(f"bad M range [{self.min_m}, {self.max_m}]")
+
+    @property
+    def per_channel(self) -> bool:
+        return self.group_size >= self.k
+
+    def rows(self, lo: int, hi: int | None) -> KernelConfig:
+        return dataclasses.replace(self, min_m=lo, max_m=hi)
+
+
+def kernel_config(layer: nn.Module, bits: int, has_zero_point: bool, device) -> KernelConfig:
+    """The `KernelConfig` of a loaded layer on `device` (M range: every M)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    index = (
+        (device.index if device.index is not None else torch.cuda.current_device()) if cuda else 0
+    )
+    return KernelConfig(
+        device_type=device.type,
+        device_index=index,
+        capability=platform.capability(device),
+        num_sms=platform.num_sms(device) if cuda else 0,
+        device_name=torch.cuda.get_device_name(index) if cuda else "",
+        n=layer.out_features,
+        k=layer.in_features,
+        bits=bits,
+        has_zero_point=has_zero_point,
+        group_size=layer.wna16_group_size,
+        act_dtype=layer.params_dtype,
+    )
+
+
+def _within(cfg: KernelConfig, max_rows: int | None) -> bool:
+    return max_rows is None or (cfg.max_m is not None and cfg.max_m <= max_rows)
+
+
+# ---------------------------------------------------------------- layouts
+
+
+class WNA16Kernel:
+    """One kernel: hard limits (`can_implement`, `max_rows`), its measured best range
+    (`best_max_m`: the M up to which it beats the next kernel of its layout) and its layout."""
+
+    name: ClassVar[str]
+    layout: ClassVar[str]
+    max_rows: ClassVar[int | None] = None  # largest M it can run (None: any)
+
+    @classmethod
+    def can_implement(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        if not _within(cfg, cls.max_rows):
+            return False, f"M up to {cls.max_rows} only"
+        return cls.supports(cfg)
+
+    @classmethod
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        """Everything but the M range: device, shape, bits, zero point, group, dtype."""
+        raise NotImplementedError
+
+    @classmethod
+    def best_max_m(cls, cfg: KernelConfig) -> int | None:
+        return cls.max_rows
+
+    @staticmethod
+    def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def dequantize(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(signed codes [out, in], scale [out, groups], zero point [out, groups] or None)."""
+        raise NotImplementedError
+
+    @classmethod
+    def apply(
+        cls, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, bool]:
+        """(x @ W^T [M, n], whether `bias` is already added)."""
+        raise NotImplementedError
+
+
+def _fusable(bias: torch.Tensor | None, x: torch.Tensor) -> bool:
+    return bias is not None and bias.dtype == x.dtype and bias.is_contiguous()
+
+
+def _param(layer: nn.Module, name: str, data: torch.Tensor) -> None:
+    p = nn.Parameter(data, requires_grad=False)
+    p.output_dim = None
+    p.output_pack_factor = 1
+    layer.register_parameter(name, p)
+
+
+class _CodesLayout(WNA16Kernel):
+    """int8 codes [out, in] + scales / zeros [out, groups] (1 byte per weight)."""
+
+    layout = "dequant"
+
+    @staticmethod
+    def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
+        dtype = layer.params_dtype
+        _param(layer, "codes", w.codes.contiguous())  # [out, in] int8
+        _param(layer, "scales", w.scale.to(dtype).contiguous())  # [out, groups]
+        if w.zero_point is not None:
+            _param(layer, "zeros", w.zero_point.to(dtype).contiguous())  # [out, groups]
+        else:
+            layer.zeros = None
+
+    @staticmethod
+    def dequantize(layer):
+        return layer.codes, layer.scales, layer.zeros
+
+
+class TorchDequant(_CodesLayout):
+    """Any device: dequantize per call (one broadcast multiply), then a dense matmul."""
+
+    name = "torch_dequant"
+
+    @classmethod
+    def supports(cls, cfg):
+        return True, ""
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        return torch.nn.functional.linear(x, dense_weight(layer, x.dtype), bias), True
+
+
+class _PackedLayout(WNA16Kernel):
+    """`qweight_t` [in / f, out] int32 packed along the input (f = 32 / bits), `scales_t`
+    [groups, out] and optional `zeros_t` [groups, out] (2^(bits-1) + zero point, as float)."""
+
+    layout = "triton"
+
+    @classmethod
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        if cfg.device_type != "cuda":
+            return False, "needs a CUDA device"
+        if not platform.triton_available():
+            return False, "triton not installed"
+        if not cfg.per_channel and cfg.group_size % 16:
+            return False, "tl.dot needs K tiles of >= 16 inside one group"
+        if cfg.bits not in (4, 8):
+            return False, f"bits={cfg.bits}"
+        return True, ""
+
+    @staticmethod
+    def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
+        bits, dtype = layer.wna16_bits, layer.params_dtype
+        offset = 1 << (bits - 1)
+        _param(layer, "qweight_t", pack_to_int32(w.codes, bits, 1).t().contiguous())
+        _param(layer, "scales_t", w.scale.t().to(dtype).contiguous())  # [groups, out]
+        if w.zero_point is not None:
+            # The kernels read unsigned codes u = q + offset: w = (u - (offset + zp)) * s.
+            zeros_t = (w.zero_point.t().to(torch.float32) + offset).to(dtype).contiguous()
+            _param(layer, "zeros_t", zeros_t)
+        else:
+            layer.zeros_t = None
+
+    @staticmethod
+    def dequantize(layer):
+        bits = layer.wna16_bits
+        q = unpack_from_int32(layer.qweight_t.data, bits, layer.in_features, 0).t()
+        zp = None
+        if layer.zeros_t is not None:
+            zp = layer.zeros_t.t().to(torch.float32) - (1 << (bits - 1))
+        return q, layer.scales_t.t(), zp
+
+    @staticmethod
+    def _weights(layer):
+        """(qweight_t, scales_t, zeros_t, group_size, bits): what every packed kernel takes."""
+        return (
+            layer.qweight_t,
+            layer.scales_t,
+            layer.zeros_t,
+            layer.wna16_group_size,
+            layer.wna16_bits,
+        )
+
+
+class TritonGemv(_PackedLayout):
+    """Split-K Triton GEMV (decode, M <= 16)."""
+
+    name = "triton_gemv"
+    max_rows = 16
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        from pagoda.kernels.triton_w4a16 import wna16_gemv
+
+        fused = _fusable(bias, x)
+        workspace = getattr(layer, "split_k_workspace", None)  # bound by the model runner
+        out = wna16_gemv(x, *cls._weights(layer), bias=bias if fused else None, workspace=workspace)
+        return out, fused
+
+
+def _large_m(cfg: KernelConfig) -> int:
+    """The M from which dequant + cuBLAS beats the Triton GEMM (`large_m_threshold`)."""
+    from pagoda.kernels.triton_w4a16 import _tuned_gemm_table
+
+    key = (cfg.n, cfg.k, cfg.group_size, cfg.bits)
+    tuned = key in _tuned_gemm_table(cfg.device_name)
+    return large_m_threshold(cfg.n, cfg.k, cfg.bits, cfg.num_sms, gemm_tuned=tuned)
+
+
+class TritonGemm(_PackedLayout):
+    """Triton dequant-GEMM (tl.dot on exact integer codes), up to `large_m_threshold`."""
+
+    name = "triton_gemm"
+
+    @classmethod
+    def best_max_m(cls, cfg):
+        return _large_m(cfg) - 1
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        from pagoda.kernels.triton_w4a16 import wna16_gemm
+
+        return wna16_gemm(x, *cls._weights(layer)), False
+
+
+class TritonDequantCublas(_PackedLayout):
+    """One bandwidth-bound pass into a scratch weight, then cuBLAS (large M)."""
+
+    name = "triton_dequant"
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        from pagoda.kernels.triton_w4a16 import wna16_dequant_linear
+
+        return wna16_dequant_linear(x, *cls._weights(layer)), False
+
+
+_MMA_LARGE_LAYER = 64 << 20  # weights (7B gate_up, down): the MMA GEMM wins M = 33-128
+_MMA_MEDIUM_LAYER = 12 << 20  # (7B qkv, o): M = 33-64
+
+
+class _MmaLayout(WNA16Kernel):
+    """The tensor-core layout of `triton_w4a16_mma` (`mma_words`, `mma_scales`): 4-bit, bf16,
+    sm_80+ (`mma.sync`), where its self-test passed on this device."""
+
+    layout = "mma"
+
+    @classmethod
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        if cfg.device_type != "cuda" or cfg.capability < (8, 0):
+            return False, "needs CUDA sm_80+ (mma.sync bf16)"
+        if not platform.triton_available():
+            return False, "triton not installed"
+        if cfg.act_dtype != torch.bfloat16:
+            return False, f"activations are {cfg.act_dtype}, the MMA kernels take bf16"
+        from pagoda.kernels.triton_w4a16_mma import mma_self_test, mma_supported
+
+        if not mma_supported(cfg.n, cfg.k, cfg.group_size, cfg.bits, cfg.has_zero_point):
+            return False, "shape, bits or zero point not supported by the MMA layout"
+        if not mma_self_test(cfg.device_index):
+            return False, "self-test failed on this device"
+        return True, ""
+
+    @staticmethod
+    def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
+        from pagoda.kernels.triton_w4a16_mma import (
+            repack_mma,
+            repack_mma_scales,
+            repack_mma_zeros,
+        )
+
+        scale_t = w.scale.t().to(layer.params_dtype).contiguous()  # [groups, out]
+        _param(layer, "mma_words", repack_mma(w.codes.to(torch.int32) + 8))
+        _param(layer, "mma_scales", repack_mma_scales(scale_t))
+        if w.zero_point is not None:  # unsigned zero codes z = zero point + 8
+            _param(layer, "mma_zeros", repack_mma_zeros(w.zero_point.t().to(torch.int32) + 8))
+        else:
+            layer.mma_zeros = None
+
+    @staticmethod
+    def dequantize(layer):
+        from pagoda.kernels.triton_w4a16_mma import unpack_mma, unpack_mma_scales, unpack_mma_zeros
+
+        n, k = layer.out_features, layer.in_features
+        q = (unpack_mma(layer.mma_words.data, n, k).to(torch.int16) - 8).to(torch.int8)
+        zp = None
+        if layer.mma_zeros is not None:
+            zp = (unpack_mma_zeros(layer.mma_zeros.data) - 8).t()
+        return q, unpack_mma_scales(layer.mma_scales.data).t(), zp
+
+
+class MmaGemv(_MmaLayout):
+    """Tensor-core GEMV (mma.sync, blocks of 8 rows): best up to 32 rows, runs up to 64."""
+
+    name = "mma_gemv"
+    max_rows = 64
+
+    @classmethod
+    def best_max_m(cls, cfg):
+        return 32
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemv
+
+        fused = _fusable(bias, x)
+        n, group = layer.out_features, layer.wna16_group_size
+        out = wna16_mma_gemv(
+            x,
+            layer.mma_words,
+            layer.mma_scales,
+            n,
+            group,
+            bias=bias if fused else None,
+            zero_pairs=layer.mma_zeros,
+        )
+        return out, fused
+
+
+class MmaGemm(_MmaLayout):
+    """Tensor-core GEMM on the MMA layout (dequantization in registers, `tl.dot`): preferred
+    past the GEMV's 32 rows up to 128 on layers of >= 64 Mi weights and up to 64 on layers of
+    >= 12 Mi; dequant + cuBLAS beat it on the smaller layers and above (BENCHMARKS.md)."""
+
+    name = "mma_gemm"
+
+    @classmethod
+    def best_max_m(cls, cfg):
+        if cfg.n * cfg.k >= _MMA_LARGE_LAYER:
+            return 128
+        return 64 if cfg.n * cfg.k >= _MMA_MEDIUM_LAYER else 0
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemm
+
+        fused = _fusable(bias, x)
+        n, group = layer.out_features, layer.wna16_group_size
+        out = wna16_mma_gemm(
+            x,
+            layer.mma_words,
+            layer.mma_scales,
+            n,
+            group,
+            bias=bias if fused else None,
+            zero_pairs=layer.mma_zeros,
+        )
+        return out, fused
+
+
+class MmaDequantCublas(_MmaLayout):
+    """The exact dense weight from the MMA layout, then cuBLAS (its epilogue adds the bias)."""
+
+    name = "mma_dequant"
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        from pagoda.kernels.triton_w4a16_mma import wna16_mma_dequant
+
+        n, k, group = layer.out_features, layer.in_features, layer.wna16_group_size
+        w = wna16_mma_dequant(layer.mma_words, layer.mma_scales, n, k, group, layer.mma_zeros)
+        fused = _fusable(bias, x)
+        return torch.nn.functional.linear(x, w.to(x.dtype), bias if fused else None), fused
+
+
+# Priority order: layouts first to last, kernels within a layout first to last.
+KERNELS: tuple[tuple[type[WNA16Kernel], ...], ...] = (
+    (MmaGemv, MmaGemm, MmaDequantCublas),
+    (TritonGemv, TritonGemm, TritonDequantCublas),
+    (TorchDequant,),
+)
+KERNEL_NAMES = tuple(k.name for layout in KERNELS for k in layout)
+
+
+# ---------------------------------------------------------------- choosing
+
+
+@dataclass(frozen=True)
+class KernelTable:
+    """A layer's dispatch: `entries[i] = (max_m, kernel)` by increasing M (last max_m None)."""
+
+    layout: str
+    entries: tuple[tuple[int | None, type[WNA16Kernel]], ...]
+
+    def pick(self, m: int) -> type[WNA16Kernel]:
+        for max_m, kernel in self.entries:
+            if max_m is None or m <= max_m:
+                return kernel
+        raise AssertionError("the last entry covers every M")
+
+    def describe(self) -> str:
+        lo, parts = 1, []
+        for max_m, kernel in self.entries:
+            parts.append(f"{kernel.name} M={lo}..{'' if max_m is None else max_m}")
+            lo = (max_m or 0) + 1
+        return ", ".join(parts)
+
+
+def _runs_at(kernel: type[WNA16Kernel], cfg: KernelConfig, m: int) -> bool:
+    return kernel.can_implement(cfg.rows(m, m))[0]
+
+
+def _cover(cfg: KernelConfig, kernels: list[type[WNA16Kernel]]) -> KernelTable | str:
+    """The dispatch table of one layout's enabled kernels, or why they cannot cover every M."""
+    entries: list[tuple[int | None, type[WNA16Kernel]]] = []
+    m = 1
+    while True:
+        runnable = [k for k in kernels if _runs_at(k, cfg, m)]
+        if not runnable:
+            why = "; ".join(f"{k.name}: {k.can_implement(cfg.rows(m, m))[1]}" for k in kernels)
+            return f"nothing runs M={m} ({why or 'all disabled'})"
+        best = [k for k in runnable if (k.best_max_m(cfg) is None or k.best_max_m(cfg) >= m)]
+        kernel = best[0] if best else runnable[0]
+        hi = kernel.best_max_m(cfg)
+        if hi is not None and (hi < m or not any(_runs_at(k, cfg, hi + 1) for k in kernels)):
+            hi = kernel.max_rows  # nothing better takes over: run as far as it can
+        ok, why = kernel.can_implement(cfg.rows(m, hi))
+        assert ok, why
+        entries.append((hi, kernel))
+        if hi is None:
+            return KernelTable(kernel.layout, tuple(entries))
+        m = hi + 1
+
+
+def choose_kernels(cfg: KernelConfig, disabled: frozenset[str] | None = None) -> KernelTable:
+    """The first layout (in `KERNELS` order) whose enabled kernels cover every M for `cfg`."""
+    disabled = envs.disabled_kernels() if disabled is None else disabled
+    reasons = []
+    for layout in KERNELS:
+        enabled = [k for k in layout if k.name not in disabled]
+        table = _cover(cfg, enabled) if enabled else "all disabled"
+        if isinstance(table, KernelTable):
+            return table
+        reasons.append(f"{layout[0].layout}: {table}")
+    raise ValueError(
+        f"no quantized-linear kernel can run N={cfg.n} K={cfg.k} bits={cfg.bits} on "
+        f"{cfg.device_type} with PAGODA_DISABLED_KERNELS={','.join(sorted(disabled))} "
+        f"({' | '.join(reasons)})"
+    )
+
+
+def dense_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """[out, in] weight in `dtype`, in the kernels' column order (act-order: sorted by group)."""
+    q, scale, zp = layer.wna16_kernels.entries[0][1].dequantize(layer)
+    out_features, in_features = q.shape
+    group = layer.wna16_group_size
+    if in_features % group == 0:
+        # [out, groups, group] * [out, groups, 1]: one broadcast, no expanded scale copy.
+        w = q.view(out_features, -1, group).to(torch.float32)
+        if zp is not None:
+            w = w - zp.to(torch.float32).unsqueeze(-1)
+        w = (w * scale.to(torch.float32).unsqueeze(-1)).view(out_features, in_features)
+        return w.to(dtype)
+    return dequantize_weight(q, scale, zp, group, dtype=dtype)

@@ -1,0 +1,229 @@
+"""The quantization scheme: how weights are quantized and which modules a checkpoint covers.
+
+`WeightQuantArgs` (bits, symmetry, group size, act-order) and `QuantizationPlan` (per module:
+args and storage format, or unquantized) are read from a checkpoint's `quantization_config` by
+`parse_quantization_config` (compressed-tensors, legacy GPTQ, AutoAWQ). `UnpackedWeight` is the
+canonical form every checkpoint format unpacks to and the runtime layer repacks from.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CT_FORMATS = ("pack-quantized", "naive-quantized")
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+AWQ_FORMATS = ("awq-gemm",)
+CHECKPOINT_FORMATS = CT_FORMATS + GPTQ_FORMATS + AWQ_FORMATS
+QUANT_METHODS = ("compressed-tensors", "gptq", "awq")
+
+
+@dataclass(frozen=True)
+class WeightQuantArgs:
+    """How a weight is quantized: integer bits, symmetry, group size (-1: per output channel).
+
+    actorder: None, "static" / "weight" (columns quantized in activation order, groups kept in
+    the original column order: no g_idx stored) or "group" / "dynamic" (groups follow the
+    activation order: a `g_idx` tensor maps each input column to its group).
+    """
+
+    num_bits: int = 4
+    symmetric: bool = True
+    group_size: int = 128
+    actorder: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_bits not in (4, 8):
+            raise ValueError(f"num_bits={self.num_bits} is not supported; use 4 or 8")
+        if self.group_size != -1 and self.group_size < 1:
+            raise ValueError(f"group_size must be -1 (per channel) or >= 1, got {self.group_size}")
+        if self.actorder not in (None, "static", "weight", "group", "dynamic"):
+            raise ValueError(f"actorder={self.actorder!r} is not supported")
+
+    @property
+    def q_min(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def q_max(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    @property
+    def has_g_idx(self) -> bool:
+        return self.actorder in ("group", "dynamic")
+
+    def group_size_for(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+
+@dataclass
+class UnpackedWeight:
+    """A module's weights in one canonical form, whatever the checkpoint format."""
+
+    codes: torch.Tensor  # [out, in] int8, signed values
+    scale: torch.Tensor  # [out, groups] float
+    zero_point: torch.Tensor | None  # [out, groups] int16 signed; None when symmetric
+    g_idx: torch.Tensor | None  # [in] group of each input column; None when contiguous
+
+
+def normalize_quant_method(name: str | None) -> str | None:
+    """A user's `quantization=` ("AWQ", "gptq", ...) as the checkpoint spells it; None: auto."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"quantization must be a string or None, got {name!r}")
+    key = name.strip().lower().replace("_", "-")
+    if key not in QUANT_METHODS:
+        raise ValueError(
+            f"quantization={name!r} is not supported; use one of {', '.join(QUANT_METHODS)} "
+            "or None (read the checkpoint's quantization_config)"
+        )
+    return key
+
+
+# ---------------------------------------------------------------- checkpoint config parsing
+
+
+def _match(name: str, pattern: str) -> bool:
+    """compressed-tensors / llmcompressor matching: `re:` at the start of the name, else exact."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
+
+
+def _target_matches(name: str, target: str) -> bool:
+    # Class targets ("Linear") select every linear layer; pagoda only asks about linear layers.
+    if not target.startswith("re:") and target.endswith("Linear"):
+        return True
+    return _match(name, target)
+
+
+@dataclass(frozen=True)
+class QuantizationPlan:
+    """Which modules a checkpoint quantizes, how, and in which storage format."""
+
+    quant_method: str  # one of QUANT_METHODS
+    groups: tuple[tuple[tuple[str, ...], WeightQuantArgs, str], ...]  # (targets, args, format)
+    ignore: tuple[str, ...]
+
+    def args_for(self, hf_name: str) -> tuple[WeightQuantArgs, str] | None:
+        """(args, format) of the HF module `hf_name`, or None when it stays unquantized.
+
+        `lm_head` follows the same rules (quantized unless ignored, as in compressed-tensors);
+        models ask about it only when their head is untied (see `lm_head_quantized`).
+        """
+        if any(_match(hf_name, pattern) for pattern in self.ignore):
+            return None
+        for targets, args, fmt in self.groups:
+            if any(_target_matches(hf_name, t) for t in targets):
+                return args, fmt
+        return None
+
+
+def _ct_weight_args(name: str, weights: Mapping[str, Any]) -> WeightQuantArgs:
+    if weights.get("type", "int") != "int":
+        raise NotImplementedError(
+            f"compressed-tensors group {name}: weight type {weights.get('type')!r} is not "
+            "supported; pagoda serves int weights (W4A16, W4A16_ASYM, W8A16)"
+        )
+    strategy = weights.get("strategy", "group")
+    if strategy == "group":
+        group_size = int(weights.get("group_size") or 128)
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        raise NotImplementedError(
+            f"compressed-tensors group {name}: weight strategy {strategy!r} is not supported; "
+            "use 'group' or 'channel'"
+        )
+    return WeightQuantArgs(
+        num_bits=int(weights.get("num_bits", 4)),
+        symmetric=bool(weights.get("symmetric", True)),
+        group_size=group_size,
+        actorder=weights.get("actorder"),
+    )
+
+
+def _parse_compressed_tensors(qc: Mapping[str, Any]) -> QuantizationPlan:
+    status = qc.get("quantization_status", "compressed")
+    if status not in ("compressed", None):
+        raise NotImplementedError(
+            f"compressed-tensors quantization_status={status!r} is not supported; pagoda "
+            "loads 'compressed' checkpoints"
+        )
+    top_format = qc.get("format") or "pack-quantized"
+    groups = []
+    for name, group in (qc.get("config_groups") or {}).items():
+        fmt = group.get("format") or top_format
+        if fmt not in CT_FORMATS:
+            raise NotImplementedError(
+                f"compressed-tensors format {fmt!r} (group {name}) is not supported; "
+                f"supported: {', '.join(CT_FORMATS)}"
+            )
+        if group.get("input_activations") or group.get("output_activations"):
+            raise NotImplementedError(
+                f"compressed-tensors group {name} quantizes activations; pagoda supports "
+                "weight-only schemes (W4A16, W4A16_ASYM, W8A16)"
+            )
+        weights = group.get("weights")
+        if not weights:
+            continue
+        targets = tuple(group.get("targets") or ("Linear",))
+        groups.append((targets, _ct_weight_args(name, weights), fmt))
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no weight config_groups")
+    return QuantizationPlan("compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()))
+
+
+def _parse_gptq(qc: Mapping[str, Any]) -> QuantizationPlan:
+    bits = int(qc.get("bits", 4))
+    if bits not in (4, 8):
+        raise NotImplementedError(f"GPTQ bits={bits} is not supported; use 4 or 8")
+    fmt = qc.get("checkpoint_format") or "gptq"
+    if fmt not in GPTQ_FORMATS:
+        raise NotImplementedError(f"GPTQ checkpoint_format={fmt!r} is not supported")
+    args = WeightQuantArgs(
+        num_bits=bits,
+        symmetric=bool(qc.get("sym", True)),
+        group_size=int(qc.get("group_size", 128)),
+        actorder="group" if qc.get("desc_act") else None,
+    )
+    ignore = tuple(qc.get("modules_to_not_convert") or ())
+    if not qc.get("lm_head_quantized"):
+        ignore += ("lm_head",)  # GPTQ quantizes the LM head only when it says so
+    return QuantizationPlan("gptq", ((("Linear",), args, fmt),), ignore)
+
+
+# AutoAWQ quantizes the linear layers inside the decoder blocks only (never lm_head, the
+# embeddings or a vision tower), and skips a module when a `modules_to_not_convert` entry is
+# a substring of its name.
+_AWQ_TARGETS = (r"re:(.*\.)?layers\.\d+\.",)
+
+
+def _parse_awq(qc: Mapping[str, Any]) -> QuantizationPlan:
+    from pagoda.quant.formats.autoawq import parse_awq_config
+
+    cfg = parse_awq_config(qc)
+    args = WeightQuantArgs(num_bits=4, symmetric=not cfg.zero_point, group_size=cfg.group_size)
+    ignore = tuple(f"re:.*{re.escape(m)}" for m in cfg.modules_to_not_convert) + ("lm_head",)
+    return QuantizationPlan("awq", ((_AWQ_TARGETS, args, "awq-gemm"),), ignore)
+
+
+def parse_quantization_config(qc: Mapping[str, Any]) -> QuantizationPlan:
+    """Read a checkpoint's `quantization_config` (compressed-tensors, legacy GPTQ, AutoAWQ)."""
+    method = qc.get("quant_method")
+    method = method.lower() if isinstance(method, str) else method
+    if method == "compressed-tensors":
+        return _parse_compressed_tensors(qc)
+    if method == "gptq":
+        return _parse_gptq(qc)
+    if method == "awq":
+        return _parse_awq(qc)
+    raise NotImplementedError(
+        f"quant_method={method!r} is not supported; pagoda loads compressed-tensors "
+        "(pack-quantized, naive-quantized), gptq and awq (AutoAWQ GEMM) checkpoints"
+    )
