@@ -75,19 +75,30 @@ class _EngineCollector(Collector):
             yield c
 
 
-class _Pair:
-    """One histogram or counter under both names (pagoda's and vLLM's)."""
+class _Alias(Collector):
+    """The series of one metric again under other names, read at scrape time.
 
-    def __init__(self, *children: object) -> None:
-        self.children = children
+    Each observation is recorded once (histogram observes take a lock and walk the buckets,
+    once per streamed token) and shown under pagoda's name and vLLM's.
+    """
 
-    def observe(self, value: float) -> None:
-        for c in self.children:
-            c.observe(value)  # type: ignore[attr-defined]
+    def __init__(self, metric: Histogram | Counter, names: list[str]) -> None:
+        self.metric = metric
+        self.names = names
 
-    def inc(self, value: float = 1) -> None:
-        for c in self.children:
-            c.inc(value)  # type: ignore[attr-defined]
+    def collect(self) -> Iterator[Metric]:
+        for family in self.metric.collect():
+            for name in self.names:
+                alias = Metric(name, family.documentation, family.type, family.unit)
+                for sample in family.samples:
+                    alias.add_sample(
+                        name + sample.name[len(family.name) :],
+                        sample.labels,
+                        sample.value,
+                        sample.timestamp,
+                        sample.exemplar,
+                    )
+                yield alias
 
 
 class Metrics:
@@ -98,53 +109,54 @@ class Metrics:
         self.registry.register(_EngineCollector(engine, model_name))
         self._model_name = model_name
 
-        def hist(name: str, doc: str, buckets: tuple = _LATENCY_BUCKETS) -> Histogram:
-            return Histogram(
+        def hist(
+            name: str, doc: str, aliases: tuple[str, ...] = (), buckets: tuple = _LATENCY_BUCKETS
+        ) -> Histogram:
+            parent = Histogram(
                 name, doc, buckets=buckets, registry=self.registry, labelnames=["model_name"]
-            ).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, registry=self.registry, labelnames=["model_name"]).labels(
-                model_name
             )
+            if aliases:
+                self.registry.register(_Alias(parent, list(aliases)))
+            return parent.labels(model_name)
 
-        ttft, itl, e2e = (
+        def counter(name: str, doc: str, aliases: tuple[str, ...] = ()) -> Counter:
+            parent = Counter(name, doc, registry=self.registry, labelnames=["model_name"])
+            if aliases:
+                self.registry.register(_Alias(parent, list(aliases)))
+            return parent.labels(model_name)
+
+        self.ttft = hist(
+            "vllm:time_to_first_token_seconds",
             "Time to first token.",
-            "Time between two outputs of a request.",
-            "Request latency, arrival to last token.",
-        )
-        self.ttft = _Pair(
-            hist("pagoda_time_to_first_token_seconds", ttft),
-            hist("vllm:time_to_first_token_seconds", ttft),
+            ("pagoda_time_to_first_token_seconds",),
         )
         # vLLM 0.9+ names ITL `inter_token_latency`; `time_per_output_token` is its older
         # name for the same series, still read by many dashboards.
-        self.itl = _Pair(
-            hist("pagoda_inter_token_latency_seconds", itl),
-            hist("vllm:inter_token_latency_seconds", itl),
-            hist("vllm:time_per_output_token_seconds", itl),
+        self.itl = hist(
+            "vllm:inter_token_latency_seconds",
+            "Time between two outputs of a request.",
+            ("vllm:time_per_output_token_seconds", "pagoda_inter_token_latency_seconds"),
         )
         self.tpot = hist(
             "vllm:request_time_per_output_token_seconds",
             "Mean time per output token of each finished request (decode time / (tokens - 1)).",
         )
-        self.e2e = _Pair(
-            hist("pagoda_e2e_request_latency_seconds", e2e),
-            hist("vllm:e2e_request_latency_seconds", e2e),
+        self.e2e = hist(
+            "vllm:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            ("pagoda_e2e_request_latency_seconds",),
         )
         self.request_prompt_tokens = hist(
-            "vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", (), _TOKEN_BUCKETS
         )
         self.request_generation_tokens = hist(
-            "vllm:request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+            "vllm:request_generation_tokens", "Generated tokens per request.", (), _TOKEN_BUCKETS
         )
-        self.prompt_tokens = _Pair(
-            counter("pagoda_prompt_tokens", "Prompt tokens of admitted requests."),
-            counter("vllm:prompt_tokens", "Prompt tokens of admitted requests."),
+        self.prompt_tokens = counter(
+            "vllm:prompt_tokens", "Prompt tokens of admitted requests.", ("pagoda_prompt_tokens",)
         )
-        self.generation_tokens = _Pair(
-            counter("pagoda_generation_tokens", "Generated tokens."),
-            counter("vllm:generation_tokens", "Generated tokens."),
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Generated tokens.", ("pagoda_generation_tokens",)
         )
         self._finished = Counter(
             "pagoda_requests_finished",
