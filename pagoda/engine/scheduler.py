@@ -87,6 +87,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self._finished_req_ids: set[str] = set()
         self._num_sync_requests = 0  # unfinished requests with Request.needs_sync
+        self._aborted_outputs: list[EngineCoreOutput] = []  # ended by schedule() itself
 
     def needs_sync(self) -> bool:
         """Whether some unfinished request's sampling needs every token on the host first."""
@@ -104,6 +105,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def pop_aborted_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that schedule() ended (a grammar that failed to compile)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        return outputs
 
     def waiting_for_grammar(self) -> bool:
         """Some waiting request's grammar is still compiling."""
@@ -232,8 +238,12 @@ class Scheduler:
         if skipped:
             self.waiting.extendleft(reversed(skipped))  # back in arrival order
         if failed:
-            # Its grammar failed to compile (the error is logged): it ends as aborted.
+            # Its grammar failed to compile: it ends as aborted, and the front end hears of it
+            # through pop_aborted_outputs().
             self.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+            self._aborted_outputs += [
+                EngineCoreOutput(rid, [], finish_reason="abort") for rid in failed
+            ]
 
         finished_ids, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(

@@ -43,7 +43,7 @@ class SamplingMetadata:
     # Structured outputs: the grammar's next-token bitmask ([N, ceil(V / 32)] int32, bit set =
     # allowed, on the logits' device) and the rows it applies to.
     grammar_bitmask: torch.Tensor | None = None
-    grammar_rows: list[int] | None = None
+    grammar_rows: list[int] | torch.Tensor | None = None  # [R] int32 on CUDA
     # row -> allowed token ids (every other token is masked)
     allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # row -> (bad word token id sequences, the row's output token ids so far)

@@ -115,6 +115,15 @@ class PendingOutput:
         self.host_ids: torch.Tensor | None = None
         # Set while the sampler waits for the grammar bitmask: (logits, SamplingMetadata).
         self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
+        if any(t[1].is_cuda for t in self.prompt_logprobs.values()):
+            # Into pinned memory behind the event too: a plain .tolist() later would wait for
+            # the step launched after this one.
+            self.prompt_logprobs = {
+                rid: (first, *(_to_pinned(t) for t in tensors))
+                for rid, (first, *tensors) in self.prompt_logprobs.items()
+            }
+            self.event = torch.cuda.Event()
+            self.event.record()
         if result is not None:
             self.set_result(result)
 
@@ -133,15 +142,16 @@ class PendingOutput:
 
     def result(self) -> ModelRunnerOutput:
         assert self.deferred is None, "the step's grammar bitmask was never supplied"
+        if self.event is not None:
+            self.event.synchronize()
         out = ModelRunnerOutput()
         for req_id, (first, ids, lps, ranks) in self.prompt_logprobs.items():
             out.prompt_logprobs[req_id] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         res = self.result_
         if res is None:
             return out
-        if self.event is not None:
-            self.event.synchronize()
-            sampled = self.host_ids.tolist()
+        if self.host_ids is not None:
+            sampled = self.host_ids.tolist()  # the event above covered its copy
         else:
             sampled = res.sampled_token_ids.tolist()
         sreqs = self.reqs
@@ -156,6 +166,11 @@ class PendingOutput:
                     continue
                 out.logprobs[r.req_id] = (ids[row][: k + 1], lps[row][: k + 1], ranks[row])
         return out
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class _PendingInputs:
@@ -735,7 +750,9 @@ class ModelRunner:
         if bitmask is not None:
             mask, rows = bitmask
             smd.grammar_bitmask = mask.to(self.device, non_blocking=self._pin)
-            smd.grammar_rows = rows
+            # On CUDA the rows go as a tensor through pinned memory: xgrammar would copy a list
+            # from pageable memory, which waits for the forward just launched.
+            smd.grammar_rows = to_device(rows, torch.int32, self.device) if self._pin else rows
         self._sample(pending, logits, smd)
 
     def _sample(self, pending: PendingOutput, logits: torch.Tensor, smd: SamplingMetadata) -> None:
