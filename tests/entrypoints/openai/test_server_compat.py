@@ -8,6 +8,7 @@ the same tokens when it generates them.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import re
@@ -17,6 +18,10 @@ import pytest
 from pydantic import BaseModel, Field
 
 PROMPT = "The capital of France is"
+# Structured outputs (and forced tool calls) need the grammar library (`structured` extra).
+needs_grammar = pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed"
+)
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -162,6 +167,7 @@ def test_chat_prompt_logprobs(server):
 # ------------------------------------------------------------------ structured outputs
 
 
+@needs_grammar
 @pytest.mark.parametrize("stream", [False, True])
 def test_response_format_json_schema_and_json_object(server, stream):
     schema = City.model_json_schema()
@@ -194,6 +200,7 @@ def test_response_format_json_schema_and_json_object(server, stream):
             assert isinstance(json.loads(text), dict)
 
 
+@needs_grammar
 def test_guided_fields_and_structured_outputs(server):
     base = {"prompt": "My favourite colour is", "max_tokens": 12, "temperature": 0}
     r = _post(server, "/v1/completions", {**base, "guided_choice": ["red", "green", "blue"]})
@@ -217,6 +224,7 @@ def test_guided_fields_and_structured_outputs(server):
     assert r.json()["choices"][0]["text"] in ("a", "b")
 
 
+@needs_grammar
 def test_structured_output_errors_name_the_field(server):
     base = {"prompt": "x", "max_tokens": 2}
     cases = [
@@ -260,6 +268,7 @@ def _streamed_tool_calls(events: list[dict]) -> tuple[list[dict], str | None]:
     return [calls[i] for i in sorted(calls)], events[-1]["choices"][0]["finish_reason"]
 
 
+@needs_grammar
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
 )
