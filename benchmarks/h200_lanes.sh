@@ -6,6 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
+# Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
 set -u
@@ -224,6 +225,35 @@ batchrun() {
     --baseline none --out "$R/lat_b${b}_$name.json"
 }
 
+# session 8: W4A16 with zero points (AWQ) and the tensor-core GEMM, Mistral, offload
+step_gpu8() {
+  run gpu8 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/layers/test_wna16_kernels.py tests/quant/test_autoawq_load.py tests/models/test_models.py \
+    tests/entrypoints/test_gpu_engine.py tests/kernels/test_fused_decode_attention.py \
+    tests/kernels/test_triton_paged_attention.py tests/worker
+}
+step_e2e7b() {
+  run e2e7b 240 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG7" "config:$CFG7:w4a16" "config:$CFG7:awq" \
+    --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16 (GPTQ sym),Qwen2.5-7B AWQ (zero points)" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
+    --baseline none --timeout 100 --out "$R/compare_7b_awq"
+}
+step_kernel_table() {
+  run kernel_table 110 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 1,0 \
+    --out "$R/kernel_table"
+}
+step_offload() {
+  run offload 120 python3 benchmarks/deploy/offload_7b.py --out "$R/offload_7b_h200.json"
+}
+step_two_engines() {
+  run two_engines 120 python3 benchmarks/deploy/two_engines.py --out "$R/two_engines_h200.json"
+}
+
+nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
+cat "$R/gpu.txt"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 lane() {
   local gpu=$1
   shift

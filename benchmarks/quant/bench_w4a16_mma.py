@@ -31,6 +31,7 @@ from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.triton_gemv import gemv_bf16  # noqa: E402
 from pagoda.kernels.triton_w4a16 import wna16_gemv  # noqa: E402
+from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 from pagoda.quant.packing import pack_to_int32  # noqa: E402
 
 SHAPES = {  # name: (N, K) of Qwen2.5-7B
@@ -39,6 +40,8 @@ SHAPES = {  # name: (N, K) of Qwen2.5-7B
     "gate_up": (37888, 3584),
     "down": (3584, 18944),
 }
+
+WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
 
 
 def configs(m: int, n: int, k: int, num_sms: int):
@@ -73,7 +76,7 @@ def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
     wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
 
     def mma_call(x, cfg=None):
-        return lambda i: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg)
+        return lambda i: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg, workspace=WS)
 
     rows = []
     for m in ms:
@@ -114,7 +117,7 @@ def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
             cfgs = cfgs[:1]
         for cfg in cfgs if m <= mma.MAX_ROWS else ():
             try:
-                y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg)
+                y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, workspace=WS)
                 err = (y.float() - ref).abs().max().item()
                 if not err <= tol:
                     sweep.append({"config": cfg, "error": f"max err {err:.3g} > {tol:.3g}"})
@@ -222,12 +225,15 @@ def bench_shared(name, n, k, bw, l2, num_sms, ms=(9, 16, 32, 64)) -> list[dict]:
             copies,
         )
         row["per_block_us"] = 1e6 * time_graph(
-            lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, shared=False), copies
+            lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, shared=False, workspace=WS),
+            copies,
         )
         row["sweep"] = _sweep(
             f"{name} M={m}",
             [mma.default_mma_config(m, n, k, num_sms)] + SHARED_CONFIGS,
-            lambda w, p, x=x, c=None: mma.wna16_mma_gemv(x, w, p, n, G, config=c, shared=True),
+            lambda w, p, x=x, c=None: mma.wna16_mma_gemv(
+                x, w, p, n, G, config=c, shared=True, workspace=WS
+            ),
             L, ref, int4_bytes * -(-m // 32), bw,
         )  # fmt: skip
         row["shared_default_us"], row["shared_best"] = _default_and_best(row["sweep"])

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pagoda.bench.common import copy_bandwidth, environment  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 
 SHAPES = {  # model: {layer: (N, K)}
     "7b": {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)},
@@ -35,6 +36,8 @@ SHAPES = {  # model: {layer: (N, K)}
 }
 MS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
 GROUP = 128
+
+WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
 
 
 def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
@@ -104,7 +107,7 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: in
     cands = {}
     if m <= mma.MAX_ROWS:
         cands["gemv"] = lambda i: mma.wna16_mma_gemv(
-            x, layer.words[i], layer.pairs[i], n, GROUP, zero_pairs=layer.z(i)
+            x, layer.words[i], layer.pairs[i], n, GROUP, zero_pairs=layer.z(i), workspace=WS
         )
     cands["dequant+cublas"] = lambda i: F.linear(
         x, mma.wna16_mma_dequant(layer.words[i], layer.pairs[i], n, k, GROUP, layer.z(i))

@@ -493,16 +493,6 @@ def gemv_candidate_configs(m: int, k: int, group_size: int, bits: int = 4) -> li
     return cands
 
 
-# The split-K workspace of callers that pass none: only `triton_w4a16_mma` (until it takes
-# `workspace=`), through `_serial_workspace`.
-_MMA_WORKSPACE = SplitKWorkspace()
-
-
-def _serial_workspace(device: torch.device, numel: int, tiles: int):
-    """Deprecated: `SplitKWorkspace.buffers` of the MMA module's shared instance."""
-    return _MMA_WORKSPACE.buffers(device, numel, tiles)
-
-
 _MAGIC = 150 << 23  # fp32 exponent field of 2^23: a field masked in place reads 2^23 + u
 
 

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from pagoda import envs, platform
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_w4a16 import _serial_workspace
+from pagoda.kernels.workspace import SplitKWorkspace
 
 TILE_N = 16  # output columns per tile (the MMA's M)
 TILE_K = 64  # K per tile (four MMAs of K = 16)
@@ -683,7 +683,7 @@ def _w4_mma_gemv_shared_kernel(
 MmaConfig = tuple[int, int, int]  # (K tiles per step (at most), split-K, num_warps)
 
 
-def default_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
+def default_mma_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
     """(K tiles per step, split-K, warps) measured on the H200 (`benchmarks/quant/
     bench_w4a16_mma.py`, Qwen2.5-7B shapes): at M <= 8 one warp per program, split-K to ~16
     programs per SM where the column groups alone do not fill the GPU (qkv / o / down: 224-288
@@ -700,7 +700,7 @@ def default_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
     return (4 if k <= 8192 else 2, split if k > 8192 else max(1, split // 3), 2)
 
 
-def default_shared_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
+def default_shared_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
     """(K tiles per step, split-K, warps) of the shared-dequantization kernel (M = 9-32),
     measured on the H200 (`bench_w4a16_mma.py --shared-only`, session 6 run 2, µs at M = 16 /
     32): gate_up (4, 1, 2) 43.2 / 67.0; down (2, 8, 2) 21.8 then (4, 3, 2) 42.9; qkv (4, 4, 2)
@@ -732,6 +732,7 @@ def wna16_mma_gemv(
     out_dtype: torch.dtype | None = None,
     shared: bool | None = None,  # M > 8: one dequantization for all blocks (None: if it works)
     zero_pairs: torch.Tensor | None = None,  # repack_mma_zeros output (asymmetric weights)
+    workspace: SplitKWorkspace | None = None,  # split-K scratch (None: no split-K)
 ) -> torch.Tensor:  # [M, N]
     """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, M <= 64, in blocks of 8
     rows; W = (u - z) * s with z = 8 (symmetric) or the zero pairs. With `shared` (the default
@@ -753,7 +754,7 @@ def wna16_mma_gemv(
             r1 = min(m, r0 + SHARED_ROWS)
             out[r0:r1] = wna16_mma_gemv(
                 x[r0:r1], words, scale_pairs, n, group_size, bias, config, out_dtype,
-                shared=r1 - r0 > MAX_M, zero_pairs=zero_pairs,
+                shared=r1 - r0 > MAX_M, zero_pairs=zero_pairs, workspace=workspace,
             )  # fmt: skip
         return out
     num_sms = platform.num_sms(x.device) if x.is_cuda else 4
@@ -771,8 +772,8 @@ def wna16_mma_gemv(
     out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     ws, cnt = out.view(-1)[:0].float(), words
     if split > 1:
-        bufs = _serial_workspace(x.device, m * n, n // TILE_N)
-        if bufs is None:  # capturing with a workspace too small to grow: no split-K
+        bufs = workspace.buffers(x.device, m * n, n // TILE_N) if workspace is not None else None
+        if bufs is None:  # no workspace, or capturing with one too small to grow: no split-K
             per, split = steps_total, 1
         else:
             ws, cnt = bufs
@@ -837,10 +838,12 @@ def self_test_on(device: torch.device, shared: bool = False) -> bool:
         d = wna16_mma_dequant(words, pairs, n, k, group).cpu().float()
         ok = bool(((d - w.float()).abs() <= 2.0**-7 * w.float().abs()).all())  # <= 1 bf16 ulp
         cases = ((12, (2, 2, 1)), (27, (2, 1, 2))) if shared else ((1, None), (12, (2, 2, 1)))
+        workspace = SplitKWorkspace()  # the split-K configs above use its serial reduction
         for m, config in cases:
             y = wna16_mma_gemv(
-                x[:m].to(device), words, pairs, n, group, config=config, shared=shared
-            ).cpu()
+                x[:m].to(device), words, pairs, n, group, config=config, shared=shared,
+                workspace=workspace,
+            ).cpu()  # fmt: skip
             ok = ok and (y.float() - ref[:m]).abs().max().item() <= 2e-2 * ref.abs().max().item()
     except Exception as e:  # noqa: BLE001 - any failure means: do not use this path
         ok, why = False, f"unavailable ({e!r})"
@@ -1059,7 +1062,7 @@ def _mma_gemm_kernel(
 GemmMmaConfig = tuple[int, int, int, int, int, int, bool]  # BM, CG, T, split, warps, stages, swap
 
 
-def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmMmaConfig:
+def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int) -> GemmMmaConfig:
     """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages, swap-AB) from the H200
     sweep (`bench_w4a16_tc.py --sweep`, Qwen2.5-7B / 3B shapes, M = 16-256): [64 | 128, BN] tiles
     without swap-AB; 16 column groups on 8 warps for the narrow 7B layers (qkv, o, down), 8

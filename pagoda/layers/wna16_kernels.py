@@ -350,6 +350,7 @@ class MmaGemv(_MmaLayout):
             group,
             bias=bias if fused else None,
             zero_pairs=layer.mma_zeros,
+            workspace=getattr(layer, "split_k_workspace", None),
         )
         return out, fused
 

@@ -9,6 +9,9 @@ import torch
 
 from pagoda.kernels import triton_w4a16_mma as mm
 from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref
+from pagoda.kernels.workspace import SplitKWorkspace
+
+WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
 
 
 def _case(m, n, k, group, seed=0, device="cpu"):
@@ -82,7 +85,7 @@ def test_mma_gemv_interpreter(m, n, k, group, config, bias) -> None:
     b = torch.randn(n).to(torch.bfloat16) if bias else None
     if bias:
         ref = ref + b.float()
-    y = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config)
+    y = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, workspace=WS)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     # one bf16 ulp of the largest output (the interpreter's fp32 -> bf16 cast truncates)
     tol = 2.0**-7 * ref.abs().max().item()
@@ -92,22 +95,29 @@ def test_mma_gemv_interpreter(m, n, k, group, config, bias) -> None:
 def test_mma_gemv_reuses_its_workspace_between_calls() -> None:
     """Split-K leaves the shared workspace and counters zeroed: a second call is identical."""
     x, words, pairs, ref, _, _ = _case(2, 32, 512, 128, seed=3)
-    a = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 4, 1))
-    b = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 4, 1))
+    ws = SplitKWorkspace()
+    a = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 4, 1), workspace=ws)
+    assert ws.all_buffers()  # split-K took the workspace's serial reduction
+    b = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 4, 1), workspace=ws)
     assert torch.equal(a, b)
+    assert all(not bool(t.any()) for t in ws.all_buffers())  # zeroed again for the next call
     assert (a.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
+    c = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(1, 4, 1))  # no workspace: no split
+    assert (c.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
 
 
 def test_mma_gemv_rejects_bad_input() -> None:
     x, words, pairs, *_ = _case(1, 32, 128, 64)
     with pytest.raises(ValueError, match="M <= 64"):
-        mm.wna16_mma_gemv(x.repeat(65, 1), words, pairs, 32, 64)
+        mm.wna16_mma_gemv(x.repeat(65, 1), words, pairs, 32, 64, workspace=WS)
     with pytest.raises(ValueError, match="bf16"):
-        mm.wna16_mma_gemv(x.float(), words, pairs, 32, 64)
+        mm.wna16_mma_gemv(x.float(), words, pairs, 32, 64, workspace=WS)
     with pytest.raises(ValueError, match="unsupported shape"):
-        mm.wna16_mma_gemv(x, words, pairs, 32, 32)
+        mm.wna16_mma_gemv(x, words, pairs, 32, 32, workspace=WS)
     with pytest.raises(ValueError, match="bias"):
-        mm.wna16_mma_gemv(x, words, pairs, 32, 64, bias=torch.zeros(31, dtype=torch.bfloat16))
+        mm.wna16_mma_gemv(
+            x, words, pairs, 32, 64, bias=torch.zeros(31, dtype=torch.bfloat16), workspace=WS
+        )
 
 
 @pytest.mark.parametrize("group", [64, -1])
@@ -138,10 +148,10 @@ def test_pdl_early_trigger_arguments(monkeypatch) -> None:
 
 
 def test_default_config_follows_the_shape() -> None:
-    assert mm.default_mma_config(1, 37888, 3584) == (2, 1, 1)  # 2,368 column groups
-    kt, split, warps = mm.default_mma_config(1, 3584, 18944)
+    assert mm.default_mma_config(1, 37888, 3584, 132) == (2, 1, 1)  # 2,368 column groups
+    kt, split, warps = mm.default_mma_config(1, 3584, 18944, 132)
     assert split > 1 and warps == 2
-    assert mm.default_mma_config(16, 4608, 3584) == (4, 2, 2)
+    assert mm.default_mma_config(16, 4608, 3584, 132) == (4, 2, 2)
     assert mm._k_tiles_per_step(576, 4) == 1 and mm._k_tiles_per_step(3584, 4) == 4
 
 
@@ -162,10 +172,14 @@ def test_mma_gemv_shared_dequant_interpreter(m, n, k, group, config, bias) -> No
     b = torch.randn(n).to(torch.bfloat16) if bias else None
     if bias:
         ref = ref + b.float()
-    y = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, shared=True)
+    y = mm.wna16_mma_gemv(
+        x, words, pairs, n, group, bias=b, config=config, shared=True, workspace=WS
+    )
     assert y.shape == (m, n)
     assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
-    old = mm.wna16_mma_gemv(x, words, pairs, n, group, bias=b, config=config, shared=False)
+    old = mm.wna16_mma_gemv(
+        x, words, pairs, n, group, bias=b, config=config, shared=False, workspace=WS
+    )
     assert torch.equal(y, old)  # the same sums in the same order under the interpreter
 
 
@@ -211,7 +225,7 @@ def test_self_test_passes_and_catches_wrong_results(monkeypatch) -> None:
 @pytest.mark.parametrize("m", [1, 2, 8, 13, 64])
 def test_mma_gemv_qwen7b_gpu(m, n, k) -> None:
     x, words, pairs, ref, _, _ = _case(m, n, k, 128, device="cuda")
-    y = mm.wna16_mma_gemv(x, words, pairs, n, 128)
+    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, workspace=WS)
     torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=2e-2 * ref.abs().max().item())
 
 
@@ -222,7 +236,7 @@ def test_mma_gemv_qwen7b_gpu(m, n, k) -> None:
 def test_mma_gemv_configs_gpu(config) -> None:
     x, words, pairs, ref, _, _ = _case(4, 3584, 18944, 128, device="cuda", seed=5)
     b = torch.randn(3584, device="cuda").to(torch.bfloat16)
-    y = mm.wna16_mma_gemv(x, words, pairs, 3584, 128, bias=b, config=config)
+    y = mm.wna16_mma_gemv(x, words, pairs, 3584, 128, bias=b, config=config, workspace=WS)
     expect = ref + b.float().cpu()
     torch.testing.assert_close(
         y.float().cpu(), expect, rtol=1e-2, atol=2e-2 * expect.abs().max().item()
@@ -237,10 +251,10 @@ def test_mma_gemv_shared_dequant_gpu(m, n, k) -> None:
     reference and against the per-block kernel."""
     assert mm.mma_shared_self_test(0)
     x, words, pairs, ref, _, _ = _case(m, n, k, 128, device="cuda", seed=13)
-    y = mm.wna16_mma_gemv(x, words, pairs, n, 128)
+    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, workspace=WS)
     tol = 2e-2 * ref.abs().max().item()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=tol)
-    old = mm.wna16_mma_gemv(x, words, pairs, n, 128, shared=False)
+    old = mm.wna16_mma_gemv(x, words, pairs, n, 128, shared=False, workspace=WS)
     assert (y.float() - old.float()).abs().max().item() <= tol
 
 
@@ -250,7 +264,9 @@ def test_mma_gemv_shared_dequant_gpu(m, n, k) -> None:
 def test_mma_gemv_shared_configs_gpu(m, config) -> None:
     x, words, pairs, ref, _, _ = _case(m, 3584, 18944, 128, device="cuda", seed=15)
     b = torch.randn(3584, device="cuda").to(torch.bfloat16)
-    y = mm.wna16_mma_gemv(x, words, pairs, 3584, 128, bias=b, config=config, shared=True)
+    y = mm.wna16_mma_gemv(
+        x, words, pairs, 3584, 128, bias=b, config=config, shared=True, workspace=WS
+    )
     expect = ref + b.float().cpu()
     torch.testing.assert_close(
         y.float().cpu(), expect, rtol=1e-2, atol=2e-2 * expect.abs().max().item()
@@ -281,10 +297,12 @@ def test_mma_dequant_is_exact_gpu() -> None:
 @pytest.mark.gpu
 def test_mma_gemv_cuda_graph_gpu() -> None:
     x, words, pairs, ref, _, _ = _case(1, 3584, 18944, 128, device="cuda", seed=7)
-    mm.wna16_mma_gemv(x, words, pairs, 3584, 128)  # warm-up: compiles, sizes the workspace
+    mm.wna16_mma_gemv(
+        x, words, pairs, 3584, 128, workspace=WS
+    )  # warm-up: compiles, sizes the workspace
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = mm.wna16_mma_gemv(x, words, pairs, 3584, 128)
+        y = mm.wna16_mma_gemv(x, words, pairs, 3584, 128, workspace=WS)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
@@ -344,7 +362,7 @@ ZP_CASES = [  # (M, N, K, group, config, shared): M <= 8, 2 and 4 shared blocks,
 def test_mma_gemv_zero_points_interpreter(m, n, k, group, config, shared) -> None:
     x, words, pairs, zeros, ref, _ = _zp_case(m, n, k, group, seed=23)
     y = mm.wna16_mma_gemv(x, words, pairs, n, group, config=config, shared=shared,
-                          zero_pairs=zeros)  # fmt: skip
+                          zero_pairs=zeros, workspace=WS)  # fmt: skip
     assert y.shape == (m, n)
     assert (y.float() - ref).abs().max().item() <= 2.0**-7 * ref.abs().max().item()
 
@@ -353,8 +371,10 @@ def test_zero_pairs_of_eight_equal_the_symmetric_path() -> None:
     """z = 8 everywhere is the symmetric code offset: the same result as no zero pairs."""
     x, words, pairs, _, _, _ = _case(3, 32, 256, 128, seed=4)
     eights = mm.repack_mma_zeros(torch.full((2, 32), 8))
-    a = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(2, 1, 1))
-    b = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(2, 1, 1), zero_pairs=eights)
+    a = mm.wna16_mma_gemv(x, words, pairs, 32, 128, config=(2, 1, 1), workspace=WS)
+    b = mm.wna16_mma_gemv(
+        x, words, pairs, 32, 128, config=(2, 1, 1), zero_pairs=eights, workspace=WS
+    )
     assert torch.equal(a, b)
 
 
@@ -409,7 +429,7 @@ def test_mma_gemm_interpreter(m, n, k, group, config, bias, zp) -> None:
 @pytest.mark.parametrize("m", [1, 8, 13, 33, 64])
 def test_mma_gemv_zero_points_qwen7b_gpu(m, n, k) -> None:
     x, words, pairs, zeros, ref, w = _zp_case(m, n, k, 128, device="cuda", seed=31)
-    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, zero_pairs=zeros)
+    y = mm.wna16_mma_gemv(x, words, pairs, n, 128, zero_pairs=zeros, workspace=WS)
     tol = 2e-2 * ref.abs().max().item()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=tol)
     d = mm.wna16_mma_dequant(words, pairs, n, k, 128, zero_pairs=zeros)

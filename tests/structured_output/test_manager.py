@@ -1,9 +1,8 @@
 """StructuredOutputManager on the Qwen2.5 tokenizer (no model): parsing errors, the compile
-cache and thread pool, bitmasks, matcher termination, and the error without xgrammar."""
+cache and thread pool, bitmasks and matcher termination."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
@@ -111,13 +110,6 @@ def test_same_constraint_compiles_once_on_the_pool(manager):
 def test_invalid_constraints_raise_value_error_naming_the_field(manager, so, field):
     with pytest.raises(ValueError, match=rf"^structured_outputs\.{field} is invalid: \S"):
         manager.new_request(StructuredOutputsParams(**so))
-
-
-def test_missing_xgrammar_is_a_clear_error(tokenizer, monkeypatch):
-    monkeypatch.setitem(sys.modules, "xgrammar", None)  # makes `import xgrammar` fail
-    mgr = StructuredOutputManager(tokenizer, VOCAB, [2])
-    with pytest.raises(ValueError, match=r"need the xgrammar package.*pagoda\[structured\]"):
-        mgr.new_request(StructuredOutputsParams(regex="a"))
 
 
 def test_no_tokenizer_is_a_clear_error():
