@@ -222,10 +222,15 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
     assert len(tok(long).input_ids) > 512
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([long], SamplingParams(max_tokens=2), use_tqdm=False)
+    # -1 keeps max_model_len - 1 tokens (room for one): max_tokens must fit what is left
     out = llm.generate(
-        [long], SamplingParams(max_tokens=2, truncate_prompt_tokens=-1), use_tqdm=False
+        [long], SamplingParams(max_tokens=1, truncate_prompt_tokens=-1), use_tqdm=False
     )[0]
     assert len(out.prompt_token_ids) == 511
+    with pytest.raises(ValueError, match="at most 1 can be generated"):
+        llm.generate(
+            [long], SamplingParams(max_tokens=2, truncate_prompt_tokens=-1), use_tqdm=False
+        )
 
 
 def test_stop_token_text_is_left_out(llm):
