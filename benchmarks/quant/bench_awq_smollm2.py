@@ -1,10 +1,11 @@
 """Issue 17 acceptance 2: AWQ W4A16_ASYM on the embedded SmolLM2-135M, pagoda vs llmcompressor.
 
 Steps (each skipped when its output exists in --work): calibration / held-out text from
-python3-doc (prepare_python_docs.py); pagoda `--method awq` in this process while
-llmcompressor's AWQModifier (llmcompressor_awq_baseline.py, run with --lc-python) quantizes the
-same samples in a second process, one thread each; then pagoda `awq+gptq` and asymmetric RTN;
-then perplexity of the float model and every checkpoint on the same held-out tokens.
+python3-doc (prepare_python_docs.py); pagoda `--method awq`, pagoda `awq+gptq`, asymmetric RTN
+and llmcompressor's AWQModifier (llmcompressor_awq_baseline.py, run with --lc-python) on the
+same samples; perplexity of the float model and every checkpoint on the same held-out tokens;
+the JSON record once every result is there. `--only NAME` runs one step (its quantization and
+its perplexity), so that the steps can run as parallel processes, one thread each.
 Usage: python benchmarks/quant/bench_awq_smollm2.py --work /tmp/awqbench --lc-python PY
 """
 
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
+STEPS = ("float32", "pagoda_awq", "pagoda_awq_gptq", "rtn_asym", "llmcompressor_awq")
+_METHODS = {"pagoda_awq": "awq", "pagoda_awq_gptq": "awq+gptq", "rtn_asym": "rtn"}
 
 
 def _pagoda_run(name: str, work: Path, model: str, method: str, common: dict) -> dict:
@@ -44,12 +47,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", required=True)
     parser.add_argument("--lc-python", default=None, help="python with llmcompressor installed")
-    parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--eval-tokens", type=int, default=16384)
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--skip", action="append", default=[], help="awq+gptq / rtn_asym")
+    parser.add_argument("--only", default=None, choices=STEPS, help="run this step alone")
     parser.add_argument(
         "--out", default=str(HERE.parents[0] / "results" / "quant_awq_smollm2_cpu.json")
     )
@@ -79,50 +82,48 @@ def main() -> None:
         actorder=None,
     )
     lc_out = work / "llmcompressor_awq"
-    baseline = None
-    if not (lc_out / "llmcompressor_run.json").is_file() and ns.lc_python:
-        baseline = subprocess.Popen(
-            [
-                ns.lc_python,
-                str(HERE / "llmcompressor_awq_baseline.py"),
-                str(lc_out),
-                "--dataset",
-                str(calib),
-                "--num-samples",
-                str(ns.num_samples),
-                "--max-seq-len",
-                str(ns.max_seq_len),
-                "--group-size",
-                str(ns.group_size),
-            ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+    steps = [ns.only] if ns.only else list(STEPS)
+    runs: dict[str, dict] = {}
+    results: dict[str, dict] = {}
+    for step in steps:
+        if step in _METHODS:
+            runs[step] = _pagoda_run(step, work, model, _METHODS[step], common)
+        elif step == "llmcompressor_awq":
+            if not (lc_out / "llmcompressor_run.json").is_file():
+                if not ns.lc_python:
+                    continue
+                subprocess.run(
+                    [
+                        ns.lc_python,
+                        str(HERE / "llmcompressor_awq_baseline.py"),
+                        str(lc_out),
+                        "--dataset",
+                        str(calib),
+                        "--num-samples",
+                        str(ns.num_samples),
+                        "--max-seq-len",
+                        str(ns.max_seq_len),
+                        "--group-size",
+                        str(ns.group_size),
+                    ],
+                    check=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"},
+                )
+            runs[step] = json.loads((lc_out / "llmcompressor_run.json").read_text())
+        path = (
+            model if step == "float32" else lc_out if step == "llmcompressor_awq" else work / step
         )
-    runs: dict[str, dict] = {"pagoda_awq": _pagoda_run("pagoda_awq", work, model, "awq", common)}
-    if baseline is not None and baseline.wait() != 0:
-        raise SystemExit(f"llmcompressor baseline failed (exit {baseline.returncode})")
-    if (lc_out / "llmcompressor_run.json").is_file():
-        runs["llmcompressor_awq"] = json.loads((lc_out / "llmcompressor_run.json").read_text())
-    for name, method in (("pagoda_awq_gptq", "awq+gptq"), ("rtn_asym", "rtn")):
-        if method not in ns.skip and name not in ns.skip:
-            runs[name] = _pagoda_run(name, work, model, method, common)
-
-    results = {}
-    models = {
-        "float32": model,
-        **{name: work / name for name in runs if name != "llmcompressor_awq"},
-    }
-    if "llmcompressor_awq" in runs:
-        models["llmcompressor_awq"] = lc_out
-    for label, path in models.items():
-        cache = work / f"eval_{label}_{ns.eval_tokens}_{ns.window}.json"
+        cache = work / f"eval_{step}_{ns.eval_tokens}_{ns.window}.json"
         if not cache.is_file():
             ppl = evaluate(str(path), str(heldout), ns.eval_tokens, ns.window, ns.window,
                            device="cpu", dtype="float32")  # fmt: skip
             cache.write_text(json.dumps(asdict(ppl), indent=2))
-        results[label] = json.loads(cache.read_text())
-        entry = results[label]
-        print(f"{label:20s} ppl {entry['perplexity']:.3f}  ({entry['num_scored']} tokens, "
+        results[step] = json.loads(cache.read_text())
+        entry = results[step]
+        print(f"{step:20s} ppl {entry['perplexity']:.3f}  ({entry['num_scored']} tokens, "
               f"{entry['tokens_sha256']})", flush=True)  # fmt: skip
+    if ns.only:
+        return
 
     record = {
         "date": time.strftime("%Y-%m-%d"),

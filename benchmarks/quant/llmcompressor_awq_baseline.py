@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("out_dir")
     parser.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2)")
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--num-samples", type=int, default=32)
+    parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--group-size", type=int, default=64)

@@ -288,3 +288,60 @@ def test_awq_errors(tiny_llama, calib_text, tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert code == 2 and "format='autoawq' stores 4-bit weights only" in err
     assert "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+def test_awq_qwen2_5_vl_text_decoder(tmp_path) -> None:
+    """Qwen2.5-VL: the text decoder smoothed and quantized, the vision tower byte for byte;
+    transformers + compressed-tensors agree with pagoda, and the AutoAWQ layout (vision tower
+    as `modules_to_not_convert: ["visual"]`) serves the same logits."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tests.models.test_qwen2_5_vl import (
+        _conversation,
+        _hf_forward_kwargs,
+        _input_processor,
+        _pagoda_logits,
+        save_tiny_vl,
+    )
+    from tests.quant.test_formats import _pagoda
+    from tests.quant.test_quantize_vl import CALIBRATION, QUANT_ARGS, _raw_equal
+
+    src = tmp_path / "src"
+    save_tiny_vl(src)
+    dataset = tmp_path / "calib.json"
+    dataset.write_text(json.dumps(CALIBRATION))
+    outs = {}
+    # transformers runs a compressed-tensors model in its stored dtype: float32 for the
+    # comparison with it; float16 (AutoAWQ's scale dtype) for the two layouts to agree exactly.
+    for name, fmt, dtype in (("ct", "compressed-tensors", "float32"),
+                             ("ct16", "compressed-tensors", "float16"),
+                             ("autoawq", "autoawq", "float16")):  # fmt: skip
+        outs[name] = tmp_path / name
+        command = ["quantize", str(src), "--out", str(outs[name]), "--method", "awq",
+                   *QUANT_ARGS, "--ignore", "re:.*visual.*", "--dataset", str(dataset),
+                   "--dtype", dtype, "--format", fmt, "--no-progress"]  # fmt: skip
+        assert main(command) == 0
+    before = load_file(src / "model.safetensors")
+    after = load_file(outs["ct"] / "model.safetensors")
+    for name in before:
+        if name.startswith("visual."):  # release layout names, tensors untouched
+            assert _raw_equal(after[name], before[name].to(after[name].dtype)), name
+    name = "model.layers.0.input_layernorm.weight"  # rescaled, under the release name
+    assert not torch.allclose(after[name].float(), before[name].float())
+    qc = json.loads((outs["autoawq"] / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "awq" and qc["modules_to_not_convert"] == ["visual"]
+
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(outs["ct"], dtype=torch.float32)
+    hf.eval()
+    ours, ct16, autoawq = (_pagoda(outs[n])[0] for n in ("ct", "ct16", "autoawq"))
+    processor = _input_processor(outs["ct"], hf.config)
+    for keys in ([], ["a"]):
+        processed = processor.process_chat(_conversation(keys))
+        with torch.no_grad():
+            ref = hf(**_hf_forward_kwargs(processed.prompt_token_ids, keys)).logits[0]
+        got = _pagoda_logits(ours, processed)
+        torch.testing.assert_close(got, ref, rtol=2e-4, atol=2e-4)
+        torch.testing.assert_close(
+            _pagoda_logits(autoawq, processed), _pagoda_logits(ct16, processed)
+        )
