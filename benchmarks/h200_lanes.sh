@@ -6,11 +6,8 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 7): verify7 ablate gated_tests gated_bench ab_gated stream_bench ab_gated2 final7 ttft7 bias7 reduce7
-# Steps (session 6): pf_tests pf_bench ab_pf shared_tests shared_bench ab_shared gemm_bench
-#                    gemm_tests final6
-# Steps (session 5): mma_tests mma_bench ab_mma
-# Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab w4a16_latency gemm lora serve
+# Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
+# Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -71,17 +68,6 @@ latrun() {
     --out "$R/lat_$name.json"
 }
 # batch-1 decode A/B in one run: every new piece on (the default), then each one off
-step_ab7b() {
-  latrun bf16 "config:$CFG7"
-  latrun bf16_nogemv "config:$CFG7" PAGODA_DENSE_GEMV=off
-  latrun bf16_gemv_all "config:$CFG7" PAGODA_DENSE_GEMV=all
-  latrun bf16_nopdl "config:$CFG7" PAGODA_PDL=0
-  latrun bf16_nofused "config:$CFG7" PAGODA_FUSED_DECODE_ATTN=0
-  latrun bf16_old "config:$CFG7" PAGODA_PDL=0 PAGODA_DENSE_GEMV=off PAGODA_FUSED_DECODE_ATTN=0
-  latrun w4a16 "config:$CFG7:w4a16"
-  latrun w4a16_old "config:$CFG7:w4a16" PAGODA_PDL=0 PAGODA_FUSED_DECODE_ATTN=0
-  latrun w4a16_lm_head "config:$CFG7:${LMHEAD_SUFFIX:-w4a16-lm_head}"
-}
 step_latency() {
   run latency 170 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 \
@@ -101,18 +87,6 @@ step_latency_ab() {
 }
 # issue 4: batch-1 decode of Qwen2.5-7B W4A16 vs bf16 in the same run (GEMV and tinygemm);
 # only a failed W4A16 run with the default GEMV switches the compare steps to tinygemm
-step_w4a16_latency() {
-  run lat7b_bf16 110 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
-    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
-    --out "$R/latency_qwen2.5-7b_bf16_h200.json"
-  run lat7b_w4a16 110 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7:w4a16" \
-    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
-    --out "$R/latency_qwen2.5-7b_w4a16_h200.json"
-  [ -s "$R/latency_qwen2.5-7b_w4a16_h200.json" ] || touch "$R/gemv_failed"
-  PAGODA_W4A16_SMALL_M=tinygemm run lat7b_w4a16_tinygemm 110 python3 -m pagoda.entrypoints.cli \
-    bench latency "config:$CFG7:w4a16" --dtype bfloat16 --prompt-len 512 --output-len 256 \
-    --iters 3 --baseline none --out "$R/latency_qwen2.5-7b_w4a16_tinygemm_h200.json"
-}
 # W4A16 kernel GPU tests, verbose (names of failures)
 step_w4a16_tests() {
   run w4a16_tests 150 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE \
@@ -199,10 +173,6 @@ step_quant7b() {
 compare() {
   local size=$1
   local name
-  if [ -e "$R/gemv_failed" ]; then
-    export PAGODA_W4A16_SMALL_M=tinygemm
-    echo "[compare$size] W4A16 GEMV failed earlier: tinygemm for small M" | tee -a "$R/summary.txt"
-  fi
   name="Qwen2.5-$(echo "$size" | tr a-z A-Z)"
   run "compare$size" 285 python3 -m pagoda.entrypoints.cli compare \
     "config:benchmarks/configs/qwen2.5-$size.json" "config:benchmarks/configs/qwen2.5-$size.json:w4a16" \
@@ -228,7 +198,6 @@ step_final_tests() {
 }
 step_final_lat() {
   latrun bf16 "config:$CFG7"
-  latrun bf16_sepreduce "config:$CFG7" PAGODA_FUSED_DECODE_REDUCE=0
   latrun w4a16 "config:$CFG7:w4a16"
 }
 step_confirm_a() {
@@ -239,63 +208,15 @@ step_confirm_b() {
   latrun bf16_final_gpu1 "config:$CFG7"
   latrun w4a16_lm_head_final "config:$CFG7:w4a16-lm_head"
 }
-# the final batch-1 figures: defaults vs every session-4 piece off, W4A16 with and without lm_head
+# the final batch-1 figures: defaults vs PDL, dense GEMV and fused decode attention off, W4A16 with and without lm_head
 step_ab7b_final() {
   latrun bf16 "config:$CFG7"
-  latrun bf16_old "config:$CFG7" PAGODA_PDL=0 PAGODA_DENSE_GEMV=off PAGODA_FUSED_DECODE_ATTN=0
+  latrun bf16_old "config:$CFG7" PAGODA_PDL=0 PAGODA_DISABLED_KERNELS=dense_gemv,fused_decode_attn
   latrun w4a16 "config:$CFG7:w4a16"
   latrun w4a16_lm_head "config:$CFG7:w4a16-lm_head"
 }
 step_compare7b() { compare 7b; }
 # session 5: the tensor-core W4A16 GEMV (pagoda/kernels/triton_w4a16_mma.py)
-step_mma_tests() {
-  run mma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_w4a16_mma.py tests/kernels/test_triton_w4a16.py \
-    tests/quant/test_lm_head.py
-}
-step_mma_bench() {
-  run mma_bench 240 python3 benchmarks/quant/bench_w4a16_mma.py --out "$R/w4a16_mma_h200.json"
-}
-step_mma_bench_small() {
-  run mma_bench_small 120 python3 benchmarks/quant/bench_w4a16_mma.py --ms 1,8,16,32 --sweep-ms 1,16 \
-    --out "$R/w4a16_mma_small_h200.json"
-}
-step_ab_mma() {
-  latrun bf16 "config:$CFG7"
-  latrun w4a16 "config:$CFG7:w4a16"
-  latrun w4a16_nomma "config:$CFG7:w4a16" PAGODA_W4A16_MMA=0
-  latrun w4a16_lm_head "config:$CFG7:w4a16-lm_head"
-}
-# session 6: L2 bulk prefetch in the tensor-core GEMV, early PDL triggers in the short kernels
-step_pf_tests() {
-  run pf_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_w4a16_mma.py tests/kernels/test_fused_decode_attention.py \
-    tests/kernels/test_fused_ops.py tests/kernels/test_triton_paged_attention.py
-}
-step_pf_bench() {
-  run pf_bench 200 python3 benchmarks/quant/bench_w4a16_mma.py --prefetch-only \
-    --out "$R/w4a16_prefetch_h200.json"
-}
-step_ab_pf() {
-  latrun bf16 "config:$CFG7"
-  latrun w4a16 "config:$CFG7:w4a16"
-  latrun w4a16_s5 "config:$CFG7:w4a16" PAGODA_W4A16_PF=0 PAGODA_PDL_EARLY=0
-  latrun w4a16_nopf "config:$CFG7:w4a16" PAGODA_W4A16_PF=0
-  latrun w4a16_noearly "config:$CFG7:w4a16" PAGODA_PDL_EARLY=0
-  latrun w4a16_pfall "config:$CFG7:w4a16" PAGODA_W4A16_PF=all
-  latrun w4a16_pf4 "config:$CFG7:w4a16" PAGODA_W4A16_PF=4,loop
-  latrun bf16_noearly "config:$CFG7" PAGODA_PDL_EARLY=0
-}
-step_shared_tests() {
-  run shared_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_w4a16_mma.py
-}
-step_shared_bench() {
-  run shared_bench 240 python3 benchmarks/quant/bench_w4a16_mma.py --shared-only \
-    --out "$R/w4a16_shared_h200.json"
-}
-# batch-1 decode A/B, then batch 8 / 32 / 64: W4A16 (shared dequant, the default) vs bf16 vs
-# the per-block kernel (PAGODA_W4A16_MMA_SHARED=0, the session-5 limits)
 batchrun() {
   local name=$1 spec=$2 b=$3
   shift 3
@@ -303,115 +224,31 @@ batchrun() {
     --dtype bfloat16 --prompt-len 512 --output-len 128 --batch-size "$b" --iters 2 \
     --baseline none --out "$R/lat_b${b}_$name.json"
 }
-step_ab_shared() {
-  latrun bf16 "config:$CFG7"
-  latrun w4a16 "config:$CFG7:w4a16"
-  for b in 8 32 64; do
-    batchrun w4a16 "config:$CFG7:w4a16" $b
-    batchrun w4a16_pershared0 "config:$CFG7:w4a16" $b PAGODA_W4A16_MMA_SHARED=0
-  done
-  batchrun bf16 "config:$CFG7" 32
-}
-step_gemm_bench() {
-  run gemm_bench 200 python3 benchmarks/quant/bench_w4a16_mma.py --gemm-only \
-    --out "$R/w4a16_mma_gemm_h200.json"
-}
-step_gemm_tests() {
-  run gemm_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_w4a16_mma.py -k "gemm or layer or self_test"
-}
-step_final6() {
-  run final6_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_w4a16_mma.py tests/quant/test_lm_head.py -k "layer or gemm or self_test or lm_head"
-  latrun bf16 "config:$CFG7"
-  latrun w4a16 "config:$CFG7:w4a16"
-  batchrun w4a16 "config:$CFG7:w4a16" 64
-  batchrun w4a16_gemm0 "config:$CFG7:w4a16" 64 PAGODA_W4A16_MMA_GEMM_MAX_M=0
-}
 
-# session 7: verify HEAD (early PDL triggers, last-pass refactors) incl. engine vs transformers;
-# what each small-kernel kind costs inside the batch-1 decode graph
-step_verify7() {
-  run verify7 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/entrypoints/test_gpu_engine.py tests/kernels/test_triton_w4a16_mma.py \
-    tests/kernels/test_fused_decode_attention.py tests/kernels/test_fused_ops.py \
-    tests/kernels/test_triton_paged_attention.py tests/kernels/test_wna16_gemv_bias_pdl.py
+# session 8: W4A16 with zero points (AWQ) and the tensor-core GEMM, Mistral, offload
+step_gpu8() {
+  run gpu8 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/layers/test_wna16_kernels.py tests/quant/test_autoawq_load.py tests/models/test_models.py \
+    tests/entrypoints/test_gpu_engine.py tests/kernels/test_fused_decode_attention.py \
+    tests/kernels/test_triton_paged_attention.py tests/worker
 }
-step_ablate() {
-  run ablate_w4a16 150 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
-    --out "$R/ablate_w4a16.json"
-  run ablate_bf16 150 python3 benchmarks/ablate_decode.py "config:$CFG7" \
-    --out "$R/ablate_bf16.json"
+step_e2e7b() {
+  run e2e7b 240 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG7" "config:$CFG7:w4a16" "config:$CFG7:awq" \
+    --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16 (GPTQ sym),Qwen2.5-7B AWQ (zero points)" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
+    --baseline none --timeout 100 --out "$R/compare_7b_awq"
 }
-# session 7: SiLU-and-mul in the gate_up GEMV's epilogue (gated kernel)
-step_gated_tests() {
-  run gated_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_w4a16_mma.py -k "gated or decoder_mlp or layer or cuda_graph"
+step_kernel_table() {
+  run kernel_table 110 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 1,0 \
+    --out "$R/kernel_table"
 }
-step_gated_bench() {
-  run gated_bench 150 python3 benchmarks/quant/bench_w4a16_mma.py --gated-only \
-    --out "$R/w4a16_gated_h200.json"
+step_offload() {
+  run offload 120 python3 benchmarks/deploy/offload_7b.py --out "$R/offload_7b_h200.json"
 }
-step_ab_gated() {
-  latrun bf16 "config:$CFG7"
-  latrun w4a16 "config:$CFG7:w4a16"
-  latrun w4a16_silu0 "config:$CFG7:w4a16" PAGODA_W4A16_FUSED_SILU=0
-  run ablate_w4a16_gated 150 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
-    --out "$R/ablate_w4a16_gated.json"
-}
-step_stream_bench() {
-  run stream_bench 120 python3 benchmarks/quant/bench_w4a16_mma.py --stream-only \
-    --out "$R/w4a16_stream_floor_h200.json"
-}
-# gated on (default) vs off: engine tok/s twice each, and the decode graph alone (three captures
-# each, so the capture-to-capture spread is measured too)
-step_ab_gated2() {
-  latrun bf16 "config:$CFG7"
-  latrun w4a16 "config:$CFG7:w4a16"
-  latrun w4a16_silu0 "config:$CFG7:w4a16" PAGODA_W4A16_FUSED_SILU=0
-  latrun w4a16_b "config:$CFG7:w4a16"
-  latrun w4a16_silu0_b "config:$CFG7:w4a16" PAGODA_W4A16_FUSED_SILU=0
-  run graph_gated 100 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
-    --ablations none,none,none --out "$R/graph_gated.json"
-  run graph_silu0 100 env PAGODA_W4A16_FUSED_SILU=0 python3 benchmarks/ablate_decode.py \
-    "config:$CFG7:w4a16" --ablations none,none,none --out "$R/graph_silu0.json"
-}
-# session 7 final: the whole MMA file and engine vs transformers at HEAD, the toolchain on the
-# device (is there a CUDA compiler besides Triton's?), batch-1 latency for the record
-step_final7() {
-  { which nvcc; ls -d /usr/local/cuda* 2>&1; python3 -c "import torch.utils.cpp_extension as c; print('CUDA_HOME', c.CUDA_HOME)"; } >"$R/toolchain.txt" 2>&1
-  run final7_tests 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_w4a16_mma.py tests/entrypoints/test_gpu_engine.py
-  latrun bf16 "config:$CFG7"
-  latrun w4a16 "config:$CFG7:w4a16"
-}
-# TTFT per engine instance: four W4A16 processes and two bf16, each profiles one prefill
-step_ttft7() {
-  for i in 1 2 3 4; do
-    run ttft_w4a16_$i 60 python3 benchmarks/profile_prefill.py "config:$CFG7:w4a16" \
-      --out "$R/ttft_w4a16_$i.json"
-  done
-  for i in 1 2; do
-    run ttft_bf16_$i 60 python3 benchmarks/profile_prefill.py "config:$CFG7" \
-      --out "$R/ttft_bf16_$i.json"
-  done
-}
-# the bias of qkv in cuBLAS's epilogue on the dequant path (prefill): layer tests + one prefill
-step_bias7() {
-  run bias7_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_w4a16_mma.py -k "layer or decoder_mlp"
-  run ttft_w4a16_bias 60 python3 benchmarks/profile_prefill.py "config:$CFG7:w4a16" \
-    --out "$R/ttft_w4a16_bias.json"
-}
-# the opt-in in-launch split-KV reduce (last split of a group merges), re-measured now that the
-# short kernels trigger PDL early: batch-1 decode A/B and its tests
-step_reduce7() {
-  run reduce7_tests 90 env PAGODA_FUSED_DECODE_REDUCE=1 python3 -m pytest -q -p no:cacheprovider \
-    -m gpu -rfE tests/kernels/test_fused_decode_attention.py
-  latrun bf16 "config:$CFG7"
-  latrun bf16_reduce1 "config:$CFG7" PAGODA_FUSED_DECODE_REDUCE=1
-  latrun w4a16 "config:$CFG7:w4a16"
-  latrun w4a16_reduce1 "config:$CFG7:w4a16" PAGODA_FUSED_DECODE_REDUCE=1
+step_two_engines() {
+  run two_engines 120 python3 benchmarks/deploy/two_engines.py --out "$R/two_engines_h200.json"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

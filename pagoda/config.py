@@ -213,3 +213,10 @@ class RunnerConfig:
     cuda_graph_sizes: tuple[int, ...] = field(default_factory=tuple)
     lora: LoRAConfig | None = None  # None: LoRA serving off
     multimodal: MultiModalConfig | None = None  # None: a text-only model
+    # GiB of decoder-layer weights kept in pinned host memory, streamed per layer (offload.py)
+    cpu_offload_gb: float = 0.0
+
+    def __post_init__(self) -> None:
+        gb = self.cpu_offload_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0:
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gb!r}")

@@ -85,3 +85,27 @@ def api_key() -> str | None:
 def triton_interpret() -> bool:
     """Whether Triton kernels run in its CPU interpreter (`TRITON_INTERPRET`, Triton's own)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels (`TRITON_CACHE_DIR`, Triton's own; default
+    ~/.triton/cache): start-up counts new entries there to tell a cold start from a warm one."""
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".triton", "cache"
+    )
+
+
+def emulated_capability() -> tuple[int, int] | None:
+    """`PAGODA_EMULATE_CAPABILITY` ("8.9"): the compute capability `platform.capability` reports
+    instead of the device's, so the kernel registries pick what a smaller GPU would run
+    (`pagoda bench edge --emulate-capability`); only lower than the real one makes sense."""
+    env = os.environ.get("PAGODA_EMULATE_CAPABILITY", "").strip()
+    if not env:
+        return None
+    try:
+        major, minor = (int(v) for v in env.split("."))
+    except ValueError:
+        raise ValueError(
+            f"PAGODA_EMULATE_CAPABILITY={env!r}: use MAJOR.MINOR, e.g. 8.9 or 8.7"
+        ) from None
+    return (major, minor)

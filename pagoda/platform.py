@@ -12,6 +12,8 @@ import importlib.util
 
 import torch
 
+from pagoda import envs
+
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """ "auto" -> CUDA when available, else CPU; a clear ValueError for anything unusable."""
@@ -50,7 +52,16 @@ def capability(device: torch.device | int | None = None) -> tuple[int, int]:
 
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+    real = tuple(torch.cuda.get_device_capability(index))
+    emulated = envs.emulated_capability()
+    if emulated is None:
+        return real  # type: ignore[return-value]
+    if emulated > real:
+        raise ValueError(
+            f"PAGODA_EMULATE_CAPABILITY={emulated[0]}.{emulated[1]} is above the device's "
+            f"{real[0]}.{real[1]}: only an older GPU's kernels can be emulated"
+        )
+    return emulated
 
 
 def num_sms(device: torch.device | int | None = None) -> int:
@@ -68,6 +79,11 @@ def is_integrated_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and bool(
         getattr(torch.cuda.get_device_properties(device), "is_integrated", False)
     )
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (for modules that keep torch out of their imports)."""
+    return torch.cuda.is_available()
 
 
 @functools.cache

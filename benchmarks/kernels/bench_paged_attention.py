@@ -3,6 +3,8 @@
 Decode batches (B x context) report KV-read bandwidth against a device-to-device copy measured
 in the same run (CUDA-graph replays, as the runner runs decode); prefill and a mixed step report
 TFLOP/s against torch SDPA on contiguous tensors (eager `do_bench`, L2 flushed per call).
+`--sliding-window W` also times decode and prefill with the window (Mistral: 4096; blocks before
+it are skipped), reported as `ms_window` and the speed-up over full attention in the same run.
 Usage: PYTHONPATH=. python benchmarks/kernels/bench_paged_attention.py --out results.json
 """
 
@@ -125,22 +127,32 @@ def bench_decode(args, cache: PagedCache, copy_gbps: float) -> list[dict]:
                     [run_attention(cache, specs, args.heads, num_splits=1) for _ in range(calls)]
                 )
             gbps = kv_bytes / (ms_auto * 1e-3) / 1e9
-            rows.append(
-                {
-                    "batch": batch,
-                    "context": ctx,
-                    "num_splits": splits,
-                    "ms": ms_auto,
-                    "ms_no_split": ms_single,
-                    "kv_read_GBps": gbps,
-                    "fraction_of_copy_bw": gbps / copy_gbps,
-                }
-            )
-            print(
+            row = {
+                "batch": batch,
+                "context": ctx,
+                "num_splits": splits,
+                "ms": ms_auto,
+                "ms_no_split": ms_single,
+                "kv_read_GBps": gbps,
+                "fraction_of_copy_bw": gbps / copy_gbps,
+            }
+            line = (
                 f"decode B={batch:4d} ctx={ctx:6d} splits={splits:2d} {ms_auto * 1e3:9.1f} us "
                 f"(no split {ms_single * 1e3:9.1f} us)  KV {gbps:7.0f} GB/s = "
                 f"{gbps / copy_gbps:5.1%} of copy"
             )
+            if args.sliding_window:
+                window = args.sliding_window
+                row["ms_window"] = bench_graph_ms(
+                    [
+                        run_attention(cache, specs, args.heads, sliding_window=window)
+                        for _ in range(calls)
+                    ]
+                )
+                row["window_speedup"] = ms_auto / row["ms_window"]
+                line += f" | W={window}: {row['ms_window'] * 1e3:9.1f} us"
+            rows.append(row)
+            print(line)
     return rows
 
 
@@ -165,6 +177,13 @@ def bench_prefill(args, cache: PagedCache) -> dict:
         "sdpa_tflops": flops / (ms_sdpa * 1e-3) / 1e12,
         "speed_vs_sdpa": ms_sdpa / ms,
     }
+    if args.sliding_window:
+        w = args.sliding_window
+        result["ms_window"] = bench_ms(
+            run_attention(cache, [(tokens, tokens)], heads, sliding_window=w)
+        )
+        result["window_speedup"] = ms / result["ms_window"]
+        print(f"prefill T={tokens} window {w}: {result['ms_window']:.3f} ms")
     print(
         f"prefill T={tokens}: {ms:.3f} ms {result['tflops']:.0f} TFLOP/s | SDPA {ms_sdpa:.3f} ms "
         f"{result['sdpa_tflops']:.0f} TFLOP/s | ratio {result['speed_vs_sdpa']:.2f}"
@@ -215,6 +234,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument(
+        "--sliding-window", type=int, default=None, help="also time with this window (Mistral)"
+    )
+    parser.add_argument(
         "--max-kv-tokens", type=int, default=256 * 32768, help="skip decode batches above this"
     )
     args = parser.parse_args()
@@ -242,6 +264,7 @@ def main() -> None:
             "head_dim": args.head_dim,
             "block_size": args.block_size,
             "dtype": "bfloat16",
+            "sliding_window": args.sliding_window,
         },
         "copy_bandwidth_GBps": copy_gbps,
         "decode": bench_decode(args, cache, copy_gbps),

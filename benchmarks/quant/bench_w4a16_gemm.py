@@ -242,7 +242,7 @@ def main() -> None:
             t_bf16 = do_bench(functools.partial(torch.matmul, x, w_bf16.t()), warmup=25, rep=100)
             # The heuristic's config, explicitly: config=None would take the tuned table
             # (pagoda/kernels/tuned/w4a16_gemm.json) that this sweep produces.
-            heur = default_config(m, n, k, GROUP, _num_sms(dev.index or 0))
+            heur = default_config(m, n, k, GROUP, _num_sms(dev))
             out = wna16_gemm(x, qt, st, None, GROUP, 4, heur)
             err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
             t_triton = do_bench(

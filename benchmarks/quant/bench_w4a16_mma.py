@@ -7,13 +7,10 @@ The copy bandwidth is measured in the same process: `bw_frac` = bytes read / tim
 
     python benchmarks/quant/bench_w4a16_mma.py --out benchmarks/results/w4a16_mma_h200.json
 
-Modes (session 6): `--prefetch-only` (the GEMV's L2 bulk-prefetch settings at M = 1 / 8),
-`--shared-only` (M = 9-64: shared dequantization vs per-block vs dequant + cuBLAS vs bf16),
-`--gemm-only` (M = 64-512: the MMA-layout GEMM against the same).
-Mode (session 7): `--gated-only` (gate_up at M = 1-8: the GEMV with SiLU-and-mul in its epilogue,
-config sweep, against the plain GEMV followed by the activation kernel); `--stream-only` (the
-read floor: a loads-and-sum Triton kernel and torch's sum over each layer's int4 bytes, in the
-same CUDA-graph timing: what any kernel that reads those bytes once cannot beat).
+Modes: `--shared-only` (M = 9-64: shared dequantization vs per-block vs dequant + cuBLAS vs
+bf16); `--stream-only` (the read floor: a loads-and-sum Triton kernel and torch's sum over each
+layer's int4 bytes, in the same CUDA-graph timing). M = 1-256 against every kernel, with zero
+points: `bench_w4a16_tc.py`.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.triton_gemv import gemv_bf16  # noqa: E402
 from pagoda.kernels.triton_w4a16 import wna16_gemv  # noqa: E402
+from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 from pagoda.quant.packing import pack_to_int32  # noqa: E402
 
 SHAPES = {  # name: (N, K) of Qwen2.5-7B
@@ -42,6 +40,8 @@ SHAPES = {  # name: (N, K) of Qwen2.5-7B
     "gate_up": (37888, 3584),
     "down": (3584, 18944),
 }
+
+WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
 
 
 def configs(m: int, n: int, k: int, num_sms: int):
@@ -75,8 +75,8 @@ def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
     qs = [qweight_t] + [qweight_t.clone() for _ in range(copies - 1)]
     wb = [w_deq] + [w_deq.clone() for _ in range(copies_bf16 - 1)]
 
-    def mma_call(x, cfg=None, dry=False):
-        return lambda i: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg, dry=dry)
+    def mma_call(x, cfg=None):
+        return lambda i: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, config=cfg, workspace=WS)
 
     rows = []
     for m in ms:
@@ -117,7 +117,7 @@ def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
             cfgs = cfgs[:1]
         for cfg in cfgs if m <= mma.MAX_ROWS else ():
             try:
-                y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg)
+                y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, workspace=WS)
                 err = (y.float() - ref).abs().max().item()
                 if not err <= tol:
                     sweep.append({"config": cfg, "error": f"max err {err:.3g} > {tol:.3g}"})
@@ -134,9 +134,6 @@ def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
                 best = rec
         row["mma_default_us"] = sweep[0].get("us") if sweep else None
         row["mma_best"], row["sweep"] = best, sweep
-        if m == 1 and best is not None:  # the loads alone: the memory system's share
-            t = time_graph(mma_call(x, tuple(best["config"]), dry=True), copies)
-            row["dry_us"], row["dry_bw_frac"] = t * 1e6, int4_bytes / t / bw
         rows.append(row)
         b = best or {}
         old = row.get("fma_gemv_us") or min(row["triton_gemm_us"], row["old_dequant_cublas_us"])
@@ -145,12 +142,7 @@ def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
             + (f" (gemv {row['bf16_gemv_us']:5.1f})" if m == 1 else "")
             + f" | old W4A16 {old:6.1f} | MMA default {row['mma_default_us'] or 0:6.1f}"
             + f" best {b.get('us', 0):6.1f} {b.get('config')} ({100 * b.get('bw_frac', 0):.0f}% BW)"
-            + f" | MMA dequant+cuBLAS {row['mma_dequant_cublas_us']:6.1f}"
-            + (
-                f" | loads only {row['dry_us']:.1f} ({100 * row['dry_bw_frac']:.0f}%)"
-                if "dry_us" in row
-                else ""
-            ),
+            + f" | MMA dequant+cuBLAS {row['mma_dequant_cublas_us']:6.1f}",
             flush=True,
         )
     return rows
@@ -178,59 +170,6 @@ class _Layer:
 
 
 PREFETCHES = [(0, False), (2, True), (4, True), (8, True), (16, True), (4, False), (1 << 20, False)]
-
-
-def bench_prefetch(name, n, k, bw, l2, num_sms, ms=(1, 8)) -> list[dict]:
-    """The L2 bulk prefetch settings (`PAGODA_W4A16_PF`) at the default config and one
-    alternative, each checked against the reference first; M = 1 also without the math."""
-    dev, G = torch.device("cuda"), 128
-    L = _Layer(n, k, l2, G)
-    w_deq, words, pairs, int4_bytes = L.w_deq, L.words, L.pairs, L.int4_bytes
-    copies, ws, ps = L.copies, L.ws, L.ps
-    rows = []
-    for m in ms:
-        x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
-        ref = x.float() @ w_deq.float().t()
-        tol = 2e-2 * ref.abs().max().item()
-        default = mma.default_mma_config(m, n, k, num_sms)
-        alt = (4, 1, 2) if default[1] == 1 else (default[0], default[1], 3 - default[2])
-        for cfg in (default, alt):
-            for pf in PREFETCHES:
-                rec = {"layer": name, "n": n, "k": k, "m": m, "config": cfg, "prefetch": pf}
-                try:
-                    y = mma.wna16_mma_gemv(x, words, pairs, n, G, config=cfg, prefetch=pf)
-                    err = (y.float() - ref).abs().max().item()
-                    if not err <= tol:
-                        raise RuntimeError(f"max err {err:.3g} > {tol:.3g}")
-                    t = time_graph(
-                        lambda i, x=x, c=cfg, p=pf: mma.wna16_mma_gemv(
-                            x, ws[i], ps[i], n, G, config=c, prefetch=p
-                        ),
-                        copies,
-                    )
-                    rec.update(us=t * 1e6, bw_frac=int4_bytes / t / bw)
-                    if m == 1:
-                        t = time_graph(
-                            lambda i, x=x, c=cfg, p=pf: mma.wna16_mma_gemv(
-                                x, ws[i], ps[i], n, G, config=c, prefetch=p, dry=True
-                            ),
-                            copies,
-                        )
-                        rec.update(dry_us=t * 1e6, dry_bw_frac=int4_bytes / t / bw)
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    rec["error"] = repr(e)[:300]
-                rows.append(rec)
-                print(
-                    f"{name:8s} M={m:2d} {cfg} pf={pf}: "
-                    + (
-                        rec["error"]
-                        if "error" in rec
-                        else f"{rec['us']:6.1f} us ({100 * rec['bw_frac']:.0f}% BW)"
-                        + (f" dry {rec['dry_us']:5.1f}" if "dry_us" in rec else "")
-                    ),
-                    flush=True,
-                )
-    return rows
 
 
 def _sweep(label, cfgs, call, layer, expect, nbytes, bw) -> list[dict]:
@@ -286,12 +225,15 @@ def bench_shared(name, n, k, bw, l2, num_sms, ms=(9, 16, 32, 64)) -> list[dict]:
             copies,
         )
         row["per_block_us"] = 1e6 * time_graph(
-            lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, shared=False), copies
+            lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G, shared=False, workspace=WS),
+            copies,
         )
         row["sweep"] = _sweep(
             f"{name} M={m}",
             [mma.default_mma_config(m, n, k, num_sms)] + SHARED_CONFIGS,
-            lambda w, p, x=x, c=None: mma.wna16_mma_gemv(x, w, p, n, G, config=c, shared=True),
+            lambda w, p, x=x, c=None: mma.wna16_mma_gemv(
+                x, w, p, n, G, config=c, shared=True, workspace=WS
+            ),
             L, ref, int4_bytes * -(-m // 32), bw,
         )  # fmt: skip
         row["shared_default_us"], row["shared_best"] = _default_and_best(row["sweep"])
@@ -302,122 +244,6 @@ def bench_shared(name, n, k, bw, l2, num_sms, ms=(9, 16, 32, 64)) -> list[dict]:
             f"{row['mma_dequant_cublas_us']:6.1f} | per-block {row['per_block_us']:6.1f} | shared "
             f"default {row['shared_default_us'] or 0:6.1f} best {b.get('us', 0):6.1f} "
             f"{b.get('config')}",
-            flush=True,
-        )
-    return rows
-
-
-def bench_gemm(name, n, k, bw, l2, num_sms, ms=(64, 128, 512)) -> list[dict]:
-    """`wna16_mma_gemm` (a few configs) vs the exact dequant + cuBLAS, bf16 cuBLAS and (M <= 64)
-    the GEMV, each result checked first."""
-    dev, G = torch.device("cuda"), 128
-    L = _Layer(n, k, l2, G)
-    w_deq, words, pairs = L.w_deq, L.words, L.pairs
-    copies, ws, ps = L.copies, L.ws, L.ps
-    copies_bf16, wb = L.copies_bf16, L.wb
-    rows = []
-    for m in ms:
-        x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
-        ref = x.float() @ w_deq.float().t()
-        tol = 2e-2 * ref.abs().max().item()
-        row = {"layer": name, "n": n, "k": k, "m": m}
-        row["bf16_cublas_us"] = 1e6 * time_graph(
-            lambda i, x=x: torch.nn.functional.linear(x, wb[i]), copies_bf16
-        )
-        row["mma_dequant_cublas_us"] = 1e6 * time_graph(
-            lambda i, x=x: torch.nn.functional.linear(
-                x, mma.wna16_mma_dequant(ws[i], ps[i], n, k, G)
-            ),
-            copies,
-        )
-        if m <= mma.MAX_ROWS:
-            row["gemv_us"] = 1e6 * time_graph(
-                lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G), copies
-            )
-        d = mma.default_mma_gemm_config(m, n, k, num_sms)
-        bm = d[0]
-        cfgs = [
-            d,
-            (bm, 8, 2, 1, 4, 3),
-            (bm, 4, 2, 1, 4, 3),
-            (bm, 8, 1, 1, 4, 4),
-            (bm, 4, 2, 4, 4, 3),
-        ]
-        if m >= 128:
-            cfgs.append((128, 8, 2, 1, 8, 3))
-        sweep = []
-        for cfg in dict.fromkeys(cfgs):
-            rec = {"config": cfg}
-            try:
-                y = mma.wna16_mma_gemm(x, words, pairs, n, G, config=cfg)
-                err = (y.float() - ref).abs().max().item()
-                if not err <= tol:
-                    raise RuntimeError(f"max err {err:.3g} > {tol:.3g}")
-                t = time_graph(
-                    lambda i, x=x, c=cfg: mma.wna16_mma_gemm(x, ws[i], ps[i], n, G, config=c),
-                    copies,
-                )
-                rec["us"] = t * 1e6
-            except Exception as e:  # noqa: BLE001 - report and go on
-                rec["error"] = repr(e)[:300]
-                print(f"  {name} M={m} {cfg} FAILED {rec['error']}", flush=True)
-            sweep.append(rec)
-        ok = [r for r in sweep if "us" in r]
-        row["gemm_default_us"] = sweep[0].get("us")
-        row["gemm_best"] = min(ok, key=lambda r: r["us"]) if ok else None
-        row["sweep"] = sweep
-        rows.append(row)
-        b = row["gemm_best"] or {}
-        print(
-            f"{name:8s} M={m:3d}: bf16 {row['bf16_cublas_us']:6.1f} | dequant+cuBLAS "
-            f"{row['mma_dequant_cublas_us']:6.1f} | GEMV {row.get('gemv_us', 0):6.1f} | GEMM "
-            f"default {row['gemm_default_us'] or 0:6.1f} best {b.get('us', 0):6.1f} "
-            f"{b.get('config')}",
-            flush=True,
-        )
-    return rows
-
-
-GATED_CONFIGS = [(1, 1, 1), (2, 1, 1), (1, 1, 2), (2, 1, 2), (4, 1, 2), (1, 2, 1), (2, 2, 2)]
-
-
-def bench_gated(name, n, k, bw, l2, num_sms, ms=(1, 2, 4, 8)) -> list[dict]:
-    """gate_up only: the gated GEMV (config sweep) vs the plain GEMV + `silu_and_mul`, both in
-    one graph per call, each result checked against silu(gate) * up of the reference first."""
-    from pagoda.kernels.fused_ops import silu_and_mul
-
-    if name != "gate_up":
-        return []
-    dev, G = torch.device("cuda"), 128
-    L = _Layer(n, k, l2, G)
-    w_deq, int4_bytes = L.w_deq, L.int4_bytes
-    copies, ws, ps = L.copies, L.ws, L.ps
-    half = n // 2
-    rows = []
-    for m in ms:
-        x = (torch.randn(m, k, device=dev) * 0.5).to(torch.bfloat16)
-        ref = x.float() @ w_deq.float().t()
-        expect = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]
-        row = {"layer": name, "n": n, "k": k, "m": m, "int4_bytes": int4_bytes}
-        row["plain_plus_silu_us"] = 1e6 * time_graph(
-            lambda i, x=x: silu_and_mul(mma.wna16_mma_gemv(x, ws[i], ps[i], n, G)), copies
-        )
-        row["plain_only_us"] = 1e6 * time_graph(
-            lambda i, x=x: mma.wna16_mma_gemv(x, ws[i], ps[i], n, G), copies
-        )
-        row["sweep"] = _sweep(
-            f"{name} M={m}",
-            [mma.default_gated_config(m, n, k, num_sms)] + GATED_CONFIGS,
-            lambda w, p, x=x, c=None: mma.wna16_mma_gemv(x, w, p, n, G, config=c, gated=True),
-            L, expect, int4_bytes, bw,
-        )  # fmt: skip
-        row["gated_default_us"], row["gated_best"] = _default_and_best(row["sweep"])
-        rows.append(row)
-        b = row["gated_best"] or {}
-        print(
-            f"{name:8s} M={m}: GEMV {row['plain_only_us']:6.1f} | GEMV + silu "
-            f"{row['plain_plus_silu_us']:6.1f} | gated default {row['gated_default_us'] or 0:6.1f}"
-            f" best {b.get('us', 0):6.1f} {b.get('config')}",
             flush=True,
         )
     return rows
@@ -478,10 +304,7 @@ def main() -> int:
     ap.add_argument("--out", default="w4a16_mma.json")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--sweep-ms", default="1,16,64", help="M values with a config sweep")
-    ap.add_argument("--prefetch-only", action="store_true", help="only the L2 prefetch sweep")
     ap.add_argument("--shared-only", action="store_true", help="only M = 9-64, shared dequant")
-    ap.add_argument("--gemm-only", action="store_true", help="only the MMA-layout GEMM")
-    ap.add_argument("--gated-only", action="store_true", help="only gate_up + SiLU, M = 1-8")
     ap.add_argument("--stream-only", action="store_true", help="only the read floor per layer")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -494,14 +317,8 @@ def main() -> int:
     ms = [int(v) for v in args.ms.split(",")]
     sweep_ms = {int(v) for v in args.sweep_ms.split(",")}
     for name, (n, k) in SHAPES.items():
-        if args.prefetch_only:
-            results["rows"] += bench_prefetch(name, n, k, bw, l2, num_sms)
-        elif args.stream_only:
+        if args.stream_only:
             results["rows"] += bench_stream(name, n, k, bw, l2)
-        elif args.gated_only:
-            results["rows"] += bench_gated(name, n, k, bw, l2, num_sms)
-        elif args.gemm_only:
-            results["rows"] += bench_gemm(name, n, k, bw, l2, num_sms)
         elif args.shared_only:
             results["rows"] += bench_shared(name, n, k, bw, l2, num_sms)
         else:

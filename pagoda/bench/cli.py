@@ -13,6 +13,7 @@ BENCHMARKS = {
     "latency": ("pagoda.bench.latency", "batch-1 TTFT, decode tok/s and memory-bandwidth use"),
     "throughput": ("pagoda.bench.throughput", "offline throughput on a random-length workload"),
     "serve": ("pagoda.bench.serve", "load a running OpenAI-compatible server"),
+    "edge": ("pagoda.bench.edge", "small-GPU comparison under a per-process memory cap"),
 }
 
 

@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pagoda import envs
 
 # Common English words: nearly every one is a single token (with its leading space) in the
 # Llama / Qwen / SmolLM2 vocabularies, so `--input-len` words give about as many tokens. The
@@ -240,7 +241,7 @@ async def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
     base = ns.url.rstrip("/")
     if base.endswith("/v1"):
         base = base[:-3]
-    api_key = ns.api_key or os.environ.get("PAGODA_API_KEY")
+    api_key = ns.api_key or envs.api_key()
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     concurrency = ns.concurrency if ns.request_rate is None else None
     if concurrency is None and ns.request_rate is None:

@@ -20,6 +20,7 @@ from pagoda.config import (
     normalize_dtype,
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
+from pagoda.platform import resolve_device
 from pagoda.quant.scheme import QUANT_METHODS, normalize_quant_method, parse_quantization_config
 
 # `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128);
@@ -89,6 +90,7 @@ class EngineArgs:
     allow_remote_images: bool = False
     image_fetch_timeout: float = 10.0
     max_image_bytes: int = 20 << 20
+    cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed per layer
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -97,8 +99,6 @@ class EngineArgs:
     def create_configs(
         self,
     ) -> tuple[ModelSource, ModelConfig, CacheConfig, SchedulerConfig, RunnerConfig]:
-        from pagoda.worker.model_runner import resolve_device
-
         for name in ("max_num_seqs", "block_size", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -151,6 +151,10 @@ class EngineArgs:
             )
         if quant is None and source.quant_override in _DUMMY_QUANT:
             quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])
+        if quant is None and source.quant_override == "awq":
+            from pagoda.quant.formats.autoawq import quantization_config as awq_config
+
+            quant = awq_config(group_size=128, zero_point=True)
         if quant is not None:
             method = quant.get("quant_method")
             method = method.lower() if isinstance(method, str) else method
@@ -223,5 +227,13 @@ class EngineArgs:
             max_num_batched_tokens=max_batched,
             lora=lora_config,
             multimodal=mm_config,
+            cpu_offload_gb=self.cpu_offload_gb,
         )
+        if runner_config.cpu_offload_gb and quant is not None:
+            raise ValueError(
+                "cpu_offload_gb works with unquantized checkpoints only; a W4A16 checkpoint "
+                "already takes about a quarter of the bf16 weights"
+            )
+        if runner_config.cpu_offload_gb and lora_config is not None:
+            raise ValueError("cpu_offload_gb cannot be combined with enable_lora yet")
         return source, model_config, cache_config, scheduler_config, runner_config

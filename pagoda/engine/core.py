@@ -33,6 +33,7 @@ class EngineCore:
             num_blocks=self.memory_report.num_blocks + 1,  # + the null block
             block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
+            sliding_window=self.runner.sliding_window,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.async_scheduling = scheduler_config.async_scheduling
@@ -40,6 +41,13 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
         self.num_preemptions = 0
+        self.closed = False
+
+    def shutdown(self) -> None:
+        """Drop the step in flight and free the runner's device memory (idempotent)."""
+        self._in_flight = None
+        self.closed = True
+        self.runner.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

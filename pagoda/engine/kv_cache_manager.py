@@ -2,7 +2,9 @@
 
 `BlockPool` owns the blocks (ref counts, an LRU free queue, the hash -> block map);
 `KVCacheManager` maps requests to block lists. Pure Python, no torch: the runner only ever sees
-block ids. Block 0 is the null block that pads block tables and is never handed out.
+block ids. Block 0 is the null block that pads block tables and is never handed out. With a
+sliding window the blocks that fall wholly out of it go back to the pool (their prefix-cache
+entries kept until evicted) and the null block takes their place in the request's list.
 """
 
 from __future__ import annotations
@@ -165,21 +167,37 @@ class BlockPool:
 class KVCacheManager:
     """Per-request block lists on top of a `BlockPool`, with chained-hash prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
             )
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
+            or sliding_window < 1
+        ):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # Every attention layer sees only the last `sliding_window` keys (None: all of them).
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks)
         self._req_blocks: dict[str, list[int]] = {}
         # Leading full blocks of each request already offered to the hash map, so that a decode
         # step only ever hashes the one block it fills.
         self._num_cached_blocks: dict[str, int] = {}
+        # Leading entries of each request's list that are the null block (out of the window).
+        self._num_dropped_blocks: dict[str, int] = {}
         self._queried_tokens = 0
         self._hit_tokens = 0
 
@@ -237,26 +255,37 @@ class KVCacheManager:
         bs = self.block_size
         req_id = request.request_id
         req_blocks = self._req_blocks.get(req_id)
+        num_hit = len(new_computed_block_ids)
+        # Blocks wholly before the window of the first token computed now are never read again.
+        num_dropped = self._num_out_of_window(request.num_computed_tokens + num_hit * bs)
         if req_blocks is not None and not new_computed_block_ids:
             # Fast path, taken by most decode steps: the tokens fit in the blocks already owned
-            # and no block becomes full, so there is nothing to allocate or hash.
+            # and no block becomes full or leaves the window, so there is nothing to do.
             num_total = request.num_computed_tokens + num_new_tokens
-            if num_total <= len(req_blocks) * bs and (
-                not self.enable_caching
-                or min(num_total, request.num_tokens) // bs
-                <= self._num_cached_blocks.get(req_id, 0)
+            if (
+                num_total <= len(req_blocks) * bs
+                and (
+                    not self.enable_caching
+                    or min(num_total, request.num_tokens) // bs
+                    <= self._num_cached_blocks.get(req_id, 0)
+                )
+                and num_dropped <= self._num_dropped_blocks.get(req_id, 0)
             ):
                 return []
         pool = self.block_pool
         num_owned = len(req_blocks) if req_blocks is not None else 0
         assert not (new_computed_block_ids and num_owned), "prefix hits only for a fresh request"
 
-        num_hit = len(new_computed_block_ids)
         num_total = request.num_computed_tokens + num_hit * bs + num_new_tokens
         num_new_blocks = max(0, -(-num_total // bs) - num_owned - num_hit)
-        # A hit on a free cached block takes it out of the free queue as well.
-        num_hit_free = sum(1 for b in new_computed_block_ids if pool.blocks[b].ref_cnt == 0)
-        if num_new_blocks + num_hit_free > pool.num_free_blocks:
+        # Hits out of the window are not taken at all (their entries become the null block); a
+        # hit on a free cached block takes it out of the free queue as well.
+        hit_ids = list(new_computed_block_ids)
+        num_skipped = min(num_dropped, num_hit)
+        num_hit_free = sum(1 for b in hit_ids[num_skipped:] if pool.blocks[b].ref_cnt == 0)
+        # Owned blocks leaving the window now are freed before the new ones are taken.
+        num_leaving = max(0, min(num_dropped, num_owned) - self._num_dropped_blocks.get(req_id, 0))
+        if num_new_blocks + num_hit_free > pool.num_free_blocks + num_leaving:
             return None
 
         if req_blocks is None:
@@ -267,9 +296,11 @@ class KVCacheManager:
                 self._queried_tokens += request.num_tokens
                 self._hit_tokens += num_hit * bs
         if num_hit:
-            pool.touch(new_computed_block_ids)
-            req_blocks.extend(new_computed_block_ids)
+            pool.touch(hit_ids[num_skipped:])
+            req_blocks.extend([0] * num_skipped + hit_ids[num_skipped:])
             self._num_cached_blocks[req_id] = num_hit
+            self._num_dropped_blocks[req_id] = num_skipped
+        self._drop_out_of_window(req_id, req_blocks, num_dropped)
         new_ids = pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_ids)
 
@@ -281,7 +312,10 @@ class KVCacheManager:
                 self._hash_blocks(request, num_full)
                 hashes = request.block_hashes
                 for i in range(num_cached, num_full):
-                    pool.cache_block(req_blocks[i], hashes[i])
+                    # 0: dropped before its last token was known (a window of 1 with a pending
+                    # token): its KV is gone, so it is simply not offered.
+                    if req_blocks[i]:
+                        pool.cache_block(req_blocks[i], hashes[i])
                 self._num_cached_blocks[req_id] = num_full
         return new_ids
 
@@ -293,15 +327,44 @@ class KVCacheManager:
         """
         block_ids = self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        num_dropped = self._num_dropped_blocks.pop(request.request_id, 0)
         if block_ids:
             # The list itself is left intact: the runner may still hold this step's reference.
-            self.block_pool.free(reversed(block_ids))
+            self.block_pool.free(reversed(block_ids[num_dropped:]))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (e.g. after new weights); blocks in use are untouched."""
         self.block_pool.reset_prefix_cache()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _num_out_of_window(self, first_pos: int) -> int:
+        """Leading blocks no query at position >= first_pos can see (0 without a window).
+
+        Query i sees keys j > i - W, so keys before first_pos - W + 1 are never read again.
+        """
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_pos - self.sliding_window + 1) // self.block_size
+
+    def _drop_out_of_window(self, req_id: str, req_blocks: list[int], num_dropped: int) -> None:
+        """Free the request's blocks before `num_dropped` and put the null block in their place.
+
+        The list keeps its length, so positions still map to their block index. A freed block
+        keeps its hash: until the pool hands it out again it is a valid prefix-cache hit for
+        other requests (its content is exactly what its chained hash says). Freeing while a
+        step that reads it may still run is safe: a reuse is written by a later step, and the
+        device runs steps in stream order.
+        """
+        done = self._num_dropped_blocks.get(req_id, 0)
+        num_dropped = min(num_dropped, len(req_blocks))
+        if num_dropped <= done:
+            return
+        freed = req_blocks[done:num_dropped]
+        req_blocks[done:num_dropped] = [0] * (num_dropped - done)
+        self._num_dropped_blocks[req_id] = num_dropped
+        # Oldest last in the queue: a prompt's first blocks are the most likely to be shared.
+        self.block_pool.free(reversed(freed))
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> None:
         """Extend `request.block_hashes` to its first `num_blocks` full blocks.

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda import envs
 from pagoda.engine.args import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.detokenizer import IncrementalDetokenizer
@@ -22,6 +24,7 @@ from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.scheduler import EngineCoreOutput
 from pagoda.model_files import eos_token_ids, load_tokenizer
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagoda.platform import cuda_available, triton_available
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.memory import MemoryReport
 
@@ -62,6 +65,8 @@ class _Parent:
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
+        # Triton compiles on CUDA only (the interpreter and the CPU paths compile nothing).
+        kernels_before = _triton_cache_entries() if _wants_cuda(args.device) else None
         source, model_config, cache_config, sched_config, runner_config = args.create_configs()
         self.source = source
         self.model_config = model_config
@@ -94,6 +99,15 @@ class LLMEngine:
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._counter = itertools.count()
         self.startup_time_s = time.perf_counter() - t0
+        report = self.core.memory_report
+        report.startup_time_s = self.startup_time_s
+        if kernels_before is not None:
+            report.triton_kernels_compiled = max(0, _triton_cache_entries() - kernels_before)
+
+    def shutdown(self) -> None:
+        """Abort what is queued and free every device allocation of the engine."""
+        self.abort_request(list(self._parents))
+        self.core.shutdown()
 
     @property
     def memory_report(self) -> MemoryReport:
@@ -116,6 +130,8 @@ class LLMEngine:
         lora_request: Any = None,
     ) -> None:
         """Queue a request; `lora_request` (a `pagoda.LoRARequest`) picks its adapter."""
+        if self.core.closed:
+            raise RuntimeError("this engine was shut down; create a new LLM to generate again")
         if not isinstance(params, SamplingParams):
             raise TypeError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}"
@@ -320,3 +336,19 @@ class LLMEngine:
             metrics=parent.metrics,
             num_cached_tokens=max(first.num_cached_tokens, 0),
         )
+
+
+def _wants_cuda(device: str) -> bool:
+    if device == "auto":
+        return cuda_available()
+    return device.startswith("cuda")
+
+
+def _triton_cache_entries() -> int | None:
+    """Compiled kernels in Triton's cache (one directory each); None without Triton."""
+    if not triton_available():
+        return None
+    try:
+        return sum(1 for e in os.scandir(envs.triton_cache_dir()) if e.is_dir())
+    except OSError:
+        return 0

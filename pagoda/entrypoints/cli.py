@@ -53,6 +53,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     add_async_scheduling_arg(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
+    g.add_argument(
+        "--quantization",
+        default=None,
+        help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from it)",
+    )
+    g.add_argument(
+        "--cpu-offload-gb",
+        type=float,
+        default=0.0,
+        help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
+    )
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -71,6 +82,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         async_scheduling=ns.async_scheduling,
         seed=ns.seed,
         load_format=ns.load_format,
+        quantization=ns.quantization,
+        cpu_offload_gb=ns.cpu_offload_gb,
     )
 
 

@@ -46,6 +46,18 @@ class LLM:
                 file=sys.stderr,
             )
 
+    def shutdown(self) -> None:
+        """Free every device allocation of this engine (CUDA graphs, KV cache, workspaces, the
+        model), so that another engine can start in this process. Idempotent; the LLM cannot
+        generate afterwards."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -14,6 +14,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from pagoda.platform import triton_available
+
 
 @functools.cache
 def _triton_ops() -> ModuleType | None:
@@ -22,10 +24,10 @@ def _triton_ops() -> ModuleType | None:
     Imported on first use, not at import time: CPU-only installs need no Triton, and the JIT
     decorator reads TRITON_INTERPRET only when the kernel module is imported.
     """
-    try:
-        from pagoda.kernels import triton_fused_ops
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels import triton_fused_ops
+
     return triton_fused_ops
 
 

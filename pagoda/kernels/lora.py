@@ -17,6 +17,9 @@ from types import ModuleType
 
 import torch
 
+from pagoda import envs
+from pagoda.platform import triton_available
+
 
 @dataclass(frozen=True)
 class LoRAWorkspace:
@@ -47,10 +50,10 @@ def lora_workspace(
 def _triton_lora() -> ModuleType | None:
     """The Triton module, or None without Triton (imported on first use: TRITON_INTERPRET is
     read when the kernel module is imported)."""
-    try:
-        from pagoda.kernels import triton_lora
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels import triton_lora
+
     return triton_lora
 
 
@@ -155,7 +158,8 @@ def lora_shrink_expand(
     The Triton kernels on CUDA (and on the CPU when Triton runs interpreted, as in the tests),
     the reference otherwise. Without a workspace the shrink is not split over K.
     """
-    triton_lora = _triton_lora()
+    # On the CPU the module is imported only when Triton runs interpreted (the tests).
+    triton_lora = _triton_lora() if x.is_cuda or envs.triton_interpret() else None
     if triton_lora is None or not (x.is_cuda or triton_lora.INTERPRETED):
         return lora_shrink_expand_ref(x, lora_a, lora_b, token_slots, y)
     return triton_lora.lora_shrink_expand_triton(x, lora_a, lora_b, token_slots, y, workspace)

@@ -3,7 +3,9 @@
 These are the correctness oracles for the Triton kernels in `triton_*.py` and the CPU backend.
 The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V);
 token slot = `block_id * block_size + offset`. Attention is computed in float32 and returned in
-the query dtype. Only these references loop over sequences; models and layers never do.
+the query dtype. `sliding_window` W (None = full attention) follows transformers: key j is
+visible from query i iff i - W < j <= i; keys of blocks wholly before the window are not read
+(their block-table entries may be the null block). Only these references loop over sequences.
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ def write_kv_cache_ref(
 
 
 def _gather_seq_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_block: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the first `seq_len` positions of one sequence: two [seq_len, Hkv, D]."""
+    """K and V of positions [first_block * block_size, seq_len) of one sequence: two [S, Hkv, D]."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks].to(device=kv_cache.device, dtype=torch.int64)
-    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, Hkv, D]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    blocks = block_table[first_block:num_blocks].to(device=kv_cache.device, dtype=torch.int64)
+    num_keys = seq_len - first_block * block_size
+    k = kv_cache[0, blocks].flatten(0, 1)[:num_keys]  # [S, Hkv, D]
+    v = kv_cache[1, blocks].flatten(0, 1)[:num_keys]
     return k, v
 
 
@@ -53,8 +56,10 @@ def _attend(
     v: torch.Tensor,  # [S, Hkv, D]
     scale: float,
     q_offset: int,  # position of q[0]; q[i] sees keys at positions <= q_offset + i
+    k_offset: int = 0,  # position of k[0]
+    sliding_window: int | None = None,  # q[i] also sees only keys > its position - W
 ) -> torch.Tensor:
-    """Causal GQA attention in float32; returns [Q, H, D] float32."""
+    """Causal (optionally sliding-window) GQA attention in float32; returns [Q, H, D] float32."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
@@ -64,8 +69,10 @@ def _attend(
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D]
     scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [H, Q, S]
     q_pos = q_offset + torch.arange(q.shape[0], device=q.device)
-    k_pos = torch.arange(k.shape[0], device=q.device)
+    k_pos = k_offset + torch.arange(k.shape[0], device=q.device)
     mask = k_pos[None, :] > q_pos[:, None]  # [Q, S], True = hidden
+    if sliding_window is not None:
+        mask |= k_pos[None, :] <= q_pos[:, None] - sliding_window
     scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, vf).transpose(0, 1)  # [Q, H, D]
@@ -79,10 +86,13 @@ def paged_attention_ref(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
     out: torch.Tensor | None = None,  # [>=T, H, D]; rows past the last query are untouched
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys (prefix + new)."""
+    check_sliding_window(sliding_window)
     if out is None:
         out = torch.zeros_like(q)
+    block_size = kv_cache.shape[2]
     for b, seq_len in enumerate(seq_lens_cpu):
         start, end = query_start_loc_cpu[b], query_start_loc_cpu[b + 1]
         q_len = end - start
@@ -90,9 +100,25 @@ def paged_attention_ref(
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {b}: query length {q_len} exceeds seq_len {seq_len}")
-        k, v = _gather_seq_kv(kv_cache, block_tables[b], seq_len)
-        out[start:end] = _attend(q[start:end], k, v, scale, seq_len - q_len).to(out.dtype)
+        q_offset = seq_len - q_len
+        # The first query sees keys from q_offset - W + 1 on: earlier blocks are never read.
+        first_block = 0
+        if sliding_window is not None:
+            first_block = max(0, q_offset - sliding_window + 1) // block_size
+        k, v = _gather_seq_kv(kv_cache, block_tables[b], seq_len, first_block)
+        out[start:end] = _attend(
+            q[start:end], k, v, scale, q_offset, first_block * block_size, sliding_window
+        ).to(out.dtype)
     return out
+
+
+def check_sliding_window(sliding_window: int | None) -> None:
+    """ValueError unless `sliding_window` is None (full attention) or an int >= 1."""
+    if sliding_window is None:
+        return
+    w = sliding_window
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
 
 
 def causal_attention_ref(
@@ -100,9 +126,10 @@ def causal_attention_ref(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Plain causal attention over all tokens as one sequence (no cache): [T, H, D] in q.dtype."""
-    return _attend(q, k, v, scale, 0).to(q.dtype)
+    return _attend(q, k, v, scale, 0, 0, sliding_window).to(q.dtype)
 
 
 def fused_decode_attention_ref(
@@ -118,6 +145,7 @@ def fused_decode_attention_ref(
     seq_lens_cpu: list[int],  # [B], context length incl. this step's tokens
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, H*D]
     """The unfused decode path op for op: neox RoPE on q/k, cache write, paged attention.
 
@@ -142,5 +170,6 @@ def fused_decode_attention_ref(
         seq_lens_cpu,
         block_tables,
         scale,
+        sliding_window=sliding_window,
     )
     return out.view(num_tokens, -1)

@@ -26,18 +26,18 @@ interpreter and on GPUs before Hopper.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from pagoda import envs
+from pagoda.platform import capability, triton_available
 
 
 @functools.cache
 def _device_supports_pdl(index: int) -> bool:
-    if os.environ.get("PAGODA_PDL", "1").lower() in ("0", "false", "off", "no"):
+    if not envs.pdl() or envs.triton_interpret():
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    if torch.cuda.get_device_capability(index)[0] < 9:
+    if capability(index)[0] < 9 or not triton_available():
         return False
     try:
         import triton.language as tl
@@ -58,7 +58,7 @@ def pdl_enabled(t: torch.Tensor) -> bool:
 
 @functools.cache
 def _early_enabled() -> bool:
-    return os.environ.get("PAGODA_PDL_EARLY", "1").lower() not in ("0", "false", "off", "no")
+    return envs.pdl_early()
 
 
 def pdl_launch_args(t: torch.Tensor, early: bool = False) -> dict:

@@ -12,11 +12,11 @@ Here one program per (sequence, KV head, split) does all of it:
    keys are bit-identical to the unfused path's;
 3. split 0 stores the rotated k and v at `slot_mapping[t]` (slot < 0: padding, no store);
 4. attends the group's query heads (padded to BLOCK_M >= 16 rows for tl.dot) to the cached
-   keys [0, seq_len - 1) of its split through the block table, plus the new key itself, with
+   keys [0, seq_len - 1) of its split through the block table (with a sliding window W only
+   [seq_len - W, seq_len - 1): earlier blocks are never read), plus the new key itself, with
    the online softmax of `triton_paged_attention._attn_tile` (float32, exp2 domain);
-5. writes the output [T, H*D] in the layout o_proj reads, or split partials that the existing
-   `_split_kv_reduce_kernel` combines (or, opt-in, the last split of the group to finish, in
-   the same launch: `PAGODA_FUSED_DECODE_REDUCE=1`, measured slower on the H200).
+5. writes the output [T, H*D] in the layout o_proj reads, or split partials that the
+   `_split_kv_reduce_kernel` of the paged attention combines.
 
 The new key never goes through memory within the launch: see the comment in the kernel. The
 grid and every allocation depend only on shapes and host ints, so the call is CUDA-graph safe.
@@ -25,12 +25,11 @@ Torch reference: `paged_attention.fused_decode_attention_ref`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.paged_attention import check_sliding_window
 from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_fused_ops import _drop_bits, _round
 from pagoda.kernels.triton_paged_attention import (
@@ -40,6 +39,7 @@ from pagoda.kernels.triton_paged_attention import (
     _num_sms,
     _split_kv_reduce_kernel,
     choose_num_splits,
+    effective_kv_len,
 )
 
 
@@ -72,8 +72,8 @@ def _fused_decode_attention_kernel(
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32, only when NUM_SPLITS > 1
     part_m_ptr,  # [T, H, NUM_SPLITS] fp32
     part_l_ptr,  # [T, H, NUM_SPLITS] fp32
-    cnt_ptr,  # [>= T * Hkv] int32 zeros: split arrival counters (FUSED_REDUCE)
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window W (only read with SLIDING)
     num_heads,
     stride_qt,
     stride_qh,
@@ -101,8 +101,7 @@ def _fused_decode_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,  # the last split of a group combines the partials itself
+    SLIDING: tl.constexpr,
     DROP: tl.constexpr,  # `_round` bits of the model dtype
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -185,25 +184,31 @@ def _fused_decode_attention_kernel(
         q = q_rot
     else:
         q = q_rot.to(q_ptr.dtype.element_ty)
+    # The one query at position ctx sees cached keys [kv_start, ctx): with a window W those from
+    # ctx - W + 1 on, so the range starts there and no key in it needs a window mask.
+    if SLIDING:
+        kv_start = tl.maximum(ctx + 1 - window, 0)
+    else:
+        kv_start = 0
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = kv_start
         hi = ctx
     else:
         # Per-sequence chunks (multiples of BLOCK_N) as in `_paged_attention_kernel`; trailing
         # splits of a short sequence are empty (lo >= hi) and store m = -inf, l = 0.
-        chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(ctx - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_start + split * chunk
         hi = tl.minimum(lo + chunk, ctx)
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    # The one query sees every cached key: the causal limit of `_attn_tile` is just ctx.
+    # The causal limit of `_attn_tile` is just ctx.
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + ctx
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
     acc, l_i, m_i = _attn_range(
-        acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, full_hi, hi, q_pos,
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, lo, full_hi, hi, q_pos, q_pos,
         offs_d, d_mask, stride_cb, stride_ct, stride_cd, qk_scale,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST_DOT,
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
@@ -223,75 +228,12 @@ def _fused_decode_attention_kernel(
         )
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
-        if FUSED_REDUCE:
-            # The split that arrives last combines all partials of the group (the CUTLASS
-            # split-K semaphore pattern, as in the W4A16 GEMV): every thread's stores are issued
-            # before one thread's acq_rel increment; the last program reads the partials from
-            # L2 (".cg": never a stale L1 line from an earlier step) and resets its counter, so
-            # the counters are zero between launches. Saves the reduce kernel's launch.
-            tl.debug_barrier()
-            group = seq * tl.num_programs(1) + kv_head
-            done = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel")
-            if done == NUM_SPLITS - 1:
-                offs_s = tl.arange(0, SPLITS_PAD)
-                base = (tok * num_heads + head) * NUM_SPLITS  # [BLOCK_M]
-                sm = row_valid[:, None] & (offs_s < NUM_SPLITS)[None, :]
-                ptr_s = base[:, None] + offs_s[None, :]  # [BLOCK_M, SPLITS_PAD]
-                m_all = tl.load(part_m_ptr + ptr_s, mask=sm, other=float("-inf"),
-                                cache_modifier=".cg")  # fmt: skip
-                l_all = tl.load(part_l_ptr + ptr_s, mask=sm, other=0.0, cache_modifier=".cg")
-                m_max = tl.max(m_all, 1)  # finite on valid rows: split 0 holds the new key
-                m_max = tl.where(row_valid, m_max, 0.0)
-                w_all = tl.exp2(m_all - m_max[:, None])  # empty splits (m = -inf) weigh 0
-                denom = tl.sum(l_all * w_all, 1)
-                o = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-                for s in tl.static_range(NUM_SPLITS):
-                    a = tl.load(
-                        part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                        mask=row_valid[:, None],
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    ms = tl.load(part_m_ptr + base + s, mask=row_valid, other=float("-inf"),
-                                 cache_modifier=".cg")  # fmt: skip
-                    o += a * tl.exp2(ms - m_max)[:, None]
-                o = o / tl.where(row_valid, denom, 1.0)[:, None]
-                tl.store(
-                    out_ptr + tok * stride_ot + head[:, None] * stride_oh
-                    + offs_d[None, :] * stride_od,
-                    o.to(out_ptr.dtype.element_ty),
-                    mask=q_mask,
-                )  # fmt: skip
-                tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed")
 
 
 # TRITON_INTERPRET=1 at import time turns the kernels into interpreted (CPU numpy) functions.
 _INTERPRETED = not isinstance(_fused_decode_attention_kernel, triton.runtime.JITFunction)
 # The reduce kernel is shared with `paged_attention_triton`; pass it the PDL flag if it has one.
 _REDUCE_TAKES_PDL = {"USE_PDL", "PDL_EARLY"} <= set(_split_kv_reduce_kernel.arg_names)
-
-
-# `PAGODA_FUSED_DECODE_REDUCE=1`: the last split reduces in the launch (no reduce kernel). Off
-# by default: on the H200 it made batch-1 Qwen2.5-7B decode slower, 248.2 vs 256.0 tok/s with
-# the separate reduce kernel (run 7, same script run): the last program's serial combine
-# (atomic, L2 reloads of every split's partials) costs more than the reduce launch it saves,
-# which PDL already overlaps with the attention kernel.
-_FUSED_REDUCE = os.environ.get("PAGODA_FUSED_DECODE_REDUCE", "0") in ("1", "on", "true")
-_counters_by_device: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """Zeroed int32 split-arrival counters (one per sequence x KV head), allocated once per
-    device outside CUDA-graph capture; None (use the reduce kernel) when capturing without
-    them or when a batch needs more than they hold. The kernel leaves them zero."""
-    key = (device.type, device.index if device.index is not None else 0)
-    buf = _counters_by_device.get(key)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(1 << 16, dtype=torch.int32, device=device)
-        _counters_by_device[key] = buf
-    return buf if needed <= buf.numel() else None
 
 
 def _heads_view(x: torch.Tensor, name: str, num_tokens: int, head_dim: int) -> torch.Tensor:
@@ -320,6 +262,7 @@ def fused_decode_attention_triton(
     max_seq_len: int,  # host int: tile / split choice only, not a bound on seq_lens
     num_splits: int | None = None,  # None = automatic (as paged attention); > 1 forces split-KV
     out: torch.Tensor | None = None,  # [T, H*D] with unit last stride
+    sliding_window: int | None = None,  # None = full causal attention
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
 
@@ -362,6 +305,7 @@ def fused_decode_attention_triton(
         raise ValueError(f"block_tables must be [{num_tokens}, *], query_start_loc [T+1]")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
+    check_sliding_window(sliding_window)
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (num_tokens, num_heads * head_dim) or out.stride(-1) != 1:
@@ -372,21 +316,19 @@ def fused_decode_attention_triton(
     cos_cache = cos_cache if cos_cache.stride(1) == 1 else cos_cache.contiguous()
     sin_cache = sin_cache if sin_cache.stride(1) == 1 else sin_cache.contiguous()
 
+    kv_len = effective_kv_len(max_seq_len, 1, sliding_window)  # keys one program reads
     if num_splits is None:
-        num_splits = choose_num_splits(num_tokens, num_kv_heads, 1, max_seq_len, _num_sms(q.device))
+        num_splits = choose_num_splits(num_tokens, num_kv_heads, 1, kv_len, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     qpk = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = _launch_config(1, max_seq_len, qpk, num_splits)
+    block_m, block_n, num_warps, num_stages = _launch_config(1, kv_len, qpk, num_splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # fp32 would silently use tf32 on tensor cores; keep it exact (fp32 is a test dtype only).
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     upcast_dot = _INTERPRETED and q.dtype == torch.bfloat16
 
-    # One launch when the group's last split can reduce (counters allocated outside capture).
-    counters = _split_counters(q.device, num_tokens * num_kv_heads) if num_splits > 1 else None
-    fused_reduce = counters is not None and _FUSED_REDUCE
     if num_splits > 1:
         part_acc = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device
@@ -399,17 +341,16 @@ def fused_decode_attention_triton(
     _fused_decode_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         q3, k3, v3, positions, cos_cache, sin_cache, k_cache, v_cache,
         slot_mapping, seq_lens, block_tables, out3, part_acc, part_m, part_l,
-        counters if fused_reduce else seq_lens,
-        scale * _LOG2E, num_heads,
+        scale * _LOG2E, sliding_window or 0, num_heads,
         *q3.stride(), *k3.stride(), *v3.stride(), cos_cache.stride(0), sin_cache.stride(0),
         *k_cache.stride(), block_tables.stride(0), *out3.stride(),
         NUM_QUERIES_PER_KV=qpk, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), FUSED_REDUCE=fused_reduce,
-        DROP=_drop_bits(q.dtype), DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
+        SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
+        DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
         num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q, early=True),
     )  # fmt: skip
-    if num_splits > 1 and not fused_reduce:
+    if num_splits > 1:
         _split_kv_reduce_kernel[(num_tokens, num_heads)](
             out3, part_acc, part_m, part_l, query_start_loc, num_tokens, num_heads,
             *out3.stride(),

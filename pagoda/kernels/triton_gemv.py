@@ -11,30 +11,30 @@ once and one kernel per GEMV. Here:
   software pipeline; products accumulate elementwise in fp32 and are summed over K once at the
   end (no per-tile reductions);
 - split-K partials meet in the same self-cleaning "serial" reduction as the W4A16 GEMV
-  (`triton_w4a16._serial_workspace`: atomics into an fp32 workspace, the last program of a
+  (`workspace.SplitKWorkspace`: atomics into an fp32 workspace, the last program of a
   column tile reads the sums back with atomic exchanges, adds the bias, stores in the output
   dtype and resets its counter): one kernel per GEMV, CUDA-graph capturable;
 - programmatic dependent launch (`pagoda/kernels/pdl.py`): the GEMV launches while the
   preceding norm / attention kernel finishes.
 
-`gemv_bf16` is used by `UnquantizedLinearMethod` for every M = 1 layer on CUDA unless
-`PAGODA_DENSE_GEMV` says otherwise (see `pagoda/layers/linear.py`); `gemv_ref` is the torch
-reference. In the H200 sweep the winning shape was the opposite of the W4A16 GEMV's: 8 rows x
+`gemv_bf16` is used by `UnquantizedLinearMethod` for every M = 1 layer on sm_90+ unless
+`PAGODA_DISABLED_KERNELS` lists "dense_gemv" (`pagoda/layers/linear.py`); `gemv_ref` is the
+torch reference. In the H200 sweep the winning shape was the opposite of the W4A16 GEMV's: 8 rows x
 512 columns per program and no split-K at all (see `default_dense_gemv_config`).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from pagoda import platform
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_w4a16 import _serial_workspace
+from pagoda.kernels.workspace import SplitKWorkspace
 
 
 @triton.jit
@@ -116,12 +116,10 @@ class DenseGemvConfig:
     num_stages: int = 3
 
 
-def default_dense_gemv_config(n: int, k: int, num_sms: int = 132) -> DenseGemvConfig:
+def default_dense_gemv_config(n: int, k: int) -> DenseGemvConfig:
     """[8, 512] tiles (8 KiB of bf16 per stage, 4 warps: two 16-byte loads per thread), no
-    split-K: many short programs (N / 8 of them, 256-4736 on Qwen2.5-3B/7B layers). In the
-    H200 sweep (`benchmarks/bench_dense_gemv.py`, run 5) this one config was within 2 % of the
-    best of 30 on all eight Qwen2.5-3B/7B decode shapes and beat cuBLAS on every one: 7B qkv
-    9.5 vs 10.8 µs, o 7.6 vs 10.7, gate_up 61.5 vs 69.4, down 32.4 vs 37.1; 3B qkv 4.4 vs 6.4."""
+    split-K: many short programs; the best-measured config on every Qwen2.5-3B/7B decode
+    shape (H200 sweep, BENCHMARKS.md)."""
     return DenseGemvConfig()
 
 
@@ -135,11 +133,6 @@ def _plan(n: int, k: int, cfg: DenseGemvConfig, num_sms: int) -> tuple[int, int,
         split = max(1, min(round(4 * num_sms / n_tiles), k_tiles // 2))
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     return n_tiles, triton.cdiv(k, k_per_split), k_per_split
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -156,6 +149,7 @@ def gemv_bf16(
     bias: torch.Tensor | None = None,  # [N]
     config: DenseGemvConfig | None = None,
     out_dtype: torch.dtype | None = None,  # e.g. float32 logits: rounded to x's dtype first
+    workspace: SplitKWorkspace | None = None,  # split-K configs only (None: cuBLAS for them)
 ) -> torch.Tensor:  # [1, N]
     """x @ w^T (+ bias), accumulated in fp32 and rounded once to x's dtype (as cuBLAS does);
     `out_dtype` only widens the stored result (no second kernel for `.float()`)."""
@@ -171,11 +165,11 @@ def gemv_bf16(
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or default_dense_gemv_config(n, k)
-    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
+    num_sms = platform.num_sms(x.device) if x.is_cuda else 8  # the interpreter: any count
     n_tiles, split, k_per_split = _plan(n, k, cfg, num_sms)
     out = torch.empty((1, n), device=x.device, dtype=out_dtype or x.dtype)
     if split > 1:
-        bufs = _serial_workspace(x.device, n, n_tiles)
+        bufs = None if workspace is None else workspace.buffers(x.device, n, n_tiles)
         if bufs is None:  # capturing with a too-small workspace: cuBLAS instead
             return torch.nn.functional.linear(x, w, bias).to(out.dtype)
         ws, cnt = bufs
@@ -196,31 +190,3 @@ def gemv_bf16(
         **pdl_launch_args(x),
     )  # fmt: skip
     return out
-
-
-@functools.cache
-def _measured_gpu(index: int) -> bool:
-    """Hopper and newer: where the GEMV was measured faster than cuBLAS on every layer (H200)."""
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-@functools.cache
-def _env_mode() -> str:
-    mode = os.environ.get("PAGODA_DENSE_GEMV", "auto").lower()
-    if mode not in ("auto", "off", "small", "all"):
-        raise ValueError(f"PAGODA_DENSE_GEMV={mode!r}: use 'auto', 'off', 'small' or 'all'")
-    return mode
-
-
-def dense_gemv_mode(device: torch.device | None = None) -> str:
-    """`PAGODA_DENSE_GEMV` (read once): "all" (every M = 1 linear layer and the dense LM head),
-    "small" (only layers with N * K <= 32 Mi elements, e.g. qkv and o_proj of a 7B model), "off"
-    (cuBLAS everywhere) or "auto" (the default): "all" on sm_90+ GPUs, where it was measured
-    (H200: faster than cuBLAS on every Qwen2.5-3B/7B layer, BENCHMARKS.md), "off" on older GPUs
-    (RTX 40xx, Jetson Orin), where it has not been measured yet."""
-    mode = _env_mode()
-    if mode != "auto":
-        return mode
-    if device is None or device.type != "cuda":
-        return "off"
-    return "all" if _measured_gpu(device.index if device.index is not None else 0) else "off"

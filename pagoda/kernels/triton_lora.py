@@ -24,13 +24,13 @@ Torch references: `pagoda.kernels.lora.lora_sgmv_ref` / `lora_shrink_expand_ref`
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from pagoda import envs
 from pagoda.kernels.lora import LoRAWorkspace
 
 
@@ -433,7 +433,7 @@ def _workspace_fits(workspace: LoRAWorkspace | None, num_tokens: int, n: int) ->
 
 
 # One launch per LoRA layer (`_lora_fused_kernel`) instead of two: opt-in until measured.
-FUSED_DEFAULT = os.environ.get("PAGODA_LORA_FUSED", "0") == "1"
+FUSED_DEFAULT = envs.lora_fused()
 _FUSED_MAX_TOKENS = 256  # its last program zeroes the [T, S*R] workspace rows alone
 
 

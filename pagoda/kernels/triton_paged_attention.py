@@ -4,6 +4,9 @@ A program owns a tile of BLOCK_M query rows = (up to BLOCK_Q tokens of one seque
 query heads sharing one KV head), so each K/V tile is loaded once per GQA group. Keys are read
 through the block table, scores use an online softmax in float32 (exp2 domain). Long decodes
 with few programs split the key range (flash-decoding) and combine partials in a second kernel.
+A sliding window W (transformers' rule: key j visible from query i iff i - W < j <= i) moves the
+start of each program's key range up to its first query's window, so blocks before it are never
+read (they may be the null block), and masks only the staggered edge tiles.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.paged_attention import check_sliding_window
 from pagoda.kernels.pdl import pdl_launch_args
 
 _LOG2E = 1.4426950408889634
@@ -57,6 +61,7 @@ def _attn_tile(
     start_n,
     kv_limit,
     q_pos,
+    win_lo,
     offs_d,
     d_mask,
     stride_kb,
@@ -66,14 +71,16 @@ def _attn_tile(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
     """One BLOCK_N tile of keys [start_n, start_n + BLOCK_N) folded into the running softmax.
 
     MASKED=False is the fast path for tiles every row of the program may fully see; MASKED=True
-    applies the causal limit (q_pos) and the key range end (kv_limit) and guards rows that have
-    seen no key yet (m = -inf) against -inf - -inf.
+    applies the causal limit (q_pos), the key range end (kv_limit) and, with SLIDING, each row's
+    window start (win_lo, [BLOCK_M]), and guards rows that have seen no key yet (m = -inf)
+    against -inf - -inf.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     # Each key's cache block comes from the block table: BLOCK_N spans several blocks, and block
@@ -99,6 +106,8 @@ def _attn_tile(
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] log2 domain
     if MASKED:
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (offs_n[None, :] >= win_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
     m_ref = m_new
@@ -116,26 +125,35 @@ def _attn_tile(
 
 @triton.jit
 def _attn_range(
-    acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, full_hi, hi, q_pos,
+    acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, head_hi, full_hi, hi, q_pos, win_lo,
     offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
-    """Keys [lo, hi) in BLOCK_N tiles: unmasked tiles up to full_hi first, then the masked
-    tail (the diagonal / range end). Shared by the paged and the fused decode kernels."""
-    for start_n in range(lo, full_hi, BLOCK_N):
+    """Keys [lo, hi) in BLOCK_N tiles: with SLIDING, masked tiles up to head_hi (the staggered
+    window starts of the rows), then unmasked tiles up to full_hi, then the masked tail (the
+    diagonal / range end). Shared by the paged and the fused decode kernels."""
+    if SLIDING:
+        for start_n in range(lo, head_hi, BLOCK_N):
+            acc, l_i, m_i = _attn_tile(
+                acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos, win_lo,
+                offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
+                BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION, UPCAST_DOT,
+            )  # fmt: skip
+    for start_n in range(head_hi, full_hi, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos,
+            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos, win_lo,
             offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, BLOCK_N, False, False, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attn_tile(
-            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos,
+            acc, l_i, m_i, q, k_base, v_base, block_table_row, start_n, hi, q_pos, win_lo,
             offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, UPCAST_DOT,
+            BLOCK_SIZE, BLOCK_N, True, SLIDING, DOT_PRECISION, UPCAST_DOT,
         )  # fmt: skip
     return acc, l_i, m_i
 
@@ -153,6 +171,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     qk_scale,
+    window,  # sliding window W (only read with SLIDING)
     num_seqs,
     num_heads,
     stride_qt,
@@ -175,6 +194,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SINGLE_Q_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
 ):
@@ -215,19 +235,31 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
 
     # Keys [0, kv_end) are visible to the last query of the tile; [0, kv_full) to all of them.
+    # With a window, [kv_start, kv_end) to some row and [win_full, kv_full) to all of them.
     q_last = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     kv_end = context_len + q_last + 1
     kv_full = context_len + q_block * BLOCK_Q + 1
+    if SLIDING:
+        win_lo = q_pos - window + 1  # [BLOCK_M] first visible key of each row
+        kv_start = tl.maximum(kv_full - window, 0)  # the first query's window start
+        win_full = kv_end - window  # every row sees keys from here on
+    else:
+        win_lo = q_pos  # unused
+        kv_start = 0
+        win_full = 0
     if NUM_SPLITS == 1:
-        lo = 0
+        lo = kv_start
         hi = kv_end
     else:
         # Chunks are sized per sequence (a multiple of BLOCK_N) so shorter sequences of the
         # batch split evenly too; trailing splits of a short sequence may be empty.
-        chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_start + split * chunk
         hi = tl.minimum(lo + chunk, kv_end)
-    full_hi = lo + tl.maximum(tl.minimum(hi, kv_full) - lo, 0) // BLOCK_N * BLOCK_N
+    head_hi = lo
+    if SLIDING:  # tiles starting before win_full are masked per row
+        head_hi = lo + tl.cdiv(tl.maximum(win_full - lo, 0), BLOCK_N) * BLOCK_N
+    full_hi = head_hi + tl.maximum(tl.minimum(hi, kv_full) - head_hi, 0) // BLOCK_N * BLOCK_N
 
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
@@ -239,13 +271,13 @@ def _paged_attention_kernel(
     # Unmasked tiles first; only the diagonal / range-end tiles pay for masking. Tiles past the
     # causal limit of the block's last query are never visited.
     acc, l_i, m_i = _attn_range(
-        acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, full_hi, hi, q_pos,
-        offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
-        BLOCK_SIZE, BLOCK_N, DOT_PRECISION, UPCAST_DOT,
+        acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, head_hi, full_hi, hi, q_pos,
+        win_lo, offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
+        BLOCK_SIZE, BLOCK_N, SLIDING, DOT_PRECISION, UPCAST_DOT,
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
-        # Every valid row saw key 0, so l_i > 0 there.
+        # Every valid row saw its own key, so l_i > 0 there.
         o = acc / l_i[:, None]
         tl.store(
             out_ptr
@@ -256,7 +288,8 @@ def _paged_attention_kernel(
             mask=row_valid[:, None] & d_mask[None, :],
         )
     else:
-        # Unnormalised partials; an empty split stores m = -inf, l = 0, acc = 0.
+        # Unnormalised partials; an empty split (or one wholly outside a row's window) stores
+        # m = -inf, l = 0, acc = 0.
         part = (tok * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] int64
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
@@ -306,7 +339,7 @@ def _split_kv_reduce_kernel(
         mask=s_mask[:, None],
         other=0.0,
     )  # [SPLITS_PAD, HEAD_DIM_PAD]
-    m_max = tl.max(m, 0)  # finite: split 0 always holds key 0
+    m_max = tl.max(m, 0)  # finite: some split holds the row's own key
     w = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
     o = tl.sum(acc * w[:, None], 0) / tl.sum(sumexp * w, 0)
     tl.store(
@@ -371,6 +404,13 @@ def _launch_config(
     return max(64, triton.next_power_of_2(num_queries_per_kv)), 64, 4, 2
 
 
+def effective_kv_len(max_seq_len: int, max_query_len: int, sliding_window: int | None) -> int:
+    """The most keys one program of a query tile reads: the window bounds it (+ the tile's span)."""
+    if sliding_window is None:
+        return max_seq_len
+    return min(max_seq_len, sliding_window + max_query_len - 1)
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [T, H, D]
     kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]
@@ -382,12 +422,14 @@ def paged_attention_triton(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [>=T, H, D]; rows past the last query are untouched
     num_splits: int | None = None,  # None = automatic; 1 = never split; > 1 forces split-KV
+    sliding_window: int | None = None,  # None = full causal attention
 ) -> torch.Tensor:
     """Causal paged attention for a batch mixing prefill chunks (with cached prefix) and decodes.
 
     Query i of sequence b sits at position `seq_lens[b] - q_len_b + i` and sees keys at positions
-    <= its own. The launch grid depends only on shapes and the host ints `max_query_len` /
-    `max_seq_len` (no device-to-host sync), so the call can be captured in a CUDA graph.
+    <= its own (and > its own - sliding_window). The launch grid depends only on shapes and the
+    host ints `max_query_len` / `max_seq_len` (no device-to-host sync), so the call can be
+    captured in a CUDA graph.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
@@ -408,22 +450,23 @@ def paged_attention_triton(
         )
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
+    check_sliding_window(sliding_window)
     if out is None:
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
 
+    # Tiles and splits follow the keys a program reads, which the window caps.
+    kv_len = effective_kv_len(max_seq_len, max_query_len, sliding_window)
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_query_len, max_seq_len, _num_sms(q.device)
+            num_seqs, num_kv_heads, max_query_len, kv_len, _num_sms(q.device)
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     qpk = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = _launch_config(
-        max_query_len, max_seq_len, qpk, num_splits
-    )
+    block_m, block_n, num_warps, num_stages = _launch_config(max_query_len, kv_len, qpk, num_splits)
     block_q = block_m // qpk
     single_q_block = max_query_len <= block_q
     grid_q = num_seqs if single_q_block else num_tokens // block_q + num_seqs
@@ -455,6 +498,7 @@ def paged_attention_triton(
         seq_lens,
         block_tables,
         scale * _LOG2E,
+        sliding_window or 0,
         num_seqs,
         num_heads,
         *q.stride(),
@@ -470,6 +514,7 @@ def paged_attention_triton(
         BLOCK_N=block_n,
         SINGLE_Q_BLOCK=single_q_block,
         NUM_SPLITS=num_splits,
+        SLIDING=sliding_window is not None,
         DOT_PRECISION=dot_precision,
         UPCAST_DOT=upcast_dot,
         num_warps=num_warps,

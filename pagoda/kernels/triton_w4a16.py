@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda import platform
 from pagoda.kernels.pdl import pdl_launch_args
+from pagoda.kernels.workspace import SplitKWorkspace
 
 
 @triton.jit
@@ -124,7 +126,7 @@ class GemmConfig:
     group_m: int = 8
 
 
-def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) -> GemmConfig:
+def default_config(m: int, n: int, k: int, group_size: int, num_sms: int) -> GemmConfig:
     """Tile sizes by M: split-K GEMV-like tiles for decode, MMA-sized tiles for prefill."""
     block_k = min(128 if m <= 16 else 64, group_size)
     if m <= 16:
@@ -139,9 +141,9 @@ def default_config(m: int, n: int, k: int, group_size: int, num_sms: int = 132) 
     return GemmConfig(128, 128, block_k, 1, num_warps=8, num_stages=3)
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _num_sms(device: torch.device) -> int:
+    """SMs of `device` (`platform.num_sms`); a small count under the CPU interpreter."""
+    return platform.num_sms(device) if device.type == "cuda" else 8
 
 
 def wna16_gemm(
@@ -163,7 +165,7 @@ def wna16_gemm(
     if config is None and x.is_cuda:
         config = tuned_gemm_config(_device_name(x.device.index or 0), m, n, k, group_size, bits)
     if config is None:
-        num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
+        num_sms = _num_sms(x.device)
         config = default_config(m, n, k, group_size if not per_channel else 128, num_sms)
     block_k = config.block_k
     if not per_channel and group_size % block_k:
@@ -443,18 +445,14 @@ def _split_for(n_tiles: int, k: int, block_k: int, num_sms: int, waves: float = 
 
 
 def default_gemv_config(
-    m: int, n: int, k: int, group_size: int, bits: int = 4, num_sms: int = 132
+    m: int, n: int, k: int, group_size: int, bits: int, num_sms: int
 ) -> GemvConfig:
     """FMA path for M <= 2 (one FFMA per weight and row), tensor cores for more rows.
 
     FMA tiles: 16 B vector loads along N, the K reduction inside a thread, each activation
-    serving several columns. The shapes follow what won the H200 sweep at M = 1 on every
-    Qwen2.5-7B layer (run 3, `benchmarks/results/w4a16_gemv_h200.json`): ~8 resident warps per
-    SM in total (36 x 28 one-warp programs for qkv, 37 x 7 four-warp programs for gate_up,
-    14 x 74 one-warp programs for down), i.e. many small programs with short K-slices (>= 2
-    K-tiles each) rather than few long ones: one warp and 128 columns for N < 16384 (256 columns
-    when K >= 8192, where the K-split alone gives enough programs), four warps and 1024 columns
-    for wide layers.
+    serving several columns; ~8 resident warps per SM in total, many small programs with short
+    K-slices (what won the H200 sweep, BENCHMARKS.md): one warp and 128 columns for N < 16384
+    (256 when K >= 8192), four warps and 1024 columns for wide layers.
     """
     if m > 2 and gemv_dot_ok(k, group_size, bits):
         block_n = 128 if n >= 8192 else 64
@@ -493,35 +491,6 @@ def gemv_candidate_configs(m: int, k: int, group_size: int, bits: int = 4) -> li
         for block_n, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
             cands.append(GemvConfig(block_n, 16 * 32 // bits, 0, warps, 3, True))
     return cands
-
-
-_workspaces: dict[tuple[str, int], list[torch.Tensor]] = {}
-
-
-def _serial_workspace(device: torch.device, numel: int, tiles: int):
-    """fp32 [>= numel] and int32 [>= tiles] buffers that stay zero between GEMV calls.
-
-    One pair per device, shared by every GEMV: kernels run one after another on the model's
-    stream (two streams running GEMVs concurrently would need their own pairs). Grown outside
-    CUDA-graph capture only, and old pairs are kept alive (captured graphs point at them);
-    returns None when capturing with a pair that is too small, and the caller falls back to
-    the capture-safe "atomic" reduction. The engine's warm-up runs before capture allocate it.
-    """
-    index = device.index
-    if index is None:
-        index = torch.cuda.current_device() if device.type == "cuda" else 0
-    key = (device.type, index)
-    bufs = _workspaces.get(key)
-    if bufs is not None and bufs[-2].numel() >= numel and bufs[-1].numel() >= tiles:
-        return bufs[-2], bufs[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    size = max(numel, 1 << 20, 2 * (bufs[-2].numel() if bufs else 0))
-    n_cnt = max(tiles, 1 << 12, 2 * (bufs[-1].numel() if bufs else 0))
-    ws = torch.zeros(size, device=device, dtype=torch.float32)
-    cnt = torch.zeros(n_cnt, device=device, dtype=torch.int32)
-    _workspaces.setdefault(key, []).extend([ws, cnt])
-    return ws, cnt
 
 
 _MAGIC = 150 << 23  # fp32 exponent field of 2^23: a field masked in place reads 2^23 + u
@@ -629,9 +598,9 @@ def gemv_launch_info(
     n: int,
     k: int,
     group_size: int,
-    bits: int = 4,
-    config: GemvConfig | None = None,
-    num_sms: int = 132,
+    bits: int,
+    config: GemvConfig | None,
+    num_sms: int,
 ) -> dict:
     """What `wna16_gemv` launches for this shape: resolved tiles, split and grid (benchmarks)."""
     plan = _gemv_plan(m, n, k, group_size, bits, config, num_sms)
@@ -656,6 +625,7 @@ def wna16_gemv(
     config: GemvConfig | None = None,
     out_dtype: torch.dtype | None = None,
     bias: torch.Tensor | None = None,  # [N], added in fp32 before the cast to out_dtype
+    workspace: SplitKWorkspace | None = None,  # the "serial" reduction's (None: atomics + copy)
 ) -> torch.Tensor:  # [M, N] in out_dtype (default: x.dtype)
     """y = x @ dequant(W).T (+ bias) for M <= 16: split-K GEMV (see the notes above the kernel)."""
     m, k = x.shape
@@ -674,7 +644,7 @@ def wna16_gemv(
         scales_t = scales_t.contiguous()
     if zeros_t is not None and zeros_t.stride(1) != 1:
         zeros_t = zeros_t.contiguous()
-    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 8
+    num_sms = _num_sms(x.device)
     if config is None and x.is_cuda:
         config = tuned_gemv_config(_device_name(x.device.index or 0), m, n, k, group_size, bits)
     plan = _gemv_plan(m, n, k, group_size, bits, config, num_sms)
@@ -689,10 +659,10 @@ def wna16_gemv(
         xk = xk.view(torch.int32)
 
     out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
-    serial = plan.config.reduce == "serial"
+    serial = plan.config.reduce == "serial" and workspace is not None
     ws = cnt = None
     if split > 1 and serial:
-        bufs = _serial_workspace(x.device, m * n, plan.n_tiles)
+        bufs = workspace.buffers(x.device, m * n, plan.n_tiles)
         if bufs is None:
             serial = False
         else:

@@ -1,88 +1,69 @@
-"""W4A16 on tensor cores: int4 -> bf16x2 in registers, then `mma.sync` (GEMV, M <= 64); a
-Triton GEMM on the same weight layout for M = 33-64 on the large layers.
+"""W4A16 on tensor cores, one weight layout (`repack_mma`) for every M: a GEMV with the int4
+-> bf16 conversion and `mma.sync` in inline asm (M <= 64), a Triton GEMM with the dequantization
+in registers feeding `tl.dot` (larger M), and an exact dequantization pass (then cuBLAS).
 
-Why: the FMA GEMV (`triton_w4a16.wna16_gemv`) spends a mask-and-OR, a float subtract and an FMA
-per weight on the FP32 pipes and read int4 weights at ~44 % of the H200's copy bandwidth; its
-cost also grows with M. Here, per 32-bit word (8 weights), 3 shifts and 4 `lop3` turn the
-nibbles into four bf16x2 values 128 + u (the exponent of 128 makes the code the low mantissa
-bits, exactly) and `mma.sync.m16n8k16` multiplies 16 weight columns x 16 K by 8 activation rows
-into fp32; a second MMA with a constant A of -136 adds -136 * sum(x) to the same accumulator
-(the code offset, exact in fp32, no subtract per weight); the group scale multiplies each
-tile's partial (64 K) once per output. Measured on the H200 (Qwen2.5-7B shapes, M = 1): qkv 5.7,
-o 5.3, gate_up 26.3, down 14.0-16.0 µs against the FMA GEMV's 9.2 / 7.8 / 34.4 / 20.4, and at
-M = 8 nearly the M = 1 time (gate_up 31.5 vs 70.6); see BENCHMARKS.md.
-
-Triton has no way to place a tensor in an MMA fragment, so the weights are repacked once at load
-into the order in which the threads of a warp hold the MMA's A fragments, and the MMA is issued
-from `tl.inline_asm_elementwise(pack=4)`: every thread runs the same asm on its own 4 words,
-which is exactly the warp-wide collective `mma.sync` expects. That relies on how Triton lays out
-a [rows, 128] int32 tile loaded contiguously along its last dimension (16 B per thread, 32
-threads along the row, warps down the rows): lane l of a warp holds elements 4l ... 4l+3 of a
-row. The sm_90 TTGIR shows that layout for every config used (Triton 3.9, compiled without a
-GPU), the GPU tests check the results on Triton 3.6, and `mma_self_test` checks them once per
-device before a model takes this path (a mismatch: the older layout and the FMA GEMV).
+GEMV: per 32-bit word (8 weights) 3 shifts and 4 `lop3` turn the nibbles into four bf16x2
+values 128 + u (the exponent of 128 makes the code the low mantissa bits, exactly) and
+`mma.sync.m16n8k16` multiplies 16 weight columns x 16 K by 8 activation rows into fp32; a second
+MMA whose A holds -(128 + z) per column (z = 8 for symmetric weights, else the zero point of the
+column's group) adds -(128 + z) * sum(x) to the same accumulator; the group scale multiplies each
+tile's partial once per output. Triton cannot place a tensor in an MMA fragment, so the weights
+are stored in the order in which the threads of a warp hold the MMA's A fragments and the MMA is
+issued from `tl.inline_asm_elementwise(pack=4)`: every thread runs the same asm on its own 4
+words, which is the warp-wide collective `mma.sync` expects. That relies on how Triton lays out
+a [rows, 128] int32 tile loaded contiguously along its last dimension (lane l of a warp holds
+elements 4l ... 4l+3 of a row); `mma_self_test` checks it once per device before a model takes
+this layout.
 
 Layout (`repack_mma`): a tile is 16 output columns x 64 K = 128 int32 words; tiles are stored
 [N / 16][K / 64] (K fastest), each as [lane 0..31][v 0..3] words. Lane = 4 g + c (the MMA's
 groupID g and thread-in-group c); word v of lane (g, c) feeds the v-th MMA of the tile. In MMA
 v, thread c's K slots 2c, 2c+1 hold real K 16c + 4v + {0, 1} and slots 2c+8, 2c+9 hold
-16c + 4v + {2, 3}: a lane's activations for a tile are 32 contiguous bytes, and MMA v's two B
-registers are adjacent in them. The word's 8 nibbles, low to high: (row g, kA), (row g+8, kA),
-(row g, kB), (row g+8, kB), then the same for kA+1, kB+1 in the high half-word (kA = 16c + 4v,
-kB = kA + 2, rows = tile columns). Shifting by 0, 4, 8, 12 and masking 0x000F000F gives the
-fragments a0a1, a2a3, a4a5, a6a7. Scales (`repack_mma_scales`): one int32 per (column group,
-scale group, g) holding the scales of columns g and g + 8, one 32-bit load per lane.
+16c + 4v + {2, 3}. The word's 8 nibbles, low to high: (row g, kA), (row g+8, kA), (row g, kB),
+(row g+8, kB), then the same for kA+1, kB+1 in the high half-word (kA = 16c + 4v, kB = kA + 2,
+rows = tile columns). Scales (`repack_mma_scales`) and zero offsets (`repack_mma_zeros`, bf16
+-(128 + z)): one int32 per (column group, scale group, g) holding the values of columns g and
+g + 8, one 32-bit load per lane.
 
-Kernel (`_w4_mma_gemv_kernel`): a program owns one column group and a K slice (split-K through
-the serial workspace of `wna16_gemv`), walks it two steps per iteration with two register sets
-ping-ponged so that one step's weights are in flight during the other's math, reads the
-activations just in time (L1: every program of an SM reads the same x), and loads its first
-weights before `gdc_wait` (PDL). M = 9-32 (`_w4_mma_gemv_shared_kernel`): one accumulator per
-block of 8 activation rows and one asm per tile (`_shared_asm`) that dequantizes each word once
-for every block, the offset by `fma.rn.bf16x2` (u - 8 exactly) instead of the constant-A MMA;
-M = 33-64 as two such launches, though layers take `wna16_mma_gemm` (large layers) or
-`wna16_mma_dequant` + cuBLAS there (`quantized_linear._mma_max_m` / `_mma_gemm_max_m`, from
-the H200 measurements in BENCHMARKS.md). What still limits the M = 1 GEMV: the same loads
-without the math (`dry=True`) reach 69-75 % of the copy bandwidth on gate_up / down and 36-43 %
-on qkv / o, and the math brings that to ~60 % / ~30 %; a bulk L2 prefetch of each program's
-slice (`PAGODA_W4A16_PF`, sm_90+) made even the loads-only kernel slower (session 6), so the
-small layers' time is fixed costs (launch, first DRAM round trip, the split-K flush), not bytes
-in flight. A kernel that only reads the same bytes (one-shot programs, 8 x 16-byte loads per
-thread) takes 3.8 / 3.4 / 17.6 / 9.6 µs on qkv / o / gate_up / down against this GEMV's 5.6 /
-5.3 / 25.7 / 16.1 (session 7). `gated=True` (M <= 8) applies the MLP's SwiGLU in the epilogue
-(a program walks a gate and an up column group); it measured no faster than the GEMV followed
-by the activation kernel, so layers use it only when asked (`PAGODA_W4A16_FUSED_SILU=1`).
+GEMV kernels: a program owns one column group and a K slice (split-K through the serial
+workspace), walks it two steps per iteration with two register sets ping-ponged, and loads its
+first weights before `gdc_wait` (PDL). M = 9-32 (`_w4_mma_gemv_shared_kernel`): one asm per tile
+dequantizes each word once for every block of 8 rows (the offset by `fma.rn.bf16x2`).
+GEMM (`_mma_gemm_kernel`): the nibbles h, 2 + h, 4 + h, 6 + h of a word are column 8h + g at K
+offsets 0, 2, 1, 3 of the lane's 4, so words loaded as [columns, K / 4] unpack into two weight
+tiles (one per column half) whose K order is natural once interleaved: no permute.
 
-The torch reference `mma_gemv_emulate` follows the PTX fragment rules step by step (the CPU tests
-check the repacking against the dequantized matmul with it); under the Triton interpreter
-`_tile_mma` computes the same tile product with reshapes, so the CPU tests run the kernel's
-bookkeeping; `wna16_linear_ref` is the numerical oracle on the GPU.
+`mma_gemv_emulate` follows the PTX fragment rules step by step (the CPU oracle of the
+repacking); under the Triton interpreter the asm is replaced by the same arithmetic written with
+reshapes, so the CPU tests run the kernels' bookkeeping.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import triton
 import triton.language as tl
 
+from pagoda import envs, platform
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_w4a16 import _serial_workspace
+from pagoda.kernels.workspace import SplitKWorkspace
 
 TILE_N = 16  # output columns per tile (the MMA's M)
 TILE_K = 64  # K per tile (four MMAs of K = 16)
 MAX_M = 8  # activation rows per MMA (its N)
 MAX_ROWS = 64  # rows per call
 SHARED_ROWS = 32  # rows per launch of the shared-dequantization kernel (4 blocks of 8)
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = envs.triton_interpret()
 
 
 def mma_supported(n: int, k: int, group_size: int, bits: int, has_zero_point: bool) -> bool:
-    """Shapes this kernel takes: 4-bit symmetric, N % 16 == 0, K % 64 == 0, group % 64 == 0."""
-    if bits != 4 or has_zero_point or n % TILE_N or k % TILE_K:
+    """Shapes these kernels take: 4-bit (zero points or not), N % 16 == 0, K % 64 == 0, groups
+    of a multiple of 64 (or one per column)."""
+    del has_zero_point  # every kernel here takes zero pairs
+    if bits != 4 or n % TILE_N or k % TILE_K:
         return False
     return group_size <= 0 or group_size >= k or group_size % TILE_K == 0
 
@@ -122,6 +103,21 @@ def unpack_mma_scales(scale_pairs: torch.Tensor) -> torch.Tensor:
     ncg, groups, _ = scale_pairs.shape
     s = scale_pairs.contiguous().view(torch.bfloat16).view(ncg, groups, 8, 2)  # ng, group, g, h
     return s.permute(1, 0, 3, 2).reshape(groups, ncg * 16).contiguous()
+
+
+def repack_mma_zeros(zeros_t: torch.Tensor) -> torch.Tensor:
+    """Unsigned zero codes z [groups, N] (0..15, W = (u - z) * s) -> the kernels' zero pairs,
+    laid out as `repack_mma_scales`: bf16 -(128 + z) (exact), the offset that turns the MMA's
+    128 + u into u - z."""
+    z = zeros_t.to(torch.float32)
+    if bool(((z < 0) | (z > 15) | (z != z.round())).any()):
+        raise ValueError("repack_mma_zeros takes integer zero codes in 0..15")
+    return repack_mma_scales((-(z + 128.0)).to(torch.bfloat16))
+
+
+def unpack_mma_zeros(zero_pairs: torch.Tensor) -> torch.Tensor:
+    """Inverse of `repack_mma_zeros`: [groups, N] int16 zero codes."""
+    return (-unpack_mma_scales(zero_pairs).float() - 128.0).round().to(torch.int16)
 
 
 def unpack_mma(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -185,65 +181,69 @@ def mma_gemv_emulate(
 # The per-thread asm (pack = 4: each operand is 4 consecutive elements of the thread's row):
 # $4-$7 the 4 words (one per MMA v), $8-$11 and $12-$15 the lane's 8 int32 activation pairs
 # (MMA v reads pairs 2v, 2v+1: registers already adjacent as `mma` wants them), $16 the scale
-# pair (4 int8 elements = one register), $17-$20 the accumulators in, $0-$3 out:
-# acc += scale * (the tile's MMAs, from zero). The weights enter the MMA as 128 + u (exact
-# bf16); a second MMA per v with every A element -136 (exact) adds -136 * sum(x) into the same
-# fp32 accumulator, so the tile sums x * (u - 8) without a subtract per weight.
+# pair (4 int8 elements = one register), with zero points $17 the zero pair, then the 4
+# accumulators in; $0-$3 out: acc += scale * (the tile's MMAs, from zero). The weights enter
+# the MMA as 128 + u (exact bf16); a second MMA per v whose A holds -(128 + z) for each row
+# (z = 8 without zero points: the constant -136; both exact) adds -(128 + z) * sum(x) into the
+# same fp32 accumulator, so the tile sums x * (u - z) without a subtract per weight.
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 _D = "{d0, d1, d2, d3}"
-_ASM = (
-    """
-{
-.reg .b32 a0, a1, a2, a3, t, off, d0, d1, d2, d3, slo, shi;
-mov.b32 off, 0xC308C308;
-mov.b32 d0, 0;
-mov.b32 d1, 0;
-mov.b32 d2, 0;
-mov.b32 d3, 0;
-"""
-    + "".join(
-        f"""
-lop3.b32 a0, ${4 + v}, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 t, ${4 + v}, 4;
-lop3.b32 a1, t, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 t, ${4 + v}, 8;
-lop3.b32 a2, t, 0x000F000F, 0x43004300, 0xEA;
-shr.u32 t, ${4 + v}, 12;
-lop3.b32 a3, t, 0x000F000F, 0x43004300, 0xEA;
-{_MMA} {_D}, {{a0, a1, a2, a3}}, {{${8 + 2 * v}, ${9 + 2 * v}}}, {_D};
-{_MMA} {_D}, {{off, off, off, off}}, {{${8 + 2 * v}, ${9 + 2 * v}}}, {_D};
-"""
-        for v in range(4)
-    )
-    + """
-shl.b32 slo, $16, 16;
-and.b32 shi, $16, 0xFFFF0000;
-fma.rn.f32 $0, d0, slo, $17;
-fma.rn.f32 $1, d1, slo, $18;
-fma.rn.f32 $2, d2, shi, $19;
-fma.rn.f32 $3, d3, shi, $20;
-}"""
-)
-_ASM = tl.constexpr(_ASM)
-_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 17))
 
 
-def _shared_asm(nbb: int) -> str:
+def _zero_regs(zp: int | None) -> list[str]:
+    """PTX setting `zlo` / `zhi` to the bf16x2 offsets of rows g / g + 8: the zero pair's low
+    / high half twice (operand $zp), or -136 for both without zero points."""
+    if zp is None:
+        return ["mov.b32 zlo, 0xC308C308;", "mov.b32 zhi, 0xC308C308;"]
+    return [f"prmt.b32 zlo, ${zp}, ${zp}, 0x1010;", f"prmt.b32 zhi, ${zp}, ${zp}, 0x3232;"]
+
+
+def _gemv_asm(has_zp: bool) -> str:
+    acc = 18 if has_zp else 17
+    lines = [
+        "{",
+        ".reg .b32 a0, a1, a2, a3, t, zlo, zhi, d0, d1, d2, d3, slo, shi;",
+        *_zero_regs(17 if has_zp else None),
+        *[f"mov.b32 d{i}, 0;" for i in range(4)],
+    ]
+    for v in range(4):
+        lines.append(f"lop3.b32 a0, ${4 + v}, 0x000F000F, 0x43004300, 0xEA;")
+        for sh in range(1, 4):
+            lines.append(f"shr.u32 t, ${4 + v}, {4 * sh};")
+            lines.append(f"lop3.b32 a{sh}, t, 0x000F000F, 0x43004300, 0xEA;")
+        b = f"{{${8 + 2 * v}, ${9 + 2 * v}}}"
+        lines.append(f"{_MMA} {_D}, {{a0, a1, a2, a3}}, {b}, {_D};")
+        lines.append(f"{_MMA} {_D}, {{zlo, zhi, zlo, zhi}}, {b}, {_D};")
+    lines += ["shl.b32 slo, $16, 16;", "and.b32 shi, $16, 0xFFFF0000;"]
+    for i in range(4):
+        lines.append(f"fma.rn.f32 ${i}, d{i}, {'slo' if i < 2 else 'shi'}, ${acc + i};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_ASM = tl.constexpr(_gemv_asm(False))
+_ASM_Z = tl.constexpr(_gemv_asm(True))
+_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 17))
+_CONSTRAINTS_Z = tl.constexpr(",".join(["=r"] * 4 + ["r"] * 18))
+
+
+def _shared_asm(nbb: int, has_zp: bool = False) -> str:
     """`_ASM` for nbb blocks of 8 activation rows sharing one dequantization (M = 9-32): each
-    word becomes its four bf16x2 fragments once, u - 8 exactly (lop3 gives 128 + u, then one
-    `fma.rn.bf16x2` by 1 and -136: no offset MMA), and every block runs one MMA per fragment.
-    Operands (pack = 4): $0.. the nbb accumulators out (4 each); then the 4 words, per block its
-    x1 / x2 pairs (8), the scale pair (1), the nbb accumulators in (4 each)."""
+    word becomes its four bf16x2 fragments once, u - z exactly (lop3 gives 128 + u, then one
+    `fma.rn.bf16x2` by 1 and -(128 + z): no offset MMA), and every block runs one MMA per
+    fragment. Operands (pack = 4): $0.. the nbb accumulators out (4 each); then the 4 words,
+    per block its x1 / x2 pairs (8), the scale pair (1), the zero pair (1, has_zp), the nbb
+    accumulators in (4 each)."""
     w = 4 * nbb
     x = w + 4
     sp = x + 8 * nbb
-    a = sp + 1
+    a = sp + (2 if has_zp else 1)
     lines = [
         "{",
         ".reg .b32 q<16>;",
         f".reg .b32 d<{4 * nbb}>;",
-        ".reg .b32 t, off, one, slo, shi;",
-        "mov.b32 off, 0xC308C308;",  # bf16x2 (-136, -136)
+        ".reg .b32 t, zlo, zhi, one, slo, shi;",
+        *_zero_regs(sp + 1 if has_zp else None),
         "mov.b32 one, 0x3F803F80;",  # bf16x2 (1, 1)
     ]
     lines += [f"mov.b32 d{i}, 0;" for i in range(4 * nbb)]
@@ -255,7 +255,8 @@ def _shared_asm(nbb: int) -> str:
             else:
                 lines.append(f"shr.u32 t, ${w + v}, {4 * sh};")
                 lines.append(f"lop3.b32 {r}, t, 0x000F000F, 0x43004300, 0xEA;")
-            lines.append(f"fma.rn.bf16x2 {r}, {r}, one, off;")
+            # fragments a0a1 / a4a5 hold row g, a2a3 / a6a7 row g + 8
+            lines.append(f"fma.rn.bf16x2 {r}, {r}, one, {'zhi' if sh % 2 else 'zlo'};")
         frag = ", ".join(f"q{4 * v + i}" for i in range(4))
         for b in range(nbb):
             d = ", ".join(f"d{4 * b + i}" for i in range(4))
@@ -270,51 +271,49 @@ def _shared_asm(nbb: int) -> str:
     return "\n".join(lines)
 
 
+def _shared_constraints(nbb: int, has_zp: bool) -> str:
+    return ",".join(["=r"] * (4 * nbb) + ["r"] * (4 + 8 * nbb + 1 + has_zp + 4 * nbb))
+
+
 _ASM_S2 = tl.constexpr(_shared_asm(2))
 _ASM_S4 = tl.constexpr(_shared_asm(4))
-_CONS_S2 = tl.constexpr(",".join(["=r"] * 8 + ["r"] * (4 + 16 + 1 + 8)))
-_CONS_S4 = tl.constexpr(",".join(["=r"] * 16 + ["r"] * (4 + 32 + 1 + 16)))
-
-# One bulk L2 prefetch per program (thread 0 of the CTA; skipped when the size is <= 0): the
-# TMA unit streams `$2` bytes at `$1` into the L2 and the thread does not wait for them, so the
-# bytes in flight are not bounded by registers. The asm's output is unused; `is_pure=False`
-# keeps it.
-_PF_ASM = tl.constexpr(
-    """{
-.reg .pred p;
-.reg .b32 t;
-mov.u32 t, %tid.x;
-setp.eq.u32 p, t, 0;
-setp.gt.and.s32 p, $2, 0, p;
-@p cp.async.bulk.prefetch.L2.global [$1], $2;
-mov.u32 $0, 0;
-}"""
-)
+_ASM_S2Z = tl.constexpr(_shared_asm(2, True))
+_ASM_S4Z = tl.constexpr(_shared_asm(4, True))
+_CONS_S2 = tl.constexpr(_shared_constraints(2, False))
+_CONS_S4 = tl.constexpr(_shared_constraints(4, False))
+_CONS_S2Z = tl.constexpr(_shared_constraints(2, True))
+_CONS_S4Z = tl.constexpr(_shared_constraints(4, True))
 
 
 @triton.jit
-def _l2_prefetch(ptr, nbytes, INTERPRET: tl.constexpr):
-    """Fire-and-forget prefetch of `nbytes` (a multiple of 16, 16-byte aligned) into the L2."""
-    if not INTERPRET:
-        size = tl.zeros([], dtype=tl.int32) + nbytes  # a tensor even if nbytes is a constant
-        tl.inline_asm_elementwise(
-            _PF_ASM, "=r,l,r", [ptr, size], dtype=tl.int32, is_pure=False, pack=1
-        )
+def _lane_pairs(pairs, R: tl.constexpr):
+    """The bf16 pair (column g: low half, column g + 8: high half) of each lane, as fp32 [R, 32],
+    from its 4 bytes [R, 128] (the interpreter's decoding of scale or zero pairs)."""
+    b = tl.reshape(pairs.to(tl.uint8).to(tl.int32), [R, 32, 4])
+    pair = tl.sum(b << (tl.arange(0, 4) * 8)[None, None, :], axis=2)  # [R, 32]
+    return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr, DRY: tl.constexpr = False):
+def _tile_mma(acc, words, x1, x2, sp, zp, INTERPRET: tl.constexpr, HAS_ZP: tl.constexpr):
     """acc [R, 128] fp32 += scale * tile product, per thread: words / x1 / x2 [R, 128] int32,
-    sp [R, 128] int8 (4 bytes per lane: the scale pair). Under the Triton interpreter (no PTX)
-    the same arithmetic written with reshapes: the CPU tests run the kernel's bookkeeping."""
-    if DRY:  # benchmark only: the same loads, no math (what the memory system alone gives)
-        return acc + (words ^ x1 ^ x2 ^ sp.to(tl.int32)).to(tl.float32)
-    elif INTERPRET:
+    sp (and, HAS_ZP, zp) [R, 128] int8 (4 bytes per lane: the scale / zero pair). Under the
+    Triton interpreter (no PTX) the same arithmetic written with reshapes: the CPU tests run
+    the kernel's bookkeeping."""
+    if INTERPRET:
         R: tl.constexpr = words.shape[0]
         sh = tl.arange(0, 8) * 4
-        q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32) - 8.0  # [R,128,8]
+        q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32)  # [R, 128, 8]
         q = tl.reshape(q, [R, 8, 4, 4, 2, 2, 2])  # g, c, v, e, half, h
         w = tl.reshape(tl.permute(q, (0, 6, 1, 2, 3, 5, 4)), [R, 16, 64])  # (h g), (c v half e)
+        if HAS_ZP:  # the pair holds -(128 + z): w = u - z
+            zlo, zhi = _lane_pairs(zp, R)
+            zlo = tl.max(tl.reshape(zlo, [R, 8, 4]), axis=2)  # the 4 lanes of g agree
+            zhi = tl.max(tl.reshape(zhi, [R, 8, 4]), axis=2)
+            zcol = tl.reshape(tl.permute(tl.join(zlo, zhi), (0, 2, 1)), [R, 16])  # (h g)
+            w = w + 128.0 + zcol[:, :, None]
+        else:
+            w = w - 8.0
         xw = tl.join(x1, x2)  # [R, 128, 2]: pair p = 4 * which + v'
         xf = tl.join(
             (xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True)
@@ -323,13 +322,19 @@ def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr, DRY: tl.constexpr
         xf = tl.reshape(tl.permute(xf, (0, 2, 4, 3, 5, 1)), [R, 64, 8])  # (c which v' e), n
         d = tl.sum(w[:, :, :, None] * xf[:, None, :, :], axis=2)  # [R, 16, 8]
         d = tl.reshape(tl.permute(tl.reshape(d, [R, 2, 8, 4, 2]), (0, 2, 3, 1, 4)), [R, 128])
-        # the scale pair: bytes of (s[g] | s[g + 8] << 16), element v's column is g + 8 (v // 2)
-        b = tl.reshape(sp.to(tl.uint8).to(tl.int32), [R, 32, 4])
-        pair = tl.sum(b << (tl.arange(0, 4) * 8)[None, None, :], axis=2)  # [R, 32]
-        lo = (pair << 16).to(tl.float32, bitcast=True)
-        hi = (pair & -65536).to(tl.float32, bitcast=True)
+        # element v of a lane is column g + 8 (v // 2): the low or the high half of its pair
+        lo, hi = _lane_pairs(sp, R)
         sc = tl.join(tl.join(lo, hi), tl.join(lo, hi))  # [R, 32, which, t]: v = 2 which + t
         return acc + d * tl.reshape(sc, [R, 128])
+    elif HAS_ZP:
+        return tl.inline_asm_elementwise(
+            _ASM_Z,
+            _CONSTRAINTS_Z,
+            [words, x1, x2, sp, zp, acc.to(tl.int32, bitcast=True)],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=4,
+        ).to(tl.float32, bitcast=True)
     else:
         return tl.inline_asm_elementwise(
             _ASM,
@@ -342,115 +347,71 @@ def _tile_mma(acc, words, x1, x2, sp, INTERPRET: tl.constexpr, DRY: tl.constexpr
 
 
 @triton.jit
-def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT: tl.constexpr,
-            GROUP_TILES: tl.constexpr):  # fmt: skip
-    """Words and scale pairs [rows, 128] of step `pos` of column group ng (a scalar, or [rows,
-    1] when rows come from several column groups: the gated kernel), r the K tile of each row:
-    the HBM stream. No masks: the caller keeps pos valid and K tiles per step divide K / 64."""
+def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr, KT: tl.constexpr,
+            GROUP_TILES: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
+    """Words, scale pairs and (HAS_ZP) zero pairs [KT, 128] of step `pos` of column group ng, r
+    the K tile of each row: the HBM stream. No masks: the caller keeps pos valid and K tiles
+    per step divide K / 64. Without zero points the scale pairs stand in for them (unused)."""
     kb = pos * KT + r  # [KT, 1]
     words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
     if GROUP_TILES > 0:
         grp = kb // GROUP_TILES
     else:
         grp = kb * 0
-    sp = tl.load(sp_ptr + ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4)
-    return words, sp
+    pair_off = ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4
+    sp = tl.load(sp_ptr + pair_off)
+    if HAS_ZP:
+        zp = tl.load(zp_ptr + pair_off)
+    else:
+        zp = sp
+    return words, sp, zp
 
 
 @triton.jit
-def _step(acc, words, sp, pos, r, x_rows, KT: tl.constexpr, KR: tl.constexpr,
-          NB: tl.constexpr, INTERPRET: tl.constexpr, DRY: tl.constexpr):  # fmt: skip
-    """One step: the tile's words times NB blocks of 8 activation rows ([NB, KR, 128] acc; KR
-    = KT rows, or 2 KT in the gated kernel, r the K tile of each row). The activations are
-    read here, just in time (L1 / L2 hits: every program on an SM reads the same x), which
-    keeps them out of the prefetched register sets."""
-    kb = (pos * KT + r)[None, :, :]  # [1, KR, 1]
+def _step(acc, words, sp, zp, pos, r, x_rows, KT: tl.constexpr, NB: tl.constexpr,
+          INTERPRET: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
+    """One step: the tile's words times NB blocks of 8 activation rows ([NB, KT, 128] acc). The
+    activations are read here, just in time (L1 / L2 hits: every program on an SM reads the
+    same x), which keeps them out of the prefetched register sets."""
+    kb = (pos * KT + r)[None, :, :]  # [1, KT, 1]
     x1 = tl.load(x_rows + kb * 32)
     x2 = tl.load(x_rows + kb * 32 + 4)
-    w3 = tl.broadcast_to(words[None, :, :], [NB, KR, 128])
-    s3 = tl.broadcast_to(sp[None, :, :], [NB, KR, 128])
-    out = _tile_mma(tl.reshape(acc, [NB * KR, 128]), tl.reshape(w3, [NB * KR, 128]),
-                    tl.reshape(x1, [NB * KR, 128]), tl.reshape(x2, [NB * KR, 128]),
-                    tl.reshape(s3, [NB * KR, 128]), INTERPRET, DRY)  # fmt: skip
-    return tl.reshape(out, [NB, KR, 128])
-
-
-@triton.jit
-def _gated_flush(gate, up, ng, col, m, okm, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-                 stride_om, HAS_BIAS: tl.constexpr, ONE_SPLIT: tl.constexpr):  # fmt: skip
-    """Store silu(gate) * up (fp32 sums, bias added first) at column col of out [M, N / 2];
-    with split-K the gate and up partials meet in the workspace (columns col and col + N / 2)
-    and the last program of the column group applies the activation."""
-    half = N // 2
-    if not ONE_SPLIT:
-        tl.atomic_add(ws_ptr + m * N + col, gate, mask=okm, sem="relaxed")
-        tl.atomic_add(ws_ptr + m * N + half + col, up, mask=okm, sem="relaxed")
-        tl.debug_barrier()
-        done = tl.atomic_add(cnt_ptr + ng, 1, sem="acq_rel")
-        if done == tl.num_programs(1) - 1:
-            g_bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm,
-                                    sem="relaxed")  # fmt: skip
-            u_bits = tl.atomic_xchg(wsi_ptr + m * N + half + col, tl.zeros_like(m), mask=okm,
-                                    sem="relaxed")  # fmt: skip
-            _gated_store(g_bits.to(tl.float32, bitcast=True), u_bits.to(tl.float32, bitcast=True),
-                         col, m, okm, half, b_ptr, out_ptr, stride_om, HAS_BIAS)  # fmt: skip
-            tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
-    else:
-        _gated_store(gate, up, col, m, okm, half, b_ptr, out_ptr, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _gated_store(gate, up, col, m, okm, half, b_ptr, out_ptr, stride_om,
-                 HAS_BIAS: tl.constexpr):  # fmt: skip
-    if HAS_BIAS:
-        gate += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
-        up += tl.load(b_ptr + half + col, mask=okm, other=0.0).to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + m * stride_om + col, y.to(out_ptr.dtype.element_ty), mask=okm)
+    w3 = tl.reshape(tl.broadcast_to(words[None, :, :], [NB, KT, 128]), [NB * KT, 128])
+    s3 = tl.reshape(tl.broadcast_to(sp[None, :, :], [NB, KT, 128]), [NB * KT, 128])
+    z3 = tl.reshape(tl.broadcast_to(zp[None, :, :], [NB, KT, 128]), [NB * KT, 128])
+    out = _tile_mma(tl.reshape(acc, [NB * KT, 128]), w3, tl.reshape(x1, [NB * KT, 128]),
+                    tl.reshape(x2, [NB * KT, 128]), s3, z3, INTERPRET, HAS_ZP)  # fmt: skip
+    return tl.reshape(out, [NB, KT, 128])
 
 
 @triton.jit
 def _w4_mma_gemv_kernel(
-    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    x_ptr, w_ptr, sp_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
     M, N, K, steps_per_split, n_groups_s,
     stride_xm, stride_om,
     GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
     KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile), divides K / 64
     NB: tl.constexpr,  # blocks of 8 activation rows (M <= 8 NB)
     HAS_BIAS: tl.constexpr,
+    HAS_ZP: tl.constexpr,  # zero pairs per (column, group); else the code offset 8
     ONE_SPLIT: tl.constexpr,  # no split-K: the workspace arguments are unused
-    GATED: tl.constexpr,  # W = [gate; up] (N = 2 I): out [M, I] = silu(x gate^T) * (x up^T)
     INTERPRET: tl.constexpr,
-    DRY: tl.constexpr,  # benchmarks: the loads without the math (wrong results)
-    PF_FIRST: tl.constexpr,  # steps of the slice bulk-prefetched into the L2 before gdc_wait
-    PF_LOOP: tl.constexpr,  # keep prefetching PF_FIRST steps ahead inside the loop
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (column group, K slice): walks its slice two steps per iteration with two
     register sets (A, B) ping-ponged: B's loads are issued before A's MMAs and A's next loads
     before B's MMAs, so each step's words and scales are in flight during the other step's
-    math. (With one register set, ptxas orders the next loads after the MMAs that read the
-    registers those loads overwrite: no overlap.) The first step's weights and scales are
-    loaded before `gdc_wait`: they never depend on the previous kernel. One flush at the end:
-    a plain store without split-K, else the self-cleaning serial reduction of `wna16_gemv`.
-
-    GATED (the MLP's gate_up_proj): program ng also walks column group ng + I / 16, the up
-    rows of the same columns, as KT more rows of its word tile; the MMA puts a column's gate
-    and up sums in the same thread and register, so the epilogue stores silu(gate) * up and
-    the activation kernel (one launch per layer) disappears."""
+    math (with one register set ptxas orders the next loads after the MMAs that read the
+    registers those loads overwrite). The first step's weights are loaded before `gdc_wait`:
+    they never depend on the previous kernel. One flush at the end: a plain store without
+    split-K, else the self-cleaning serial reduction of `wna16_gemv`."""
     ng = tl.program_id(0)
     pid_k = tl.program_id(1)
     kb_total = K // 64
     steps_total = kb_total // KT
     s0 = pid_k * steps_per_split
     n_steps = tl.minimum(steps_per_split, steps_total - s0)
-    KR: tl.constexpr = 2 * KT if GATED else KT  # rows of the word tile
-    r = tl.arange(0, KR)[:, None]
-    if GATED:
-        ngr = ng + (r // KT) * (N // 32)  # rows KT..2KT-1: the up half's column group
-        r = r % KT
-    else:
-        ngr = ng
+    r = tl.arange(0, KT)[:, None]
     j = tl.arange(0, 128)[None, :]
     nb = tl.arange(0, NB)[:, None, None]
     j3 = j[None, :, :]
@@ -460,30 +421,21 @@ def _w4_mma_gemv_kernel(
     x_rows = x_ptr + x_row * stride_xm + 8 * ((j3 // 4) % 4) + j3 % 4  # int32 pairs; + kb * 32
     pos = s0
     last = s0 + n_steps - 1
-    step_bytes = KT * 512
-    w_base = w_ptr + ng * kb_total * 128  # this column group's tiles: contiguous, K fastest
-    if PF_FIRST > 0:
-        # The slice's first PF_FIRST steps and the column group's scale pairs, before anything
-        # else: with PDL this runs while the previous kernel still works (HBM otherwise idle).
-        _l2_prefetch(w_base + s0 * KT * 128, tl.minimum(n_steps, PF_FIRST) * step_bytes,
-                     INTERPRET)  # fmt: skip
-        _l2_prefetch(sp_ptr + ng * n_groups_s * 32, n_groups_s * 32, INTERPRET)
-    wa, spa = _load_w(ngr, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+    wa, spa, zpa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr, KT,
+                           GROUP_TILES, HAS_ZP)  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([NB, KR, 128], dtype=tl.float32)
+    acc = tl.zeros([NB, KT, 128], dtype=tl.float32)
     for i in range(0, n_steps, 2):
-        if PF_LOOP:  # the two steps PF_FIRST ahead (those already issued: size <= 0, skipped)
-            ahead = i + PF_FIRST
-            _l2_prefetch(w_base + (s0 + ahead) * KT * 128,
-                         tl.minimum(n_steps - ahead, 2) * step_bytes, INTERPRET)  # fmt: skip
         pos_b = tl.minimum(pos + 1, last)
-        wb, spb = _load_w(ngr, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
-        acc = _step(acc, wa, spa, pos, r, x_rows, KT, KR, NB, INTERPRET, DRY)
+        wb, spb, zpb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr,
+                               KT, GROUP_TILES, HAS_ZP)  # fmt: skip
+        acc = _step(acc, wa, spa, zpa, pos, r, x_rows, KT, NB, INTERPRET, HAS_ZP)
         pos_a = tl.minimum(pos + 2, last)
-        wa, spa = _load_w(ngr, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        wa, spa, zpa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr,
+                               KT, GROUP_TILES, HAS_ZP)  # fmt: skip
         if i + 1 < n_steps:
-            acc = _step(acc, wb, spb, pos_b, r, x_rows, KT, KR, NB, INTERPRET, DRY)
+            acc = _step(acc, wb, spb, zpb, pos_b, r, x_rows, KT, NB, INTERPRET, HAS_ZP)
         pos = pos_a
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -493,12 +445,6 @@ def _w4_mma_gemv_kernel(
     col = ng * 16 + jj // 16 + 8 * (vv // 2)
     m = 8 * tl.arange(0, NB)[:, None] + 2 * ((jj // 4) % 4) + vv % 2
     okm = m < M
-    if GATED:
-        halves = tl.sum(tl.reshape(acc, [NB, 2, KT, 128]), axis=2)  # [NB, gate / up, 128]
-        gate, up = tl.split(tl.permute(halves, (0, 2, 1)))
-        _gated_flush(gate, up, ng, col, m, okm, N, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-                     stride_om, HAS_BIAS, ONE_SPLIT)  # fmt: skip
-        return
     part = tl.sum(acc, axis=1)  # [NB, 128]
     if ONE_SPLIT:
         if HAS_BIAS:
@@ -530,8 +476,9 @@ def _x_rows(x_ptr, M, stride_xm, b: tl.constexpr, j):
 
 
 @triton.jit
-def _step_shared(acc0, acc1, acc2, acc3, words, sp, pos, r, xr0, xr1, xr2, xr3,
-                 KT: tl.constexpr, NB: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+def _step_shared(acc0, acc1, acc2, acc3, words, sp, zp, pos, r, xr0, xr1, xr2, xr3,
+                 KT: tl.constexpr, NB: tl.constexpr, INTERPRET: tl.constexpr,
+                 HAS_ZP: tl.constexpr):  # fmt: skip
     """One step of NB (2 or 4) blocks over the same words: one asm dequantizes each word once
     for all of them (`_shared_asm`); the interpreter runs `_tile_mma` per block."""
     kb = (pos * KT + r) * 32  # [KT, 1]
@@ -545,28 +492,45 @@ def _step_shared(acc0, acc1, acc2, acc3, words, sp, pos, r, xr0, xr1, xr2, xr3,
         x1_3 = tl.load(xr3 + kb)
         x2_3 = tl.load(xr3 + kb + 4)
     if INTERPRET:
-        acc0 = _tile_mma(acc0, words, x1_0, x2_0, sp, INTERPRET)
-        acc1 = _tile_mma(acc1, words, x1_1, x2_1, sp, INTERPRET)
+        acc0 = _tile_mma(acc0, words, x1_0, x2_0, sp, zp, INTERPRET, HAS_ZP)
+        acc1 = _tile_mma(acc1, words, x1_1, x2_1, sp, zp, INTERPRET, HAS_ZP)
         if NB == 4:
-            acc2 = _tile_mma(acc2, words, x1_2, x2_2, sp, INTERPRET)
-            acc3 = _tile_mma(acc3, words, x1_3, x2_3, sp, INTERPRET)
+            acc2 = _tile_mma(acc2, words, x1_2, x2_2, sp, zp, INTERPRET, HAS_ZP)
+            acc3 = _tile_mma(acc3, words, x1_3, x2_3, sp, zp, INTERPRET, HAS_ZP)
     elif NB == 2:
-        o0, o1 = tl.inline_asm_elementwise(
-            _ASM_S2, _CONS_S2,
-            [words, x1_0, x2_0, x1_1, x2_1, sp,
-             acc0.to(tl.int32, bitcast=True), acc1.to(tl.int32, bitcast=True)],
-            dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
-        )  # fmt: skip
+        if HAS_ZP:
+            o0, o1 = tl.inline_asm_elementwise(
+                _ASM_S2Z, _CONS_S2Z,
+                [words, x1_0, x2_0, x1_1, x2_1, sp, zp,
+                 acc0.to(tl.int32, bitcast=True), acc1.to(tl.int32, bitcast=True)],
+                dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            o0, o1 = tl.inline_asm_elementwise(
+                _ASM_S2, _CONS_S2,
+                [words, x1_0, x2_0, x1_1, x2_1, sp,
+                 acc0.to(tl.int32, bitcast=True), acc1.to(tl.int32, bitcast=True)],
+                dtype=(tl.int32, tl.int32), is_pure=True, pack=4,
+            )  # fmt: skip
         acc0 = o0.to(tl.float32, bitcast=True)
         acc1 = o1.to(tl.float32, bitcast=True)
     else:
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(
-            _ASM_S4, _CONS_S4,
-            [words, x1_0, x2_0, x1_1, x2_1, x1_2, x2_2, x1_3, x2_3, sp,
-             acc0.to(tl.int32, bitcast=True), acc1.to(tl.int32, bitcast=True),
-             acc2.to(tl.int32, bitcast=True), acc3.to(tl.int32, bitcast=True)],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4,
-        )  # fmt: skip
+        if HAS_ZP:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _ASM_S4Z, _CONS_S4Z,
+                [words, x1_0, x2_0, x1_1, x2_1, x1_2, x2_2, x1_3, x2_3, sp, zp,
+                 acc0.to(tl.int32, bitcast=True), acc1.to(tl.int32, bitcast=True),
+                 acc2.to(tl.int32, bitcast=True), acc3.to(tl.int32, bitcast=True)],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4,
+            )  # fmt: skip
+        else:
+            o0, o1, o2, o3 = tl.inline_asm_elementwise(
+                _ASM_S4, _CONS_S4,
+                [words, x1_0, x2_0, x1_1, x2_1, x1_2, x2_2, x1_3, x2_3, sp,
+                 acc0.to(tl.int32, bitcast=True), acc1.to(tl.int32, bitcast=True),
+                 acc2.to(tl.int32, bitcast=True), acc3.to(tl.int32, bitcast=True)],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=4,
+            )  # fmt: skip
         acc0 = o0.to(tl.float32, bitcast=True)
         acc1 = o1.to(tl.float32, bitcast=True)
         acc2 = o2.to(tl.float32, bitcast=True)
@@ -612,13 +576,14 @@ def _final_block(b: tl.constexpr, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om,
 
 @triton.jit
 def _w4_mma_gemv_shared_kernel(
-    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    x_ptr, w_ptr, sp_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
     M, N, K, steps_per_split, n_groups_s,
     stride_xm, stride_om,
     GROUP_TILES: tl.constexpr,
     KT: tl.constexpr,
     NB: tl.constexpr,  # 2 or 4 blocks of 8 rows, one dequantization for all
     HAS_BIAS: tl.constexpr,
+    HAS_ZP: tl.constexpr,
     ONE_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -640,7 +605,8 @@ def _w4_mma_gemv_shared_kernel(
     xr3 = _x_rows(x_ptr, M, stride_xm, 3, j)
     pos = s0
     last = s0 + n_steps - 1
-    wa, spa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+    wa, spa, zpa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr, KT,
+                           GROUP_TILES, HAS_ZP)  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     acc0 = tl.zeros([KT, 128], dtype=tl.float32)
@@ -649,15 +615,49 @@ def _w4_mma_gemv_shared_kernel(
     acc3 = tl.zeros([KT, 128], dtype=tl.float32)
     for i in range(0, n_steps, 2):
         pos_b = tl.minimum(pos + 1, last)
-        wb, spb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        wb, spb, zpb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr,
+                               KT, GROUP_TILES, HAS_ZP)  # fmt: skip
         acc0, acc1, acc2, acc3 = _step_shared(
-            acc0, acc1, acc2, acc3, wa, spa, pos, r, xr0, xr1, xr2, xr3, KT, NB, INTERPRET
+            acc0,
+            acc1,
+            acc2,
+            acc3,
+            wa,
+            spa,
+            zpa,
+            pos,
+            r,
+            xr0,
+            xr1,
+            xr2,
+            xr3,
+            KT,
+            NB,
+            INTERPRET,
+            HAS_ZP,
         )
         pos_a = tl.minimum(pos + 2, last)
-        wa, spa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, KT, GROUP_TILES)
+        wa, spa, zpa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr,
+                               KT, GROUP_TILES, HAS_ZP)  # fmt: skip
         if i + 1 < n_steps:
             acc0, acc1, acc2, acc3 = _step_shared(
-                acc0, acc1, acc2, acc3, wb, spb, pos_b, r, xr0, xr1, xr2, xr3, KT, NB, INTERPRET
+                acc0,
+                acc1,
+                acc2,
+                acc3,
+                wb,
+                spb,
+                zpb,
+                pos_b,
+                r,
+                xr0,
+                xr1,
+                xr2,
+                xr3,
+                KT,
+                NB,
+                INTERPRET,
+                HAS_ZP,
             )
         pos = pos_a
     if USE_PDL:
@@ -680,15 +680,10 @@ def _w4_mma_gemv_shared_kernel(
             tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 MmaConfig = tuple[int, int, int]  # (K tiles per step (at most), split-K, num_warps)
 
 
-def default_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
+def default_mma_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
     """(K tiles per step, split-K, warps) measured on the H200 (`benchmarks/quant/
     bench_w4a16_mma.py`, Qwen2.5-7B shapes): at M <= 8 one warp per program, split-K to ~16
     programs per SM where the column groups alone do not fill the GPU (qkv / o / down: 224-288
@@ -705,37 +700,7 @@ def default_mma_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
     return (4 if k <= 8192 else 2, split if k > 8192 else max(1, split // 3), 2)
 
 
-Prefetch = tuple[int, bool]  # (steps bulk-prefetched before gdc_wait, keep that distance in-loop)
-_PF_ALL = 1 << 20  # "the whole slice"
-
-
-def parse_prefetch(text: str) -> Prefetch:
-    """`PAGODA_W4A16_PF`: "0" (off), "all" (each program's whole slice up front), "F" (the first F
-    steps up front) or "F,loop" (and then F steps ahead inside the loop)."""
-    parts = [p.strip().lower() for p in text.split(",")]
-    try:
-        first = _PF_ALL if parts[0] == "all" else int(parts[0])
-    except ValueError:
-        first = -1
-    loop = parts[1:] == ["loop"]
-    if first < 0 or (len(parts) > 1 and not loop) or len(parts) > 2 or (loop and first == 0):
-        raise ValueError(
-            f"PAGODA_W4A16_PF={text!r}: expected 0, all, F or F,loop (F = steps, an integer >= 0)"
-        )
-    return first, loop
-
-
-def default_mma_prefetch(m: int, n: int, k: int, capability: tuple[int, int]) -> Prefetch:
-    """L2 bulk prefetch (sm_90+: `cp.async.bulk.prefetch.L2`): off by default, because it
-    measured slower in every setting (H200, session 6: gate_up 26.6 -> 25.7-32.2 µs, qkv 5.6 ->
-    6.1-6.2, batch-1 decode 462 -> 430-458 tok/s); `PAGODA_W4A16_PF` turns it on."""
-    env = os.environ.get("PAGODA_W4A16_PF")
-    if capability < (9, 0) or env is None:
-        return (0, False)
-    return parse_prefetch(env)
-
-
-def default_shared_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
+def default_shared_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
     """(K tiles per step, split-K, warps) of the shared-dequantization kernel (M = 9-32),
     measured on the H200 (`bench_w4a16_mma.py --shared-only`, session 6 run 2, µs at M = 16 /
     32): gate_up (4, 1, 2) 43.2 / 67.0; down (2, 8, 2) 21.8 then (4, 3, 2) 42.9; qkv (4, 4, 2)
@@ -748,18 +713,6 @@ def default_shared_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConf
     return (4, max(1, round(5 * num_sms / groups)), 2)
 
 
-def default_gated_config(m: int, n: int, k: int, num_sms: int = 132) -> MmaConfig:
-    """(K tiles per step of each half, split-K, warps) of the gated GEMV (gate_up_proj, M <= 8),
-    measured on the H200 (`bench_w4a16_mma.py --gated-only`, session 7 run 2, Qwen2.5-7B
-    gate_up, µs at M = 1 / 8): (2, 1, 2) 27.6 / 30.8, the best at every M, against the plain
-    GEMV + SiLU-and-mul's 28.2 / 33.5; (1, 1, 1) 34.7 / 43.6 and (1, 1, 2) 32.2 / 40.2 were the
-    worst. Few column groups: split-K as the plain kernel does."""
-    groups = n // (2 * TILE_N)
-    if groups >= 4 * num_sms:
-        return (2, 1, 2)
-    return (2, max(1, min(8, round(8 * num_sms / groups))), 2)
-
-
 def _k_tiles_per_step(k: int, target: int) -> int:
     kb = k // TILE_K
     kt = 1
@@ -769,7 +722,7 @@ def _k_tiles_per_step(k: int, target: int) -> int:
 
 
 def wna16_mma_gemv(
-    x: torch.Tensor,  # [M, K] bf16, M <= MAX_M * nb
+    x: torch.Tensor,  # [M, K] bf16, M <= MAX_ROWS
     words: torch.Tensor,  # repack_mma output
     scale_pairs: torch.Tensor,  # repack_mma_scales output
     n: int,
@@ -777,48 +730,38 @@ def wna16_mma_gemv(
     bias: torch.Tensor | None = None,  # [N]
     config: MmaConfig | None = None,
     out_dtype: torch.dtype | None = None,
-    dry: bool = False,  # benchmarks: the loads without the math (wrong results)
-    prefetch: Prefetch | None = None,  # None: `default_mma_prefetch`
     shared: bool | None = None,  # M > 8: one dequantization for all blocks (None: if it works)
-    gated: bool = False,  # W = [gate; up]: return silu(x gate^T) * (x up^T), [M, N / 2]
-) -> torch.Tensor:  # [M, N] ([M, N / 2] gated)
-    """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma` (4-bit symmetric), M <= 64,
-    in blocks of 8 rows. With `shared` (the default above M = 8 where `mma_shared_self_test`
-    passes) up to 4 blocks share each dequantized fragment and M = 33-64 runs as two such
-    launches; otherwise every block re-dequantizes (`_w4_mma_gemv_kernel`). `gated` (M <= 8,
-    N / 2 % 16 == 0): the SwiGLU of the MLP in the GEMV's epilogue (`default_gated_config`)."""
+    zero_pairs: torch.Tensor | None = None,  # repack_mma_zeros output (asymmetric weights)
+    workspace: SplitKWorkspace | None = None,  # split-K scratch (None: no split-K)
+) -> torch.Tensor:  # [M, N]
+    """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, M <= 64, in blocks of 8
+    rows; W = (u - z) * s with z = 8 (symmetric) or the zero pairs. With `shared` (the default
+    above M = 8 where `mma_shared_self_test` passes) up to 4 blocks share each dequantized
+    fragment and M = 33-64 runs as two such launches; otherwise every block re-dequantizes."""
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS or x.dtype != torch.bfloat16:
         raise ValueError(
             f"wna16_mma_gemv takes bf16 x with 1 <= M <= {MAX_ROWS}, got {x.dtype} M={m}"
         )
-    if not mma_supported(n, k, group_size, 4, False):
+    if not mma_supported(n, k, group_size, 4, zero_pairs is not None):
         raise ValueError(f"wna16_mma_gemv: unsupported shape N={n} K={k} group={group_size}")
-    if gated and (m > MAX_M or n % (2 * TILE_N) or dry):
-        raise ValueError(
-            f"wna16_mma_gemv(gated=True) takes M <= {MAX_M} and N % {2 * TILE_N} == 0, "
-            f"got M={m} N={n}"
-        )
     if shared is None:
         shared = m > MAX_M and _shared_enabled(x.device)
-    shared = shared and m > MAX_M and not dry
+    shared = shared and m > MAX_M
     if shared and m > SHARED_ROWS:  # two launches of <= 32 rows (each reads the weights)
         out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
         for r0 in range(0, m, SHARED_ROWS):
             r1 = min(m, r0 + SHARED_ROWS)
-            part = wna16_mma_gemv(
+            out[r0:r1] = wna16_mma_gemv(
                 x[r0:r1], words, scale_pairs, n, group_size, bias, config, out_dtype,
-                shared=r1 - r0 > MAX_M,
+                shared=r1 - r0 > MAX_M, zero_pairs=zero_pairs, workspace=workspace,
             )  # fmt: skip
-            out[r0:r1] = part
         return out
-    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    num_sms = platform.num_sms(x.device) if x.is_cuda else 4
     default = default_shared_config if shared else default_mma_config
-    if gated:
-        default = default_gated_config
     kt_target, split, warps = config or default(m, n, k, num_sms)
     kt = _k_tiles_per_step(k, kt_target)
-    warps = min(warps, 2 * kt if gated else kt)
+    warps = min(warps, kt)
     steps_total = (k // TILE_K) // kt
     per = -(-steps_total // split)
     split = -(-steps_total // per)
@@ -826,55 +769,32 @@ def wna16_mma_gemv(
     if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
         x = x.contiguous()
     xi = x.view(torch.int32)
-    out = torch.empty((m, n // 2 if gated else n), device=x.device, dtype=out_dtype or x.dtype)
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     ws, cnt = out.view(-1)[:0].float(), words
     if split > 1:
-        bufs = _serial_workspace(x.device, m * n, n // TILE_N)
-        if bufs is None:  # capturing with a workspace too small to grow: no split-K
+        bufs = workspace.buffers(x.device, m * n, n // TILE_N) if workspace is not None else None
+        if bufs is None:  # no workspace, or capturing with one too small to grow: no split-K
             per, split = steps_total, 1
         else:
             ws, cnt = bufs
-    if gated:
-        prefetch = (0, False)  # the prefetch covers one column group's tiles
-    if prefetch is None:
-        cap = torch.cuda.get_device_capability(x.device) if x.is_cuda else (0, 0)
-        prefetch = default_mma_prefetch(m, n, k, cap)
-    pf_first = min(prefetch[0], per)
-    pf_loop = bool(prefetch[1]) and 0 < pf_first < per
     per_channel = group_size <= 0 or group_size >= k
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
-    if shared:
-        _w4_mma_gemv_shared_kernel[(n // TILE_N, split)](
-            xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
-            ws, ws.view(torch.int32), cnt,
-            m, n, k, per, scale_pairs.shape[1],
-            xi.stride(0), out.stride(0),
-            GROUP_TILES=0 if per_channel else group_size // TILE_K,
-            KT=kt,
-            NB=2 if m <= 2 * MAX_M else 4,
-            HAS_BIAS=bias is not None,
-            ONE_SPLIT=split == 1,
-            INTERPRET=_INTERPRET,
-            num_warps=warps,
-            **pdl_launch_args(x),
-        )  # fmt: skip
-        return out
-    _w4_mma_gemv_kernel[(n // (2 * TILE_N) if gated else n // TILE_N, split)](
-        xi, words, scale_pairs.view(torch.int8), bias if bias is not None else out, out,
+    sp = scale_pairs.view(torch.int8)
+    zp = zero_pairs.view(torch.int8) if zero_pairs is not None else sp
+    kernel = _w4_mma_gemv_shared_kernel if shared else _w4_mma_gemv_kernel
+    kernel[(n // TILE_N, split)](
+        xi, words, sp, zp, bias if bias is not None else out, out,
         ws, ws.view(torch.int32), cnt,
         m, n, k, per, scale_pairs.shape[1],
         xi.stride(0), out.stride(0),
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
         KT=kt,
-        NB=nb,
+        NB=(2 if m <= 2 * MAX_M else 4) if shared else nb,
         HAS_BIAS=bias is not None,
+        HAS_ZP=zero_pairs is not None,
         ONE_SPLIT=split == 1,
-        GATED=gated,
         INTERPRET=_INTERPRET,
-        DRY=dry,
-        PF_FIRST=pf_first,
-        PF_LOOP=pf_loop,
         num_warps=warps,
         **pdl_launch_args(x),
     )  # fmt: skip
@@ -882,8 +802,6 @@ def wna16_mma_gemv(
 
 
 def _shared_enabled(device: torch.device) -> bool:
-    if os.environ.get("PAGODA_W4A16_MMA_SHARED", "1").lower() in ("0", "false", "off", "no"):
-        return False
     if device.type != "cuda":
         return True  # the interpreter: the same bookkeeping, no PTX
     return mma_shared_self_test(device.index or 0)
@@ -920,10 +838,12 @@ def self_test_on(device: torch.device, shared: bool = False) -> bool:
         d = wna16_mma_dequant(words, pairs, n, k, group).cpu().float()
         ok = bool(((d - w.float()).abs() <= 2.0**-7 * w.float().abs()).all())  # <= 1 bf16 ulp
         cases = ((12, (2, 2, 1)), (27, (2, 1, 2))) if shared else ((1, None), (12, (2, 2, 1)))
+        workspace = SplitKWorkspace()  # the split-K configs above use its serial reduction
         for m, config in cases:
             y = wna16_mma_gemv(
-                x[:m].to(device), words, pairs, n, group, config=config, shared=shared
-            ).cpu()
+                x[:m].to(device), words, pairs, n, group, config=config, shared=shared,
+                workspace=workspace,
+            ).cpu()  # fmt: skip
             ok = ok and (y.float() - ref[:m]).abs().max().item() <= 2e-2 * ref.abs().max().item()
     except Exception as e:  # noqa: BLE001 - any failure means: do not use this path
         ok, why = False, f"unavailable ({e!r})"
@@ -939,105 +859,220 @@ def self_test_on(device: torch.device, shared: bool = False) -> bool:
     return ok
 
 
-# ------------------------------------------------- M = 33-512: a Triton GEMM on the MMA layout
+# ------------------------------------ M > 32: tensor-core GEMM with dequantization in registers
+
+
+# The unpacking asm (pack = 2: two words per instance, $8 / $9): nibble i of both words as one
+# bf16x2 register each ($0-$7), already (u - z) * s. prmt gathers the low / high half-words of
+# the two words, so one shift + lop3 yields the nibble of both (128 + u, exact); fma by 1 and
+# the zero pair's -(128 + z) gives u - z (exact), and fma by the scale with -0 adds one rounding
+# (= the reference's fp32 product rounded to bf16). Nibble i belongs to column half h = i % 2:
+# $10 / $11 the scales of halves 0 / 1, $12 / $13 their zero offsets (bf16x2 each).
+def _unpack_asm() -> str:
+    lines = [
+        "{",
+        ".reg .b32 lo, hi, t, one, nz;",
+        "mov.b32 one, 0x3F803F80;",
+        "mov.b32 nz, 0x80008000;",
+        "prmt.b32 lo, $8, $9, 0x5410;",
+        "prmt.b32 hi, $8, $9, 0x7632;",
+    ]
+    for i in range(8):
+        src, sh = ("lo", 4 * i) if i < 4 else ("hi", 4 * (i - 4))
+        if sh:
+            lines.append(f"shr.u32 t, {src}, {sh};")
+            lines.append(f"lop3.b32 ${i}, t, 0x000F000F, 0x43004300, 0xEA;")
+        else:
+            lines.append(f"lop3.b32 ${i}, {src}, 0x000F000F, 0x43004300, 0xEA;")
+        lines.append(f"fma.rn.bf16x2 ${i}, ${i}, one, ${12 + i % 2};")
+        lines.append(f"fma.rn.bf16x2 ${i}, ${i}, ${10 + i % 2}, nz;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_UNPACK_ASM = tl.constexpr(_unpack_asm())
+_UNPACK_CONS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 6))
+
+
+@triton.jit
+def _unpack8(words, s0, s1, z0, z1, INTERPRET: tl.constexpr):
+    """The 8 nibbles of every word [R, C] as bf16 (u - z) * s (`_unpack_asm`); s0 / s1 and z0 /
+    z1 (bf16 [R, C]) are the scales and zero offsets -(128 + z) of column halves 0 / 1."""
+    if INTERPRET:  # fp32 (numpy has no bf16): the same values
+        sf0 = s0.to(tl.float32)
+        sf1 = s1.to(tl.float32)
+        zf0 = z0.to(tl.float32) + 128.0
+        zf1 = z1.to(tl.float32) + 128.0
+        o0 = ((words & 0xF).to(tl.float32) + zf0) * sf0
+        o1 = (((words >> 4) & 0xF).to(tl.float32) + zf1) * sf1
+        o2 = (((words >> 8) & 0xF).to(tl.float32) + zf0) * sf0
+        o3 = (((words >> 12) & 0xF).to(tl.float32) + zf1) * sf1
+        o4 = (((words >> 16) & 0xF).to(tl.float32) + zf0) * sf0
+        o5 = (((words >> 20) & 0xF).to(tl.float32) + zf1) * sf1
+        o6 = (((words >> 24) & 0xF).to(tl.float32) + zf0) * sf0
+        o7 = (((words >> 28) & 0xF).to(tl.float32) + zf1) * sf1
+        return o0, o1, o2, o3, o4, o5, o6, o7
+    else:
+        return tl.inline_asm_elementwise(
+            _UNPACK_ASM, _UNPACK_CONS, [words, s0, s1, z0, z1],
+            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2,
+        )  # fmt: skip
+
+
+@triton.jit
+def _pair_halves(pair, INTERPRET: tl.constexpr):
+    """(low half, high half) of bf16 pairs held in int32: bf16 values (fp32 in the interpreter,
+    whose numpy has no bf16)."""
+    if INTERPRET:
+        return (pair << 16).to(tl.float32, bitcast=True), (pair & -65536).to(
+            tl.float32, bitcast=True
+        )
+    else:
+        lo = pair.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return lo, hi
+
+
+@triton.jit
+def _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, kb0, GROUP_TILES: tl.constexpr,
+                  HAS_ZP: tl.constexpr):  # fmt: skip
+    """Words [BR, T * 16] and the scale / zero pairs [BR] of the step at K tile kb0."""
+    words = tl.load(w_rows + kb0 * 128)
+    if GROUP_TILES > 0:
+        grp = kb0 // GROUP_TILES
+    else:
+        grp = 0
+    sp = tl.load(sp_ptr + pair_rows + grp * 8)
+    if HAS_ZP:
+        zp = tl.load(zp_ptr + pair_rows + grp * 8)
+    else:
+        zp = sp
+    return words, sp, zp
 
 
 @triton.jit
 def _mma_gemm_kernel(
-    x_ptr, w_ptr, sp_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, sp_ptr, zp_ptr, b_ptr, out_ptr,
     M, N, K, n_groups_s, k_tiles_per_split,
     stride_xm, stride_om, stride_os,
     GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
     BLOCK_M: tl.constexpr,
-    CG: tl.constexpr,  # column groups of 16 per program (BLOCK_N = 16 CG)
+    CG: tl.constexpr,  # column groups of 16 per program: two dots of CG * 8 columns each
     T: tl.constexpr,  # K tiles of 64 per step (divides GROUP_TILES: one scale per column)
-    GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr,  # out^T = W x^T (the weight is the dot's left operand)
     HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,  # > 1: fp32 partials [SPLIT, M, N] summed by the caller
+    HAS_ZP: tl.constexpr,
+    ONE_SPLIT: tl.constexpr,  # else fp32 partials [split, M, N] summed by the caller
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """out = x @ dequant(W).T for `repack_mma` words: each step unpacks [CG, T] tiles to the
-    integer codes u - 8 (exact in bf16), multiplies x by them with `tl.dot`, and scales the
-    fp32 product once per column (a step never crosses a scale group). One weight read for all
-    of M, against the dequant pass + cuBLAS's weight read, bf16 write and bf16 read."""
-    BN: tl.constexpr = 16 * CG
+    """out = x @ dequant(W).T for `repack_mma` words, without a permute: a tile's word at
+    (lane 4g + c, v) holds, in nibbles h, 2 + h, 4 + h, 6 + h, column 8h + g at K offsets
+    16c + 4v + (0, 2, 1, 3). So the words of CG column groups loaded as [CG * 8 (cg, g),
+    T * 16 (t, c, v)] unpack (`_unpack8`) into two weight tiles, one per column half h, whose
+    K order is the natural one once the 4 nibbles are interleaved (`tl.join`): two `tl.dot`s
+    per step against the same activation tile, scales and zero points applied in the unpacking.
+    Programs of the same column block are adjacent (pid % m-blocks): the weight is read from
+    HBM once for all of M."""
+    BR: tl.constexpr = 8 * CG  # rows of each half's weight tile
     BK: tl.constexpr = 64 * T
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = N // BN
-    num_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_in_group
-    first_m = group_id * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_in_group) % group_rows
-    pid_n = (pid % num_in_group) // group_rows
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
     kb_total = K // 64
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     ng0 = pid_n * CG
-    cg = tl.arange(0, CG)[:, None, None]
-    t = tl.arange(0, T)[None, :, None]
-    j = tl.arange(0, 128)[None, None, :]
-    w_rows = w_ptr + ((ng0 + cg) * kb_total + t) * 128 + j  # [CG, T, 128]; + kb0 * 128
-    sh = tl.arange(0, 8) * 4
-    g8 = tl.arange(0, 8)[None, :]
-    s_rows = sp_ptr + (ng0 + tl.arange(0, CG)[:, None]) * n_groups_s * 8 + g8  # [CG, 8]
+    rows = tl.arange(0, BR)  # (cg, g)
+    cg = rows // 8
+    g = rows % 8
+    q = tl.arange(0, T * 16)  # (t, c, v)
+    t = q // 16
+    w_rows = w_ptr + (((ng0 + cg) * kb_total)[:, None] + t[None, :]) * 128
+    w_rows += (16 * g)[:, None] + (q % 16)[None, :]  # [BR, T * 16]; + kb0 * 128
+    pair_rows = (ng0 + cg) * n_groups_s * 8 + g  # [BR]; + grp * 8
     offs_k = tl.arange(0, BK)
     kb_lo = pid_k * k_tiles_per_split
     kb_hi = tl.minimum(kb_lo + k_tiles_per_split, kb_total)
-    acc = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
+    if SWAP:
+        acc0 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+        acc1 = tl.zeros([BR, BLOCK_M], dtype=tl.float32)
+    else:
+        acc0 = tl.zeros([BLOCK_M, BR], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_M, BR], dtype=tl.float32)
+    # The weight stream is prefetched one step ahead by hand (the loads of step i + 1 are
+    # issued before step i's math): Triton's pipeliner only stages loads that feed a dot, and
+    # these feed the unpacking asm.
+    words, sp, zp = _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, kb_lo, GROUP_TILES, HAS_ZP)
     for kb0 in range(kb_lo, kb_hi, T):
-        words = tl.load(w_rows + kb0 * 128)
-        q = (((words[:, :, :, None] >> sh[None, None, None, :]) & 0xF) - 8).to(tl.int8)
-        q = tl.reshape(q, [CG, T, 8, 4, 4, 2, 2, 2])  # cg, t, g, c, v, e, half, h
-        w = tl.reshape(
-            tl.permute(q, (0, 7, 2, 1, 3, 4, 6, 5)), [BN, BK]
-        )  # (cg h g), (t c v half e)
+        nxt = tl.minimum(kb0 + T, kb_hi - T)
+        words_n, sp_n, zp_n = _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, nxt, GROUP_TILES,
+                                            HAS_ZP)  # fmt: skip
+        s0, s1 = _pair_halves(sp, INTERPRET)
+        if HAS_ZP:
+            z0, z1 = _pair_halves(zp, INTERPRET)
+        else:
+            z0 = tl.full([BR], -136.0, s0.dtype)
+            z1 = z0
+        shape: tl.constexpr = [BR, T * 16]
+        o0, o1, o2, o3, o4, o5, o6, o7 = _unpack8(
+            words,
+            tl.broadcast_to(s0[:, None], shape),
+            tl.broadcast_to(s1[:, None], shape),
+            tl.broadcast_to(z0[:, None], shape),
+            tl.broadcast_to(z1[:, None], shape),
+            INTERPRET,
+        )
+        w0 = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o4, o6)), [BR, BK])
+        w1 = tl.reshape(tl.join(tl.join(o1, o3), tl.join(o5, o7)), [BR, BK])
         x = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + kb0 * 64 + offs_k[None, :],
             mask=mask_m[:, None],
             other=0.0,
         )
-        if INTERPRET:  # numpy has no bf16: the interpreter multiplies in fp32 (same values)
-            part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+        if INTERPRET:
+            x = x.to(tl.float32)
+        if SWAP:
+            xt = tl.trans(x)
+            acc0 = tl.dot(w0, xt, acc0)
+            acc1 = tl.dot(w1, xt, acc1)
         else:
-            part = tl.dot(x, tl.trans(w.to(tl.bfloat16)))  # exact integer weights
-        if GROUP_TILES > 0:
-            grp = kb0 // GROUP_TILES
-        else:
-            grp = 0
-        pair = tl.load(s_rows + grp * 8)  # [CG, 8]: columns g (low half), g + 8 (high half)
-        lo = (pair << 16).to(tl.float32, bitcast=True)
-        hi = (pair & -65536).to(tl.float32, bitcast=True)
-        scale = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [BN])  # (cg h g)
-        acc += part * scale[None, :]
-    offs_n = ng0 * 16 + tl.arange(0, BN)
+            acc0 = tl.dot(x, tl.trans(w0), acc0)
+            acc1 = tl.dot(x, tl.trans(w1), acc1)
+        words, sp, zp = words_n, sp_n, zp_n
+    if SWAP:
+        acc0 = tl.trans(acc0)
+        acc1 = tl.trans(acc1)
+    col0 = (ng0 + cg) * 16 + g  # [BR]: half 0; half 1 is 8 columns on
     mask = mask_m[:, None]
-    if SPLIT == 1:
+    if ONE_SPLIT:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n).to(tl.float32)[None, :]
-        ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            acc0 += tl.load(b_ptr + col0).to(tl.float32)[None, :]
+            acc1 += tl.load(b_ptr + col0 + 8).to(tl.float32)[None, :]
+        ptrs = out_ptr + offs_m[:, None] * stride_om + col0[None, :]
+        tl.store(ptrs, acc0.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs + 8, acc1.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(ptrs, acc, mask=mask)
+        ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + col0[None, :]
+        tl.store(ptrs, acc0, mask=mask)
+        tl.store(ptrs + 8, acc1, mask=mask)
 
 
-GemmMmaConfig = tuple[int, int, int, int, int, int]  # BLOCK_M, CG, T, split, warps, stages
+GemmMmaConfig = tuple[int, int, int, int, int, int, bool]  # BM, CG, T, split, warps, stages, swap
 
 
-def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int = 132) -> GemmMmaConfig:
-    """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages), measured on the H200
-    (`bench_w4a16_mma.py --gemm-only`, session 6 run 4, Qwen2.5-7B shapes): M <= 64, 4 column
-    groups, split-K to ~2 programs per SM (gate_up 118.6 µs at M = 64, down 74.3); larger M,
-    [128, 128] tiles on 8 warps (gate_up 218.9 / 641.1 µs at M = 128 / 512)."""
-    if m > 64:
-        return (128, 8, 2, 1, 8, 3)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    programs = max(1, -(-n // (16 * 4)))
-    split = max(1, min(4, round(2 * num_sms / programs))) if programs < num_sms else 1
-    return (block_m, 4, 2, split, 4, 3)
+def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int) -> GemmMmaConfig:
+    """(BLOCK_M, column groups, K tiles per step, split-K, warps, stages, swap-AB) from the H200
+    sweep (`bench_w4a16_tc.py --sweep`, Qwen2.5-7B / 3B shapes, M = 16-256): [64 | 128, BN] tiles
+    without swap-AB; 16 column groups on 8 warps for the narrow 7B layers (qkv, o, down), 8
+    otherwise; split-K until the programs fill the SMs."""
+    block_m = 64 if m <= 64 else 128
+    cg = 16 if (n <= 8192 and k >= 3584) else 8
+    warps = 8 if (cg == 16 or block_m == 128) else 4
+    programs = -(-m // block_m) * max(1, n // (16 * cg))
+    split = max(1, min(8, round(num_sms / programs))) if programs < num_sms else 1
+    return (block_m, cg, 2, split, warps, 3, False)
 
 
 def wna16_mma_gemm(
@@ -1048,6 +1083,7 @@ def wna16_mma_gemm(
     group_size: int,
     bias: torch.Tensor | None = None,
     config: GemmMmaConfig | None = None,
+    zero_pairs: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N] bf16
     """y = x @ dequant(W).T (+ bias) for `repack_mma` weights at any M (`_mma_gemm_kernel`)."""
     m, k = x.shape
@@ -1056,16 +1092,15 @@ def wna16_mma_gemm(
             f"wna16_mma_gemm takes bf16 x and a supported shape, got {x.dtype} N={n} K={k} "
             f"group={group_size}"
         )
-    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
-    block_m, cg, t, split, warps, stages = config or default_mma_gemm_config(m, n, k, num_sms)
+    num_sms = platform.num_sms(x.device) if x.is_cuda else 4
+    block_m, cg, t, split, warps, stages, swap = config or default_mma_gemm_config(m, n, k, num_sms)
     groups = n // TILE_N
     while cg > 1 and groups % cg:
         cg //= 2
     per_channel = group_size <= 0 or group_size >= k
     group_tiles = 0 if per_channel else group_size // TILE_K
     kb_total = k // TILE_K
-    limit = kb_total if per_channel else group_tiles
-    t = _k_tiles_per_step(k, min(t, limit))
+    t = _k_tiles_per_step(k, min(t, kb_total if per_channel else group_tiles))
     while group_tiles and group_tiles % t:
         t //= 2
     per = -(-(kb_total // t) // split) * t
@@ -1080,16 +1115,18 @@ def wna16_mma_gemm(
         stride_os = out.stride(0)
     grid = (triton.cdiv(m, block_m) * (groups // cg), split)
     _mma_gemm_kernel[grid](
-        x, words, scale_pairs, bias if bias is not None else x, out,
+        x, words, scale_pairs, zero_pairs if zero_pairs is not None else scale_pairs,
+        bias if bias is not None else x, out,
         m, n, k, scale_pairs.shape[1], per,
         x.stride(0), out.stride(-2), stride_os,
         GROUP_TILES=group_tiles,
         BLOCK_M=block_m,
         CG=cg,
         T=t,
-        GROUP_M=8,
+        SWAP=swap,
         HAS_BIAS=bias is not None and split == 1,
-        SPLIT=split,
+        HAS_ZP=zero_pairs is not None,
+        ONE_SPLIT=split == 1,
         INTERPRET=_INTERPRET,
         num_warps=warps,
         num_stages=stages,
@@ -1106,14 +1143,24 @@ def wna16_mma_gemm(
 
 
 @triton.jit
+def _per_column(pair, T: tl.constexpr):
+    """Pairs [T, 8] (columns g, g + 8 of each tile row kb) -> fp32 [16 (h g), T * 64]."""
+    lo = (pair << 16).to(tl.float32, bitcast=True)  # column g
+    hi = (pair & -65536).to(tl.float32, bitcast=True)  # column g + 8
+    v = tl.reshape(tl.permute(tl.join(lo, hi), (2, 1, 0)), [16, T])  # (h g), kb
+    return tl.reshape(tl.broadcast_to(v[:, :, None], [16, T, 64]), [16, T * 64])
+
+
+@triton.jit
 def _mma_dequant_kernel(
-    w_ptr, sp_ptr, out_ptr,
+    w_ptr, sp_ptr, zp_ptr, out_ptr,
     K, n_groups_s, stride_on,
     T: tl.constexpr,  # K tiles per program (divides K / 64)
     GROUP_TILES: tl.constexpr,  # 0: one scale per column
+    HAS_ZP: tl.constexpr,
 ):  # fmt: skip
     """The dense [16, T * 64] block of column group ng from T tiles of `repack_mma` words:
-    (u - 8) * scale in fp32 (exact) rounded once to bf16, as `dequantize_weight` does."""
+    (u - z) * scale in fp32 (exact) rounded once to bf16, as `dequantize_weight` does."""
     ng = tl.program_id(0)
     tb = tl.program_id(1)
     kb_total = K // 64
@@ -1121,35 +1168,42 @@ def _mma_dequant_kernel(
     j = tl.arange(0, 128)[None, :]
     words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)  # [T, 128]
     sh = tl.arange(0, 8) * 4
-    q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32) - 8.0  # [T, 128, 8]
+    q = ((words[:, :, None] >> sh[None, None, :]) & 0xF).to(tl.float32)  # [T, 128, 8]
     q = tl.reshape(q, [T, 8, 4, 4, 2, 2, 2])  # kb, g, c, v, e, half, h
     w = tl.reshape(tl.permute(q, (6, 1, 0, 2, 3, 5, 4)), [16, T * 64])  # (h g), (kb c v half e)
     if GROUP_TILES > 0:
         grp = kb // GROUP_TILES
     else:
         grp = kb * 0
-    pair = tl.load(sp_ptr + (ng * n_groups_s + grp) * 8 + tl.arange(0, 8)[None, :])  # [T, 8]
-    lo = (pair << 16).to(tl.float32, bitcast=True)  # column g
-    hi = (pair & -65536).to(tl.float32, bitcast=True)  # column g + 8
-    s = tl.reshape(tl.permute(tl.join(lo, hi), (2, 1, 0)), [16, T])  # (h g), kb
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [16, T, 64]), [16, T * 64])
+    pair_off = (ng * n_groups_s + grp) * 8 + tl.arange(0, 8)[None, :]  # [T, 8]
+    s = _per_column(tl.load(sp_ptr + pair_off), T)
+    if HAS_ZP:  # the pair holds -(128 + z)
+        w = w + 128.0 + _per_column(tl.load(zp_ptr + pair_off), T)
+    else:
+        w = w - 8.0
     rows = ng * 16 + tl.arange(0, 16)[:, None]
     cols = tb * T * 64 + tl.arange(0, T * 64)[None, :]
     tl.store(out_ptr + rows * stride_on + cols, (w * s).to(out_ptr.dtype.element_ty))
 
 
 def wna16_mma_dequant(
-    words: torch.Tensor, scale_pairs: torch.Tensor, n: int, k: int, group_size: int
+    words: torch.Tensor,
+    scale_pairs: torch.Tensor,
+    n: int,
+    k: int,
+    group_size: int,
+    zero_pairs: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [N, K] bf16
     """The dense weight of a `repack_mma` layer (one bandwidth-bound pass)."""
     t = _k_tiles_per_step(k, 8)
     out = torch.empty((n, k), device=words.device, dtype=torch.bfloat16)
     per_channel = group_size <= 0 or group_size >= k
     _mma_dequant_kernel[(n // TILE_N, (k // TILE_K) // t)](
-        words, scale_pairs, out,
+        words, scale_pairs, zero_pairs if zero_pairs is not None else scale_pairs, out,
         k, scale_pairs.shape[1], out.stride(0),
         T=t,
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
+        HAS_ZP=zero_pairs is not None,
         num_warps=4,
     )  # fmt: skip
     return out

@@ -4,17 +4,18 @@
 `module.kv_cache`, `[2, num_blocks, block_size, Hkv, D]`) and attends each sequence's queries to
 its cached prefix + new tokens. CUDA tensors use the Triton kernels, the CPU the torch
 references. `attn_metadata=None` means no cache: causal attention over all tokens as one sequence.
+A layer built with `sliding_window` W (Mistral) lets query i see keys i - W < j <= i only, on
+every path; the window is the layer's, fixed for the model, so captured CUDA graphs keep it.
 
 Decode-only CUDA batches can instead take `forward_fused_decode`, which also applies RoPE: one
 kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
-(`triton_decode_attention.py`). `use_fused_decode` says when; `PAGODA_FUSED_DECODE_ATTN=0` (read
-once per process) turns it off for A/B measurements.
+(`triton_decode_attention.py`). `use_fused_decode` says when;
+`PAGODA_DISABLED_KERNELS=fused_decode_attn` (read once per process) turns it off for A/B runs.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,8 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
+from pagoda import envs
+from pagoda.kernels.paged_attention import (
+    check_sliding_window,
+    paged_attention_ref,
+    write_kv_cache_ref,
+)
 from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.platform import triton_available
 
 
 @dataclass
@@ -50,39 +57,48 @@ def _triton_kernels() -> tuple[Callable, Callable] | None:
 
     Cached so a failed import is not retried by every layer of every step.
     """
-    try:
-        from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
-        from pagoda.kernels.triton_paged_attention import paged_attention_triton
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
+    from pagoda.kernels.triton_paged_attention import paged_attention_triton
+
     return write_kv_cache_triton, paged_attention_triton
 
 
 @functools.cache
 def _fused_decode_kernel() -> Callable | None:
     """`fused_decode_attention_triton`, or None when Triton is unusable or the env var is off."""
-    if os.environ.get("PAGODA_FUSED_DECODE_ATTN", "1").lower() in ("0", "false", "off", "no"):
+    if not envs.kernel_enabled("fused_decode_attn"):
         return None
-    try:
-        from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
-    except ImportError:
+    if not triton_available():
         return None
+    from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
+
     return fused_decode_attention_triton
 
 
 class Attention(nn.Module):
     """Multi-head / grouped-query attention of one layer; q, k, v come already projected."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,  # None: full causal attention
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
+        check_sliding_window(sliding_window)
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
         # Bound by the model runner once the cache is allocated; a plain attribute, not a
         # buffer, so it is never part of state_dict() nor moved by .to().
         self.kv_cache: torch.Tensor | None = None
@@ -121,6 +137,7 @@ class Attention(nn.Module):
                 attn_metadata.max_seq_len,
                 out=out[:n],
                 num_splits=attn_metadata.num_splits,
+                sliding_window=self.sliding_window,
             )
         else:
             write_kv_cache_ref(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
@@ -132,6 +149,7 @@ class Attention(nn.Module):
                 attn_metadata.block_tables,
                 self.scale,
                 out=out[:n],
+                sliding_window=self.sliding_window,
             )
         return out.view(num_tokens, -1)
 
@@ -193,6 +211,7 @@ class Attention(nn.Module):
             self.scale,
             attn_metadata.max_seq_len,
             num_splits=attn_metadata.num_splits,
+            sliding_window=self.sliding_window,
         )
 
     def _forward_no_cache(
@@ -205,11 +224,20 @@ class Attention(nn.Module):
         if group > 1:
             k = k.repeat_interleave(group, dim=1)  # [T, H, D]
             v = v.repeat_interleave(group, dim=1)
+        num_tokens, window = q.shape[0], self.sliding_window
+        mask = None
+        if window is not None and num_tokens > window:
+            # An explicit [T, T] mask (True = visible) costs T^2 bytes; only built when the
+            # window actually cuts something off.
+            pos = torch.arange(num_tokens, device=q.device)
+            diff = pos[:, None] - pos[None, :]  # query - key
+            mask = (diff >= 0) & (diff < window)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),  # [H, T, D]
             k.transpose(0, 1),
             v.transpose(0, 1),
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
         )
         return out.transpose(0, 1)
@@ -218,4 +246,5 @@ class Attention(nn.Module):
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scale={self.scale:.4g}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
         )

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.linear import LinearMethod, UnquantizedLinearMethod, _dense_gemv
+from pagoda.layers.linear import LinearMethod, UnquantizedLinearMethod, dense_gemv_kernel
 
 
 class VocabEmbedding(nn.Module):
@@ -92,14 +92,16 @@ class LMHead(nn.Module):
                 # Batch-1 decode: pagoda's GEMV (H200: ~5 % faster than cuBLAS on wide
                 # layers) writes the float32 logits directly, rounded to the model dtype first
                 # exactly as `F.linear(...).float()` would be, so greedy picks do not change.
-                gemv = _dense_gemv()
+                gemv = dense_gemv_kernel(hidden.device)
                 if (
                     gemv is not None
                     and w.dtype in (torch.bfloat16, torch.float16)
                     and hidden.dtype == w.dtype
-                    and gemv.dense_gemv_mode(hidden.device) == "all"
                 ):
-                    return gemv.gemv_bf16(hidden, w, None, out_dtype=torch.float32)
+                    workspace = getattr(self, "split_k_workspace", None)
+                    return gemv.gemv_bf16(
+                        hidden, w, None, out_dtype=torch.float32, workspace=workspace
+                    )
             return F.linear(hidden, w).float()
         return self.linear_method.apply(self, hidden, None).float()
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda import envs, platform
 
 
 class LinearMethod:
@@ -68,30 +71,43 @@ class UnquantizedLinearMethod(LinearMethod):
         set_weight_attrs(weight, output_dim=0)
         layer.register_parameter("weight", weight)
 
-    # Layers up to this many weights take the Triton GEMV at M = 1 in "small" mode.
-    _SMALL_GEMV_NUMEL = 32 << 20
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = layer.weight
         if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dtype in _GEMV_DTYPES:
-            gemv = _dense_gemv()
+            gemv = dense_gemv_kernel(x.device)
             if gemv is not None:
-                mode = gemv.dense_gemv_mode(x.device)
-                if mode == "all" or (mode == "small" and w.numel() <= self._SMALL_GEMV_NUMEL):
-                    return gemv.gemv_bf16(x, w, bias)
+                workspace = getattr(layer, "split_k_workspace", None)  # bound by the runner
+                return gemv.gemv_bf16(x, w, bias, workspace=workspace)
         return F.linear(x, w, bias)
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def dense_gemv_kernel(device: torch.device) -> ModuleType | None:
+    """`pagoda.kernels.triton_gemv` where the dense GEMV serves M = 1 on `device` (kernel name
+    "dense_gemv"): CUDA sm_90+, where it measured faster than cuBLAS on every layer (H200);
+    None elsewhere, without Triton, or when disabled."""
+    if device.type != "cuda":
+        return None
+    return _dense_gemv_for(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
+
+
 @functools.cache
-def _dense_gemv():
-    """pagoda.kernels.triton_gemv, or None without a usable Triton (imported on first use)."""
+def _dense_gemv_for(index: int) -> ModuleType | None:
+    # Cached per process: the switch and the capability are read once.
+    if not envs.kernel_enabled("dense_gemv") or platform.capability(index) < (9, 0):
+        return None
+    if not platform.triton_available():
+        return None
     try:
         from pagoda.kernels import triton_gemv
     except ImportError:
         return None
+    from pagoda.kernels import triton_gemv
+
     return triton_gemv
 
 

@@ -31,6 +31,7 @@ class KernelConfig:
     device_index: int  # CUDA device index (0 on the CPU)
     capability: tuple[int, int]  # (0, 0) on the CPU
     num_sms: int  # 0 on the CPU
+    device_name: str  # the GPU's name (tuned-config tables are per GPU); "" on the CPU
     n: int  # out features
     k: int  # in features
     bits: int
@@ -64,6 +65,7 @@ def kernel_config(layer: nn.Module, bits: int, has_zero_point: bool, device) -> 
         device_index=index,
         capability=platform.capability(device),
         num_sms=platform.num_sms(device) if cuda else 0,
+        device_name=torch.cuda.get_device_name(index) if cuda else "",
         n=layer.out_features,
         k=layer.in_features,
         bits=bits,
@@ -90,11 +92,18 @@ class WNA16Kernel:
 
     @classmethod
     def can_implement(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        if not _within(cfg, cls.max_rows):
+            return False, f"M up to {cls.max_rows} only"
+        return cls.supports(cfg)
+
+    @classmethod
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
+        """Everything but the M range: device, shape, bits, zero point, group, dtype."""
         raise NotImplementedError
 
     @classmethod
     def best_max_m(cls, cfg: KernelConfig) -> int | None:
-        return None
+        return cls.max_rows
 
     @staticmethod
     def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
@@ -150,7 +159,7 @@ class TorchDequant(_CodesLayout):
     name = "torch_dequant"
 
     @classmethod
-    def can_implement(cls, cfg):
+    def supports(cls, cfg):
         return True, ""
 
     @classmethod
@@ -165,7 +174,7 @@ class _PackedLayout(WNA16Kernel):
     layout = "triton"
 
     @classmethod
-    def _packed_ok(cls, cfg: KernelConfig) -> tuple[bool, str]:
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
         if cfg.device_type != "cuda":
             return False, "needs a CUDA device"
         if not platform.triton_available():
@@ -217,29 +226,21 @@ class TritonGemv(_PackedLayout):
     max_rows = 16
 
     @classmethod
-    def can_implement(cls, cfg):
-        if not _within(cfg, cls.max_rows):
-            return False, f"M up to {cls.max_rows} only"
-        return cls._packed_ok(cfg)
-
-    @classmethod
-    def best_max_m(cls, cfg):
-        return cls.max_rows
-
-    @classmethod
     def apply(cls, layer, x, bias):
         from pagoda.kernels.triton_w4a16 import wna16_gemv
 
         fused = _fusable(bias, x)
-        return wna16_gemv(x, *cls._weights(layer), bias=bias if fused else None), fused
+        workspace = getattr(layer, "split_k_workspace", None)  # bound by the model runner
+        out = wna16_gemv(x, *cls._weights(layer), bias=bias if fused else None, workspace=workspace)
+        return out, fused
 
 
 def _large_m(cfg: KernelConfig) -> int:
     """The M from which dequant + cuBLAS beats the Triton GEMM (`large_m_threshold`)."""
-    from pagoda.kernels.triton_w4a16 import _device_name, _tuned_gemm_table
+    from pagoda.kernels.triton_w4a16 import _tuned_gemm_table
 
     key = (cfg.n, cfg.k, cfg.group_size, cfg.bits)
-    tuned = key in _tuned_gemm_table(_device_name(cfg.device_index))
+    tuned = key in _tuned_gemm_table(cfg.device_name)
     return large_m_threshold(cfg.n, cfg.k, cfg.bits, cfg.num_sms, gemm_tuned=tuned)
 
 
@@ -247,10 +248,6 @@ class TritonGemm(_PackedLayout):
     """Triton dequant-GEMM (tl.dot on exact integer codes), up to `large_m_threshold`."""
 
     name = "triton_gemm"
-
-    @classmethod
-    def can_implement(cls, cfg):
-        return cls._packed_ok(cfg)
 
     @classmethod
     def best_max_m(cls, cfg):
@@ -269,17 +266,14 @@ class TritonDequantCublas(_PackedLayout):
     name = "triton_dequant"
 
     @classmethod
-    def can_implement(cls, cfg):
-        return cls._packed_ok(cfg)
-
-    @classmethod
     def apply(cls, layer, x, bias):
         from pagoda.kernels.triton_w4a16 import wna16_dequant_linear
 
         return wna16_dequant_linear(x, *cls._weights(layer)), False
 
 
-_MMA_LARGE_LAYER = 64 << 20  # weights: the MMA GEMM beats both neighbours at M = 33-64 here
+_MMA_LARGE_LAYER = 64 << 20  # weights (7B gate_up, down): the MMA GEMM wins M = 33-128
+_MMA_MEDIUM_LAYER = 12 << 20  # (7B qkv, o): M = 33-64
 
 
 class _MmaLayout(WNA16Kernel):
@@ -289,7 +283,7 @@ class _MmaLayout(WNA16Kernel):
     layout = "mma"
 
     @classmethod
-    def _mma_ok(cls, cfg: KernelConfig) -> tuple[bool, str]:
+    def supports(cls, cfg: KernelConfig) -> tuple[bool, str]:
         if cfg.device_type != "cuda" or cfg.capability < (8, 0):
             return False, "needs CUDA sm_80+ (mma.sync bf16)"
         if not platform.triton_available():
@@ -306,19 +300,30 @@ class _MmaLayout(WNA16Kernel):
 
     @staticmethod
     def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
-        from pagoda.kernels.triton_w4a16_mma import repack_mma, repack_mma_scales
+        from pagoda.kernels.triton_w4a16_mma import (
+            repack_mma,
+            repack_mma_scales,
+            repack_mma_zeros,
+        )
 
         scale_t = w.scale.t().to(layer.params_dtype).contiguous()  # [groups, out]
         _param(layer, "mma_words", repack_mma(w.codes.to(torch.int32) + 8))
         _param(layer, "mma_scales", repack_mma_scales(scale_t))
+        if w.zero_point is not None:  # unsigned zero codes z = zero point + 8
+            _param(layer, "mma_zeros", repack_mma_zeros(w.zero_point.t().to(torch.int32) + 8))
+        else:
+            layer.mma_zeros = None
 
     @staticmethod
     def dequantize(layer):
-        from pagoda.kernels.triton_w4a16_mma import unpack_mma, unpack_mma_scales
+        from pagoda.kernels.triton_w4a16_mma import unpack_mma, unpack_mma_scales, unpack_mma_zeros
 
         n, k = layer.out_features, layer.in_features
         q = (unpack_mma(layer.mma_words.data, n, k).to(torch.int16) - 8).to(torch.int8)
-        return q, unpack_mma_scales(layer.mma_scales.data).t(), None
+        zp = None
+        if layer.mma_zeros is not None:
+            zp = (unpack_mma_zeros(layer.mma_zeros.data) - 8).t()
+        return q, unpack_mma_scales(layer.mma_scales.data).t(), zp
 
 
 class MmaGemv(_MmaLayout):
@@ -326,12 +331,6 @@ class MmaGemv(_MmaLayout):
 
     name = "mma_gemv"
     max_rows = 64
-
-    @classmethod
-    def can_implement(cls, cfg):
-        if not _within(cfg, cls.max_rows):
-            return False, f"M up to {cls.max_rows} only"
-        return cls._mma_ok(cfg)
 
     @classmethod
     def best_max_m(cls, cfg):
@@ -344,23 +343,30 @@ class MmaGemv(_MmaLayout):
         fused = _fusable(bias, x)
         n, group = layer.out_features, layer.wna16_group_size
         out = wna16_mma_gemv(
-            x, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None
+            x,
+            layer.mma_words,
+            layer.mma_scales,
+            n,
+            group,
+            bias=bias if fused else None,
+            zero_pairs=layer.mma_zeros,
+            workspace=getattr(layer, "split_k_workspace", None),
         )
         return out, fused
 
 
 class MmaGemm(_MmaLayout):
-    """Triton GEMM on the MMA layout: preferred at M = 33-64 on layers of >= 64 Mi weights."""
+    """Tensor-core GEMM on the MMA layout (dequantization in registers, `tl.dot`): preferred
+    past the GEMV's 32 rows up to 128 on layers of >= 64 Mi weights and up to 64 on layers of
+    >= 12 Mi; dequant + cuBLAS beat it on the smaller layers and above (BENCHMARKS.md)."""
 
     name = "mma_gemm"
 
     @classmethod
-    def can_implement(cls, cfg):
-        return cls._mma_ok(cfg)
-
-    @classmethod
     def best_max_m(cls, cfg):
-        return 64 if cfg.n * cfg.k >= _MMA_LARGE_LAYER else 0
+        if cfg.n * cfg.k >= _MMA_LARGE_LAYER:
+            return 128
+        return 64 if cfg.n * cfg.k >= _MMA_MEDIUM_LAYER else 0
 
     @classmethod
     def apply(cls, layer, x, bias):
@@ -369,7 +375,13 @@ class MmaGemm(_MmaLayout):
         fused = _fusable(bias, x)
         n, group = layer.out_features, layer.wna16_group_size
         out = wna16_mma_gemm(
-            x, layer.mma_words, layer.mma_scales, n, group, bias=bias if fused else None
+            x,
+            layer.mma_words,
+            layer.mma_scales,
+            n,
+            group,
+            bias=bias if fused else None,
+            zero_pairs=layer.mma_zeros,
         )
         return out, fused
 
@@ -380,15 +392,11 @@ class MmaDequantCublas(_MmaLayout):
     name = "mma_dequant"
 
     @classmethod
-    def can_implement(cls, cfg):
-        return cls._mma_ok(cfg)
-
-    @classmethod
     def apply(cls, layer, x, bias):
         from pagoda.kernels.triton_w4a16_mma import wna16_mma_dequant
 
         n, k, group = layer.out_features, layer.in_features, layer.wna16_group_size
-        w = wna16_mma_dequant(layer.mma_words, layer.mma_scales, n, k, group)
+        w = wna16_mma_dequant(layer.mma_words, layer.mma_scales, n, k, group, layer.mma_zeros)
         fused = _fusable(bias, x)
         return torch.nn.functional.linear(x, w.to(x.dtype), bias if fused else None), fused
 

@@ -40,6 +40,7 @@ class DecoderOptions:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # Mistral: every layer attends to the last W keys only
 
 
 def _text_config(hf_config: Any) -> Any:
@@ -90,7 +91,13 @@ class DecoderAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table per model
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=options.sliding_window,
+        )
 
     def forward(
         self,
@@ -197,7 +204,11 @@ class DecoderModel(nn.Module):
         super().__init__()
         layer_types = getattr(config, "layer_types", None) or ()
         if "sliding_attention" in layer_types:
-            raise NotImplementedError("sliding-window attention layers are not supported")
+            # One window for all layers is supported (Mistral, `DecoderOptions.sliding_window`);
+            # a per-layer mix of full and sliding layers is not.
+            raise NotImplementedError(
+                "per-layer sliding-window attention (layer_types) is not supported"
+            )
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # Registered here (as HF does) and referenced from every layer's self_attn.
         self.rotary_emb = get_rope(config, _head_dim(config))

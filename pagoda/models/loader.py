@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -111,13 +111,25 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
         if not param.is_floating_point():
             continue  # packed quantized weights are not drawn here
         data = param.data
+        if data.device != device:  # kept on the host (cpu_offload_gb): the same draws
+            data = torch.empty_like(data, device=device)
         data.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=generator)
         if data.dim() == 1 and name.endswith("norm.weight"):
             data.add_(1.0)
+        if data is not param.data:
+            param.data.copy_(data)
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
-    """Build the model of `model_config` on `device` and load its weights (eval mode)."""
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device | str,
+    keep_on_host: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
+) -> nn.Module:
+    """Build the model of `model_config` on `device` and load its weights (eval mode).
+
+    `keep_on_host(model)` names submodules (decoder layers, for cpu_offload_gb) that stay in
+    host memory: the model is then built on the CPU and only the rest moves to `device`, so a
+    model larger than the device never has to fit on it."""
     device = torch.device(device)
     model_cls = get_model_class(architectures_of(model_config.hf_config))
     dtype = getattr(torch, model_config.dtype)
@@ -129,8 +141,11 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         kwargs["linear_method_factory"] = make_linear_method_factory(
             model_config.quantization, getattr(model_cls, "packed_modules_mapping", {})
         )
-    with _default_dtype(dtype), device:
+    build_device = device if keep_on_host is None else torch.device("cpu")
+    with _default_dtype(dtype), build_device:
         model = model_cls(model_config.hf_config, **kwargs)
+    if keep_on_host is not None:
+        _move_except(model, set(map(id, keep_on_host(model))), device)
 
     load_format = model_config.load_format
     if load_format == "dummy":
@@ -154,3 +169,16 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         if isinstance(module, (LinearBase, LMHead)) and method is not None:
             method.process_weights_after_loading(module)
     return model.eval()
+
+
+def _move_except(model: nn.Module, host_ids: set[int], device: torch.device) -> None:
+    """`model.to(device)` except for the submodules in `host_ids` (detached while it runs)."""
+    kept: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and id(child) in host_ids:
+                kept.append((parent, name, child))
+                parent._modules[name] = None
+    model.to(device)
+    for parent, name, child in kept:
+        parent._modules[name] = child

@@ -14,6 +14,7 @@ from torch import nn
 # architecture name -> (module, class name)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pagoda.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("pagoda.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("pagoda.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("pagoda.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen2_5_VLForConditionalGeneration": (
@@ -31,6 +32,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 # Configs read from GGUF files carry `model_type` but no `architectures`.
 _ARCHITECTURE_OF_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",

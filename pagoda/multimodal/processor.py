@@ -128,10 +128,16 @@ class MultiModalProcessor:
     ) -> tuple[str, list[Any]]:
         """The rendered conversation (one placeholder per image) and the image sources."""
         normalized, images = self.parse_chat(messages)
-        text = apply_template(normalized)
-        if images and text.count(self.image_token) != len(images):
-            # The template does not iterate content parts (a text model's template would print
-            # the list): give it strings with the placeholders already in place.
+        try:
+            text = apply_template(normalized)
+        except TypeError:  # a text-only template adds content to a string: `+ message.content`
+            if not images:
+                raise
+            text = None
+        if images and (text is None or text.count(self.image_token) != len(images)):
+            # The template does not iterate content parts (a text model's template prints the
+            # list, or fails on it): give it strings with the placeholders already in place,
+            # as vLLM does for templates of the "string" content format.
             normalized, _ = self.parse_chat(messages, inline_placeholders=True)
             text = apply_template(normalized)
         return text, images

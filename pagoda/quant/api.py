@@ -36,6 +36,7 @@ from pagoda.model_files import (
     resolve_model,
 )
 from pagoda.models.registry import architectures_of, get_model_class
+from pagoda.platform import resolve_device
 from pagoda.quant.calibration import load_calibration_data
 from pagoda.quant.formats.autoawq import quantization_config as autoawq_quant_config
 from pagoda.quant.formats.compressed_tensors import (
@@ -64,17 +65,6 @@ from pagoda.quant.schemes import SCHEMES, scheme_args
 from pagoda.quant.schemes import quantization_config as make_quant_config
 
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
-
-def _device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not supported; use auto, cpu or cuda")
-    return dev
 
 
 def _storage_dtype(dtype: str, hf_config: Any) -> torch.dtype:
@@ -214,7 +204,7 @@ def quantize(
         )
     if quantization_config(hf_config) is not None:
         raise ValueError(f"{source.path} is already quantized (it has a quantization_config)")
-    dev = _device(device)
+    dev = resolve_device(device)
     storage_dtype = _storage_dtype(dtype, hf_config)
     # CPU kernels for half types are slow: calibrate in float32 there.
     compute_dtype = torch.float32 if dev.type == "cpu" else storage_dtype

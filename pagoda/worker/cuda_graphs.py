@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pagoda.layers.attention import AttentionMetadata
+from pagoda.platform import num_sms, triton_available
 
 DEFAULT_CAPTURE_SIZES = (
     1,
@@ -81,10 +82,16 @@ class CudaGraphRunner:
         self.stats: GraphCaptureStats | None = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        from pagoda.kernels.triton_paged_attention import choose_num_splits
+        num_splits = None  # the split-KV factor only means something to the Triton kernels
+        if triton_available():
+            from pagoda.kernels.triton_paged_attention import choose_num_splits, effective_kv_len
 
-        num_kv_heads = self.model.attention_layers()[0].num_kv_heads
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            layer = self.model.attention_layers()[0]
+            # A sliding window caps the keys a decode reads (the window is the layer's, a
+            # kernel argument baked into the graph like the rest of the layer's parameters).
+            kv_len = effective_kv_len(self.max_model_len, 1, layer.sliding_window)
+            sms = num_sms(self.device)
+            num_splits = choose_num_splits(size, layer.num_kv_heads, 1, kv_len, sms)
         return AttentionMetadata(
             num_actual_tokens=size,
             query_start_loc=self.query_start_loc[: size + 1],
@@ -95,7 +102,7 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[1] * size,
-            num_splits=choose_num_splits(size, num_kv_heads, 1, self.max_model_len, sms),
+            num_splits=num_splits,
         )
 
     @torch.inference_mode()
@@ -126,6 +133,19 @@ class CudaGraphRunner:
             memory_bytes=max(0, free_before - torch.cuda.mem_get_info(self.device)[0]),
         )
         return self.stats
+
+    def close(self) -> None:
+        """Drop the graphs (their private memory pool goes with the last one) and the static
+        buffers; the runner frees the rest."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.sizes = []
+        self.model = None
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
+            setattr(self, name, None)
+        self.block_tables = None
 
     def padded_size(self, num_reqs: int) -> int | None:
         for s in self.sizes:

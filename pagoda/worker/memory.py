@@ -37,6 +37,16 @@ class MemoryReport:
     cuda_graph_bytes: int = 0
     cuda_graph_sizes: list[int] = field(default_factory=list)
     integrated_gpu: bool = False
+    # CUDA: what the device held before this engine loaded (other processes, the CUDA
+    # context, earlier engines); it comes off the budget (docs/memory.md).
+    in_use_at_start_bytes: int = 0
+    # Weights kept in pinned host memory and streamed per layer (cpu_offload_gb).
+    cpu_offload_bytes: int = 0
+    offloaded_layers: int = 0
+    # Start-up: seconds from LLM(...) to ready, and the Triton kernels compiled meanwhile
+    # (0: a warm cache; None: Triton not in use). Filled in by the engine.
+    startup_time_s: float = 0.0
+    triton_kernels_compiled: int | None = None
 
     @property
     def kv_token_capacity(self) -> int:
@@ -87,6 +97,24 @@ class MemoryReport:
                     f"{self.cuda_graph_bytes / GiB:.3f} GiB",
                 )
             )
+        if self.in_use_at_start_bytes:
+            rows.append(("in use at start", f"{self.in_use_at_start_bytes / GiB:.3f} GiB"))
+        if self.cpu_offload_bytes:
+            rows.append(
+                (
+                    "CPU offload",
+                    f"{self.cpu_offload_bytes / GiB:.3f} GiB of weights in host memory "
+                    f"({self.offloaded_layers} layers streamed)",
+                )
+            )
+        if self.startup_time_s:
+            if self.triton_kernels_compiled is None:
+                cache = ""
+            elif self.triton_kernels_compiled:
+                cache = f", cold: {self.triton_kernels_compiled} Triton kernels compiled"
+            else:
+                cache = ", warm Triton cache"
+            rows.append(("start-up", f"{self.startup_time_s:.2f} s{cache}"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 

@@ -9,6 +9,8 @@ sampler needs across steps (seeded generators).
 
 from __future__ import annotations
 
+import gc
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -17,9 +19,13 @@ import numpy as np
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig
+from pagoda.kernels.workspace import SplitKWorkspace
 from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.embedding import LMHead
+from pagoda.layers.linear import LinearBase
 from pagoda.layers.sampler import Sampler, SamplingMetadata, to_device
 from pagoda.models.loader import load_model
+from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.memory import (
     MemoryReport,
     blocks_for_budget,
@@ -34,6 +40,46 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # Without an explicit budget a CPU run keeps its KV cache modest: enough for the configured
 # concurrency, never more than this.
 _CPU_DEFAULT_KV_CAP = 1 << 30
+
+logger = logging.getLogger("pagoda")
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    """cudaMemGetInfo and this process's allocator figures when an engine starts (before its
+    weights load): what the device already held is not this engine's to give to the KV cache."""
+
+    free_bytes: int
+    total_bytes: int
+    reserved_bytes: int  # torch's caching allocator, this process
+
+    @property
+    def used_bytes(self) -> int:  # other processes, the CUDA context, earlier engines
+        return self.total_bytes - self.free_bytes
+
+    @property
+    def non_torch_bytes(self) -> int:
+        return max(0, self.used_bytes - self.reserved_bytes)
+
+
+def take_device_snapshot(device: torch.device) -> DeviceSnapshot:
+    torch.cuda.synchronize(device)
+    gc.collect()  # tensors of an engine dropped without shutdown() go back before measuring
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceSnapshot(free, total, torch.cuda.memory_reserved(device))
+
+
+def per_process_memory_cap(device: torch.device, total: int) -> int | None:
+    """Bytes torch's allocator may hold under `torch.cuda.set_per_process_memory_fraction`;
+    None when no fraction below 1 is set (or this torch cannot tell)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get is None:
+        return None
+    # torch wants an index here: torch.device("cuda") without one is a ValueError
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fraction = float(get(index))
+    return int(fraction * total) if fraction < 1.0 else None
 
 
 @dataclass
@@ -104,24 +150,6 @@ class _PendingInputs:
         embeds.index_copy_(0, self.dst, rows.to(embeds.dtype))
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not supported; use 'auto', 'cpu' or 'cuda'")
-    return dev
-
-
-def is_integrated_gpu(device: torch.device) -> bool:
-    """Jetson-class GPUs share system RAM with the CPU."""
-    return device.type == "cuda" and bool(
-        getattr(torch.cuda.get_device_properties(device), "is_integrated", False)
-    )
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -153,16 +181,48 @@ class ModelRunner:
         # the inputs of requests scheduled before that step's output reached the host.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
+        self.start_snapshot: DeviceSnapshot | None = None  # CUDA: the device before loading
+        self.offloader: Any = None  # pagoda.worker.offload.LayerOffloader (cpu_offload_gb)
+        self._offload_plan: Any = None
+        self.closed = False
+        if not triton_available():
+            # One line per engine: everything still runs, on the slower torch paths.
+            log = logger.warning if self.device.type == "cuda" else logger.info
+            log(
+                "Triton is not installed: attention, norms, RoPE, LoRA and quantized matmuls "
+                "run on torch paths%s",
+                " and CUDA graphs are off" if self.device.type == "cuda" else "",
+            )
 
     # ------------------------------------------------------------------ set-up
 
     def load_model(self) -> None:
         torch.manual_seed(self.model_config.seed)
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            self.start_snapshot = take_device_snapshot(self.device)
             before = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
-        self.model = load_model(self.model_config, self.device)
+        keep_on_host = None
+        if self.runner_config.cpu_offload_gb:
+            from pagoda.worker.offload import decoder_layers, plan_offload
+
+            def keep_on_host(model: Any) -> list[Any]:
+                layers = decoder_layers(model)
+                self._offload_plan = plan_offload(layers, self.runner_config.cpu_offload_gb)
+                return [layers[i] for i in self._offload_plan.layer_indices]
+
+        self.model = load_model(self.model_config, self.device, keep_on_host)
+        if keep_on_host is not None:
+            from pagoda.worker.offload import LayerOffloader, decoder_layers
+
+            self.offloader = LayerOffloader(
+                decoder_layers(self.model), self._offload_plan, self.device
+            )
+        # Split-K kernels' scratch: one for every linear layer of this runner's stream.
+        self.split_k_workspace = SplitKWorkspace()
+        for module in self.model.modules():
+            if isinstance(module, (LinearBase, LMHead)):
+                module.split_k_workspace = self.split_k_workspace
         if self.runner_config.multimodal is not None:
             from pagoda.multimodal.image_processor import ImageProcessorConfig
             from pagoda.worker.encoder_runner import EncoderRunner
@@ -194,6 +254,8 @@ class ModelRunner:
                 t.numel() * t.element_size()
                 for t in list(self.model.parameters()) + list(self.model.buffers())
             )
+            if self.offloader is not None:  # host copies are reported apart
+                self.weights_bytes += self.offloader.staging_bytes
         self.load_time_s = time.perf_counter() - t0
 
     def initialize_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
@@ -227,6 +289,7 @@ class ModelRunner:
                 "memory"
             )
         self._allocate_kv_cache(num_blocks + 1)  # + the null block 0
+        snap = self.start_snapshot
         self.memory_report = MemoryReport(
             device=str(self.device),
             dtype=mc.dtype,
@@ -242,6 +305,9 @@ class ModelRunner:
             load_time_s=self.load_time_s,
             profile_time_s=profile_time,
             integrated_gpu=is_integrated_gpu(self.device),
+            in_use_at_start_bytes=snap.used_bytes if snap is not None else 0,
+            cpu_offload_bytes=0 if self.offloader is None else self.offloader.host_bytes,
+            offloaded_layers=0 if self.offloader is None else len(self.offloader.entries),
         )
         return self.memory_report
 
@@ -278,17 +344,41 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         self._profile_run(max_num_seqs, max_num_batched_tokens)
+        if not triton_available():
+            # The torch attention path materialises [heads, q, k] float32 scores per sequence:
+            # its worst case is one prompt filling the whole step, not many short ones.
+            self._profile_run(1, min(max_num_batched_tokens, self.model_config.max_model_len))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        reserved = torch.cuda.memory_reserved(self.device)
         torch.cuda.empty_cache()
         if is_integrated_gpu(self.device):
             # Unified memory: the device total includes RAM the OS and other processes use.
             # Budget from what the system can still give, plus what this process already holds.
             budget = int(util * (system_available_bytes() + self.weights_bytes))
             return peak, 0, total, budget
-        return peak, non_torch, total, int(util * total)
+        # Discrete GPU (docs/memory.md): utilization bounds what the whole device holds once
+        # this engine is up, so what was already in use at start (other processes, the CUDA
+        # context, an earlier engine) comes off first; non-torch memory counts only what grew
+        # since (cuBLAS workspaces, loaded kernels), the rest being in `used` already.
+        snap = self.start_snapshot or DeviceSnapshot(free, total, reserved)
+        non_torch = max(0, (total - free - reserved) - snap.non_torch_bytes)
+        budget = int(util * total) - snap.used_bytes
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={util} allows {util * total / 2**30:.2f} GiB of the "
+                f"device's {total / 2**30:.2f} GiB, but {snap.used_bytes / 2**30:.2f} GiB were "
+                "already in use when this engine started (other processes, or an engine of this "
+                "process that was not shut down: call LLM.shutdown() or use `with LLM(...)`); "
+                "raise gpu_memory_utilization or free the device"
+            )
+        cap = per_process_memory_cap(self.device, total)
+        if cap is not None:
+            # torch refuses allocations past the cap: what this process's allocator may still
+            # take, plus what it holds (weights), bounds the engine's torch memory.
+            budget = min(budget, cap - snap.reserved_bytes + non_torch)
+        return peak, non_torch, total, budget
 
     @torch.inference_mode()
     def _profile_run(self, max_num_seqs: int, num_tokens: int) -> None:
@@ -393,16 +483,22 @@ class ModelRunner:
         Copying every request's whole block list into a fresh table each step costs more host
         time than the GPU spends on a decode step at large batch; only new blocks are copied.
         The scheduler's list object changes when the request is preempted, which resets it.
+        With a sliding window the KV manager replaces leading blocks by the null block 0 in
+        place; the row follows (no kernel reads them, but a freed id must not linger).
         """
         entry = self._block_rows.get(req_id)
         if entry is None or entry[0] is not block_ids:
-            entry = [block_ids, np.zeros(self.max_num_blocks_per_seq, dtype=np.int32), 0]
+            entry = [block_ids, np.zeros(self.max_num_blocks_per_seq, dtype=np.int32), 0, 0]
             self._block_rows[req_id] = entry
-        _, row, filled = entry
+        _, row, filled, nulled = entry
         n = len(block_ids)
         if n > filled:
             row[filled:n] = block_ids[filled:n]
             entry[2] = n
+        while nulled < n and block_ids[nulled] == 0:
+            row[nulled] = 0
+            nulled += 1
+        entry[3] = nulled
         return row
 
     def _build_metadata(
@@ -432,6 +528,15 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    @property
+    def sliding_window(self) -> int | None:
+        """The window every attention layer keeps (None if some layer sees all keys): what the
+        KV cache manager may free blocks by."""
+        windows = [layer.sliding_window for layer in self.model.attention_layers()]
+        if not windows or None in windows:
+            return None
+        return max(windows)
+
     def add_lora(self, lora_key: str, lora_path: str) -> None:
         """Register an adapter under `lora_key` (validated against the model now)."""
         if self.lora_manager is None:
@@ -441,6 +546,15 @@ class ModelRunner:
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report."""
         if self.device.type != "cuda" or self.runner_config.enforce_eager:
+            return
+        if not triton_available():
+            # The torch attention path reads sequence lengths on the host, which a replayed
+            # graph would keep from capture time: without Triton every step runs eagerly.
+            return
+        if self.offloader is not None:
+            # Offload rebinds each streamed layer's weights from host-side hooks, which a
+            # replayed graph would skip.
+            logger.warning("cpu_offload_gb: CUDA graphs are off (every step runs eagerly)")
             return
         from pagoda.worker.cuda_graphs import CudaGraphRunner
 
@@ -458,6 +572,30 @@ class ModelRunner:
             self.memory_report.cuda_graph_capture_time_s = stats.capture_time_s
             self.memory_report.cuda_graph_bytes = stats.memory_bytes
             self.memory_report.cuda_graph_sizes = stats.sizes
+
+    def shutdown(self) -> None:
+        """Free every device allocation this runner made: CUDA graphs and their memory pool,
+        the KV cache, the encoder's cached outputs, LoRA slots and the model. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing in flight may still read them
+        if self.graph_runner is not None:
+            self.graph_runner.close()
+        if self.offloader is not None:
+            self.offloader.close()
+            self.offloader = None
+        if self.model is not None:
+            self._release_kv_cache()
+        self.graph_runner = self.encoder_runner = self.lora_manager = self.model = None
+        self.kv_caches = []
+        self.generators.clear()
+        self._block_rows.clear()
+        self._prev_sampled, self._prev_rows = None, {}
+        gc.collect()  # modules refer to each other (LoRA wrappers, tied weights)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its sampled tokens."""

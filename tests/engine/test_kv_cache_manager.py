@@ -254,3 +254,129 @@ def test_block_hash_is_chained_and_deterministic():
 def test_rejects_a_pool_without_usable_blocks():
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheManager(1, BS)
+
+
+# ---- sliding window: blocks wholly out of the window go back to the pool ---------------------
+
+
+def prefill(kv: KVCacheManager, req: Request) -> None:
+    """Admit and compute the whole prompt in one step."""
+    admit(kv, req)
+    req.num_computed_tokens = req.num_tokens
+
+
+def decode(kv: KVCacheManager, req: Request, token: int) -> list[int] | None:
+    """One decode step as the scheduler runs it (the token is already known)."""
+    req.append_output_token_ids(token)
+    new = kv.allocate_slots(req, 1)
+    if new is not None:
+        req.num_computed_tokens += 1
+    return new
+
+
+def test_window_frees_blocks_that_no_later_query_can_see():
+    """W = 20: the token at position p sees keys p - 19 .. p, so block 0 (keys 0-15) leaves
+    once p >= 35 and block 1 (16-31) once p >= 51. Freed entries become the null block and the
+    list keeps its length, so position // block_size still indexes the right entry."""
+    kv = KVCacheManager(10, BS, sliding_window=20)
+    a = make_request("a", range(40))
+    prefill(kv, a)  # prefill of 40: the first query sees every key, nothing dropped
+    assert kv.get_block_ids("a") == [1, 2, 3]
+    live = kv.get_block_ids("a")
+    assert decode(kv, a, 500) == []  # computes position 40: keys >= 21 visible
+    assert live == [0, 2, 3] and kv.get_block_ids("a") is live
+    assert kv.num_free_blocks == 7 and ref_cnts(kv, [1]) == [0]
+    # positions 41..50: block 1 is still needed by position 50; 48 starts block index 3
+    new = [decode(kv, a, t) for t in range(501, 511)]
+    assert new == [[]] * 7 + [[4]] + [[]] * 2
+    assert live == [0, 2, 3, 4]
+    assert decode(kv, a, 511) == []  # position 51 sees keys >= 32
+    assert live == [0, 0, 3, 4] and kv.num_free_blocks == 7
+    kv.free(a)  # only the blocks still owned are returned; no double free of the dropped ones
+    assert kv.num_free_blocks == 9 and ref_cnts(kv, range(1, 10)) == [0] * 9
+
+
+def test_no_window_keeps_every_block():
+    kv = KVCacheManager(10, BS, sliding_window=None)
+    a = make_request("a", range(40))
+    prefill(kv, a)
+    for t in range(30):
+        decode(kv, a, 500 + t)
+    assert kv.get_block_ids("a") == [1, 2, 3, 4, 5]  # 70 tokens
+
+
+def test_chunked_prefill_drops_blocks_before_the_chunk_window():
+    """Chunk [32, 48) of a prompt with W = 8: its first query (32) sees keys >= 25, so block
+    0 is dropped before the chunk's blocks are taken; block 1 (16-31) is still needed."""
+    kv = KVCacheManager(10, BS, sliding_window=8)
+    a = make_request("a", range(60))
+    assert kv.allocate_slots(a, 32) == [1, 2]
+    a.num_computed_tokens = 32
+    assert kv.allocate_slots(a, 16) == [3]
+    assert kv.get_block_ids("a") == [0, 2, 3]
+    assert free_ids(kv)[-1] == 1  # back in the pool, newest in the LRU order
+
+
+def test_leaving_blocks_count_towards_the_allocation():
+    """A full pool: the block a decode leaves behind pays for the one it needs."""
+    kv = KVCacheManager(4, BS, sliding_window=16)
+    a = make_request("a", range(48))
+    assert kv.allocate_slots(a, 48) == [1, 2, 3]
+    a.num_computed_tokens = 48
+    assert kv.num_free_blocks == 0
+    # position 48 sees keys >= 33: blocks 0 and 1 leave; block 3 for positions 48-63 is new
+    assert decode(kv, a, 7) == [2]
+    assert kv.get_block_ids("a") == [0, 0, 3, 2] and free_ids(kv) == [1]
+
+
+def test_allocation_failure_with_a_window_changes_nothing():
+    kv = KVCacheManager(4, BS, sliding_window=40)
+    a = make_request("a", range(48))
+    assert kv.allocate_slots(a, 48) == [1, 2, 3]
+    a.num_computed_tokens = 48
+    a.append_output_token_ids(5)
+    # position 48 sees keys >= 9: nothing leaves, and the pool is empty
+    assert kv.allocate_slots(a, 1) is None
+    assert kv.get_block_ids("a") == [1, 2, 3] and kv.num_free_blocks == 0
+
+
+def test_dropped_blocks_stay_cached_for_other_requests_until_evicted():
+    """A dropped block keeps its hash while free: a new request with the same prompt hits it
+    (its KV is exactly what the chained hash names). Once the pool hands it out again the hash
+    is gone, so the prefix stops matching there: no stale block is ever served."""
+    kv = KVCacheManager(8, BS, sliding_window=20)
+    a = make_request("a", range(40))
+    prefill(kv, a)
+    decode(kv, a, 500)
+    assert kv.get_block_ids("a") == [0, 2, 3]
+    b = make_request("b", range(40))
+    assert kv.get_computed_blocks(b) == ([1, 2], 32)
+    # evict everything free (block 1 included) with another request
+    c = make_request("c", range(1000, 1000 + 5 * BS))
+    assert kv.allocate_slots(c, 5 * BS) == [4, 5, 6, 7, 1]
+    assert kv.get_computed_blocks(b) == ([], 0)
+
+
+def test_prefix_hit_skips_blocks_before_the_first_window():
+    """With W = 8 a request whose first 48 prompt tokens hit sees keys >= 41 only: hit blocks
+    0 and 1 are not taken (null entries, not referenced), block 2 is."""
+    kv = KVCacheManager(10, BS, sliding_window=8)
+    a = make_request("a", range(50))
+    admit(kv, a)
+    assert kv.get_block_ids("a") == [1, 2, 3, 4]
+    kv.free(a)
+    b = make_request("b", range(50))
+    hit_ids, num_hit = kv.get_computed_blocks(b)
+    assert (hit_ids, num_hit) == ([1, 2, 3], 48)
+    assert kv.allocate_slots(b, 2, hit_ids) == [5]  # positions 48, 49 need one more block
+    assert kv.get_block_ids("b") == [0, 0, 3, 5]
+    assert ref_cnts(kv, [1, 2, 3, 5]) == [0, 0, 1, 1]
+    assert kv.prefix_cache_stats == (50 + 50, 48)
+    kv.free(b)
+    assert kv.num_free_blocks == 9
+
+
+def test_bad_window():
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+            KVCacheManager(10, BS, sliding_window=bad)

@@ -400,3 +400,30 @@ def test_async_preempted_request_waits_for_its_pending_token_before_readmission(
     sched.update_from_output(out1, FakeRunnerOutput({"a": 1, "b": 2}))
     assert b.all_token_ids[-1] == 2 and b.num_pending_tokens == 0
     assert a.output_token_ids == [1]
+
+
+def _run_two_long_decodes(window: int | None) -> tuple[int, list[int]]:
+    """Two 20-token prompts decoding 60 tokens each over 6 usable blocks; (preemptions, blocks
+    held by the running requests after each step)."""
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256)
+    kv = KVCacheManager(7, BS, sliding_window=window)
+    sched = Scheduler(config, kv)
+    for name, first in (("a", 0), ("b", 100)):
+        add(sched, name, range(first, first + 20), max_tokens=60, ignore_eos=True)
+    preemptions, held = 0, []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        preemptions += len(out.preempted_req_ids)
+        held.append(sum(1 for r in sched.running for b in kv.get_block_ids(r.request_id) if b))
+    assert kv.num_free_blocks == 6
+    return preemptions, held
+
+
+def test_sliding_window_frees_blocks_so_long_decodes_fit_without_preemption():
+    """80 tokens need 5 blocks per request without a window: two of them overflow the 6-block
+    pool and one is preempted. With a window of 16 a decode holds at most 2 blocks (the window
+    spans two), so both run to the end side by side."""
+    preemptions, held = _run_two_long_decodes(None)
+    assert preemptions > 0 and max(held) == 6
+    preemptions, held = _run_two_long_decodes(16)
+    assert preemptions == 0 and max(held[1:]) == 4

@@ -215,26 +215,6 @@ def test_splits_agree_with_single_pass():
     torch.testing.assert_close(four, one, rtol=1e-5, atol=1e-5)
 
 
-def test_in_kernel_reduce_matches_reduce_kernel_and_leaves_counters_zero(monkeypatch):
-    """The last split of each group combines the partials in the same launch; its result
-    equals the separate reduce kernel's, and the arrival counters are all zero afterwards (the
-    next launch, e.g. the next layer, starts clean). With no counters (as during a capture
-    that finds none) the reduce kernel runs instead."""
-    from pagoda.kernels import triton_decode_attention as mod
-
-    monkeypatch.setattr(mod, "_FUSED_REDUCE", True)  # opt-in (PAGODA_FUSED_DECODE_REDUCE=1)
-    case = make_case([300, 33, 2, 129], 14, 2, 128, torch.float32, num_padding=1, seed=8)
-    fused = check(case, num_splits=4)
-    key = (torch.device(DEVICE).type, 0)
-    assert int(mod._counters_by_device[key].count_nonzero()) == 0
-    check(case, num_splits=4)  # again, on the same counters
-    assert int(mod._counters_by_device[key].count_nonzero()) == 0
-    monkeypatch.setattr(mod, "_split_counters", lambda device, needed: None)
-    separate = check(case, num_splits=4)
-    n = case.num_real
-    torch.testing.assert_close(fused[:n], separate[:n], rtol=1e-5, atol=1e-5)
-
-
 def test_float32():
     check(make_case(SEQ_LENS, 8, 2, 64, torch.float32, seed=5), num_splits=1)
 
@@ -368,10 +348,10 @@ def test_decoder_attention_fused_path_matches_unfused(monkeypatch, qk_norm):
 
 def test_env_var_turns_fused_path_off(monkeypatch):
     try:
-        monkeypatch.setenv("PAGODA_FUSED_DECODE_ATTN", "0")
+        monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "fused_decode_attn")
         attention_mod._fused_decode_kernel.cache_clear()
         assert attention_mod._fused_decode_kernel() is None
-        monkeypatch.delenv("PAGODA_FUSED_DECODE_ATTN")
+        monkeypatch.delenv("PAGODA_DISABLED_KERNELS")
         attention_mod._fused_decode_kernel.cache_clear()
         assert attention_mod._fused_decode_kernel() is fused_decode_attention_triton
     finally:
@@ -461,7 +441,8 @@ def test_gpu_cuda_graph_replay():
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
 def test_gpu_decoder_attention_fused_vs_unfused(monkeypatch, qk_norm):
     """The layer on CUDA takes the fused path for decode-only batches only, and it agrees with
-    `PAGODA_FUSED_DECODE_ATTN=0` (the unfused kernels): output close, cache identical."""
+    `PAGODA_DISABLED_KERNELS=fused_decode_attn` (the unfused kernels): output close, cache
+    identical."""
     dtype = torch.bfloat16
     layer = _layer(qk_norm, dtype, DEVICE, heads=(28, 4), head_dim=128)
     case = make_case([700, 1, 33, 5000], 28, 4, 128, dtype, num_padding=2, seed=14)
@@ -475,7 +456,7 @@ def test_gpu_decoder_attention_fused_vs_unfused(monkeypatch, qk_norm):
     assert not layer.attn.use_fused_decode(case.positions, case.q, mrope, md)
     got, got_cache = _run_layer(layer, case, hidden, md)
     try:
-        monkeypatch.setenv("PAGODA_FUSED_DECODE_ATTN", "0")
+        monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "fused_decode_attn")
         attention_mod._fused_decode_kernel.cache_clear()
         assert not layer.attn.use_fused_decode(case.positions, case.q, layer.rotary_emb, md)
         want, want_cache = _run_layer(layer, case, hidden, md)

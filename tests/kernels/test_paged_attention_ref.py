@@ -24,16 +24,23 @@ H, HKV, D = 4, 2, 8
 
 
 def _dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offset: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    offset: int,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [Q, H, D], k/v [S, Hkv, D]; query i sees keys 0..offset+i. Float64 loops."""
+    """q [Q, H, D], k/v [S, Hkv, D]; query i sees keys 0..offset+i, or with a window W only
+    those j with offset+i - W < j (transformers' rule). Float64 loops."""
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for i in range(q.shape[0]):
         visible = offset + i + 1
+        first = 0 if window is None else max(0, offset + i - window + 1)
         for h in range(q.shape[1]):
-            kh = k[:visible, h // group].double()  # [visible, D]
-            vh = v[:visible, h // group].double()
+            kh = k[first:visible, h // group].double()  # [visible - first, D]
+            vh = v[first:visible, h // group].double()
             probs = torch.softmax(kh @ q[i, h].double() * scale, dim=0)
             out[i, h] = probs @ vh
     return out
@@ -104,6 +111,66 @@ def test_paged_attention_matches_dense(dtype: torch.dtype) -> None:
         start, end = query_start_loc[b], query_start_loc[b + 1]
         expected = _dense_attention(q[start:end], keys[b], values[b], scale, seq_len - q_len)
         torch.testing.assert_close(out[start:end].double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [1, 3, 4, 6, 9, 40])
+def test_paged_attention_sliding_window_matches_dense(window: int) -> None:
+    """Windows smaller than, equal to, not a multiple of and larger than the block size (4), on
+    a cached prefix + chunk, a decode and a fresh prefill. Blocks wholly before the first
+    query's window are the null block in the table and NaN in the cache: never read."""
+    rng = random.Random(window)
+    torch.manual_seed(window)
+    seq_lens = [23, 14, 9]
+    q_lens = [5, 1, 9]
+    tables = _allocate(seq_lens, rng)
+    kv_cache = torch.full((2, NUM_BLOCKS, BLOCK_SIZE, HKV, D), float("nan"))
+    keys = [torch.randn(n, HKV, D) for n in seq_lens]
+    values = [torch.randn(n, HKV, D) for n in seq_lens]
+    block_tables = torch.zeros(len(seq_lens), max(len(t) for t in tables), dtype=torch.int32)
+    query_start_loc = [0]
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        slots = torch.tensor(_slots(tables[b], range(seq_len)), dtype=torch.int64)
+        write_kv_cache_ref(keys[b], values[b], kv_cache, slots)
+        dropped = max(0, seq_len - q_len - window + 1) // BLOCK_SIZE
+        for i, block in enumerate(tables[b]):
+            if i < dropped:
+                kv_cache[:, block] = float("nan")  # freed: whatever it holds is not ours
+            else:
+                block_tables[b, i] = block
+        query_start_loc.append(query_start_loc[-1] + q_len)
+    q = torch.randn(query_start_loc[-1], H, D)
+    scale = D**-0.5
+    out = paged_attention_ref(
+        q, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window=window
+    )
+    for b, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        start, end = query_start_loc[b], query_start_loc[b + 1]
+        expected = _dense_attention(
+            q[start:end], keys[b], values[b], scale, seq_len - q_len, window
+        )
+        torch.testing.assert_close(out[start:end].double(), expected, atol=1e-5, rtol=1e-5)
+    # No window: the same as full attention (and different from a window that cuts keys off).
+    full = paged_attention_ref(q, kv_cache.nan_to_num(), query_start_loc, seq_lens,
+                               block_tables, scale, sliding_window=None)  # fmt: skip
+    assert window >= 23 or not torch.allclose(full, out)
+
+
+def test_causal_attention_ref_sliding_window() -> None:
+    torch.manual_seed(1)
+    q, k, v = torch.randn(11, H, D), torch.randn(11, HKV, D), torch.randn(11, HKV, D)
+    out = causal_attention_ref(q, k, v, 0.25, sliding_window=3)
+    torch.testing.assert_close(
+        out.double(), _dense_attention(q, k, v, 0.25, 0, window=3), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_bad_sliding_window() -> None:
+    kv_cache = torch.zeros(2, 4, BLOCK_SIZE, HKV, D)
+    q = torch.zeros(1, H, D)
+    table = torch.ones(1, 1, dtype=torch.int32)
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+            paged_attention_ref(q, kv_cache, [0, 1], [1], table, 1.0, sliding_window=bad)
 
 
 def test_paged_attention_out_leaves_padding_rows() -> None:

@@ -106,10 +106,10 @@ def test_lm_head_uses_the_gemv_at_batch_one_gpu() -> None:
 
 @pytest.mark.gpu
 def test_linear_dispatch_and_cuda_graph_gpu(monkeypatch) -> None:
-    """M = 1 on CUDA takes the GEMV for small layers ("small" mode), cuBLAS otherwise; the
-    GEMV replays inside a CUDA graph."""
+    """M = 1 on CUDA sm_90+ takes the GEMV, M = 2 cuBLAS; the GEMV replays inside a CUDA
+    graph."""
     from pagoda.kernels import triton_gemv
-    from pagoda.layers.linear import UnquantizedLinearMethod
+    from pagoda.layers.linear import UnquantizedLinearMethod, dense_gemv_kernel
 
     calls = []
     real = triton_gemv.gemv_bf16
@@ -119,7 +119,7 @@ def test_linear_dispatch_and_cuda_graph_gpu(monkeypatch) -> None:
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
     method = UnquantizedLinearMethod()
     out = method.apply(layer, x, b)
-    assert calls == [1] if triton_gemv.dense_gemv_mode(x.device) != "off" else calls == []
+    assert calls == [1] if dense_gemv_kernel(x.device) is not None else calls == []
     _check(out, x, w, b)
     method.apply(layer, torch.cat([x, x]), b)  # M = 2: cuBLAS
     assert len(calls) <= 1
@@ -132,27 +132,23 @@ def test_linear_dispatch_and_cuda_graph_gpu(monkeypatch) -> None:
         _check(captured, x, w, b)
 
 
-def test_dense_gemv_mode(monkeypatch) -> None:
-    """auto: off on the CPU (and on GPUs before sm_90, where it is unmeasured); the variable
-    forces a mode; a bad value names itself."""
-    from pagoda.kernels import triton_gemv
+def test_dense_gemv_rule(monkeypatch) -> None:
+    """Never on the CPU; on CUDA from sm_90 on (where it was measured) unless disabled."""
+    from pagoda import platform
+    from pagoda.layers import linear
 
-    def mode(value, device="cpu"):
-        triton_gemv._env_mode.cache_clear()
-        if value is None:
-            monkeypatch.delenv("PAGODA_DENSE_GEMV", raising=False)
-        else:
-            monkeypatch.setenv("PAGODA_DENSE_GEMV", value)
-        return triton_gemv.dense_gemv_mode(torch.device(device))
+    def kernel(cap, disabled=""):
+        linear._dense_gemv_for.cache_clear()
+        monkeypatch.setattr(platform, "capability", lambda index: cap)
+        monkeypatch.setenv("PAGODA_DISABLED_KERNELS", disabled)
+        return linear._dense_gemv_for(0)
 
     try:
-        assert mode(None) == "off" and mode("auto") == "off"
-        assert mode("all") == "all" and mode("SMALL") == "small" and mode("off") == "off"
-        monkeypatch.setattr(triton_gemv, "_measured_gpu", lambda index: True)
-        assert mode(None, "cuda:0") == "all"
-        monkeypatch.setattr(triton_gemv, "_measured_gpu", lambda index: False)
-        assert mode(None, "cuda:0") == "off" and mode("all", "cuda:0") == "all"
-        with pytest.raises(ValueError, match="PAGODA_DENSE_GEMV='fast'"):
-            mode("fast")
+        assert linear.dense_gemv_kernel(torch.device("cpu")) is None
+        assert kernel((9, 0)) is not None and kernel((10, 0)) is not None
+        assert kernel((8, 9)) is None  # RTX 40xx: not measured
+        assert kernel((9, 0), "dense_gemv") is None
+        with pytest.raises(ValueError, match="unknown kernel"):
+            kernel((9, 0), "dense_gemv_all")
     finally:
-        triton_gemv._env_mode.cache_clear()
+        linear._dense_gemv_for.cache_clear()

@@ -104,15 +104,20 @@ def test_wna16_gemv_interpreter(case) -> None:
 def test_wna16_gemv_serial_reduction_interpreter() -> None:
     """The last program of each column tile writes the sum and leaves workspace and counters
     zero, so repeated calls (different shapes, same buffers) stay correct."""
-    from pagoda.kernels.triton_w4a16 import GemvConfig, _workspaces, wna16_gemv
+    from pagoda.kernels.triton_w4a16 import GemvConfig, wna16_gemv
+    from pagoda.kernels.workspace import SplitKWorkspace
 
+    workspace = SplitKWorkspace()
     for seed, (m, n, split) in enumerate(((1, 256, 4), (2, 128, 3), (1, 256, 2))):
         x, qt, st, zt, gs, ref = _case(m, n, 512, 64, 4, True, dtype=torch.bfloat16, seed=seed)
+        cfg = GemvConfig(128, 64, split, 1)
         for _ in range(2):
-            out = wna16_gemv(x, qt, st, zt, gs, 4, GemvConfig(128, 64, split, 1), torch.float32)
+            out = wna16_gemv(x, qt, st, zt, gs, 4, cfg, torch.float32, workspace=workspace)
             _check(out, ref, torch.float32)
-        ws, cnt = _workspaces[("cpu", 0)][-2:]
-        assert int(ws.count_nonzero()) == 0 and int(cnt.count_nonzero()) == 0
+        bufs = workspace.all_buffers()
+        assert len(bufs) == 2 and all(int(b.count_nonzero()) == 0 for b in bufs)
+    # without a workspace the atomic reduction runs (a zeroed buffer per call): same result
+    _check(wna16_gemv(x, qt, st, zt, gs, 4, cfg, torch.float32), ref, torch.float32)
 
 
 def test_wna16_gemv_default_config_interpreter() -> None:
@@ -149,7 +154,7 @@ def test_gemv_configs_and_errors() -> None:
         assert 4 * 132 <= warps_total <= 9 * 132 and k // cfg.block_k // cfg.split_k >= 2
         assert default_gemv_config(16, n, k, 128, 4, num_sms=132).use_dot
     assert gemv_dot_ok(4096, 128, 4) and not gemv_dot_ok(4096, 64, 4) and gemv_dot_ok(4096, 64, 8)
-    assert not default_gemv_config(16, 4096, 4096, 32, 4).use_dot  # K-tile < 16 words
+    assert not default_gemv_config(16, 4096, 4096, 32, 4, 132).use_dot  # K-tile < 16 words
     assert any(c.use_dot for c in gemv_candidate_configs(8, 3584, 128))
     assert not any(c.use_dot for c in gemv_candidate_configs(1, 3584, 128))
     x, qt, st, _, _, _ = _case(17, 64, 128, 32, 4, False)
@@ -228,8 +233,10 @@ def test_wna16_gemv_candidates_gpu() -> None:
     the serial reduction leaves its workspace zero after repeated calls."""
     from dataclasses import replace
 
-    from pagoda.kernels.triton_w4a16 import _workspaces, gemv_candidate_configs, wna16_gemv
+    from pagoda.kernels.triton_w4a16 import gemv_candidate_configs, wna16_gemv
+    from pagoda.kernels.workspace import SplitKWorkspace
 
+    workspace = SplitKWorkspace()
     q, scale, zp, qt, st, zt, gs = _case_gpu(4608, 3584, 128, 4, False, seed=2)
     for m in (1, 8):
         x = torch.randn(m, 3584, device="cuda", dtype=torch.bfloat16)
@@ -237,11 +244,10 @@ def test_wna16_gemv_candidates_gpu() -> None:
         configs = [*cands, replace(cands[0], split_k=1), replace(cands[0], reduce="atomic")]
         for cfg in configs:
             for _ in range(3):
-                out = wna16_gemv(x, qt, st, zt, gs, 4, cfg)
+                out = wna16_gemv(x, qt, st, zt, gs, 4, cfg, workspace=workspace)
                 _check_gpu(x, q, scale, zp, gs, out)
     torch.cuda.synchronize()
-    for bufs in _workspaces.values():
-        assert all(int(b.count_nonzero()) == 0 for b in bufs)
+    assert all(int(b.count_nonzero()) == 0 for b in workspace.all_buffers())
 
 
 @pytest.mark.gpu
@@ -249,56 +255,23 @@ def test_wna16_gemv_cuda_graph_gpu() -> None:
     """Captured once, replayed with new inputs: the serial split-K reduction needs no sync
     (atomics make the fp32 sum order vary, so compare with the reference, not bit-exactly)."""
     from pagoda.kernels.triton_w4a16 import wna16_gemv
+    from pagoda.kernels.workspace import SplitKWorkspace
 
+    ws = SplitKWorkspace()
     q, scale, zp, qt, st, zt, gs = _case_gpu(37888, 3584, 128, 4, False, seed=3)
     static_x = torch.randn(1, 3584, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up: compiles, allocates the workspace
-        wna16_gemv(static_x, qt, st, zt, gs, 4)
+        wna16_gemv(static_x, qt, st, zt, gs, 4, workspace=ws)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = wna16_gemv(static_x, qt, st, zt, gs, 4)
+        static_out = wna16_gemv(static_x, qt, st, zt, gs, 4, workspace=ws)
     for _ in range(3):
         static_x.copy_(torch.randn_like(static_x))
         graph.replay()
         _check_gpu(static_x, q, scale, zp, gs, static_out)
-
-
-@pytest.mark.gpu
-def test_quantized_layer_cuda_backends(monkeypatch) -> None:
-    from pagoda.layers.linear import ReplicatedLinear
-    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
-
-    monkeypatch.setenv("PAGODA_W4A16_MMA", "0")  # the older layout's kernels (the MMA layout:
-    # tests/kernels/test_triton_w4a16_mma.py)
-
-    inp, out = 1024, 512
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
-    scale = torch.rand(out, inp // 128, generator=g) * 0.02 + 0.001
-    x = torch.randn(4, inp, generator=g)
-    ref = wna16_linear_ref(x, q, scale, None, 128)
-    for small_m in ("gemv", "gemm", "tinygemm"):
-        monkeypatch.setattr(WNA16LinearMethod, "small_m_kernel", small_m)
-        method = WNA16LinearMethod(WeightQuantArgs(4, True, 128))
-        with torch.device("cuda"):
-            layer = ReplicatedLinear(inp, out, linear_method=method, dtype=torch.bfloat16)
-        layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
-        layer.weight_scale.data.copy_(scale)
-        method.process_weights_after_loading(layer)
-        assert layer.wna16_backend == "triton"
-        for m in (1, 4, 64):
-            y = (
-                layer(x[:1].repeat(m, 1).cuda().bfloat16())
-                if m != 4
-                else layer(x.cuda().bfloat16())
-            )
-            expect = ref[:1].repeat(m, 1) if m != 4 else ref
-            torch.testing.assert_close(y.float().cpu(), expect, rtol=2e-2, atol=3e-2)
-        # tinygemm's int4 copy is made on the first small-M call, only when selected
-        assert hasattr(layer, "int4pack") == (small_m == "tinygemm")
 
 
 def test_tuned_gemv_configs_cover_the_measured_shapes_and_only_their_gpu():
@@ -464,105 +437,25 @@ def test_wna16_dequant_linear_chunks_interpreter() -> None:
     assert wna16_dequant_linear(x[:0], qt, st, zt, 64, 4).shape == (0, n)
 
 
-def test_large_m_threshold_rule(monkeypatch) -> None:
-    """The documented numbers: on an H200 gate_up (37888 columns = 592 GEMM column tiles, the
-    GPU filled) switches at M = 140 (168 for 8 bits); down (56 tiles < 132 SMs, K >= 2N) from
-    the first M past the GEMV; qkv / o (narrow, short K) at M = 1024 when their GEMM config is
-    tuned (dequant + cuBLAS lost to it at every M up to 512 in run 5), else from M = 17. The
-    environment overrides it; 0 turns it off."""
-    from pagoda.kernels.wna16 import large_m_min, large_m_threshold
+def test_large_m_threshold_rule() -> None:
+    """The documented numbers: on an H200 (132 SMs) gate_up (37888 columns = 592 GEMM column
+    tiles, the GPU filled) switches at M = 140 (168 for 8 bits); down (56 tiles < 132 SMs,
+    K >= 2N) from the first M past the GEMV; qkv / o (narrow, short K) at M = 1024 when their
+    GEMM config is tuned, else from M = 17."""
+    from pagoda.kernels.wna16 import large_m_threshold
 
-    monkeypatch.delenv("PAGODA_W4A16_LARGE_M", raising=False)
-    assert large_m_threshold(37888, 3584) == 140
-    assert large_m_threshold(37888, 3584, bits=8) == 168
-    assert large_m_threshold(3584, 18944) == 17
-    assert large_m_threshold(3584, 18944, gemm_tuned=True) == 17
+    assert large_m_threshold(37888, 3584, 4, 132) == 140
+    assert large_m_threshold(37888, 3584, 8, 132) == 168
+    assert large_m_threshold(3584, 18944, 4, 132) == 17
+    assert large_m_threshold(3584, 18944, 4, 132, gemm_tuned=True) == 17
     for n, k in ((4608, 3584), (3584, 3584)):
-        assert large_m_threshold(n, k, gemm_tuned=True) == 1024
-        assert large_m_threshold(n, k) == 17  # the untuned GEMM loses from M = 17
-    assert large_m_threshold(8385, 3584, gemm_tuned=True) == 140
-    assert large_m_threshold(8384, 3584, gemm_tuned=True) == 1024
-    assert large_m_threshold(2048, 11008) == 17 and large_m_threshold(2560, 2048) == 17
-    assert large_m_threshold(4608, 3584, num_sms=72) == 140  # 72 tiles fill a 72-SM GPU
-    assert large_m_min(3584, 18944) == 17
-    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "64")
-    assert large_m_min(37888, 3584) == 64 and large_m_min(3584, 18944) == 64
-    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "0")
-    assert large_m_min(37888, 3584) is None
-    monkeypatch.setenv("PAGODA_W4A16_LARGE_M", "many")
-    with pytest.raises(ValueError, match="PAGODA_W4A16_LARGE_M"):
-        large_m_min(37888, 3584)
-
-
-def _triton_layer(q, scale, zp, group, bits):
-    """A layer in the CUDA layout (`qweight_t`, `scales_t`, `zeros_t`, as
-    `process_weights_after_loading` makes it) on the CPU, so that the CUDA dispatch runs under
-    the interpreter; fp32 (the interpreter's bf16 tl.dot is broken)."""
-    from torch import nn
-
-    layer = nn.Module()
-    layer.qweight_t = pack_to_int32(q, bits, 1).t().contiguous()
-    layer.scales_t = scale.t().contiguous()
-    layer.zeros_t = None if zp is None else (zp.float() + (1 << (bits - 1))).t().contiguous()
-    layer.wna16_group_size, layer.wna16_bits = group, bits
-    layer.out_features, layer.in_features = q.shape
-    layer.input_perm = None
-    layer.wna16_backend = "triton"
-    return layer
-
-
-def test_large_m_dispatch_interpreter(monkeypatch) -> None:
-    """M > 16 at or above the threshold runs dequant + cuBLAS, below it the Triton GEMM, and
-    M <= 16 the GEMV; both large-M paths give the reference. PAGODA_W4A16_LARGE_M=0 turns the
-    dequant path off, another value moves the threshold (read on a layer's first large call)."""
-    import pagoda.kernels.triton_w4a16 as tw
-    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
-
-    calls = []
-
-    def spy(name, fn):
-        def wrapped(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-
-        monkeypatch.setattr(tw, name, wrapped)
-
-    spy("wna16_dequant_linear", tw.wna16_dequant_linear)
-    spy("wna16_gemm", tw.wna16_gemm)
-    spy("wna16_gemv", lambda x, qt, *a, **kw: torch.zeros(x.shape[0], qt.shape[1]))
-    monkeypatch.setattr(WNA16LinearMethod, "small_m_kernel", "gemv")
-
-    n, k, group = 64, 256, 64  # 1 GEMM column tile < 132 SMs: threshold 17
-    g = torch.Generator().manual_seed(3)
-    q = torch.randint(-8, 8, (n, k), generator=g).to(torch.int8)
-    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
-    zp = torch.randint(-8, 8, scale.shape, generator=g).to(torch.int8)
-    x = torch.randn(40, k, generator=g)
-    ref = wna16_linear_ref(x, q, scale, zp, group)
-    method = WNA16LinearMethod(WeightQuantArgs(4, False, group))
-
-    def run(env, m):
-        if env is None:
-            monkeypatch.delenv("PAGODA_W4A16_LARGE_M", raising=False)
-        else:
-            monkeypatch.setenv("PAGODA_W4A16_LARGE_M", env)
-        layer = _triton_layer(q, scale, zp, group, 4)
-        calls.clear()
-        y = method.apply(layer, x[:m], None)
-        return calls[0], y
-
-    assert run(None, 16)[0] == "wna16_gemv"
-    path, y_dq = run(None, 17)
-    assert path == "wna16_dequant_linear"
-    torch.testing.assert_close(y_dq, ref[:17], rtol=1e-4, atol=1e-4)
-    path, y_dq = run(None, 40)
-    assert path == "wna16_dequant_linear"
-    path, y_gemm = run("0", 40)
-    assert path == "wna16_gemm"
-    torch.testing.assert_close(y_dq, y_gemm, rtol=1e-4, atol=1e-4)  # as the GEMM tests
-    torch.testing.assert_close(y_gemm, ref, rtol=1e-4, atol=1e-4)
-    assert run("32", 17)[0] == "wna16_gemm" and run("32", 32)[0] == "wna16_dequant_linear"
-    assert run("1", 16)[0] == "wna16_gemv"  # M <= 16 stays with PAGODA_W4A16_SMALL_M's kernel
+        assert large_m_threshold(n, k, 4, 132, gemm_tuned=True) == 1024
+        assert large_m_threshold(n, k, 4, 132) == 17  # the untuned GEMM loses from M = 17
+    assert large_m_threshold(8385, 3584, 4, 132, gemm_tuned=True) == 140
+    assert large_m_threshold(8384, 3584, 4, 132, gemm_tuned=True) == 1024
+    assert large_m_threshold(2048, 11008, 4, 132) == 17
+    assert large_m_threshold(2560, 2048, 4, 132) == 17
+    assert large_m_threshold(4608, 3584, 4, 72) == 140  # 72 tiles fill a 72-SM GPU
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Llama / Qwen2 / Qwen3 against Hugging Face transformers on the same random weights.
+"""Llama / Qwen2 / Qwen3 / Mistral against Hugging Face transformers on the same random weights.
 
 Each tiny config is built here, an HF model is created under a fixed seed and saved as
 safetensors, and pagoda's loader reads it back. Logits must match HF's (a) for a full prompt
@@ -17,6 +17,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
+    MistralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -26,6 +27,7 @@ from pagoda.config import ModelConfig
 from pagoda.layers.attention import AttentionMetadata, _triton_kernels
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import iter_safetensors_weights, load_model
+from pagoda.models.mistral import MistralForCausalLM
 from pagoda.models.qwen2 import Qwen2ForCausalLM
 from pagoda.models.qwen3 import Qwen3ForCausalLM
 from pagoda.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
@@ -64,10 +66,16 @@ def _config(name: str) -> PretrainedConfig:
     if name == "qwen3":
         # head_dim 32 != hidden / heads (16): Qwen3 takes it from the config.
         return Qwen3Config(**TINY, head_dim=32, architectures=["Qwen3ForCausalLM"])
+    if name == "mistral":
+        # A window of 6 over 4-token blocks: shorter than every test sequence, not a multiple
+        # of the block size, so prefill chunks and decodes all cut keys off.
+        return MistralConfig(**TINY, sliding_window=6, architectures=["MistralForCausalLM"])
+    if name == "mistral_no_window":
+        return MistralConfig(**TINY, sliding_window=None, architectures=["MistralForCausalLM"])
     raise AssertionError(name)
 
 
-CONFIGS = ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen3"]
+CONFIGS = ["llama", "llama_tied", "llama3_rope", "qwen2", "qwen3", "mistral", "mistral_no_window"]
 
 
 def _make_hf_model(config: PretrainedConfig, seed: int = 0) -> torch.nn.Module:
@@ -339,6 +347,7 @@ def test_registry() -> None:
     assert get_model_class(["LlamaForCausalLM"]) is LlamaForCausalLM
     assert get_model_class(["Qwen2ForCausalLM"]) is Qwen2ForCausalLM
     assert get_model_class(["Qwen3ForCausalLM"]) is Qwen3ForCausalLM
+    assert get_model_class(["MistralForCausalLM"]) is MistralForCausalLM
     with pytest.raises(ValueError) as excinfo:
         get_model_class(["Foo"])
     message = str(excinfo.value)
@@ -365,8 +374,37 @@ def test_linear_method_factory_sees_every_projection_but_lm_head() -> None:
     assert not any("lm_head" in p for p in prefixes)
 
 
+def test_mistral_window_reaches_every_layer() -> None:
+    """The window is not dropped on the way (as mapping Mistral onto Llama would do)."""
+    model = MistralForCausalLM(_config("mistral"))
+    assert [a.sliding_window for a in model.attention_layers()] == [6, 6]
+    none = MistralForCausalLM(_config("mistral_no_window"))
+    assert [a.sliding_window for a in none.attention_layers()] == [None, None]
+    config = _config("mistral")
+    config.sliding_window = 0
+    with pytest.raises(ValueError, match="config.sliding_window must be null or an int >= 1"):
+        MistralForCausalLM(config)
+
+
+def test_mistral_window_changes_the_logits(pair) -> None:
+    """Sanity of the oracle: on 19 tokens a window of 6 gives other logits than full attention
+    (so the equality tests above could fail if the window were ignored)."""
+    hf_model, model = pair
+    if getattr(model, "config", None) is None or model.config.model_type != "mistral":
+        pytest.skip("Mistral only")
+    token_ids = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(1))
+    window = model.config.sliding_window
+    full = _hf_logits(hf_model, token_ids.tolist())
+    hf_model.config.sliding_window = None if window else 6
+    try:
+        other = _hf_logits(hf_model, token_ids.tolist())
+    finally:
+        hf_model.config.sliding_window = window
+    assert not torch.allclose(full[8:], other[8:], atol=1e-3)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_paged_on_cuda_matches_hf(name: str, dtype: str, tmp_path: Path) -> None:
     """The Triton path (cache write + paged attention) inside the model, against HF on CUDA."""

@@ -25,11 +25,12 @@ ARCHS = ["llama", "qwen2", "qwen3"]
 
 def _awq_checkpoint(src: Path, dst: Path, group: int = 32, **qc_overrides) -> dict:
     """Quantize every decoder projection of `src` (asymmetric 4-bit min-max, `group`) into the
-    AutoAWQ GEMM layout at `dst`; returns the dense state dict of the dequantized weights."""
+    AutoAWQ GEMM layout at `dst`, as AutoAWQ does (decoder layers only, never a vision tower);
+    returns the dense state dict of the dequantized weights."""
     state = load_file(src / "model.safetensors")
     dense = dict(state)
     for name in list(state):
-        if not name.endswith(tuple(f"{p}.weight" for p in PROJ)):
+        if not name.endswith(tuple(f"{p}.weight" for p in PROJ)) or ".layers." not in name:
             continue
         w = state[name].float()  # [out, in]
         out, inp = w.shape
@@ -49,6 +50,9 @@ def _awq_checkpoint(src: Path, dst: Path, group: int = 32, **qc_overrides) -> di
             {f"{module}.qweight": qweight, f"{module}.qzeros": qzeros, f"{module}.scales": scales}
         )
     dst.mkdir()
+    for extra in src.iterdir():  # tokenizer / processor files
+        if extra.suffix in (".json", ".jinja") and extra.name != "config.json":
+            shutil.copy(extra, dst / extra.name)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "awq",
@@ -201,3 +205,77 @@ def test_llm_generates_from_awq_checkpoint(tiny_src, tmp_path) -> None:
     hf.load_state_dict(dense, strict=False)
     ref = hf.generate(IDS[None, :8], max_new_tokens=6, do_sample=False)[0, 8:].tolist()
     assert list(out) == ref
+
+
+def test_awq_qwen2_5_vl_text_decoder(tmp_path) -> None:
+    """Qwen2.5-VL with an AutoAWQ-quantized text decoder (vision tower dense): text-only
+    logits equal transformers' on the dequantized decoder weights."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.models.test_qwen2_5_vl import save_tiny_vl
+
+    save_tiny_vl(tmp_path / "dense")
+    dense = _awq_checkpoint(tmp_path / "dense", tmp_path / "awq")
+    quantized = [n for n in dense if n.endswith("q_proj.weight")]
+    assert quantized and all(".layers." in n for n in quantized)
+    # transformers on the dequantized weights, saved in the checkpoint's own layout
+    shutil.copytree(tmp_path / "dense", tmp_path / "deq")
+    save_file(dense, str(tmp_path / "deq" / "model.safetensors"))
+    hf = AutoModelForImageTextToText.from_pretrained(tmp_path / "deq", dtype=torch.float32).eval()
+    args = EngineArgs(model=str(tmp_path / "awq"), dtype="float32", device="cpu")
+    _, config, *_ = args.create_configs()
+    model = load_model(config, "cpu")
+    decoder = model.model.language_model.layers[0]
+    assert decoder.self_attn.qkv_proj.wna16_kernels is not None
+    assert not hasattr(model.model.visual.blocks[0].attn.qkv, "wna16_kernels")  # dense tower
+    ids = IDS[:12]
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+        ours = model.compute_logits(model(ids, torch.arange(len(ids)), None))
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-4)
+
+
+def test_cli_quantization_flag(capsys) -> None:
+    """`--quantization` on the command line: AutoAWQ's own Llama fixture loads with "AWQ";
+    a mismatch exits 2 with a one-line error."""
+    from pagoda.entrypoints.cli import main
+
+    model = str(Path(__file__).resolve().parents[1] / "fixtures" / "autoawq-tiny" / "llama")
+    argv = ["generate", "--model", model, "--device", "cpu", "--max-tokens", "3", "Hello"]
+    assert main([*argv, "--quantization", "AWQ"]) == 0
+    assert main([*argv, "--quantization", "gptq"]) == 2
+    err = capsys.readouterr().err
+    assert "error: quantization='gptq' was requested but the checkpoint is 'awq'" in err
+    assert "Traceback" not in err
+
+
+def test_dummy_config_awq_suffix_builds_zero_point_layers(tmp_path) -> None:
+    """`config:PATH.json:awq` (benchmarks of the AWQ path on real shapes): random AutoAWQ GEMM
+    weights with zero points, lm_head dense, generating tokens."""
+    import json
+
+    from pagoda import LLM, SamplingParams
+
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    from pagoda.engine.args import EngineArgs
+
+    _, model_config, *_ = EngineArgs(model=f"config:{path}:awq", device="cpu").create_configs()
+    qc = model_config.quantization
+    assert qc["quant_method"] == "awq" and qc["zero_point"] and qc["group_size"] == 128
+    llm = LLM(f"config:{path}:awq", max_model_len=64, dtype="float32", print_memory_report=False)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -75,11 +75,58 @@ def test_integrated_gpu_kv_tracks_weight_savings(runner, monkeypatch):
     assert gain == pytest.approx(4.0, abs=0.01)  # util x (A + W) - W: independent of W's share
 
 
-def test_discrete_gpu_budget_is_utilization_of_device_total(runner, monkeypatch):
+def _discrete(runner, monkeypatch, in_use_at_start: float, fraction: float = 1.0):
+    """A 64 GiB card: `in_use_at_start` GiB held before the engine loaded (other processes,
+    the CUDA context, an earlier engine); after profiling torch holds 9 GiB (7 weights + 2
+    activations) and cuBLAS added 0.5 GiB outside torch."""
     monkeypatch.setattr(mr, "is_integrated_gpu", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: fraction)
+    runner.start_snapshot = mr.DeviceSnapshot(
+        free_bytes=int((64 - in_use_at_start) * GiB), total_bytes=64 * GiB, reserved_bytes=0
+    )
+    used_now = in_use_at_start + 9 + 0.5
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda *a: (int((64 - used_now) * GiB), 64 * GiB)
+    )
+
+
+def test_discrete_gpu_budget_subtracts_what_the_device_held_at_start(runner, monkeypatch):
+    _discrete(runner, monkeypatch, in_use_at_start=6)
     peak, non_torch, total, budget = runner._profile(8, 256)
-    assert total == 64 * GiB and budget == int(0.9 * 64 * GiB)
-    assert non_torch == (64 - 12 - 9) * GiB  # other processes / CUDA context on the card
+    assert total == 64 * GiB and peak == 2 * GiB
+    assert non_torch == GiB // 2  # only what grew since the start; the context was in "used"
+    assert budget == int(0.9 * 64 * GiB) - 6 * GiB
+    report = runner.initialize_kv_cache(8, 256)
+    kv_expected = (0.9 * 64 - 6 - 7 - 2 - 0.5) * GiB
+    assert abs(report.kv_cache_bytes - kv_expected) < 2 * runner_block_bytes(runner)
+    assert report.in_use_at_start_bytes == 6 * GiB
+    assert "in use at start" in str(report)
+    # the device never holds more than utilization x total once this engine is up
+    assert 6 * GiB + 7 * GiB + 2 * GiB + GiB // 2 + report.kv_cache_bytes <= 0.9 * 64 * GiB + 1
+
+
+def test_discrete_gpu_kv_shrinks_by_what_an_earlier_engine_still_holds(runner, monkeypatch):
+    _discrete(runner, monkeypatch, in_use_at_start=1)
+    alone = runner.initialize_kv_cache(8, 256).kv_cache_bytes
+    _discrete(runner, monkeypatch, in_use_at_start=21)  # 20 GiB not released
+    second = runner.initialize_kv_cache(8, 256).kv_cache_bytes
+    assert (alone - second) / GiB == pytest.approx(20, abs=0.01)
+
+
+def test_device_already_full_is_a_clear_error(runner, monkeypatch):
+    _discrete(runner, monkeypatch, in_use_at_start=58)
+    with pytest.raises(ValueError, match=r"58.00 GiB were already in use.*LLM.shutdown\(\)"):
+        runner._profile(8, 256)
+
+
+def test_per_process_memory_cap_bounds_the_engine(runner, monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction(12/64): the engine's torch memory (weights,
+    activations, KV cache) fits in 12 GiB even with a larger gpu_memory_utilization."""
+    _discrete(runner, monkeypatch, in_use_at_start=1, fraction=12 / 64)
+    report = runner.initialize_kv_cache(8, 256)
+    torch_total = 7 * GiB + 2 * GiB + report.kv_cache_bytes
+    assert torch_total <= 12 * GiB
+    assert 12 * GiB - torch_total < 2 * runner_block_bytes(runner)
 
 
 def runner_block_bytes(runner) -> int:

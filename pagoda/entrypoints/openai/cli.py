@@ -8,8 +8,8 @@ command runs, so the rest of the CLI works without the `server` extra.
 from __future__ import annotations
 
 import argparse
-import os
 
+from pagoda import envs
 from pagoda.entrypoints.cli import add_engine_args
 
 API_KEY_ENV = "PAGODA_API_KEY"
@@ -108,7 +108,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
     if ns.api_key is None:
-        ns.api_key = os.environ.get(API_KEY_ENV) or None
+        ns.api_key = envs.api_key()
     if ns.max_body_bytes is None:
         ns.max_body_bytes = DEFAULT_MAX_BODY_BYTES
     return run_server(ns)

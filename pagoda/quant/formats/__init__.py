@@ -34,6 +34,15 @@ class ParamSpec:
     output_pack: int = 1  # output features per stored element along output_dim
 
 
+def check_zero_point_packing(out_features_per_shard: list[int], factor: int) -> None:
+    """Zero points packed `factor` per word along the output are split by shard only whole."""
+    if any(o % factor for o in out_features_per_shard):
+        raise ValueError(
+            f"output sizes {out_features_per_shard} are not multiples of {factor}, so packed "
+            "zero points cannot be split by shard"
+        )
+
+
 def format_module(fmt: str) -> ModuleType:
     """The module that knows checkpoint format `fmt` (`param_specs`, `unpack_params`)."""
     if fmt not in _MODULES:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pagoda.quant.formats import ParamSpec
+from pagoda.quant.formats import ParamSpec, check_zero_point_packing
 from pagoda.quant.packing import pack_factor, pack_to_int32, unpack_from_int32
 from pagoda.quant.rtn import QuantizedWeight
 from pagoda.quant.scheme import UnpackedWeight, WeightQuantArgs, parse_quantization_config
@@ -52,11 +52,8 @@ def param_specs(
     out = sum(out_features_per_shard)
     groups = math.ceil(in_features / args.group_size_for(in_features))
     if fmt == "pack-quantized":
-        if not args.symmetric and any(o % f for o in out_features_per_shard):
-            raise ValueError(
-                f"output sizes {out_features_per_shard} are not multiples of {f}, so packed "
-                "zero points cannot be split by shard"
-            )
+        if not args.symmetric:
+            check_zero_point_packing(out_features_per_shard, f)
         specs = [
             ParamSpec("weight_packed", (out, math.ceil(in_features / f)), torch.int32, 0),
             ParamSpec("weight_scale", (out, groups), None, 0),

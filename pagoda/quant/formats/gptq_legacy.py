@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from pagoda.quant.formats import ParamSpec
+from pagoda.quant.formats import ParamSpec, check_zero_point_packing
 from pagoda.quant.packing import pack_factor, pack_to_int32, unpack_from_int32
 from pagoda.quant.rtn import QuantizedWeight
 from pagoda.quant.scheme import UnpackedWeight, WeightQuantArgs
@@ -25,11 +25,7 @@ def param_specs(
     f = pack_factor(args.num_bits)
     out = sum(out_features_per_shard)
     groups = math.ceil(in_features / args.group_size_for(in_features))
-    if any(o % f for o in out_features_per_shard):
-        raise ValueError(
-            f"output sizes {out_features_per_shard} are not multiples of {f}, so packed zero "
-            "points cannot be split by shard"
-        )
+    check_zero_point_packing(out_features_per_shard, f)
     return [
         ParamSpec("qweight", (math.ceil(in_features / f), out), torch.int32, 1),
         ParamSpec("qzeros", (groups, out // f), torch.int32, 1, f),

@@ -1,0 +1,197 @@
+"""W4A16 per-layer kernels at M = 1-256 against bf16 cuBLAS, Qwen2.5-7B and 3B shapes (H200).
+
+Kernels (all on the `repack_mma` tensor-core layout, the layer's only weight copy):
+`gemv` (M <= 64: `wna16_mma_gemv`), `tc` (`wna16_mma_gemm`: dequantization in registers,
+`tl.dot`; `--sweep` tries its configs), `dequant+cublas`
+(`wna16_mma_dequant` then `F.linear`), and `bf16` (cuBLAS on the dense weight) as the
+denominator of every ratio. Each is timed inside one CUDA graph cycling over enough weight
+copies to stream > 4x the L2 from HBM per replay (`pagoda.bench.common.graph_time_per_call`),
+symmetric and with zero points (`--zp`). Every result is checked against the fp32 matmul of the
+dequantized weight before it is timed.
+
+    python benchmarks/quant/bench_w4a16_tc.py --out DIR [--sweep] [--models 7b,3b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pagoda.bench.common import copy_bandwidth, environment  # noqa: E402
+from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
+from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
+
+SHAPES = {  # model: {layer: (N, K)}
+    "7b": {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)},
+    "3b": {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)},
+}
+MS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+GROUP = 128
+
+WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
+
+
+def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
+    """The default first, then swap-AB tiles of the two largest BLOCK_M up to M (cap 128) and
+    plain [64 | 128, 8 CG | 16 CG] tiles, each with and without split-K where few programs."""
+    out = [mma.default_mma_gemm_config(m, n, k, num_sms)]
+    p2 = 16
+    while p2 < m and p2 < 128:
+        p2 *= 2
+    plans = [(True, bm, 4, st) for bm in sorted({max(16, p2 // 2), p2}) for st in (3, 4)]
+    plans += [(False, bm, w, 3) for bm in (64, 128) for w in (4, 8)]
+    for swap, bm, warps, stages in plans:
+        for cg in (8, 16):
+            programs = -(-m // bm) * (n // (16 * cg))
+            splits = {1}
+            if programs < num_sms:
+                splits.add(max(1, min(8, round(num_sms / programs))))
+            for split in sorted(splits):
+                c = (bm, cg, 2, split, warps, stages, swap)
+                if c not in out:
+                    out.append(c)
+    return out
+
+
+class Layer:
+    """`copies` random weight copies of one (N, K) layer in the MMA layout + one dense copy."""
+
+    def __init__(self, n: int, k: int, l2: int, zp: bool, dev: torch.device) -> None:
+        self.n, self.k = n, k
+        packed = n * k // 2
+        self.copies = max(2, -(-4 * l2 // packed))
+        g = torch.Generator(device=dev).manual_seed(n * 7 + k)
+        self.words = [
+            torch.randint(-(2**31), 2**31 - 1, (n * k // 8,), device=dev, dtype=torch.int32,
+                          generator=g)
+            for _ in range(self.copies)
+        ]  # fmt: skip
+        groups = k // GROUP
+        self.pairs = [
+            mma.repack_mma_scales(
+                (torch.rand(groups, n, device=dev, generator=g) * 0.004 + 0.001).bfloat16()
+            )
+            for _ in range(self.copies)
+        ]
+        self.zeros = None
+        if zp:
+            self.zeros = [
+                mma.repack_mma_zeros(torch.randint(0, 16, (groups, n), device=dev, generator=g))
+                for _ in range(self.copies)
+            ]
+        self.dense_copies = max(2, -(-4 * l2 // (n * k * 2)))
+        w0 = mma.wna16_mma_dequant(self.words[0], self.pairs[0], n, k, GROUP, self.z(0))
+        self.w_ref = w0.float()
+        self.dense = [w0] + [torch.randn_like(w0) * 0.02 for _ in range(self.dense_copies - 1)]
+
+    def z(self, i: int):
+        return self.zeros[i] if self.zeros is not None else None
+
+
+def check(y: torch.Tensor, x: torch.Tensor, layer: Layer) -> float:
+    ref = x.float() @ layer.w_ref.t()
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: int) -> dict:
+    m, n, k = x.shape[0], layer.n, layer.k
+    cands = {}
+    if m <= mma.MAX_ROWS:
+        cands["gemv"] = lambda i: mma.wna16_mma_gemv(
+            x, layer.words[i], layer.pairs[i], n, GROUP, zero_pairs=layer.z(i), workspace=WS
+        )
+    cands["dequant+cublas"] = lambda i: F.linear(
+        x, mma.wna16_mma_dequant(layer.words[i], layer.pairs[i], n, k, GROUP, layer.z(i))
+    )
+    configs = [None]
+    if sweep and m in (16, 32, 64, 128, 256) and not zp:
+        configs = tc_sweep(m, n, k, num_sms)
+    if m >= 8:
+        for c in configs:
+
+            def fn(i, c=c):
+                return mma.wna16_mma_gemm(
+                    x, layer.words[i], layer.pairs[i], n, GROUP, config=c, zero_pairs=layer.z(i)
+                )
+
+            cands["tc" if c is None else f"tc{list(c)}"] = fn
+    return cands
+
+
+def bench(model: str, name: str, n: int, k: int, zp: bool, sweep: bool, bw, l2, num_sms, dev):
+    layer = Layer(n, k, l2, zp, dev)
+    rows = []
+    for m in MS:
+        x = torch.randn(m, k, device=dev).bfloat16()
+        row = {"model": model, "layer": name, "n": n, "k": k, "m": m, "zp": zp}
+        t = time_graph(lambda i, x=x: F.linear(x, layer.dense[i]), layer.dense_copies)
+        row["bf16_us"] = t * 1e6
+        row["bf16_bw_frac"] = n * k * 2 / t / bw
+        for key, fn in candidates(x, layer, zp, sweep, num_sms).items():
+            try:
+                err = check(fn(0), x, layer)
+                if err > 2e-2:
+                    row[key + "_err"] = err
+                    continue
+                row[key + "_us"] = time_graph(fn, layer.copies) * 1e6
+            except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
+                row[key + "_fail"] = repr(e)[:160]
+        tcs = {kk: v for kk, v in row.items() if kk.startswith("tc") and kk.endswith("_us")}
+        if tcs:
+            best = min(tcs, key=tcs.get)
+            row["tc_best"] = best[:-3]
+            row["tc_best_us"] = tcs[best]
+        w4 = [v for kk, v in row.items() if kk.endswith("_us") and kk != "bf16_us"]
+        row["w4_best_us"] = min(w4) if w4 else None
+        row["ratio_vs_bf16"] = row["bf16_us"] / row["w4_best_us"] if w4 else None
+        rows.append(row)
+        shown = {
+            kk[:-3]: v
+            for kk, v in row.items()
+            if kk.endswith("_us") and kk not in ("bf16_us", "w4_best_us") and "[" not in kk
+        }
+        print(
+            f"{model} {name:8s} zp={int(zp)} M={m:4d} bf16 {row['bf16_us']:8.1f}  "
+            + "  ".join(f"{kk} {v:7.1f}" for kk, v in shown.items())
+            + f"  best x{row['ratio_vs_bf16'] or 0:.2f} ({row.get('tc_best', '')})",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sweep", action="store_true", help="try the tc GEMM's configs at M >= 16")
+    ap.add_argument("--models", default="7b,3b")
+    ap.add_argument("--zp", default="0,1", help="symmetric (0) and / or zero points (1)")
+    ns = ap.parse_args()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    bw = copy_bandwidth(dev)
+    t0 = time.time()
+    rows = []
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for model in ns.models.split(","):
+        for name, (n, k) in SHAPES[model].items():
+            for zp in (int(z) for z in ns.zp.split(",")):
+                rows += bench(model, name, n, k, bool(zp), ns.sweep, bw, l2,
+                              props.multi_processor_count, dev)  # fmt: skip
+                result = {"env": environment(dev), "copy_bw": bw, "seconds": time.time() - t0}
+                result["rows"] = rows  # written after every layer: a cut-off run keeps its rows
+                (out / "w4a16_tc.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""The quantized-linear kernel registry: which kernels a layer gets for which M, the A/B
+switch (PAGODA_DISABLED_KERNELS), and the layouts' kernels against the torch reference (the
+Triton ones under the interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import envs
+from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref
+from pagoda.layers import wna16_kernels as wk
+from pagoda.quant.scheme import UnpackedWeight
+
+MMA = frozenset({"mma_gemv", "mma_gemm", "mma_dequant"})
+
+
+def _cfg(n=4608, k=3584, bits=4, zp=False, group=128, dtype=torch.bfloat16, cuda=True, **kw):
+    return wk.KernelConfig(
+        device_type="cuda" if cuda else "cpu",
+        device_index=0,
+        capability=kw.pop("capability", (9, 0)) if cuda else (0, 0),
+        num_sms=132 if cuda else 0,
+        device_name="some GPU" if cuda else "",
+        n=n,
+        k=k,
+        bits=bits,
+        has_zero_point=zp,
+        group_size=group,
+        act_dtype=dtype,
+        **kw,
+    )
+
+
+@pytest.fixture
+def mma_passes(monkeypatch):
+    """The MMA self-test needs a GPU: pretend it passed (the shape rules stay real)."""
+    from pagoda.kernels import triton_w4a16_mma as mm
+
+    monkeypatch.setattr(mm, "mma_self_test", lambda index: True)
+
+
+def test_cpu_layers_dequantize_per_call() -> None:
+    table = wk.choose_kernels(_cfg(cuda=False, dtype=torch.float32), frozenset())
+    assert table.layout == "dequant" and table.describe() == "torch_dequant M=1.."
+
+
+def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
+    # qkv (>= 12 Mi weights): GEMV to 32 rows, the MMA GEMM to 64, then dequant + cuBLAS;
+    # gate_up (>= 64 Mi weights): the MMA GEMM to 128; small layers: no GEMM.
+    assert wk.choose_kernels(_cfg(), frozenset()).describe() == (
+        "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
+    )
+    assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
+        "mma_gemv M=1..32, mma_gemm M=33..128, mma_dequant M=129.."
+    )
+    assert wk.choose_kernels(_cfg(n=1024), frozenset()).describe() == (
+        "mma_gemv M=1..32, mma_dequant M=33.."
+    )
+    # zero points (AWQ, asymmetric GPTQ) take the same kernels
+    assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
+        "mma_gemv M=1..32, mma_gemm M=33..128, mma_dequant M=129.."
+    )
+
+
+def test_packed_layout_follows_the_large_m_rule(mma_passes) -> None:
+    # gate_up fills the GPU: the Triton GEMM up to M = 139; qkv (35 column tiles of 64 on
+    # 132 SMs) runs dequant + cuBLAS from the first M past the GEMV.
+    big = wk.choose_kernels(_cfg(n=37888), MMA)
+    assert big.layout == "triton"
+    assert big.describe() == "triton_gemv M=1..16, triton_gemm M=17..139, triton_dequant M=140.."
+    assert wk.choose_kernels(_cfg(), MMA).describe() == "triton_gemv M=1..16, triton_dequant M=17.."
+    # without dequant + cuBLAS the GEMM takes every M past the GEMV; without the GEMV the GEMM
+    # starts at M = 1
+    no_dq = MMA | {"triton_dequant"}
+    assert wk.choose_kernels(_cfg(), no_dq).describe() == "triton_gemv M=1..16, triton_gemm M=17.."
+    no_gemv = MMA | {"triton_gemv"}
+    assert wk.choose_kernels(_cfg(n=37888), no_gemv).describe() == (
+        "triton_gemm M=1..139, triton_dequant M=140.."
+    )
+    # the MMA GEMV alone still covers what it can; the rest falls to the next layout
+    only_gemv = frozenset({"mma_gemm", "mma_dequant"})
+    assert wk.choose_kernels(_cfg(), only_gemv).layout == "triton"
+
+
+@pytest.mark.parametrize(
+    ("cfg", "layout"),
+    [
+        (_cfg(zp=True), "mma"),  # zero points in the MMA GEMV and dequant
+        (_cfg(bits=8), "triton"),
+        (_cfg(dtype=torch.float16), "triton"),  # the MMA kernels are bf16 only
+        (_cfg(capability=(7, 5)), "triton"),  # no mma.sync bf16 before sm_80
+        (_cfg(group=32), "triton"),  # MMA groups are multiples of 64
+        (_cfg(group=8), "dequant"),  # tl.dot needs 16 columns per group
+    ],
+)
+def test_layout_by_capability_dtype_bits_zero_point_group(mma_passes, cfg, layout) -> None:
+    assert wk.choose_kernels(cfg, frozenset()).layout == layout
+
+
+def test_can_implement_says_why() -> None:
+    ok, why = wk.TritonGemv.can_implement(_cfg(cuda=False).rows(1, 1))
+    assert not ok and why == "needs a CUDA device"
+    ok, why = wk.TritonGemv.can_implement(_cfg().rows(1, 17))
+    assert not ok and why == "M up to 16 only"
+    ok, why = wk.MmaGemv.can_implement(_cfg(capability=(8, 9), dtype=torch.float16).rows(1, 1))
+    assert not ok and "bf16" in why
+
+
+def test_triton_optional(monkeypatch) -> None:
+    from pagoda import platform
+
+    monkeypatch.setattr(platform, "triton_available", lambda: False)
+    assert wk.TritonGemm.can_implement(_cfg()) == (False, "triton not installed")
+    assert wk.MmaGemv.can_implement(_cfg().rows(1, 1)) == (False, "triton not installed")
+    assert wk.choose_kernels(_cfg(), frozenset()).layout == "dequant"
+
+
+def test_disabled_kernels_env(monkeypatch) -> None:
+    assert set(wk.KERNEL_NAMES) <= set(envs.KERNEL_NAMES)
+    monkeypatch.setenv("PAGODA_DISABLED_KERNELS", " mma_gemv , triton_gemm,")
+    assert envs.disabled_kernels() == {"mma_gemv", "triton_gemm"}
+    assert not envs.kernel_enabled("mma_gemv") and envs.kernel_enabled("dense_gemv")
+    monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "mma_gemv,tinygemm")
+    with pytest.raises(ValueError, match="unknown kernel.* tinygemm; known: mma_gemv"):
+        envs.disabled_kernels()
+    monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "torch_dequant")
+    with pytest.raises(ValueError, match="no quantized-linear kernel can run N=48 K=64"):
+        wk.choose_kernels(_cfg(n=48, k=64, cuda=False))
+
+
+def _weights(n, k, group, zp, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=g).to(torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 0.001
+    z = torch.randint(-8, 8, scale.shape, generator=g).to(torch.int16) if zp else None
+    return q, scale, z
+
+
+def _layer(n, k, group, dtype, bits=4):
+    from torch import nn
+
+    layer = nn.Module()
+    layer.out_features, layer.in_features = n, k
+    layer.wna16_group_size, layer.wna16_bits, layer.params_dtype = group, bits, dtype
+    layer.input_perm = None
+    return layer
+
+
+def test_packed_layout_kernels_interpreter(monkeypatch) -> None:
+    """Each Triton kernel of the packed layout (fp32: the interpreter's bf16 tl.dot is broken)
+    gives the reference on its rows, with zero points and a fused bias."""
+    from pagoda.layers.quantized_linear import WNA16LinearMethod
+    from pagoda.quant.scheme import WeightQuantArgs
+
+    n, k, group = 64, 256, 64
+    q, scale, zp = _weights(n, k, group, True, seed=3)
+    layer = _layer(n, k, group, torch.float32)
+    wk.TritonGemv.prepare(layer, UnpackedWeight(q, scale, zp, None))
+    bias = torch.randn(n)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(1))
+    ref = wna16_linear_ref(x, q, scale, zp, group, bias=bias)
+    method = WNA16LinearMethod(WeightQuantArgs(4, False, group))
+    for entries, m in (
+        (((16, wk.TritonGemv), (None, wk.TritonDequantCublas)), 16),
+        (((16, wk.TritonGemv), (None, wk.TritonDequantCublas)), 17),
+        (((None, wk.TritonGemm),), 20),
+    ):
+        layer.wna16_kernels = wk.KernelTable("triton", entries)
+        y = method.apply(layer, x[:m], bias)
+        torch.testing.assert_close(y, ref[:m], rtol=1e-4, atol=1e-4)
+    w = wk.dense_weight(layer, torch.float32)
+    torch.testing.assert_close(w, dequantize_weight(q, scale, zp, group), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("zp", [False, True])
+def test_mma_layout_kernels_interpreter(zp) -> None:
+    """The tensor-core layout's GEMV (1 and 2 blocks of 8 rows), GEMM and
+    dequant + matmul, run by the interpreter through a hand-made table (the registry picks
+    them on CUDA only), with and without zero points."""
+    from pagoda.layers.quantized_linear import WNA16LinearMethod
+    from pagoda.quant.scheme import WeightQuantArgs
+
+    n, k, group = 32, 256, 64
+    q, scale, z = _weights(n, k, group, zp, seed=2)
+    scale = scale.bfloat16()
+    layer = _layer(n, k, group, torch.bfloat16)
+    wk.MmaGemv.prepare(layer, UnpackedWeight(q, scale, z, None))
+    middle = ((18, wk.MmaGemm),)
+    layer.wna16_kernels = wk.KernelTable(
+        "mma", ((16, wk.MmaGemv), *middle, (None, wk.MmaDequantCublas))
+    )
+    expect = dequantize_weight(q, scale, z, group, None, torch.bfloat16)
+    assert torch.equal(wk.dense_weight(layer, torch.bfloat16), expect)
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    ref = wna16_linear_ref(x.float(), q, scale.float(), z, group, bias=bias.float())
+    tol = 2.0**-6 * ref.abs().max().item()
+    method = WNA16LinearMethod(WeightQuantArgs(4, True, group))
+    for m in (1, 9, 16, 17, 20):
+        assert (method.apply(layer, x[:m], bias).float() - ref[:m]).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+def test_every_cuda_path_of_a_layer_gpu(monkeypatch) -> None:
+    """On the GPU: the default table and the packed layout (MMA disabled) give the reference
+    at every M band of their tables (commands: BENCHMARKS.md / the report)."""
+    from pagoda.layers.linear import ReplicatedLinear
+    from pagoda.layers.quantized_linear import WNA16LinearMethod
+    from pagoda.quant.packing import pack_to_int32
+    from pagoda.quant.scheme import WeightQuantArgs
+
+    inp, out = 1024, 512
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
+    scale = torch.rand(out, inp // 128, generator=g) * 0.02 + 0.001
+    x = torch.randn(100, inp, generator=g)
+    ref = wna16_linear_ref(x, q, scale.bfloat16().float(), None, 128)
+    for disabled, layout in (("", "mma"), ("mma_gemv,mma_gemm,mma_dequant", "triton")):
+        monkeypatch.setenv("PAGODA_DISABLED_KERNELS", disabled)
+        method = WNA16LinearMethod(WeightQuantArgs(4, True, 128))
+        with torch.device("cuda"):
+            layer = ReplicatedLinear(inp, out, linear_method=method, dtype=torch.bfloat16)
+        layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
+        layer.weight_scale.data.copy_(scale)
+        method.process_weights_after_loading(layer)
+        assert layer.wna16_backend == layout, layer.wna16_kernels.describe()
+        for m in (1, 7, 16, 17, 32, 33, 64, 65, 100):
+            y = layer(x[:m].cuda().bfloat16())
+            torch.testing.assert_close(y.float().cpu(), ref[:m], rtol=2e-2, atol=3e-2)
