@@ -52,6 +52,13 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--eval-tokens", type=int, default=16384)
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument(
+        "--calib-bytes",
+        type=int,
+        default=0,
+        help="calibrate on this many leading bytes of calib.txt (whole lines; 0: all): the "
+        "samples are drawn from a tokenised stream, and tokenising all 5 MB costs minutes",
+    )
     parser.add_argument("--only", default=None, choices=STEPS, help="run this step alone")
     parser.add_argument(
         "--out", default=str(HERE.parents[0] / "results" / "quant_awq_smollm2_cpu.json")
@@ -69,6 +76,11 @@ def main() -> None:
             [sys.executable, str(HERE / "prepare_python_docs.py"), str(docs)], check=True
         )
     calib, heldout = docs / "calib.txt", docs / "heldout.txt"
+    if ns.calib_bytes:
+        text = calib.read_text(encoding="utf-8")[: ns.calib_bytes]
+        calib = docs / f"calib_{ns.calib_bytes}.txt"
+        if not calib.is_file():
+            calib.write_text(text[: text.rfind("\n") + 1], encoding="utf-8")
     model = default_model_path()
     common = dict(
         scheme="W4A16_ASYM",
@@ -136,7 +148,8 @@ def main() -> None:
         "model": "SmolLM2-135M-Instruct (embedded GGUF Q4_1, dequantized to float32)",
         "settings": {
             **{k: v for k, v in common.items() if k != "dataset"},
-            "calibration": "python3-doc library/*.html, text",
+            "calibration": "python3-doc library/*.html, text"
+            + (f" (first {ns.calib_bytes} bytes)" if ns.calib_bytes else ""),
             "heldout": "python3-doc tutorial/ + reference/*.html",
             "eval_tokens": ns.eval_tokens,
             "window": ns.window,
