@@ -239,6 +239,35 @@ def test_awq_checkpoint_loads_in_transformers_and_beats_rtn(
     assert _heldout_kl(model, dense, ids) < _heldout_kl(_pagoda(tmp_path / "rtn")[0], dense, ids)
 
 
+def test_awq_mistral_sliding_window(tmp_path) -> None:
+    """Mistral (window 8, prompts of 16): calibrated and served with the window; transformers +
+    compressed-tensors give the same logits."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from tests.quant.test_formats import _hf_logits, _logits, _pagoda
+
+    cfg = MistralConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path / "dense")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURES / "sym" / name, tmp_path / "dense" / name)
+    report = quantize(str(tmp_path / "dense"), tmp_path / "awq", method="awq", group_size=32,
+                      dataset="random", num_samples=8, max_seq_len=48, progress=False,
+                      device="cpu")  # fmt: skip
+    assert all(len(layer.smoothing) == 3 for layer in report.layers)
+    model, _ = _pagoda(tmp_path / "awq")
+    torch.testing.assert_close(_logits(model), _hf_logits(tmp_path / "awq"), rtol=2e-4, atol=2e-4)
+
+
 def test_autoawq_format_matches_compressed_tensors(tiny_qwen2, tmp_path) -> None:
     from tests.quant.test_formats import _logits, _pagoda
 
