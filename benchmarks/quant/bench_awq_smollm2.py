@@ -1,7 +1,7 @@
 """Issue 17 acceptance 2: AWQ W4A16_ASYM on the embedded SmolLM2-135M, pagoda vs llmcompressor.
 
 Steps (each skipped when its output exists in --work): calibration / held-out text from
-python3-doc (prepare_python_docs.py); pagoda `--method awq`, pagoda `awq+gptq`, asymmetric RTN
+python3-doc (prepare_python_docs.py); pagoda `--method awq`, asymmetric RTN
 and llmcompressor's AWQModifier (llmcompressor_awq_baseline.py, run with --lc-python) on the
 same samples; perplexity of the float model and every checkpoint on the same held-out tokens;
 the JSON record once every result is there. `--only NAME` runs one step (its quantization and
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-STEPS = ("float32", "pagoda_awq", "pagoda_awq_gptq", "rtn_asym", "llmcompressor_awq")
-_METHODS = {"pagoda_awq": "awq", "pagoda_awq_gptq": "awq+gptq", "rtn_asym": "rtn"}
+STEPS = ("float32", "pagoda_awq", "rtn_asym", "llmcompressor_awq")
+_METHODS = {"pagoda_awq": "awq", "rtn_asym": "rtn"}
 
 
 def _pagoda_run(name: str, work: Path, model: str, method: str, common: dict) -> dict:
