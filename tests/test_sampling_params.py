@@ -28,7 +28,13 @@ from pagoda.sampling_params import RequestOutputKind, SamplingParams
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"bad_words": ["ok", " "]}, "bad_words"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"output_kind": "sometimes"}, "output_kind"),
@@ -124,3 +130,51 @@ def test_repr_lists_settings() -> None:
     assert text.startswith("SamplingParams(")
     assert "temperature=0.5" in text and "stop=['END']" in text
     assert "output_kind=cumulative" in text and "_all_stop" not in text
+
+
+def test_structured_outputs_params_need_exactly_one_constraint() -> None:
+    from pagoda.sampling_params import StructuredOutputsParams as S
+
+    with pytest.raises(ValueError, match="exactly one of json, json_object, regex, choice, gram"):
+        S()
+    with pytest.raises(ValueError, match="got regex, choice"):
+        S(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="structured_outputs.choice must not be empty"):
+        S(choice=[])
+    with pytest.raises(TypeError, match="structured_outputs.choice must contain only str"):
+        S(choice=["a", 1])
+    with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
+        S(json="{nope")
+    with pytest.raises(TypeError, match="structured_outputs.json must be a JSON schema"):
+        S(json="[1, 2]")
+    with pytest.raises(TypeError, match="structured_outputs.regex must be a str"):
+        S(regex=5)
+    with pytest.raises(TypeError, match="structured_outputs.json_object must be a bool"):
+        S(json_object="yes")
+    assert S(json='{"type": "object", "a": 1}').key == S(json={"a": 1, "type": "object"}).key
+    assert S(choice=["a"]).kind == "choice"
+
+
+def test_structured_outputs_accepts_a_dict_and_rejects_other_types() -> None:
+    from pagoda.sampling_params import StructuredOutputsParams as S
+
+    p = SamplingParams(structured_outputs={"regex": "[a-z]+"})
+    assert p.structured_outputs == S(regex="[a-z]+")
+    with pytest.raises(TypeError, match="structured_outputs: .*unexpected keyword"):
+        SamplingParams(structured_outputs={"regexp": "a"})
+    with pytest.raises(TypeError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="json")
+    with pytest.raises(TypeError, match="bad_words must be a list of str, not a single str"):
+        SamplingParams(bad_words="bad")
+
+
+def test_bad_words_tokenize_alone_and_after_a_space() -> None:
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return {"bad": [5], " bad": [6], "two words": [7, 8], " two words": [9, 8]}[text]
+
+    p = SamplingParams(bad_words=["bad", " two words"])
+    p.update_from_tokenizer(Tok(), vocab_size=10)
+    assert p.bad_words_token_ids == [[5], [6], [7, 8], [9, 8]]
+    with pytest.raises(ValueError, match=r"bad_words tokenize to ids \[9\] outside"):
+        p.update_from_tokenizer(Tok(), vocab_size=9)

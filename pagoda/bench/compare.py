@@ -2,8 +2,11 @@
 
 Each configuration (and the optional transformers baseline) runs in a fresh subprocess
 (`pagoda.bench.compare_worker`), so device memory and allocator peaks start clean. This module
-validates the arguments, runs the workers one after another while showing their progress, and
-hands the results to `compare_report` for the table, the JSON and the plots. It imports no torch.
+validates the arguments (defaults sized for the device: `GPU_DEFAULTS` / `CPU_DEFAULTS`), runs
+the workers one after another with a progress bar per phase, and hands the results to
+`compare_report` for the table, the JSON and the plots. Each worker rewrites its result after
+every measurement, so Ctrl-C / SIGTERM still leaves a report of what was measured, and
+`--resume` (same `--out`) runs only what is missing. Torch is imported only to resolve "auto".
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 
 from pagoda.bench.compare_report import flat_values, metrics_for, ratios, write_report
 from pagoda.bench.compare_worker import (
+    BAR_PREFIX,
     ERROR_PREFIX,
     PROGRESS_PREFIX,
     CompareJob,
@@ -41,6 +45,31 @@ _DTYPE_SHORT = {
     "float": "fp32",
 }
 _LOG_TAIL = 12  # lines of a failed worker's log shown on the terminal
+
+# Defaults by device: a GPU run measures the standard workload; on CPU the same run would take
+# hours (a 135M model, 2 cores), so the CPU defaults are a few minutes' worth.
+GPU_DEFAULTS = {
+    "max_model_len": 4096,
+    "prompt_len": 512,
+    "output_len": 256,
+    "batch_sizes": "1,8,64",
+    "iters": 2,
+    "throughput_requests": 256,
+    "ppl_window": 512,
+}
+CPU_DEFAULTS = {
+    "max_model_len": 512,
+    "prompt_len": 128,
+    "output_len": 32,
+    "batch_sizes": "1,4",
+    "iters": 1,
+    "throughput_requests": 8,
+    "ppl_window": 256,
+}
+
+
+def _default_help(key: str) -> str:
+    return f"(default: {GPU_DEFAULTS[key]} on GPU, {CPU_DEFAULTS[key]} on CPU)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None, help=_default_help("max_model_len"))
     p.add_argument(
         "--max-num-seqs",
         type=int,
@@ -73,26 +102,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="engine concurrency (default: 256, or the largest batch size if more)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=None, help=_default_help("prompt_len"))
+    p.add_argument("--output-len", type=int, default=None, help=_default_help("output_len"))
     p.add_argument(
         "--batch-sizes",
-        default="1,8,64",
-        help="decode batch sizes, comma-separated (default: 1,8,64)",
+        default=None,
+        help="decode batch sizes, comma-separated " + _default_help("batch_sizes"),
     )
-    p.add_argument("--iters", type=int, default=2, help="runs per TTFT / decode figure (median)")
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="runs per TTFT / decode figure (median) " + _default_help("iters"),
+    )
     p.add_argument(
         "--throughput-requests",
         type=int,
-        default=256,
-        help="requests of the standard throughput workload (256; fewer on CPU, 0 to skip)",
+        default=None,
+        help="requests of the standard throughput workload, 0 to skip "
+        + _default_help("throughput_requests"),
     )
-    p.add_argument("--ppl-text", default=None, help="a UTF-8 text file for perplexity")
+    p.add_argument(
+        "--ppl-text",
+        default=None,
+        help="a UTF-8 text file for perplexity (default: the Zen of Python, a smoke figure "
+        "every Python has; pass in-domain text for a real comparison)",
+    )
     p.add_argument(
         "--ppl-window",
         type=int,
-        default=512,
-        help="perplexity window in tokens (non-overlapping; capped at max-model-len)",
+        default=None,
+        help="perplexity window in tokens (non-overlapping; capped at max-model-len) "
+        + _default_help("ppl_window"),
     )
     p.add_argument(
         "--baseline",
@@ -116,6 +157,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out", default=None, help="output directory (default: ./compare-YYYYmmdd-HHMMSS)"
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run in --out: finished configurations are kept, and "
+        "the interrupted one keeps its finished measurements",
+    )
+
+
+def apply_device_defaults(ns: argparse.Namespace) -> str:
+    """Fill the options left unset with the defaults of the device the run will use."""
+    device = ns.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    defaults = CPU_DEFAULTS if device == "cpu" else GPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(ns, key, None) is None:
+            setattr(ns, key, value)
+    return device
 
 
 # ---------------------------------------------------------------------- validation
@@ -172,6 +233,7 @@ def build_jobs(ns: argparse.Namespace) -> tuple[list[CompareJob], dict[str, Any]
     from pagoda.config import normalize_dtype
     from pagoda.model_files import resolve_model
 
+    apply_device_defaults(ns)
     models = list(ns.models)
     sources = []
     for m in models:
@@ -329,26 +391,23 @@ def _dedupe(labels: list[str]) -> list[str]:
 def command_line(ns: argparse.Namespace) -> str:
     """The invocation, rebuilt from the parsed arguments (for the report)."""
     args = ["pagoda", "compare", *ns.models]
+    # every value is written out, device defaults included: the line reruns the same thing
     defaults = {
         "labels": None,
         "dtype": "auto",
         "device": "auto",
         "gpu_memory_utilization": 0.85,
-        "max_model_len": 4096,
         "max_num_seqs": None,
         "enforce_eager": False,
-        "prompt_len": 512,
-        "output_len": 256,
-        "batch_sizes": "1,8,64",
-        "iters": 2,
-        "throughput_requests": 256,
         "ppl_text": None,
-        "ppl_window": 512,
         "baseline": "none",
         "cpu_threads": None,
         "timeout": None,
         "out": None,
+        "resume": False,
     }
+    for key in GPU_DEFAULTS:
+        defaults.setdefault(key, object())
     for key, default in defaults.items():
         value = getattr(ns, key)
         if value == default:
@@ -365,18 +424,70 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:60] or "config"
 
 
+def _paths(out_dir: Path, index: int, job: CompareJob) -> tuple[Path, Path, Path]:
+    name = f"{index:02d}-{_slug(job.label)}"
+    return (
+        out_dir / "jobs" / f"{name}.json",
+        out_dir / "jobs" / f"{name}.result.json",
+        out_dir / "logs" / f"{name}.log",
+    )
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    """A worker's result file (complete or not), None when absent or unreadable."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class _PhaseBars:
+    """One tqdm bar per phase of a worker (`@@bar done total phase` lines), on stderr."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.phase: str | None = None
+        self.bar: Any = None
+
+    def update(self, line: str) -> None:
+        from tqdm import tqdm
+
+        done_s, total_s, phase = line.split(" ", 2)
+        done, total = int(done_s), int(total_s)
+        if phase != self.phase:
+            self.close()
+            self.phase = phase
+            self.bar = tqdm(total=total, desc=f"{self.tag} · {phase}", file=sys.stderr, leave=True)
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def run_job(
-    job: CompareJob, index: int, total: int, out_dir: Path, timeout: float | None
+    job: CompareJob,
+    index: int,
+    total: int,
+    out_dir: Path,
+    timeout: float | None,
+    resume: bool = False,
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Run one worker; stream its progress; (result, None) or (None, error line)."""
-    name = f"{index:02d}-{_slug(job.label)}"
     (out_dir / "jobs").mkdir(parents=True, exist_ok=True)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    job_path = out_dir / "jobs" / f"{name}.json"
-    result_path = out_dir / "jobs" / f"{name}.result.json"
-    log_path = out_dir / "logs" / f"{name}.log"
+    job_path, result_path, log_path = _paths(out_dir, index, job)
+    tag = f"[{index}/{total}] {job.label}"
+    if resume:
+        previous = read_result(result_path)
+        if previous is not None and previous.get("complete"):
+            print(f"{tag} · kept from the previous run (--resume)", file=sys.stderr)
+            return previous, None
+    else:
+        result_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(job.to_dict(), indent=2) + "\n", encoding="utf-8")
-    result_path.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     if job.cpu_threads:
         # read by the OpenMP runtime at start-up, before torch.set_num_threads in the worker
@@ -389,13 +500,14 @@ def run_job(
         str(job_path),
         "--out",
         str(result_path),
+        *(["--resume"] if resume else []),
     ]
-    tag = f"[{index}/{total}] {job.label}"
     t0 = time.perf_counter()
     print(f"{tag} · starting ({job.engine}, {job.model})", file=sys.stderr, flush=True)
     error = None
     timed_out = threading.Event()
-    with open(log_path, "w", encoding="utf-8") as log:
+    bars = _PhaseBars(tag)
+    with open(log_path, "a" if resume else "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, env=env)
 
         def kill() -> None:
@@ -408,8 +520,12 @@ def run_job(
         try:
             assert proc.stderr is not None
             for line in proc.stderr:
+                if line.startswith(BAR_PREFIX):
+                    bars.update(line[len(BAR_PREFIX) :].rstrip("\n"))
+                    continue
                 log.write(line)
                 if line.startswith(PROGRESS_PREFIX):
+                    bars.close()
                     msg = line[len(PROGRESS_PREFIX) :].rstrip()
                     print(
                         f"{tag} · {msg}  [{time.perf_counter() - t0:.0f} s]",
@@ -424,6 +540,7 @@ def run_job(
             proc.wait()
             raise
         finally:
+            bars.close()
             if timer:
                 timer.cancel()
     elapsed = time.perf_counter() - t0
@@ -439,6 +556,23 @@ def run_job(
         return None, error
     print(f"{tag} · done in {elapsed:.0f} s", file=sys.stderr, flush=True)
     return json.loads(result_path.read_text(encoding="utf-8")), None
+
+
+def check_resume(jobs: list[CompareJob], out_dir: Path) -> None:
+    """--resume needs the same configurations and settings as the run it continues."""
+    if not (out_dir / "jobs").is_dir():
+        raise ValueError(f"--resume: {out_dir} has no previous run (no jobs/ directory)")
+    for i, job in enumerate(jobs):
+        job_path = _paths(out_dir, i + 1, job)[0]
+        if not job_path.is_file():
+            continue  # not reached before the interruption
+        before = json.loads(job_path.read_text(encoding="utf-8"))
+        changed = sorted(k for k, v in job.to_dict().items() if before.get(k) != v)
+        if changed:
+            raise ValueError(
+                f"--resume: {job.label} was run with other settings ({', '.join(changed)}); "
+                "pass the same arguments, or start a new --out"
+            )
 
 
 def _git_revision() -> str | None:
@@ -486,9 +620,12 @@ def build_report(
         else:
             entry.update(
                 dtype=result.get("dtype", job.dtype),
+                device=result.get("device"),
                 values=flat_values(result, metrics),
                 result=result,
             )
+            if not result.get("complete", True):
+                entry["interrupted"] = True
         configs.append(entry)
     ok = [c for c in configs if c["status"] == "ok"]
     ref = next((c for c in ok if c["engine"] == "pagoda"), ok[0] if ok else None)
@@ -515,26 +652,34 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(ns: argparse.Namespace) -> int:
     jobs, settings = build_jobs(ns)
+    if ns.resume and ns.out is None:
+        raise ValueError("--resume needs --out DIR, the directory of the run to continue")
     out_dir = Path(ns.out or f"compare-{datetime.now():%Y%m%d-%H%M%S}")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {str(out_dir)!r} exists and is not a directory")
+    if ns.resume:
+        check_resume(jobs, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     command = command_line(ns)
     print(f"pagoda compare: {len(jobs)} run(s), results in {out_dir}/", file=sys.stderr)
     outcomes: list[tuple[dict | None, str | None]] = []
     on_main = threading.current_thread() is threading.main_thread()
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the running worker is killed
-    # rather than left holding the GPU.
+    # rather than left holding the GPU, and what it measured is reported.
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if on_main else None
     try:
         for i, job in enumerate(jobs):
-            outcomes.append(run_job(job, i + 1, len(jobs), out_dir, ns.timeout))
+            outcomes.append(run_job(job, i + 1, len(jobs), out_dir, ns.timeout, ns.resume))
             if i + 1 < len(jobs):
-                # a partial report after every configuration: an interrupted run keeps what
-                # finished (plots are drawn once, at the end)
+                # a partial report after every configuration (plots are drawn at the end)
                 partial = build_report(jobs[: i + 1], outcomes, settings, command)
                 if partial["reference"] is not None:
                     write_report(partial, out_dir, plots=False)
+    except (KeyboardInterrupt, SystemExit) as stop:
+        _report_interrupted(jobs, outcomes, settings, command, out_dir, ns)
+        if isinstance(stop, SystemExit):
+            raise
+        return 130
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
@@ -550,3 +695,29 @@ def main(ns: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 1 if any(c["status"] != "ok" for c in report["configs"]) else 0
+
+
+def _report_interrupted(
+    jobs: list[CompareJob],
+    outcomes: list[tuple[dict | None, str | None]],
+    settings: dict[str, Any],
+    command: str,
+    out_dir: Path,
+    ns: argparse.Namespace,
+) -> None:
+    """The report of what finished, the interrupted configuration's measurements included."""
+    done = list(outcomes)
+    if len(done) < len(jobs):
+        partial = read_result(_paths(out_dir, len(done) + 1, jobs[len(done)])[1])
+        if partial is not None:
+            done.append((partial, None))
+    kept = [(j, o) for j, o in zip(jobs, done) if o[0] is not None]
+    if kept:
+        report = build_report([j for j, _ in kept], [o for _, o in kept], settings, command)
+        write_report(report, out_dir)
+    print(
+        f"\ninterrupted: {len(kept)} of {len(jobs)} configuration(s) have results in "
+        f"{out_dir / 'report.md'}; continue with: "
+        f"{command_line(argparse.Namespace(**{**vars(ns), 'resume': True, 'out': str(out_dir)}))}",
+        file=sys.stderr,
+    )

@@ -2,7 +2,8 @@
 
 Input is one worker result per configuration (see `compare_worker`); every metric also gets a
 ratio to the reference (the first configuration that ran). Plots (matplotlib, Agg backend):
-decode tok/s vs batch size, memory split (weights / KV cache / other), KV capacity in tokens.
+decode tok/s vs batch size, memory split (weights / KV cache / other), KV capacity in tokens,
+load and start-up time. Titles are wrapped to the figure's width.
 `python -m pagoda.bench.compare_report DIR` re-renders a finished run from its report.json.
 """
 
@@ -28,7 +29,8 @@ class Metric:
 def metrics_for(settings: dict[str, Any]) -> list[Metric]:
     """The table's rows, in order; decode rows follow the batch sizes asked for."""
     rows = [
-        Metric("weights_gib", "weights (GiB)", "gib", "lower"),
+        Metric("weights_gib", "weights in memory (GiB)", "gib", "lower"),
+        Metric("weights_disk_gib", "weights on disk (GiB)", "gib", "lower"),
         Metric("kv_cache_gib", "KV cache available (GiB)", "gib", "higher"),
         Metric("kv_tokens", "KV cache capacity (tokens)", "tokens", "higher"),
         Metric(
@@ -54,10 +56,10 @@ def metrics_for(settings: dict[str, Any]) -> list[Metric]:
         rows.append(
             Metric("throughput_tok_s", f"throughput, {n} requests (output tok/s)", "toks", "higher")
         )
-    if settings.get("ppl_text"):
-        rows.append(
-            Metric("ppl", f"perplexity ({settings['ppl_window']}-token windows)", "ppl", "lower")
-        )
+    # every run has a perplexity: on --ppl-text, else on a default text (see compare_worker)
+    rows.append(
+        Metric("ppl", f"perplexity ({settings['ppl_window']}-token windows)", "ppl", "lower")
+    )
     return rows
 
 
@@ -137,6 +139,10 @@ def markdown_table(report: dict[str, Any]) -> str:
     head = "| metric | " + " | ".join(_md_escape(c["label"]) for c in configs) + " |"
     sep = "|---|" + "---:|" * len(configs)
     lines = [head, sep]
+    # what ran where: a float32 CPU run must say so next to its numbers
+    for key, title in (("dtype", "dtype"), ("device", "device")):
+        cells = [_md_escape(str(c.get(key) or c["result"].get(key) or "—")) for c in configs]
+        lines.append(f"| {title} | " + " | ".join(cells) + " |")
     for m in metrics:
         cells = []
         for c in configs:
@@ -197,26 +203,26 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"[{s['throughput_len_range'][0]}, {s['throughput_len_range'][1]}], temperature "
             "0.6, ignore_eos), all submitted at once."
         )
-    if s.get("ppl_text"):
-        parts.append("")
-        ppl = (
-            next(
-                (
-                    c["result"].get("perplexity")
-                    for c in report["configs"]
-                    if c["status"] == "ok" and c["result"].get("perplexity")
-                ),
-                None,
-            )
-            or {}
+    parts.append("")
+    ppl = (
+        next(
+            (
+                c["result"].get("perplexity")
+                for c in report["configs"]
+                if c["status"] == "ok" and c["result"].get("perplexity")
+            ),
+            None,
         )
-        parts.append(
-            f"Perplexity: `{s['ppl_text']}`, {ppl.get('text_tokens', '?')} tokens scored in "
-            f"windows of {ppl.get('window', s['ppl_window'])} (stride = window, every token after "
-            f"the first predicted once; {ppl.get('windows', '?')} windows, tokens hash "
-            f"`{ppl.get('tokens_sha256', '?')}`), by `{ppl.get('method', '?')}`: "
-            "`pagoda eval perplexity MODEL --text FILE --window W` gives the same number."
-        )
+        or {}
+    )
+    parts.append(
+        f"Perplexity: {ppl.get('text') if not s.get('ppl_text') else '`' + s['ppl_text'] + '`'}"
+        f", {ppl.get('text_tokens', '?')} tokens scored in "
+        f"windows of {ppl.get('window', s['ppl_window'])} (stride = window, every token after "
+        f"the first predicted once; {ppl.get('windows', '?')} windows, tokens hash "
+        f"`{ppl.get('tokens_sha256', '?')}`), by `{ppl.get('method', '?')}`: "
+        "`pagoda eval perplexity MODEL --text FILE --window W` gives the same number."
+    )
     notes = []
     cores = os.cpu_count() or 1
     loads = [
@@ -236,6 +242,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         if c["status"] != "ok":
             notes.append(f"**{c['label']}** failed: {c.get('error')}")
             continue
+        if c.get("interrupted"):
+            notes.append(
+                f"**{c['label']}** was interrupted: only the measurements it finished are "
+                "shown; run the same command with --resume to complete it"
+            )
         for n in c["result"].get("notes", []):
             if n not in notes:
                 notes.append(n)
@@ -280,6 +291,15 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def _wrap(label: str, width: int = 18) -> str:
     return "\n".join(textwrap.wrap(label, width, break_long_words=False)) or label
+
+
+def _title(ax: Any, fig: Any, *lines: str) -> None:
+    """A title whose every line fits the figure: long lines are wrapped at word boundaries
+    (about 0.62 x the font size per character, a safe width for DejaVu Sans)."""
+    size = 13
+    chars = max(20, int(fig.get_figwidth() * 72 / (size * 0.62)))
+    wrapped = [w for line in lines for w in textwrap.wrap(line, chars) or [""]]
+    ax.set_title("\n".join(wrapped), fontsize=size)
 
 
 def _label_points(fig: Any, ax: Any, by_x: dict[int, list[tuple[float, str]]]) -> None:
@@ -355,9 +375,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         ax.set_yscale("log")
     ax.set_xlabel("batch size (concurrent sequences, log scale)")
     ax.set_ylabel("decode throughput (tokens/s, all sequences)")
-    ax.set_title(
-        f"Decode speed vs batch size — {device}\n"
-        f"prompt {s['prompt_len']} tokens, {s['output_len']} output tokens"
+    _title(
+        ax,
+        fig,
+        f"Decode speed vs batch size — {device}",
+        f"prompt {s['prompt_len']} tokens, {s['output_len']} output tokens",
     )
     ax.grid(True, which="major", alpha=0.35)
     ax.margins(x=0.15, y=0.12)
@@ -425,8 +447,11 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         ax.set_xticklabels([_wrap(c["label"]) for c, _ in splits], fontsize=10)
         ax.set_ylabel("GiB")
         what = "peak reserved + non-torch" if device.startswith("cuda") else "peak RSS"
-        ax.set_title(
-            f"Memory split per configuration — {device}\n(other = {what} − weights − KV cache)"
+        _title(
+            ax,
+            fig,
+            f"Memory split per configuration — {device}",
+            f"(other = {what} − weights − KV cache)",
         )
         ax.set_ylim(0, top * 1.12)
         ax.legend(
@@ -464,16 +489,53 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[str]:
         ax.set_xticklabels([_wrap(c["label"]) for c, _ in kv], fontsize=10)
         ax.set_ylabel("KV cache capacity (tokens)")
         ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:,.0f}"))
-        title = (
-            f"KV cache capacity — {device}, gpu_memory_utilization={s['gpu_memory_utilization']}"
-        )
-        if not device.startswith("cuda"):
-            title += "\n(CPU: sized for max_num_seqs full-length sequences, at most 1 GiB)"
-        ax.set_title(title)
+        title = [f"KV cache capacity — {device}"]
+        if device.startswith("cuda"):
+            title.append(f"gpu_memory_utilization={s['gpu_memory_utilization']}")
+        else:
+            title.append("(CPU: sized for max_num_seqs full-length sequences, at most 1 GiB)")
+        _title(ax, fig, *title)
         ax.set_ylim(0, max(vals) * 1.3)
         ax.grid(True, axis="y", alpha=0.3)
         fig.tight_layout()
         p = out_dir / "kv_tokens.png"
+        fig.savefig(p)
+        plt.close(fig)
+        paths.append(str(p))
+
+    # load time: weights load and the whole engine start-up, side by side per configuration
+    loads = [
+        (c, c["values"].get("load_s"), c["values"].get("startup_s"))
+        for c in configs
+        if c["values"].get("load_s") is not None
+    ]
+    if loads:
+        fig, ax = plt.subplots(figsize=(max(6.5, 2.2 * len(loads) + 2), 5.2), dpi=120)
+        width = 0.38
+        top = max(max(lo, st or 0.0) for _, lo, st in loads) or 1.0
+        for x, (_, lo, st) in enumerate(loads):
+            for dx, v, color, name in (
+                (-width / 2, lo, "C0", "weights load"),
+                (width / 2, st, "C2", "engine start-up, total"),
+            ):
+                if v is None:
+                    continue
+                ax.bar(x + dx, v, width, color=color, label=name if x == 0 else None)
+                ax.text(x + dx, v + 0.01 * top, f"{v:.2f} s", ha="center", va="bottom", fontsize=9)
+        ax.set_xticks(list(range(len(loads))))
+        ax.set_xticklabels([_wrap(c["label"]) for c, _, _ in loads], fontsize=10)
+        ax.set_ylabel("seconds")
+        ax.set_ylim(0, top * 1.2)
+        ax.legend(loc="upper left", fontsize=9, framealpha=0.9)
+        ax.grid(True, axis="y", alpha=0.3)
+        _title(
+            ax,
+            fig,
+            f"Load time — {device}",
+            "(start-up: the whole LLM(...) construction, load included)",
+        )
+        fig.tight_layout()
+        p = out_dir / "load_time.png"
         fig.savefig(p)
         plt.close(fig)
         paths.append(str(p))

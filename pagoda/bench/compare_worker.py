@@ -2,13 +2,17 @@
 
 `python -m pagoda.bench.compare_worker --job JOB.json --out RESULT.json` loads one model (the
 pagoda engine, or transformers as the baseline), measures memory, TTFT, decode speed per batch
-size, throughput and perplexity, and writes one JSON result. A process per configuration keeps
-device memory and allocator peaks clean. Progress goes to stderr as `@@progress <phase>` lines.
+size, throughput and perplexity, and writes one JSON result, rewritten after every finished
+measurement (`"complete": false` until the last), so an interrupted run keeps what it measured;
+`--resume` skips the measurements a previous result already has. A process per configuration
+keeps device memory and allocator peaks clean. Progress goes to stderr as `@@progress <phase>`
+lines and `@@bar <done> <total> <phase>` lines (the parent draws one bar per phase).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 PROGRESS_PREFIX = "@@progress "
+BAR_PREFIX = "@@bar "
 ERROR_PREFIX = "@@error "
 GiB = 1 << 30
 # Prompts draw ids below this so every vocabulary gets the same ids (as in `pagoda bench`).
@@ -70,7 +75,59 @@ def progress(msg: str) -> None:
     print(f"{PROGRESS_PREFIX}{msg}", file=sys.stderr, flush=True)
 
 
+def bar(done: int, total: int, phase: str) -> None:
+    print(f"{BAR_PREFIX}{done} {total} {phase}", file=sys.stderr, flush=True)
+
+
+class ResultFile:
+    """The worker's JSON result, replaced atomically after each measurement."""
+
+    def __init__(self, path: Path | None, previous: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.previous = previous or {}
+
+    def has(self, key: str, sub: str | None = None) -> bool:
+        value = self.previous.get(key)
+        return value is not None and (sub is None or sub in (value or {}))
+
+    def save(self, result: dict[str, Any], complete: bool = False) -> None:
+        if self.path is None:
+            return
+        result["complete"] = complete
+        tmp = self.path.with_name(self.path.name + f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def disk_size_gib(model: str) -> float | None:
+    """Bytes of the checkpoint's weight files (safetensors / GGUF), None for dummy configs."""
+    from pagoda.model_files import resolve_model
+
+    source = resolve_model(None if model == "default" else model)
+    if source.kind == "gguf":
+        return os.path.getsize(source.path) / GiB
+    if source.kind != "hf_dir":
+        return None
+    files = list(Path(source.path).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) / GiB if files else None
+
+
 # ---------------------------------------------------------------------- shared helpers
+
+DEFAULT_PPL_TEXT_NAME = "the Zen of Python (`import this`; the default without --ppl-text)"
+
+
+def default_ppl_text() -> str:
+    """A short English text every Python has, the same in every version (`import this`):
+    a perplexity row without --ppl-text that needs no download. A smoke figure, not a
+    quality benchmark: pass --ppl-text with in-domain text for that."""
+    import codecs
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this
+    return codecs.decode(this.s, "rot13")
 
 
 def standard_workload_lengths(max_model_len: int) -> tuple[int, int, int, int]:
@@ -213,7 +270,7 @@ def _decode_rate(engine: Any, prompts: list[list[int]], output_len: int) -> dict
     }
 
 
-def run_pagoda(job: CompareJob) -> dict[str, Any]:
+def run_pagoda(job: CompareJob, out: ResultFile | None = None) -> dict[str, Any]:
     import torch
 
     from pagoda.bench.common import environment, random_workload
@@ -235,7 +292,6 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
         max_num_seqs=job.max_num_seqs,
         enforce_eager=job.enforce_eager,
         seed=job.seed,
-        skip_tokenizer_init=job.ppl_text is None,
         print_memory_report=False,
     )
     startup_s = time.perf_counter() - t0
@@ -257,6 +313,7 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
     result.update(_check_quantization(llm))
     result.update(
         weights_gib=report.weights_bytes / GiB,
+        weights_disk_gib=disk_size_gib(job.model),
         kv_cache_gib=report.kv_cache_bytes / GiB,
         kv_tokens=report.kv_token_capacity,
         max_concurrency=report.max_concurrency,
@@ -272,6 +329,16 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
             "CPU: the engine sizes the KV cache for max_num_seqs full-length sequences (at most "
             "1 GiB), not from free memory, so KV capacity does not grow when the weights shrink"
         )
+        if str(result.get("quantization") or "").startswith("W4A16"):
+            disk = result["weights_disk_gib"]
+            on_disk = f" (on disk, 4-bit packed: {disk:.3g} GiB)" if disk else ""
+            result["notes"].append(
+                f"{job.label}: on CPU, W4A16 weights are held as int8 codes (one byte per 4-bit "
+                f"weight) for the torch kernels, so the in-memory weights are about twice the "
+                f"4-bit size{on_disk}; GPUs keep them packed"
+            )
+    out = out or ResultFile(None)
+    out.save(result)
     progress(
         f"ready in {startup_s:.1f} s: weights {result['weights_gib']:.3f} GiB, "
         f"KV {result['kv_cache_gib']:.3f} GiB = {report.kv_token_capacity:,} tokens"
@@ -288,27 +355,48 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
     )
 
     n_ttft = _ttft_runs(job.iters)
-    progress(f"TTFT: prompt {job.prompt_len} tokens, batch 1, {n_ttft} runs")
-    ttfts = []
-    for i in range(n_ttft + 1):  # the first run is a warm-up
-        out = llm.generate(_prompts(rng, 1, job.prompt_len, vocab), greedy1, use_tqdm=False)
-        m = out[0].metrics
-        if i > 0:
-            ttfts.append((m.first_token_time - m.arrival_time) * 1e3)
-    result["ttft_ms"] = _median(ttfts)
-    result["ttft_ms_runs"] = ttfts
+    if out.has("ttft_ms"):
+        result["ttft_ms"] = out.previous["ttft_ms"]
+        result["ttft_ms_runs"] = out.previous.get("ttft_ms_runs", [])
+        progress("TTFT: kept from the previous run (--resume)")
+    else:
+        progress(f"TTFT: prompt {job.prompt_len} tokens, batch 1, {n_ttft} runs")
+        ttfts = []
+        phase = f"TTFT, prompt {job.prompt_len}"
+        for i in range(n_ttft + 1):  # the first run is a warm-up
+            bar(i, n_ttft + 1, phase)
+            res = llm.generate(_prompts(rng, 1, job.prompt_len, vocab), greedy1, use_tqdm=False)
+            m = res[0].metrics
+            if i > 0:
+                ttfts.append((m.first_token_time - m.arrival_time) * 1e3)
+        bar(n_ttft + 1, n_ttft + 1, phase)
+        result["ttft_ms"] = _median(ttfts)
+        result["ttft_ms_runs"] = ttfts
+        out.save(result)
 
     decode: dict[str, Any] = {}
+    result["decode"] = decode
+    result["decode_tok_s"] = {}
     for k, bs in enumerate(job.batch_sizes):
+        if out.has("decode", str(bs)):
+            decode[str(bs)] = out.previous["decode"][str(bs)]
+            result["decode_tok_s"][str(bs)] = decode[str(bs)]["tok_s"]
+            progress(f"decode batch {bs}: kept from the previous run (--resume)")
+            continue
         progress(
             f"decode batch {bs} ({k + 1}/{len(job.batch_sizes)}): prompt "
             f"{job.prompt_len}, output {job.output_len}"
         )
+        phase = f"decode, batch {bs}"
+        bar(0, job.iters + 1, phase)
         _decode_rate(engine, _prompts(rng, bs, job.prompt_len, vocab), min(4, job.output_len))
-        runs = [
-            _decode_rate(engine, _prompts(rng, bs, job.prompt_len, vocab), job.output_len)
-            for _ in range(job.iters)
-        ]
+        runs = []
+        for i in range(job.iters):
+            bar(i + 1, job.iters + 1, phase)
+            runs.append(
+                _decode_rate(engine, _prompts(rng, bs, job.prompt_len, vocab), job.output_len)
+            )
+        bar(job.iters + 1, job.iters + 1, phase)
         decode[str(bs)] = {
             "tok_s": _median([r["tok_s"] for r in runs]),
             "runs": runs,
@@ -319,10 +407,14 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
                 f"decode batch {bs}: {decode[str(bs)]['preemptions']} preemption(s) (the KV "
                 "cache is too small for this batch; the figure includes recomputation)"
             )
-    result["decode"] = decode
-    result["decode_tok_s"] = {b: d["tok_s"] for b, d in decode.items()}
+        result["decode_tok_s"][str(bs)] = decode[str(bs)]["tok_s"]
+        out.save(result)
 
-    if job.throughput_requests > 0:
+    if job.throughput_requests > 0 and out.has("throughput"):
+        result["throughput"] = out.previous["throughput"]
+        result["throughput_tok_s"] = out.previous.get("throughput_tok_s")
+        progress("throughput: kept from the previous run (--resume)")
+    elif job.throughput_requests > 0:
         lo, hi, lo_out, hi_out = standard_workload_lengths(job.max_model_len)
         wl = random_workload(256, lo, hi, lo_out, hi_out, vocab, seed=0)
         n = job.throughput_requests
@@ -334,8 +426,10 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
         ]
         engine.core.kv_cache_manager.reset_prefix_cache()
         preempt0 = engine.core.num_preemptions
+        phase = f"throughput, {n} requests"
+        bar(0, n, phase)
         t = time.perf_counter()
-        res = llm.generate(prompts, params, use_tqdm=False)
+        res = _generate_counting(llm, prompts, params, phase)
         elapsed = time.perf_counter() - t
         produced = sum(len(o.outputs[0].token_ids) for o in res)
         prompt_tokens = sum(len(p) for p in prompts)
@@ -351,6 +445,7 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
             "preemptions": engine.core.num_preemptions - preempt0,
         }
         result["throughput_tok_s"] = produced / elapsed
+        out.save(result)
 
     # Serving peaks are read before the perplexity pass, whose full-window logits are not
     # part of serving.
@@ -358,10 +453,31 @@ def run_pagoda(job: CompareJob) -> dict[str, Any]:
     result["load_average_end"] = os.getloadavg()
     result["torch_threads"] = torch.get_num_threads()
 
-    if job.ppl_text is not None:
+    if out.has("perplexity"):
+        result["perplexity"] = out.previous["perplexity"]
+        result["ppl"] = out.previous.get("ppl")
+    else:
         result["perplexity"] = _pagoda_perplexity(job, llm, device)
         result["ppl"] = result["perplexity"]["ppl"]
+    out.save(result, complete=True)
     return result
+
+
+def _generate_counting(llm: Any, prompts: list, params: list, phase: str) -> list:
+    """`llm.generate`, with a progress line per finished request (the parent's bar)."""
+    engine = llm.llm_engine
+    ids = []
+    for p, sp in zip(prompts, params, strict=True):
+        rid = engine.next_request_id()
+        engine.add_request(rid, p, sp, final_only=True)
+        ids.append(rid)
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+                bar(len(done), len(ids), phase)
+    return [done[i] for i in ids]
 
 
 def _pagoda_perplexity(job: CompareJob, llm: Any, device: Any) -> dict[str, Any]:
@@ -373,13 +489,14 @@ def _pagoda_perplexity(job: CompareJob, llm: Any, device: Any) -> dict[str, Any]
     tokenizer = llm.get_tokenizer()
     if tokenizer is None:
         return {"ppl": None, "skipped": "the model has no tokenizer (a bare config)"}
-    text = Path(job.ppl_text).read_text(encoding="utf-8")
+    text = Path(job.ppl_text).read_text(encoding="utf-8") if job.ppl_text else default_ppl_text()
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if len(ids) < 2:
         raise ValueError(f"{job.ppl_text}: fewer than 2 tokens of text")
     window = min(job.ppl_window, job.max_model_len)
     spans = windows(len(ids), window, window)
     progress(f"perplexity: {len(ids)} tokens in {len(spans)} window(s) of {window}")
+    bar(0, 1, f"perplexity, {len(spans)} window(s)")
     model = llm.llm_engine.core.runner.model
     nll, count = perplexity_of_model(model, ids, window, window, device)
     # The same digest as `pagoda eval perplexity`: equal <=> same tokens and windows.
@@ -393,7 +510,7 @@ def _pagoda_perplexity(job: CompareJob, llm: Any, device: Any) -> dict[str, Any]
         "stride": window,
         "text_tokens": len(ids),
         "tokens_sha256": digest,
-        "text": str(job.ppl_text),
+        "text": str(job.ppl_text) if job.ppl_text else DEFAULT_PPL_TEXT_NAME,
         "method": "pagoda.bench.perplexity.perplexity_of_model",
     }
 
@@ -501,20 +618,28 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--job", required=True, help="JSON file with the CompareJob fields")
     p.add_argument("--out", required=True, help="where to write the JSON result")
+    p.add_argument("--resume", action="store_true", help="keep the measurements --out has")
     ns = p.parse_args(argv)
     job = CompareJob.from_dict(json.loads(Path(ns.job).read_text(encoding="utf-8")))
+    previous = None
+    if ns.resume and Path(ns.out).is_file():
+        with contextlib.suppress(json.JSONDecodeError):
+            previous = json.loads(Path(ns.out).read_text(encoding="utf-8"))
+    out = ResultFile(Path(ns.out), previous)
     import torch
 
     if job.cpu_threads:
         torch.set_num_threads(job.cpu_threads)
     try:
-        result = run_transformers(job) if job.engine == "transformers" else run_pagoda(job)
+        if job.engine == "transformers":
+            out.save(run_transformers(job), complete=True)
+        else:
+            run_pagoda(job, out)
     except Exception as e:  # reported to the parent as one line; the log keeps the traceback
         traceback.print_exc()
         msg = f"{type(e).__name__}: {e}".replace("\n", " ")
         print(f"{ERROR_PREFIX}{msg}", file=sys.stderr, flush=True)
         return 1
-    Path(ns.out).write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     return 0
 
 

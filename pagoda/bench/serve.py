@@ -3,7 +3,9 @@
 Streams `--num-prompts` requests (random-word or `--prompts-file` prompts) at a fixed
 `--concurrency` or as a Poisson process at `--request-rate`, and reports req/s, output tok/s and
 TTFT / TPOT / ITL / end-to-end latency (mean, p50, p99) plus errors, as a table and `--out JSON`.
-Works against pagoda, vLLM or any server that speaks the OpenAI streaming API.
+Works against pagoda, vLLM or any server that speaks the OpenAI streaming API. `--launch` starts
+`pagoda serve` itself; `--offline-baseline` also times offline `LLM.generate` on the same prompts
+in the same run and reports the ratio.
 """
 
 from __future__ import annotations
@@ -106,6 +108,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop the run after this many seconds; unfinished requests count as errors",
     )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--launch",
+        default=None,
+        metavar="'MODEL [ENGINE FLAGS]'",
+        help="start `pagoda serve` with these arguments (one quoted string) on a free loopback "
+        "port, benchmark it, stop it (--url is then ignored)",
+    )
+    parser.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="with --launch: first run offline LLM.generate on the same prompts with the same "
+        "engine arguments (in its own process) and report serve / offline output tok/s",
+    )
+    parser.add_argument(
+        "--launch-timeout", type=float, default=900.0, help="seconds to wait for start-up"
+    )
 
 
 def _check(ns: argparse.Namespace) -> None:
@@ -117,6 +135,8 @@ def _check(ns: argparse.Namespace) -> None:
         raise ValueError(f"--concurrency must be >= 1, got {ns.concurrency}")
     if ns.request_rate is not None and not (ns.request_rate > 0 and math.isfinite(ns.request_rate)):
         raise ValueError(f"--request-rate must be a positive number, got {ns.request_rate}")
+    if ns.offline_baseline and not ns.launch:
+        raise ValueError("--offline-baseline needs --launch (the engine arguments to compare)")
     for name in ("input_len", "output_len"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
@@ -377,18 +397,157 @@ def format_table(s: dict[str, Any]) -> str:
         row = s[key]
         cells = "".join(f"{'-' if row[k] is None else f'{row[k]:.1f}':>12}" for k in row)
         lines.append(f"{label:<12}{cells}")
+    if "offline" in s:
+        lines.append("-" * 60)
+        lines.append(f"{'offline LLM.generate (tok/s)':<28}{s['offline']['output_throughput']:.1f}")
+        ratio = s["serve_over_offline"]
+        lines.append(f"{'serve / offline':<28}{'-' if ratio is None else f'{ratio:.3f}'}")
     for err in s["error_examples"]:
         lines.append(f"error: {err}")
     lines.append("=" * 60)
     return "\n".join(lines)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _engine_kwargs(launch: str) -> dict[str, Any]:
+    """The engine arguments of a `pagoda serve` argument string, as `LLM(...)` takes them."""
+    import shlex
+
+    from pagoda.entrypoints.cli import build_parser, engine_kwargs
+
+    ns = build_parser().parse_args(["serve", *shlex.split(launch)])
+    return engine_kwargs(ns)
+
+
+def _run_offline(ns: argparse.Namespace, prompts: list) -> dict[str, Any]:
+    """Offline `LLM.generate` on the prompts, in a child process (it frees the device after)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        result = Path(tmp) / "result.json"
+        job.write_text(
+            json.dumps(
+                {
+                    "launch": ns.launch,
+                    "prompts": prompts,
+                    "output_len": ns.output_len,
+                    "ignore_eos": not ns.no_ignore_eos,
+                    "temperature": ns.temperature,
+                    "seed": ns.seed,
+                }
+            )
+        )
+        cmd = [sys.executable, "-m", "pagoda.bench.serve", "offline", str(job), str(result)]
+        subprocess.run(cmd, check=True)
+        return json.loads(result.read_text())
+
+
+def offline_worker(job_path: str, result_path: str) -> None:
+    """`python -m pagoda.bench.serve offline JOB RESULT`: one timed `LLM.generate`."""
+    from pagoda.entrypoints.llm import LLM
+    from pagoda.sampling_params import SamplingParams
+
+    job = json.loads(Path(job_path).read_text())
+    llm = LLM(**_engine_kwargs(job["launch"]))
+    prompts = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in job["prompts"]]
+    params = SamplingParams(
+        max_tokens=job["output_len"],
+        ignore_eos=job["ignore_eos"],
+        temperature=job["temperature"],
+        seed=job["seed"],
+    )
+    warm = SamplingParams(max_tokens=8, ignore_eos=True)
+    llm.generate(prompts[: min(len(prompts), 64)], warm, use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    Path(result_path).write_text(
+        json.dumps(
+            {
+                "duration_s": duration,
+                "total_output_tokens": tokens,
+                "output_throughput": tokens / duration,
+            }
+        )
+    )
+
+
+async def _wait_healthy(url: str, proc: Any, timeout: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pagoda serve exited with code {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get(f"{url}/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"pagoda serve did not answer /health within {timeout:.0f} s")
+
+
+def _launched(ns: argparse.Namespace) -> dict[str, Any]:
+    """Start the server, warm it up, run the benchmark, stop the server."""
+    import shlex
+    import signal
+    import subprocess
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *shlex.split(ns.launch)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log"]
+    cmd += ["--log-level", "warning"]
+    proc = subprocess.Popen(cmd)
+    try:
+        ns.url = f"http://127.0.0.1:{port}"
+        asyncio.run(_wait_healthy(ns.url, proc, ns.launch_timeout))
+        warm = argparse.Namespace(**vars(ns))
+        warm.num_prompts = min(ns.num_prompts, ns.concurrency or 16)
+        warm.output_len = min(ns.output_len, 8)
+        asyncio.run(run_benchmark(warm))
+        return asyncio.run(run_benchmark(ns))
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main(ns: argparse.Namespace) -> int:
     _check(ns)
-    summary = asyncio.run(run_benchmark(ns))
+    offline = None
+    if ns.offline_baseline:
+        offline = _run_offline(ns, make_prompts(ns))
+    summary = _launched(ns) if ns.launch else asyncio.run(run_benchmark(ns))
+    if offline is not None:
+        summary["offline"] = offline
+        summary["serve_over_offline"] = (
+            summary["output_throughput"] / offline["output_throughput"]
+            if offline["output_throughput"]
+            else None
+        )
     print(format_table(summary))
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
         print(f"results written to {ns.out}", file=sys.stderr)
     return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "offline":
+        offline_worker(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit("usage: python -m pagoda.bench.serve offline JOB.json RESULT.json")

@@ -113,9 +113,8 @@ class EngineArgs:
             if device.type == "cpu":
                 dtype = "float32"  # CPU kernels for half types are slow or missing
             else:
-                cfg_dtype = getattr(text_config, "dtype", None) or getattr(
-                    text_config, "torch_dtype", None
-                )
+                # not `torch_dtype`: transformers prints a deprecation line when it is read
+                cfg_dtype = getattr(text_config, "dtype", None) or getattr(hf_config, "dtype", None)
                 dtype = normalize_dtype(cfg_dtype or "bfloat16")
                 if dtype == "float32":
                     dtype = "bfloat16"

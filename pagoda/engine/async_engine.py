@@ -74,6 +74,12 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args
         loop.call_soon_threadsafe(fn, *args)
 
 
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Put one step's outputs into their streams' queues (on the streams' event loop)."""
+    for stream, out in items:
+        stream._queue.put_nowait(out)
+
+
 class RequestStream:
     """Async iterator over one request's delta outputs; `abort()` stops it and frees its blocks."""
 
@@ -335,13 +341,19 @@ class AsyncLLMEngine:
             logger.exception("engine step failed")
             self._fail_all(RuntimeError(f"the engine failed while generating: {e}"))
             return
+        # One hand-over per event loop and step, not one per request: each cross-thread call
+        # wakes the loop through its self-pipe (a syscall), which at 64 streams cost more than
+        # the step's own bookkeeping.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            stream._put(out)
+            batches.setdefault(stream._loop, []).append((stream, out))
+        for loop, items in batches.items():
+            _call_in_loop(loop, _deliver, items)
         if not outputs and engine.core.num_steps == steps_before:
             # Nothing could be scheduled (e.g. waiting for blocks no request will free):
             # do not spin at full speed.

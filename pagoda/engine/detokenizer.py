@@ -68,15 +68,19 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, **self._decode_kwargs)
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
         """Append tokens and extend the text; return the stop string if one now matches.
 
-        After a stop string matched, the text is final and further tokens are ignored.
+        `stop_terminated`: the last token ended the request (EOS or one of `stop_token_ids`);
+        as in vLLM its text is left out unless `include_stop_str_in_output`. After a stop
+        string matched, the text is final and further tokens are ignored.
         """
         if self.stop_reason is not None:
             return self.stop_reason
         self.token_ids.extend(new_token_ids)
         old_len = len(self._output_text)
+        if stop_terminated and not self.include_stop_str_in_output:
+            new_token_ids = new_token_ids[:-1]
         for token_id in new_token_ids:
             self._tokens.append(token_id)
             if self._prefix_text is None:

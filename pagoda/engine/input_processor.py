@@ -37,8 +37,17 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.mm_processor = mm_processor  # set for vision-language models
 
-    def process(self, prompt: Any, allow_local_paths: bool = False) -> ProcessedPrompt:
-        """`allow_local_paths`: images may name local files (the offline API, not a server)."""
+    def process(
+        self,
+        prompt: Any,
+        allow_local_paths: bool = False,
+        truncate_prompt_tokens: int | None = None,
+    ) -> ProcessedPrompt:
+        """`allow_local_paths`: images may name local files (the offline API, not a server).
+
+        `truncate_prompt_tokens` (SamplingParams' field): keep only the last k tokens; -1 keeps
+        as many as the context allows with room for one generated token.
+        """
         text: str | None = None
         ids: list[int] | None = None
         images: list[Any] = []
@@ -75,6 +84,8 @@ class InputProcessor:
         mm_inputs = None
         if self.mm_processor is not None:  # expands image placeholders, checks stray ones
             ids, mm_inputs = self.mm_processor.process(ids, images, allow_local_paths)
+        if truncate_prompt_tokens is not None:
+            ids, text = self.truncate(ids, text, truncate_prompt_tokens, mm_inputs is not None)
         if not ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
         if len(ids) >= self.max_model_len:
@@ -84,6 +95,20 @@ class InputProcessor:
                 "for at least one generated token; shorten the prompt or raise max_model_len"
             )
         return ProcessedPrompt(text, ids, mm_inputs)
+
+    def truncate(
+        self, ids: list[int], text: str | None, k: int, has_images: bool = False
+    ) -> tuple[list[int], str | None]:
+        """The last `k` tokens (vLLM's left truncation); the text is dropped when it changes."""
+        keep = self.max_model_len - 1 if k == -1 else k
+        if len(ids) <= keep:
+            return ids, text
+        if has_images:
+            raise ValueError(
+                "truncate_prompt_tokens cannot cut a prompt with images (it would split an "
+                "image's tokens); shorten the prompt instead"
+            )
+        return ids[-keep:], None
 
     def _check_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, Sequence) or isinstance(ids, (str, bytes)):
@@ -150,6 +175,7 @@ class InputProcessor:
         data: URL, or http(s) when remote images are enabled, or a local path when
         `allow_local_paths` (the offline API). The server calls this with image_url parts as is.
         """
+        truncate = kwargs.pop("truncate_prompt_tokens", None)
         images: list[Any] = []
         text = self.render_chat(messages, images=images, **kwargs)
         # The template already contains the special tokens (BOS included where the model uses
@@ -158,7 +184,7 @@ class InputProcessor:
         prompt = {"prompt": text, "prompt_token_ids": ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        return self.process(prompt, allow_local_paths)
+        return self.process(prompt, allow_local_paths, truncate_prompt_tokens=truncate)
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")

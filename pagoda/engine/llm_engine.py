@@ -26,6 +26,7 @@ from pagoda.model_files import eos_token_ids, load_tokenizer
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.platform import cuda_available, triton_available
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output import StructuredOutputManager, StructuredOutputRequest
 from pagoda.worker.memory import MemoryReport
 
 logger = logging.getLogger("pagoda")
@@ -45,6 +46,11 @@ class _Child:
     sent_text_len: int = 0
     sent_tokens: int = 0
     sent_logprobs: int = 0
+    # Sample 0 only (siblings share the prompt): one entry per prompt token, filled by position
+    # as prompt chunks are computed (a recompute after preemption refills the same entries).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_prompt_logprobs: int = 0  # entries filled (the first token never has one)
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -97,6 +103,7 @@ class LLMEngine:
         )
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
+        self._structured: StructuredOutputManager | None = None  # made on first use
         self._counter = itertools.count()
         self.startup_time_s = time.perf_counter() - t0
         report = self.core.memory_report
@@ -138,13 +145,35 @@ class LLMEngine:
             )
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = processed or self.input_processor.process(prompt)
+        truncate = params.truncate_prompt_tokens
+        if processed is None:
+            processed = self.input_processor.process(prompt, truncate_prompt_tokens=truncate)
+        elif truncate is not None:
+            ids, text = self.input_processor.truncate(
+                processed.prompt_token_ids,
+                processed.prompt,
+                truncate,
+                processed.mm_inputs is not None,
+            )
+            processed = ProcessedPrompt(text, ids, processed.mm_inputs)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
         vocab = self.model_config.text_config.vocab_size
         bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.allowed_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (this model has none)")
+            params = params.clone()  # the token ids are this engine's, not the caller's
+            params.update_from_tokenizer(self.tokenizer, vocab)
+        grammar: StructuredOutputRequest | None = None
+        if params.structured_outputs is not None:
+            # Parsed now (a bad schema fails here); compiled on the manager's thread pool.
+            grammar = self.structured_output_manager().new_request(params.structured_outputs)
         lora_key = None
         if lora_request is not None:
             from pagoda.lora.request import LoRARequest
@@ -167,6 +196,13 @@ class LLMEngine:
                 child_params.stop_token_ids = list(params.stop_token_ids or []) + extra_eos
             if params.seed is not None and params.n > 1:
                 child_params.seed = params.seed + i  # siblings must not draw identical samples
+            if i > 0:
+                # The prompt's log-probs are the same for every sample: sample 0 computes them,
+                # the others keep their prefix-cache hits.
+                child_params.prompt_logprobs = None
+            child_grammar = grammar
+            if grammar is not None and i > 0:
+                child_grammar = self._structured.new_request(params.structured_outputs)
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
                 request_id=child_id,
@@ -177,6 +213,7 @@ class LLMEngine:
                 lora_key=lora_key,
                 mm_hashes=processed.mm_inputs.hash_ranges() if processed.mm_inputs else [],
                 mm_inputs=processed.mm_inputs,
+                structured_output=child_grammar,
             )
             detok = None
             if self.tokenizer is not None and params.detokenize:
@@ -194,6 +231,11 @@ class LLMEngine:
                 detok=detok,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
+                prompt_logprobs=(
+                    [None] * len(processed.prompt_token_ids)
+                    if i == 0 and params.prompt_logprobs is not None
+                    else None
+                ),
             )
             parent.children.append(child)
             self._child_to_parent[child_id] = (parent, child)
@@ -210,6 +252,15 @@ class LLMEngine:
             for child in parent.children:
                 self._child_to_parent.pop(child.request.request_id, None)
             raise
+
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """The grammar compiler and cache, created with the first constrained request."""
+        if self._structured is None:
+            self._structured = StructuredOutputManager(
+                self.tokenizer, self.model_config.text_config.vocab_size, self.eos_token_ids
+            )
+            self.core.structured_output_manager = self._structured
+        return self._structured
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -243,7 +294,8 @@ class LLMEngine:
             parent, child = entry
             if self._apply(parent, child, out, now):
                 stopped_by_string.append(out.req_id)
-            touched[parent.request_id] = parent
+            if out.new_token_ids or out.finish_reason is not None:
+                touched[parent.request_id] = parent  # a bare prompt chunk makes no output
         if stopped_by_string:
             self.core.finish_requests(stopped_by_string, RequestStatus.FINISHED_STOPPED)
         results = []
@@ -266,20 +318,19 @@ class LLMEngine:
             parent.metrics.last_token_time = now
         if child.logprobs is not None and out.new_logprobs:
             for ids, lps, rank in out.new_logprobs:
-                entry: dict[int, Logprob] = {}
-                for j, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
-                    if tid in entry:
-                        continue
-                    entry[tid] = Logprob(
-                        logprob=lp,
-                        rank=rank if j == 0 else j,
-                        decoded_token=self._decode_token(tid),
-                    )
-                child.logprobs.append(entry)
+                child.logprobs.append(self._logprob_entry(ids, lps, rank))
                 child.cumulative_logprob += lps[0]
+        if child.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
+            first, ids, lps, ranks = out.new_prompt_logprobs
+            for j, (tids, tlps, rank) in enumerate(zip(ids, lps, ranks, strict=True)):
+                if child.prompt_logprobs[first + j] is None:
+                    child.num_prompt_logprobs += 1
+                child.prompt_logprobs[first + j] = self._logprob_entry(tids, tlps, rank)
         stop_hit = False
         if child.detok is not None and out.new_token_ids and child.finish_reason is None:
-            matched = child.detok.update(out.new_token_ids)
+            # The token that ended the request by EOS / stop_token_ids leaves no text (vLLM).
+            stop_terminated = out.finish_reason == "stop"
+            matched = child.detok.update(out.new_token_ids, stop_terminated=stop_terminated)
             if matched is not None and out.finish_reason is None:
                 child.finish_reason, child.stop_reason = "stop", matched
                 stop_hit = True
@@ -288,6 +339,17 @@ class LLMEngine:
         if out.finish_reason is not None and child.finish_reason is None:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
         return stop_hit
+
+    def _logprob_entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        """vLLM's shape: the token first (its own rank), then the top-k with ranks 1..k."""
+        entry: dict[int, Logprob] = {}
+        for j, (tid, lp) in enumerate(zip(ids, lps, strict=True)):
+            if tid in entry:
+                continue
+            entry[tid] = Logprob(
+                logprob=lp, rank=rank if j == 0 else j, decoded_token=self._decode_token(tid)
+            )
+        return entry
 
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -326,7 +388,15 @@ class LLMEngine:
                     stop_reason=c.stop_reason,
                 )
             )
-        first = parent.children[0].request
+        first = parent.children[0]
+        prompt_logprobs = None
+        lead = first.prompt_logprobs
+        # Complete once every prompt token after the first has its entry; a delta stream gets
+        # the list once, with the first output that has it.
+        complete = lead is not None and first.num_prompt_logprobs >= len(lead) - 1
+        if complete and not (parent.delta and first.sent_prompt_logprobs):
+            prompt_logprobs = lead
+            first.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt.prompt,
@@ -334,7 +404,8 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             metrics=parent.metrics,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cached_tokens=max(first.request.num_cached_tokens, 0),
+            prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
     from pagoda.multimodal.inputs import MultiModalInputs
     from pagoda.sampling_params import SamplingParams
+    from pagoda.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -60,6 +61,9 @@ class Request:
     mm_hashes: list[tuple[int, int, str]] = field(default_factory=list)
     # Images for the runner (NumPy, read-only; the scheduler only passes the reference on).
     mm_inputs: MultiModalInputs | None = None
+    # The grammar that constrains its output (pagoda.structured_output): the scheduler admits
+    # the request once it is compiled and advances it with every sampled token.
+    structured_output: StructuredOutputRequest | None = None
 
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(init=False, default_factory=list)
@@ -107,14 +111,17 @@ class Request:
 
     @property
     def needs_sync(self) -> bool:
-        """Its sampling reads the host-side token history every step (penalties, min_tokens),
-        so the step after one that sampled for it cannot be scheduled before the token lands."""
+        """Its sampling reads the host-side token history every step (penalties, min_tokens,
+        bad words of several tokens), so the step after one that sampled for it cannot be
+        scheduled before the token lands. (A grammar does not need this: its bitmask is filled
+        after the previous token landed, while the step's forward runs; see EngineCore.)"""
         p = self.sampling_params
         return bool(
             p.presence_penalty
             or p.frequency_penalty
             or p.repetition_penalty != 1.0
             or (p.min_tokens or 0) > 0
+            or any(len(ids) > 1 for ids in p.bad_words_token_ids)
         )
 
     def extra_keys(self, start: int, end: int) -> tuple:

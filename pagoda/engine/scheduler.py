@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagoda.engine.request import Request, RequestStatus
 
@@ -45,6 +45,7 @@ class ScheduledRequest:
     eos_token_id: int | None = None  # the sampler masks it until min_tokens are out
     lora_key: str | None = None  # the request's adapter (Request.lora_key); None: base model
     mm_inputs: MultiModalInputs | None = None  # Request.mm_inputs: images, M-RoPE positions
+    structured_output: Any = None  # Request.structured_output: its grammar (bitmask rows)
     # True when this step reaches the last token (known or pending), so its logits give the
     # next one. With async scheduling the last input token may still be on the device: then
     # num_computed_tokens + num_new_tokens == len(all_token_ids) + 1 at schedule time.
@@ -64,6 +65,9 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list | None = None  # one (ids, logprobs, rank) entry per new token
+    # Prompt log-probs of this step's chunk: (index of the first prompt token covered,
+    # per token [ids], per token [logprobs], per token rank); ids[0] is the prompt token.
+    new_prompt_logprobs: tuple | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
 
@@ -83,6 +87,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self._finished_req_ids: set[str] = set()
         self._num_sync_requests = 0  # unfinished requests with Request.needs_sync
+        self._aborted_outputs: list[EngineCoreOutput] = []  # ended by schedule() itself
 
     def needs_sync(self) -> bool:
         """Whether some unfinished request's sampling needs every token on the host first."""
@@ -100,6 +105,18 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def pop_aborted_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that schedule() ended (a grammar that failed to compile)."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        return outputs
+
+    def waiting_for_grammar(self) -> bool:
+        """Some waiting request's grammar is still compiling."""
+        return any(
+            r.structured_output is not None and not r.structured_output.is_ready()
+            for r in self.waiting
+        )
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -171,6 +188,8 @@ class Scheduler:
 
         # 2. Waiting requests, FCFS. After a preemption the pool is known to be short: admitting
         # would only preempt again next step.
+        skipped: list[Request] = []  # waiting for their grammar to compile
+        failed: list[str] = []
         if not preempted_ids:
             max_loras = self.config.max_loras
             loras = {r.lora_key for r in self.running if r.lora_key} if max_loras else set()
@@ -178,6 +197,15 @@ class Scheduler:
                 request = self.waiting[0]
                 if request.num_pending_tokens:
                     break  # preempted while a step sampled for it: wait for that token
+                grammar = request.structured_output
+                if grammar is not None and not grammar.is_ready():
+                    # Compiling on the grammar thread pool: let the requests behind it in.
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if grammar is not None and grammar.error is not None:
+                    failed.append(request.request_id)
+                    skipped.append(self.waiting.popleft())
+                    continue
                 key = request.lora_key
                 if max_loras and key is not None and key not in loras and len(loras) >= max_loras:
                     # Its adapter needs a device slot that running requests hold: wait (in
@@ -185,7 +213,11 @@ class Scheduler:
                     break
                 hit_ids: list[int] = []
                 num_hit = 0
-                if request.num_computed_tokens == 0:
+                # Prompt log-probs need every prompt position's logits: no prefix-cache hit.
+                if (
+                    request.num_computed_tokens == 0
+                    and request.sampling_params.prompt_logprobs is None
+                ):
                     hit_ids, num_hit = kv.get_computed_blocks(request)
                 num_computed = request.num_computed_tokens + num_hit
                 num_new = request.num_tokens - num_computed
@@ -203,6 +235,15 @@ class Scheduler:
                     request.num_cached_tokens = num_hit
                 scheduled.append(self._scheduled(request, num_computed, num_new))
                 budget -= num_new
+        if skipped:
+            self.waiting.extendleft(reversed(skipped))  # back in arrival order
+        if failed:
+            # Its grammar failed to compile: it ends as aborted, and the front end hears of it
+            # through pop_aborted_outputs().
+            self.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+            self._aborted_outputs += [
+                EngineCoreOutput(rid, [], finish_reason="abort") for rid in failed
+            ]
 
         finished_ids, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
@@ -218,18 +259,27 @@ class Scheduler:
         """Advance progress, append sampled tokens, apply stop rules, release finished ones."""
         sampled = runner_output.sampled_token_ids
         logprobs = runner_output.logprobs or {}
+        prompt_logprobs = getattr(runner_output, "prompt_logprobs", None) or {}
         outputs: list[EngineCoreOutput] = []
         finished: list[Request] = []
         finished_waiting = False
         for sched in scheduler_output.scheduled:
+            chunk_logprobs = prompt_logprobs.get(sched.req_id) if prompt_logprobs else None
             if not sched.do_sample:
-                continue  # a prompt chunk that does not reach the end: nothing sampled
+                # A prompt chunk that does not reach the end: nothing sampled.
+                if chunk_logprobs is not None and sched.req_id in self.requests:
+                    outputs.append(
+                        EngineCoreOutput(sched.req_id, [], new_prompt_logprobs=chunk_logprobs)
+                    )
+                continue
             request = self.requests.get(sched.req_id)
             if request is None or request.is_finished():
                 continue  # aborted or stopped since schedule(): the token is dropped
             token_id = sampled[sched.req_id]
             request.num_pending_tokens -= 1
             request.append_output_token_ids(token_id)
+            if request.structured_output is not None:
+                request.structured_output.accept_token(token_id)
             preempted = request.status == RequestStatus.PREEMPTED
             if self._check_stop(request, token_id):
                 finished.append(request)
@@ -242,6 +292,7 @@ class Scheduler:
                     new_logprobs=None if token_logprobs is None else [token_logprobs],
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
+                    new_prompt_logprobs=chunk_logprobs,
                 )
             )
         if finished:
@@ -266,6 +317,11 @@ class Scheduler:
             if not params.ignore_eos and token_id == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
+        if request.structured_output is not None and request.structured_output.is_terminated():
+            # The grammar is complete (or, never expected, rejected the token): nothing more
+            # may follow, whatever ignore_eos / min_tokens say.
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
@@ -337,5 +393,6 @@ class Scheduler:
             eos_token_id=request.eos_token_id,
             lora_key=request.lora_key,
             mm_inputs=request.mm_inputs,
+            structured_output=request.structured_output,
             do_sample=do_sample,
         )

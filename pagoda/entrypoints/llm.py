@@ -79,7 +79,12 @@ class LLM:
         loras = _lora_list(lora_request, len(prompt_list))
         # Offline: images may be local paths (a server never passes allow_local_paths).
         processor = self.llm_engine.input_processor
-        processed = [processor.process(p, allow_local_paths=True) for p in prompt_list]
+        processed = [
+            processor.process(
+                p, allow_local_paths=True, truncate_prompt_tokens=sp.truncate_prompt_tokens
+            )
+            for p, sp in zip(prompt_list, params, strict=True)
+        ]
         items = list(zip(prompt_list, processed, strict=True))
         return self._run(items, params, use_tqdm, loras)
 
@@ -106,8 +111,9 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                truncate_prompt_tokens=sp.truncate_prompt_tokens,
             )
-            for conv in conversations
+            for conv, sp in zip(conversations, params, strict=True)
         ]
         loras = _lora_list(lora_request, len(conversations))
         return self._run([(None, p) for p in processed], params, use_tqdm, loras)
@@ -149,6 +155,9 @@ class LLM:
         self, items: list, params: list[SamplingParams], use_tqdm: bool, loras: list | None = None
     ) -> list[RequestOutput]:
         engine = self.llm_engine
+        limit = engine.model_config.max_model_len
+        for (_, processed), p in zip(items, params, strict=True):
+            _check_context(len(processed.prompt_token_ids), p.max_tokens, limit)
         ids = []
         loras = loras or [None] * len(items)
         try:
@@ -181,6 +190,18 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+
+def _check_context(prompt_len: int, max_tokens: int | None, limit: int) -> None:
+    """max_tokens beyond the context is an error, as on the server (a 400 there), not a
+    silent stop at max_model_len; None means "up to the context limit"."""
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise ValueError(
+            f"max_tokens={max_tokens} does not fit: the prompt has {prompt_len} tokens and the "
+            f"context (max_model_len) is {limit}, so at most {limit - prompt_len} can be "
+            "generated; lower max_tokens, pass max_tokens=None (up to the limit), or raise "
+            "max_model_len"
+        )
 
 
 def _lora_list(lora_request: Any, n: int) -> list[Any]:

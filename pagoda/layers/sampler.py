@@ -1,9 +1,9 @@
 """Turn a batch of next-token logits into sampled token ids (+ logprobs), vLLM semantics.
 
-Order: raw logprobs → min_tokens mask → repetition/frequency/presence penalties → greedy argmax,
-or temperature → top-k → top-p → min-p → exponential race `argmax(p / q)`, `q ~ Exp(1)`. Seeded
-rows draw `q` from their own `torch.Generator`, so their tokens do not depend on the batch.
-No host sync happens here: the caller's single `.tolist()` is the only one.
+Order: grammar bitmask → raw logprobs → allowed_token_ids / bad_words / min_tokens masks →
+repetition/frequency/presence penalties → greedy argmax, or temperature → top-k → top-p → min-p →
+exponential race `argmax(p / q)`, `q ~ Exp(1)`. Seeded rows draw `q` from their own
+`torch.Generator`, so their tokens do not depend on the batch. No host sync happens here.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     max_num_logprobs: int | None = None  # None = no row asked for logprobs
     min_tokens_blocked: dict[int, list[int]] = field(default_factory=dict)
+    # Structured outputs: the grammar's next-token bitmask ([N, ceil(V / 32)] int32, bit set =
+    # allowed, on the logits' device) and the rows it applies to.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: list[int] | torch.Tensor | None = None  # [R] int32 on CUDA
+    # row -> allowed token ids (every other token is masked)
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # row -> (bad word token id sequences, the row's output token ids so far)
+    bad_words: dict[int, tuple[list[list[int]], list[int]]] = field(default_factory=dict)
 
     @property
     def no_penalties(self) -> bool:
@@ -96,6 +104,14 @@ class SamplingMetadata:
             generators=generators or {},
             max_num_logprobs=max(logprobs) if logprobs else None,
             min_tokens_blocked=min_tokens_blocked,
+            allowed_token_ids={
+                i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids
+            },
+            bad_words={
+                i: (p.bad_words_token_ids, output_token_ids[i])
+                for i, p in enumerate(params)
+                if p.bad_words_token_ids
+            },
         )
 
 
@@ -142,6 +158,56 @@ def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     device = logits.device
     index = (to_device(rows, torch.int64, device), to_device(cols, torch.int64, device))
     # torch.full builds the value on the device; torch.tensor(-inf, device=...) would copy (sync).
+    return logits.index_put(index, torch.full((), float("-inf"), device=device))
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Mask (-inf, in place) the tokens each constrained row's grammar does not allow next.
+
+    xgrammar's own kernel: Triton on CUDA, C++ on the CPU. Only called when a row has a
+    grammar, so xgrammar is imported only then.
+    """
+    if md.grammar_bitmask is None:
+        return logits
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(
+        logits, md.grammar_bitmask, vocab_size=logits.shape[-1], indices=md.grammar_rows
+    )
+    return logits
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Mask every token outside a row's `allowed_token_ids`."""
+    if not md.allowed_token_ids:
+        return logits
+    device = logits.device
+    rows = list(md.allowed_token_ids)
+    masked = torch.zeros(logits.shape, dtype=torch.bool, device=device)  # [N, V]
+    masked[to_device(rows, torch.int64, device)] = True
+    r = [row for row, ids in md.allowed_token_ids.items() for _ in ids]
+    c = [t for ids in md.allowed_token_ids.values() for t in ids]
+    index = (to_device(r, torch.int64, device), to_device(c, torch.int64, device))
+    masked = masked.index_put(index, torch.zeros((), dtype=torch.bool, device=device))
+    return logits.masked_fill(masked, float("-inf"))
+
+
+def apply_bad_words(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Mask a bad word's last token where the output already ends with the rest of it."""
+    if not md.bad_words:
+        return logits
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, (sequences, output) in md.bad_words.items():
+        for seq in sequences:
+            prefix = len(seq) - 1
+            if prefix == 0 or (len(output) >= prefix and output[-prefix:] == seq[:-1]):
+                rows.append(row)
+                cols.append(seq[-1])
+    if not rows:
+        return logits
+    device = logits.device
+    index = (to_device(rows, torch.int64, device), to_device(cols, torch.int64, device))
     return logits.index_put(index, torch.full((), float("-inf"), device=device))
 
 
@@ -245,9 +311,13 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()  # [N, V]
+        # The grammar comes first, as in vLLM, where the runner applies it before sampling.
+        logits = apply_grammar_bitmask(logits, md)
         # Logprobs are those of the model's raw distribution (vLLM's default "raw_logprobs").
         raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
 
+        logits = apply_allowed_token_ids(logits, md)
+        logits = apply_bad_words(logits, md)
         logits = apply_min_tokens(logits, md)
         logits = apply_penalties(logits, md)
 

@@ -326,6 +326,22 @@ class _MmaLayout(WNA16Kernel):
         return q, unpack_mma_scales(layer.mma_scales.data).t(), zp
 
 
+def _mma_apply(kernel, layer: nn.Module, x: torch.Tensor, bias, **kw):
+    """(y, bias added) of an MMA-layout kernel taking (x, words, scales, n, group, bias, zeros)."""
+    fused = _fusable(bias, x)
+    out = kernel(
+        x,
+        layer.mma_words,
+        layer.mma_scales,
+        layer.out_features,
+        layer.wna16_group_size,
+        bias=bias if fused else None,
+        zero_pairs=layer.mma_zeros,
+        **kw,
+    )
+    return out, fused
+
+
 class MmaGemv(_MmaLayout):
     """Tensor-core GEMV (mma.sync, blocks of 8 rows): best up to 32 rows, runs up to 64."""
 
@@ -340,19 +356,8 @@ class MmaGemv(_MmaLayout):
     def apply(cls, layer, x, bias):
         from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemv
 
-        fused = _fusable(bias, x)
-        n, group = layer.out_features, layer.wna16_group_size
-        out = wna16_mma_gemv(
-            x,
-            layer.mma_words,
-            layer.mma_scales,
-            n,
-            group,
-            bias=bias if fused else None,
-            zero_pairs=layer.mma_zeros,
-            workspace=getattr(layer, "split_k_workspace", None),
-        )
-        return out, fused
+        workspace = getattr(layer, "split_k_workspace", None)
+        return _mma_apply(wna16_mma_gemv, layer, x, bias, workspace=workspace)
 
 
 class MmaGemm(_MmaLayout):
@@ -372,18 +377,7 @@ class MmaGemm(_MmaLayout):
     def apply(cls, layer, x, bias):
         from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemm
 
-        fused = _fusable(bias, x)
-        n, group = layer.out_features, layer.wna16_group_size
-        out = wna16_mma_gemm(
-            x,
-            layer.mma_words,
-            layer.mma_scales,
-            n,
-            group,
-            bias=bias if fused else None,
-            zero_pairs=layer.mma_zeros,
-        )
-        return out, fused
+        return _mma_apply(wna16_mma_gemm, layer, x, bias)
 
 
 class MmaDequantCublas(_MmaLayout):

@@ -72,6 +72,10 @@ class _Plan:
     untie_from: str | None = None  # the embedding a head without a tensor is materialised from
 
 
+# Tensor names of packed quantized weights (compressed-tensors, GPTQ/AWQ).
+_PACKED_SUFFIXES = (".weight_packed", ".qweight", ".qzeros")
+
+
 def merge_lora(
     base_dir: str | os.PathLike[str],
     adapter_dir: str | os.PathLike[str],
@@ -90,6 +94,7 @@ def merge_lora(
     _check_dirs(base, Path(adapter_dir).expanduser(), out)
     shards, index = _base_shards(base)
     headers = _read_headers(base, shards)
+    _check_not_quantized(base, headers)
     adapter = load_adapter(adapter_dir)
     plan = _make_plan(adapter, headers, base, _tied_embeddings(base, headers))
 
@@ -185,6 +190,34 @@ def _read_headers(base: Path, shards: list[str]) -> dict[str, tuple[str, tuple[i
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{base / shard}: cannot read safetensors file ({e})") from None
     return headers
+
+
+def _check_not_quantized(base: Path, headers: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """A LoRA delta adds to dense weights; a quantized base has packed integer codes instead."""
+    try:
+        config = json.loads((base / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{base / 'config.json'} is not valid JSON: {e}") from None
+    qc = next(
+        (
+            sec["quantization_config"]
+            for sec in (config, config.get("text_config"))
+            if isinstance(sec, dict) and sec.get("quantization_config")
+        ),
+        None,
+    )
+    packed = next((n for n in headers if n.endswith(_PACKED_SUFFIXES)), None)
+    if qc is None and packed is None:
+        return
+    what = (
+        f"quantization_config: {qc.get('quant_method', 'quantized')}"
+        if isinstance(qc, dict)
+        else f"packed tensor {packed}"
+    )
+    raise ValueError(
+        f"the base model {base} is quantized ({what}); merge the adapter into the unquantized "
+        "(bf16) model it was trained on, then quantize the merged model"
+    )
 
 
 # ---------------------------------------------------------------------------- matching
@@ -374,7 +407,7 @@ def _update_config(config_path: Path, out_dtype: torch.dtype | None, untie: bool
         for section in sections:
             keys = [k for k in ("torch_dtype", "dtype") if k in section]
             if section is config and not keys:
-                keys = ["torch_dtype"]
+                keys = ["dtype"]  # transformers 5's name (`torch_dtype` is deprecated)
             for key in keys:
                 section[key] = dtype_name
     if untie:

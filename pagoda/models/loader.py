@@ -1,7 +1,8 @@
 """Builds a model from a `ModelConfig` and fills its weights.
 
 Load formats: "auto" / "safetensors" (a HF directory of `*.safetensors`, sharded or not, read
-one file at a time), "gguf" (dequantized to HF-named tensors by transformers' GGUF reader) and
+one file at a time), "gguf" (dequantized to HF-named tensors by transformers' GGUF reader once,
+then read from the user cache: `pagoda.model_files.GGUFCache`) and
 "dummy" (deterministic random weights from the config alone, for benchmarks with real shapes).
 The model is built directly in the target dtype on the target device and returned in eval mode.
 """
@@ -11,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +25,9 @@ from pagoda.config import ModelConfig
 from pagoda.layers.embedding import LMHead
 from pagoda.layers.linear import LinearBase
 from pagoda.models.registry import architectures_of, get_model_class
+
+if TYPE_CHECKING:
+    from pagoda.model_files import GGUFCache
 
 _INDEX_FILE = "model.safetensors.index.json"
 # Dummy weights: small enough that activations stay O(1) through every layer, large enough that
@@ -78,9 +85,12 @@ def iter_safetensors_weights(
 
 
 def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield HF-named, dequantized tensors of `model_config.gguf_file`."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """Yield HF-named, dequantized tensors of `model_config.gguf_file`.
+
+    The first run dequantizes (seconds to minutes) and caches the result as safetensors; later
+    runs read that file (memory-mapped) instead.
+    """
+    from pagoda.model_files import gguf_cache
 
     gguf_path = model_config.gguf_file
     if gguf_path is None:
@@ -89,6 +99,25 @@ def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Te
         gguf_path = os.path.join(model_config.model, gguf_path)
     if not os.path.isfile(gguf_path):
         raise ValueError(f"{gguf_path}: GGUF file not found")
+    cache = gguf_cache(gguf_path)
+    if cache is not None and cache.weights_file.is_file():
+        tensors = _read_cached(cache.weights_file)
+        if tensors is not None:
+            yield from tensors
+            return
+    tensors = _dequantize_gguf(gguf_path, model_config)
+    if cache is not None:
+        _cache_tensors(cache, tensors, gguf_path)
+    while tensors:
+        # Pop so each dequantized float32 tensor is freed once copied into the model.
+        name = next(iter(tensors))
+        yield name, tensors.pop(name)
+
+
+def _dequantize_gguf(gguf_path: str, model_config: ModelConfig) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
     # transformers maps GGUF tensor names through an HF model's state_dict; a meta-device
     # instance gives it the names without allocating memory.
     with torch.device("meta"):
@@ -97,11 +126,48 @@ def iter_gguf_weights(model_config: ModelConfig) -> Iterator[tuple[str, torch.Te
         parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=hf_skeleton)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"{gguf_path}: cannot read GGUF checkpoint ({e})") from e
-    tensors: dict[str, torch.Tensor] = parsed["tensors"]
-    while tensors:
-        # Pop so each dequantized float32 tensor is freed once copied into the model.
-        name = next(iter(tensors))
-        yield name, tensors.pop(name)
+    return parsed["tensors"]
+
+
+def _read_cached(path: Path) -> Iterator[tuple[str, torch.Tensor]] | None:
+    """The cached tensors, read one at a time; None (and the file removed) when its header is
+    unreadable (a damaged cache entry is rebuilt, not fatal)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            names = list(f.keys())
+    except (SafetensorError, OSError) as e:
+        print(f"note: {path} is unreadable ({e}); converting the GGUF file again", file=sys.stderr)
+        path.unlink(missing_ok=True)
+        return None
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+    return tensors()
+
+
+def _cache_tensors(cache: GGUFCache, tensors: dict[str, torch.Tensor], gguf_path: str) -> None:
+    from safetensors.torch import save_file
+
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def write(tmp: Path) -> None:
+        # Leave 1 GiB spare: filling the disk to save start-up time is a bad trade.
+        free = shutil.disk_usage(tmp.parent).free
+        if free < nbytes + (1 << 30):
+            raise OSError(f"{nbytes / 2**20:.0f} MiB needed, {free / 2**20:.0f} MiB free")
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp))
+
+    if cache.store(cache.weights_file, write):
+        print(
+            f"note: dequantized {Path(gguf_path).name} once; cached {nbytes / 2**20:.0f} MiB in "
+            f"{cache.directory} so later starts skip it",
+            file=sys.stderr,
+        )
 
 
 def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> None:

@@ -43,6 +43,11 @@ class ImageLoader:
                 "an image must be a PIL image, bytes, a data: URL, an http(s) URL or a local "
                 f"path; got {type(source).__name__}"
             )
+        if not source.strip():
+            raise ValueError(
+                "image URL is empty: send the image as a data: URL "
+                "(data:image/png;base64,...)" + (" or a local path" if allow_local_paths else "")
+            )
         if source.startswith("data:"):
             return self._decode(self._data_url_bytes(source), "data URL")
         scheme = urllib.parse.urlsplit(source).scheme.lower()
@@ -125,7 +130,14 @@ class ImageLoader:
             raise ValueError(f"{what}: {e}") from None
         except Image.DecompressionBombError as e:
             raise ValueError(f"{what}: the image is too large ({e})") from None
-        except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        except UnidentifiedImageError:
+            # Pillow's own message names its BytesIO object (`<_io.BytesIO object at 0x...>`),
+            # which tells the user nothing; the first bytes say what was sent instead.
+            raise ValueError(
+                f"{what}: not an image ({len(data)} bytes starting with {data[:8]!r}); send a "
+                "PNG, JPEG, WebP or GIF file"
+            ) from None
+        except (OSError, SyntaxError) as e:
             raise ValueError(f"{what}: not a valid image file ({e})") from None
         return image
 

@@ -19,6 +19,7 @@ a tied head stays dense, with a warning, and `lm_head` is then added to the writ
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sys
@@ -40,6 +41,7 @@ from pagoda.platform import resolve_device
 from pagoda.quant.calibration import load_calibration_data
 from pagoda.quant.formats.autoawq import quantization_config as autoawq_quant_config
 from pagoda.quant.formats.compressed_tensors import (
+    check_output_dir,
     copy_model_files,
     save_safetensors,
     staged_directory,
@@ -53,6 +55,7 @@ from pagoda.quant.pipeline import (
     QuantizeReport,
     WeightSource,
     check_group_size,
+    check_ignore_matches,
     decoder_of,
     dense_module_names,
     is_ignored,
@@ -74,11 +77,24 @@ def _storage_dtype(dtype: str, hf_config: Any) -> torch.dtype:
         cfg = None
         # VL configs keep the dtype at the top level; their text_config's is usually None.
         for c in (text, hf_config):
-            cfg = cfg or getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
+            # `dtype` only: reading `torch_dtype` makes transformers print a deprecation line.
+            cfg = cfg or getattr(c, "dtype", None)
         name = normalize_dtype(cfg) if cfg is not None else "bfloat16"
         if name == "auto":
             name = "bfloat16"
     return getattr(torch, name)
+
+
+def dataset_record(dataset: str | os.PathLike[str]) -> dict[str, Any]:
+    """Path and SHA-256 of the calibration file, for the report (fails early if missing)."""
+    path = Path(dataset)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: calibration file not found")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"path": str(path.resolve()), "sha256": digest.hexdigest(), "bytes": path.stat().st_size}
 
 
 def _keep_vision_dense(skeleton: torch.nn.Module, arch: str, ignore: list[str]) -> list[str]:
@@ -186,12 +202,18 @@ def quantize(
     # Act-order changes the order GPTQ visits columns; RTN has no order.
     args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
     ignore = list(ignore if ignore is not None else ["lm_head"])
+    user_ignore = list(ignore)
     if method == "gptq" and dataset is None:
         raise ValueError("GPTQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")
     if awq and dataset is None:
         raise ValueError("AWQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")
     if format == "autoawq" and args.num_bits != 4:
         raise ValueError(f"format='autoawq' stores 4-bit weights only; scheme {scheme} has 8")
+    # Cheap checks first: a wrong --out or --dataset must not cost a model load.
+    check_output_dir(out_dir)
+    dataset_info = None
+    if dataset is not None and dataset != "random":
+        dataset_info = dataset_record(dataset)
 
     source = resolve_model(model)
     hf_config = load_hf_config(source)
@@ -225,6 +247,7 @@ def quantize(
         if source.kind == "gguf":
             raise ValueError(f"{arch} from a GGUF file cannot be quantized; use the HF directory")
         ignore = _keep_vision_dense(skeleton, arch, ignore)
+    check_ignore_matches(skeleton, ignore, user_ignore)
     check_group_size(skeleton, args, ignore)
     if format == "autoawq" and quantizes_lm_head(skeleton, ignore):
         raise ValueError(
@@ -276,6 +299,9 @@ def quantize(
         num_samples=len(samples),
         num_tokens=num_tokens,
         device=str(dev),
+        dataset=dataset_info or ({"path": "random"} if dataset == "random" else None),
+        ignore=list(user_ignore),
+        seed=seed,
     )
     options = PipelineOptions(
         method=method,

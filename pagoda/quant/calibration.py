@@ -1,9 +1,11 @@
 """Calibration data for GPTQ: read a file, tokenise, truncate, shuffle, take `num_samples`.
 
-Formats (chosen by content, not only by suffix): the conversation JSON of Qwen-VL fine-tuning
-repos (`[{"conversations": [{"from": "human", "value": "<image>\\n..."}, ...]}]`, image/video
-tags stripped, rendered with the chat template), JSONL records with `text` or `messages`, and
-plain text (tokenised as one stream, cut into `max_seq_len` chunks). Errors name file and record.
+Formats (chosen by content, not only by suffix; `formats_help()` shows one example each): chat
+records as OpenAI/HF `messages` (string or list-of-parts content), LLaVA/ShareGPT
+`conversations` (`from`/`value`), `text` records, in a JSON list or JSONL, and plain text
+(tokenised as one stream, cut into `max_seq_len` chunks). Chats are rendered with the chat
+template. The decoder is calibrated on text only: image/video parts and `<image>` tags are
+dropped (one line on stderr says how many). Errors name the file and the record.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import json
 import random
 import re
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Multimodal placeholders in fine-tuning data; the text-only calibration never sees pixels.
 _MEDIA_TAG = re.compile(r"<(image|video)>\n?")
@@ -25,7 +29,59 @@ _ROLES = {
     "gpt": "assistant",
     "assistant": "assistant",
     "system": "system",
+    "tool": "tool",
 }
+# Content-part types that carry pixels (OpenAI `image_url`, HF `image` / `video`).
+_MEDIA_PARTS = ("image", "image_url", "video", "video_url", "input_image")
+
+# One record per format, shown by `pagoda quantize --help` (and loaded by the tests).
+FORMAT_EXAMPLES: dict[str, Any] = {
+    "messages": {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "a.jpg"},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            },
+            {"role": "assistant", "content": "A cat."},
+        ]
+    },
+    "conversations": {
+        "conversations": [
+            {"from": "human", "value": "<image>\nWhat is this?"},
+            {"from": "gpt", "value": "A cat."},
+        ]
+    },
+    "text": {"text": "Any document."},
+}
+
+
+def formats_help() -> str:
+    """The --help epilog: one line per format, with an example record."""
+    lines = ["calibration formats (--dataset FILE: a JSON list of records, or JSONL):"]
+    for name, record in FORMAT_EXAMPLES.items():
+        lines.append(f"  {name:<14}{json.dumps(record, ensure_ascii=False)}")
+    lines += [
+        f"  {'plain text':<14}any other file: one token stream, cut into --max-seq-len chunks",
+        "chats go through the model's chat template; image parts and <image> tags are dropped "
+        "(the text decoder is calibrated on text; the vision tower stays unquantized)",
+    ]
+    return "\n".join(lines)
+
+
+@dataclass
+class _Dropped:
+    """Media dropped while reading chats (reported once, not per record)."""
+
+    parts: int = 0
+    records: set[int] = field(default_factory=set)
+
+    def add(self, index: int, n: int) -> None:
+        if n:
+            self.parts += n
+            self.records.add(index)
 
 
 @dataclass(frozen=True)
@@ -41,11 +97,23 @@ class CalibrationData:
         return sum(int(s.numel()) for s in self.samples)
 
 
-def _messages_from_conversation(path: Path, index: int, conv: Any) -> list[dict[str, str]]:
+def _strip_tags(text: str, index: int, dropped: _Dropped) -> str:
+    stripped, n = _MEDIA_TAG.subn("", text)
+    dropped.add(index, n)
+    return stripped
+
+
+def _messages_from_conversation(
+    path: Path, index: int, conv: Any, dropped: _Dropped
+) -> list[dict[str, str]]:
     if not isinstance(conv, list) or not conv:
         raise ValueError(f"{path}: record {index}: 'conversations' must be a non-empty list")
     messages = []
     for turn_no, turn in enumerate(conv):
+        if isinstance(turn, dict) and "value" not in turn and "content" in turn:
+            # some ShareGPT exports use role/content inside `conversations`
+            messages.append(_message(path, index, turn_no, turn, dropped))
+            continue
         if not isinstance(turn, dict) or "value" not in turn:
             raise ValueError(
                 f"{path}: record {index}: turn {turn_no} needs 'from' and 'value' keys"
@@ -58,31 +126,72 @@ def _messages_from_conversation(path: Path, index: int, conv: Any) -> list[dict[
             )
         if not isinstance(turn["value"], str):
             raise ValueError(f"{path}: record {index}: turn {turn_no} 'value' is not a string")
-        messages.append({"role": role, "content": _MEDIA_TAG.sub("", turn["value"]).strip()})
+        messages.append(
+            {"role": role, "content": _strip_tags(turn["value"], index, dropped).strip()}
+        )
     return messages
 
 
-def _check_messages(path: Path, index: int, messages: Any) -> list[dict[str, str]]:
+def _content_text(path: Path, index: int, turn_no: int, content: Any, dropped: _Dropped) -> str:
+    """A message's text: a string, or its text parts joined (media parts dropped)."""
+    if content is None:
+        return ""  # e.g. an assistant turn that only made tool calls
+    if isinstance(content, str):
+        return _strip_tags(content, index, dropped)
+    if not isinstance(content, list):
+        raise ValueError(
+            f"{path}: record {index}: message {turn_no} 'content' must be a string or a list "
+            f"of parts, got {type(content).__name__}"
+        )
+    texts = []
+    for part_no, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
+            texts.append(_strip_tags(part["text"], index, dropped))
+        elif kind in _MEDIA_PARTS:
+            dropped.add(index, 1)
+        else:
+            raise ValueError(
+                f"{path}: record {index}: message {turn_no} part {part_no} is not a text or "
+                'image part (expected {"type": "text", "text": ...} or {"type": "image", ...})'
+            )
+    return "\n".join(t for t in texts if t)
+
+
+def _message(path: Path, index: int, turn_no: int, m: Any, dropped: _Dropped) -> dict[str, str]:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+        raise ValueError(
+            f"{path}: record {index}: message {turn_no} needs 'role' and 'content' keys"
+        )
+    return {
+        "role": m["role"],
+        "content": _content_text(path, index, turn_no, m["content"], dropped),
+    }
+
+
+def _check_messages(
+    path: Path, index: int, messages: Any, dropped: _Dropped
+) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{path}: record {index}: 'messages' must be a non-empty list")
-    for turn_no, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-            raise ValueError(
-                f"{path}: record {index}: message {turn_no} needs 'role' and string 'content'"
-            )
-    return [{"role": m["role"], "content": _MEDIA_TAG.sub("", m["content"])} for m in messages]
+    return [_message(path, index, i, m, dropped) for i, m in enumerate(messages)]
 
 
-def _record(path: Path, index: int, obj: Any) -> str | list[dict[str, str]]:
+def _record(path: Path, index: int, obj: Any, dropped: _Dropped) -> str | list[dict[str, str]]:
     """A text string or a chat (list of messages) from one JSON / JSONL record."""
+    if isinstance(obj, str):
+        return obj  # a JSON list of plain strings
     if not isinstance(obj, dict):
         raise ValueError(
             f"{path}: record {index}: expected a JSON object, got {type(obj).__name__}"
         )
     if "conversations" in obj:
-        return _messages_from_conversation(path, index, obj["conversations"])
+        return _messages_from_conversation(path, index, obj["conversations"], dropped)
     if "messages" in obj:
-        return _check_messages(path, index, obj["messages"])
+        return _check_messages(path, index, obj["messages"], dropped)
     if "text" in obj:
         if not isinstance(obj["text"], str):
             raise ValueError(f"{path}: record {index}: 'text' is not a string")
@@ -94,8 +203,24 @@ def _record(path: Path, index: int, obj: Any) -> str | list[dict[str, str]]:
 
 
 def read_records(path: str | Path) -> list[str | list[dict[str, str]]] | str:
-    """The file's records (JSON / JSONL), or its whole text (plain text)."""
+    """The file's records (JSON / JSONL), or its whole text (plain text).
+
+    Dropped image/video parts are reported in one line on stderr.
+    """
     path = Path(path)
+    dropped = _Dropped()
+    records = _read(path, dropped)
+    if dropped.parts:
+        print(
+            f"note: {path.name}: {dropped.parts} image/video part(s) in {len(dropped.records)} "
+            "record(s) dropped: the text decoder is calibrated on the text only (the vision "
+            "tower stays unquantized)",
+            file=sys.stderr,
+        )
+    return records
+
+
+def _read(path: Path, dropped: _Dropped) -> list[str | list[dict[str, str]]] | str:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: calibration file not found")
     try:
@@ -114,7 +239,7 @@ def read_records(path: str | Path) -> list[str | list[dict[str, str]]] | str:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {line_no}: invalid JSON ({e.msg})") from None
-            records.append(_record(path, line_no, obj))
+            records.append(_record(path, line_no, obj, dropped))
         return records
     if path.suffix == ".json" or stripped.startswith("["):
         try:
@@ -123,7 +248,7 @@ def read_records(path: str | Path) -> list[str | list[dict[str, str]]] | str:
             raise ValueError(f"{path}: invalid JSON at line {e.lineno} ({e.msg})") from None
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-        return [_record(path, i, obj) for i, obj in enumerate(data)]
+        return [_record(path, i, obj, dropped) for i, obj in enumerate(data)]
     return raw
 
 
@@ -134,7 +259,9 @@ def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
 
 
 def _token_ids(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    # verbose=False: a corpus longer than model_max_length is cut into chunks below, so
+    # transformers' "Token indices sequence length is longer than ..." warning is noise.
+    return list(tokenizer(text, add_special_tokens=add_special_tokens, verbose=False)["input_ids"])
 
 
 def load_calibration_data(
@@ -145,6 +272,8 @@ def load_calibration_data(
     seed: int = 0,
 ) -> CalibrationData:
     """Tokenised calibration samples: every record (or chunk) truncated, shuffled with `seed`."""
+    import torch  # here, not at the top: `pagoda --help` shows this module's formats_help
+
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if max_seq_len < 2:

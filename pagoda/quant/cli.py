@@ -36,6 +36,14 @@ def _ignore_list(ns: argparse.Namespace) -> list[str]:
 def _cmd_quantize(ns: argparse.Namespace) -> int:
     from pagoda.quant.api import quantize
 
+    if ns.method != "rtn" and ns.dataset is None:
+        # the API's message names its argument; the CLI user needs the flag
+        what = "GPTQ" if ns.method == "gptq" else "AWQ"
+        raise ValueError(
+            f"{what} needs calibration data: pass --dataset FILE (.json/.jsonl chats or text, "
+            "or plain text; see `pagoda quantize --help`), or use --method rtn"
+        )
+
     report = quantize(
         ns.model,
         ns.out,
@@ -71,7 +79,14 @@ def _cmd_perplexity(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    q = sub.add_parser("quantize", help="quantize a model (GPTQ / AWQ / RTN)")
+    from pagoda.quant.calibration import formats_help
+
+    q = sub.add_parser(
+        "quantize",
+        help="quantize a model (GPTQ / AWQ / RTN)",
+        epilog=formats_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     q.add_argument(
         "model",
         nargs="?",
@@ -119,7 +134,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--dataset",
         default=None,
-        help="calibration file: conversation .json, .jsonl (text/messages), or text",
+        help="calibration file: messages / conversations / text records (.json or .jsonl), "
+        "or plain text; formats below",
     )
     q.add_argument("--num-samples", type=int, default=256)
     q.add_argument("--max-seq-len", type=int, default=2048)

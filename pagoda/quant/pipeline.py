@@ -106,13 +106,20 @@ class WeightSource:
         if model_config.gguf_file:
             tensors = {module_name(n): t for n, t in iter_gguf_weights(model_config)}
             return cls(tensors=tensors, checkpoint_names=checkpoint_names)
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         files = {}
         for file in _safetensors_files(Path(model_config.model)):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118
-                    files[module_name(name)] = file
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    names = list(f.keys())
+            except (SafetensorError, OSError) as e:
+                raise ValueError(
+                    f"{file}: not a readable safetensors file ({e}); it is probably truncated "
+                    "(an interrupted copy or download): copy it again"
+                ) from None
+            for name in names:
+                files[module_name(name)] = file
         return cls(files=files, checkpoint_names=checkpoint_names)
 
     def checkpoint_name(self, name: str) -> str:
@@ -315,26 +322,33 @@ def check_group_size(model: nn.Module, args: WeightQuantArgs, ignore: list[str])
         bad.setdefault(model.lm_head.hidden_size, []).append("lm_head")
     if not bad:
         return
-    sizes = list(bad)
+    sizes = sorted(bad)
     working = [g for g in _CANDIDATE_GROUPS if all(s % g == 0 for s in sizes)]
     names = [n for ns in bad.values() for n in ns]
-    described = []
-    patterns = []
-    for size, ns in bad.items():
-        for p in sorted({re.sub(r"\.layers\.\d+\.", ".layers.*.", n) for n in ns}):
-            described.append(f"{p} (in_features {size})")
-            patterns.append(p)
-    suggestion = (
-        f"use --group-size {' or '.join(str(g) for g in working)} or -1 (per channel)"
-        if working
-        else "use --group-size -1 (per channel)"
-    )
-    ignore_hint = " ".join(
-        "--ignore 're:" + re.escape(p).replace("\\*", "\\d+") + "'" for p in patterns
-    )
+    kinds = sorted({n.rsplit(".", 1)[-1] for n in names})
+    suggestion = " or ".join(f"--group-size {g}" for g in working[-2:])
+    suggestion = f"{suggestion} or -1 (per channel)" if working else "--group-size -1 (per channel)"
+    # Short on purpose: one size and a few module kinds say what is wrong; the fix is a
+    # group size that divides every input (listing an --ignore for each layer helps nobody).
     raise ValueError(
-        f"group size {args.group_size} does not divide the input size of {len(names)} layers: "
-        f"{', '.join(described)}; {suggestion}, or keep them unquantized with {ignore_hint}"
+        f"group size {args.group_size} does not divide the input size "
+        f"({', '.join(str(s) for s in sizes)}) of {len(names)} layer(s) "
+        f"({', '.join(kinds[:4])}{', ...' if len(kinds) > 4 else ''}); use {suggestion}"
+    )
+
+
+def check_ignore_matches(model: nn.Module, ignore: list[str], patterns: list[str]) -> None:
+    """Every pattern of `patterns` (the user's ignore list) must keep at least one linear
+    module dense: a typo would otherwise quantize the layer it was meant to keep, silently."""
+    names = linear_module_names(model)
+    unmatched = [p for p in patterns if not any(is_ignored(model, n, [p]) for n in names)]
+    if not unmatched:
+        return
+    example = next((n for n in names if ".layers.0." in n), names[0])
+    raise ValueError(
+        f"--ignore {' '.join(repr(p) for p in unmatched)} matches no linear module (a typo?); "
+        f"patterns are exact module names or 're:' regexes matched at the start of the name, "
+        f"e.g. {example!r} or 're:.*mlp.*'"
     )
 
 
@@ -382,6 +396,10 @@ class QuantizeReport:
     rtn_fallbacks: list[str] = field(default_factory=list)
     lm_head: ModuleReport | None = None  # set when lm_head is quantized
     notes: list[str] = field(default_factory=list)  # e.g. a tied lm_head kept dense (stderr too)
+    # What made the checkpoint: calibration file (path, sha256, bytes), ignore list, seed.
+    dataset: dict[str, Any] | None = None
+    ignore: list[str] = field(default_factory=list)
+    seed: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

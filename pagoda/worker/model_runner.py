@@ -23,7 +23,7 @@ from pagoda.kernels.workspace import SplitKWorkspace
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.embedding import LMHead
 from pagoda.layers.linear import LinearBase
-from pagoda.layers.sampler import Sampler, SamplingMetadata, to_device
+from pagoda.layers.sampler import Sampler, SamplingMetadata, compute_logprobs, to_device
 from pagoda.models.loader import load_model
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.memory import (
@@ -40,6 +40,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # Without an explicit budget a CPU run keeps its KV cache modest: enough for the configured
 # concurrency, never more than this.
 _CPU_DEFAULT_KV_CAP = 1 << 30
+# Prompt log-probs are computed in slices of rows whose float32 logits stay under this size.
+_PROMPT_LOGPROBS_SLICE_BYTES = 128 << 20
 
 logger = logging.getLogger("pagoda")
 
@@ -77,7 +79,9 @@ def per_process_memory_cap(device: torch.device, total: int) -> int | None:
     if get is None:
         return None
     # torch wants an index here: torch.device("cuda") without one is a ValueError
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
     fraction = float(get(index))
     return int(fraction * total) if fraction < 1.0 else None
 
@@ -89,21 +93,51 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     # req_id -> (token ids, logprobs, rank of the sampled token); the sampled token comes first.
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # req_id -> (index of the first prompt token covered, [ids], [logprobs], [rank]) per token
+    # of this step's prompt chunk; ids[j][0] is the prompt token itself, then its top-k.
+    prompt_logprobs: dict[str, tuple[int, list, list, list]] = field(default_factory=dict)
 
 
 class PendingOutput:
     """A launched step's sampled tokens, on their way to the host.
 
     On CUDA the ids are copied into pinned memory behind an event, so the host can schedule and
-    launch the next step before it waits here.
+    launch the next step before it waits here. A step with grammar-constrained rows stops at its
+    logits (`awaiting_bitmask`) until `ModelRunner.sample` gets the bitmask.
     """
 
-    def __init__(self, reqs: list[ScheduledRequest] | None = None, result: Any = None) -> None:
+    def __init__(
+        self,
+        reqs: list[ScheduledRequest] | None = None,
+        result: Any = None,
+        prompt_logprobs: dict[str, tuple] | None = None,
+    ) -> None:
         self.reqs = reqs or []
-        self.result_ = result
+        self.result_: Any = None
+        self.prompt_logprobs = prompt_logprobs or {}  # req_id -> (first index, tensors...)
         self.event: torch.cuda.Event | None = None
         self.host_ids: torch.Tensor | None = None
-        if result is not None and result.sampled_token_ids.is_cuda:
+        # Set while the sampler waits for the grammar bitmask: (logits, SamplingMetadata).
+        self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
+        if any(t[1].is_cuda for t in self.prompt_logprobs.values()):
+            # Into pinned memory behind the event too: a plain .tolist() later would wait for
+            # the step launched after this one.
+            self.prompt_logprobs = {
+                rid: (first, *(_to_pinned(t) for t in tensors))
+                for rid, (first, *tensors) in self.prompt_logprobs.items()
+            }
+            self.event = torch.cuda.Event()
+            self.event.record()
+        if result is not None:
+            self.set_result(result)
+
+    @property
+    def awaiting_bitmask(self) -> bool:
+        return self.deferred is not None
+
+    def set_result(self, result: Any) -> None:
+        self.result_ = result
+        if result.sampled_token_ids.is_cuda:
             ids = result.sampled_token_ids
             self.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             self.host_ids.copy_(ids, non_blocking=True)
@@ -111,13 +145,17 @@ class PendingOutput:
             self.event.record()
 
     def result(self) -> ModelRunnerOutput:
+        assert self.deferred is None, "the step's grammar bitmask was never supplied"
+        if self.event is not None:
+            self.event.synchronize()
         out = ModelRunnerOutput()
+        for req_id, (first, ids, lps, ranks) in self.prompt_logprobs.items():
+            out.prompt_logprobs[req_id] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
         res = self.result_
         if res is None:
             return out
-        if self.event is not None:
-            self.event.synchronize()
-            sampled = self.host_ids.tolist()
+        if self.host_ids is not None:
+            sampled = self.host_ids.tolist()  # the event above covered its copy
         else:
             sampled = res.sampled_token_ids.tolist()
         sreqs = self.reqs
@@ -132,6 +170,11 @@ class PendingOutput:
                     continue
                 out.logprobs[r.req_id] = (ids[row][: k + 1], lps[row][: k + 1], ranks[row])
         return out
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 class _PendingInputs:
@@ -575,7 +618,8 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Free every device allocation this runner made: CUDA graphs and their memory pool,
-        the KV cache, the encoder's cached outputs, LoRA slots and the model. Idempotent."""
+        the KV cache, the encoder's cached outputs, LoRA slots, offload buffers, the split-K
+        workspace, cuBLAS's workspaces and the model. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -589,12 +633,18 @@ class ModelRunner:
         if self.model is not None:
             self._release_kv_cache()
         self.graph_runner = self.encoder_runner = self.lora_manager = self.model = None
+        self.split_k_workspace = None  # the split-K kernels' scratch (the layers' went above)
         self.kv_caches = []
         self.generators.clear()
         self._block_rows.clear()
         self._prev_sampled, self._prev_rows = None, {}
         gc.collect()  # modules refer to each other (LoRA wrappers, tied weights)
         if self.device.type == "cuda":
+            # cuBLAS keeps a workspace per handle and stream in torch's allocator (32 MiB on
+            # the H200: exactly what stayed allocated after shutdown, session 8 run 5)
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -676,10 +726,11 @@ class ModelRunner:
                     pending.fill_embeds(embeds, ids, self.model)
             hidden = self.model(ids, self._to_dev(rope_positions), md, inputs_embeds=embeds)
 
+        prompt_logprobs = self._prompt_logprobs(reqs, hidden, arrays["qsl"])
         sampling = [i for i, r in enumerate(reqs) if r.do_sample]
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
-            return PendingOutput()
+            return PendingOutput(prompt_logprobs=prompt_logprobs)
         if len(sampling) == len(reqs) and num_tokens == len(reqs):
             last_hidden = hidden  # decode-only: every row samples
         else:
@@ -688,10 +739,71 @@ class ModelRunner:
         logits = self.model.compute_logits(last_hidden)
         sreqs = [reqs[i] for i in sampling]
         smd = self._sampling_metadata(sreqs)
+        pending = PendingOutput(sreqs, prompt_logprobs=prompt_logprobs)
+        if any(r.structured_output is not None for r in sreqs):
+            pending.deferred = (logits, smd)  # sampled by sample() once the bitmask is known
+            return pending
+        self._sample(pending, logits, smd)
+        return pending
+
+    @torch.inference_mode()
+    def sample(
+        self, pending: PendingOutput, bitmask: tuple[torch.Tensor, list[int]] | None
+    ) -> None:
+        """Sample a step launched up to its logits, with the grammar bitmask of its rows.
+
+        `bitmask`: ([rows, ceil(V / 32)] int32 on the host, pinned on CUDA; the rows it
+        constrains), or None when no grammar constrains a row any more.
+        """
+        assert pending.deferred is not None, "this step was sampled already"
+        logits, smd = pending.deferred
+        pending.deferred = None
+        if bitmask is not None:
+            mask, rows = bitmask
+            smd.grammar_bitmask = mask.to(self.device, non_blocking=self._pin)
+            # On CUDA the rows go as a tensor through pinned memory: xgrammar would copy a list
+            # from pageable memory, which waits for the forward just launched.
+            smd.grammar_rows = to_device(rows, torch.int32, self.device) if self._pin else rows
+        self._sample(pending, logits, smd)
+
+    def _sample(self, pending: PendingOutput, logits: torch.Tensor, smd: SamplingMetadata) -> None:
         result = self.sampler(logits, smd)
         self._prev_sampled = result.sampled_token_ids
-        self._prev_rows = {r.req_id: row for row, r in enumerate(sreqs)}
-        return PendingOutput(sreqs, result)
+        self._prev_rows = {r.req_id: row for row, r in enumerate(pending.reqs)}
+        pending.set_result(result)
+
+    def _prompt_logprobs(
+        self, reqs: list[ScheduledRequest], hidden: torch.Tensor, qsl: np.ndarray
+    ) -> dict[str, tuple]:
+        """Log-probs of the prompt tokens that this step's chunks predict.
+
+        The hidden row of position p gives the distribution of token p + 1; a chunk covering
+        positions [start, start + n) yields prompt tokens start + 1 .. min(start + n,
+        prompt_len - 1). Returned as device tensors (copied to the host with the step's output).
+        """
+        out: dict[str, tuple] = {}
+        for i, r in enumerate(reqs):
+            k = r.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start = r.num_computed_tokens
+            end = min(start + r.num_new_tokens, r.prompt_len - 1)  # positions start..end-1
+            if end <= start:
+                continue
+            first_row = int(qsl[i])
+            targets = torch.as_tensor(r.all_token_ids[start + 1 : end + 1], dtype=torch.int64)
+            targets = targets.to(self.device, non_blocking=self._pin)
+            vocab = self.model_config.text_config.vocab_size
+            step = max(1, _PROMPT_LOGPROBS_SLICE_BYTES // (4 * vocab))
+            parts = []
+            for a in range(0, end - start, step):
+                b = min(a + step, end - start)
+                rows = hidden[first_row + a : first_row + b]  # [S, hidden]
+                logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)  # [S, V]
+                parts.append(compute_logprobs(logprobs, targets[a:b], k))
+            ids, lps, ranks = (torch.cat(t) for t in zip(*parts, strict=True))
+            out[r.req_id] = (start + 1, ids, lps, ranks)
+        return out
 
     def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
         dev = self.device
@@ -745,4 +857,13 @@ class ModelRunner:
             generators=generators,
             max_num_logprobs=max(logprobs) if logprobs else None,
             min_tokens_blocked=min_blocked,
+            allowed_token_ids={
+                row: p.allowed_token_ids for row, p in enumerate(params) if p.allowed_token_ids
+            },
+            # Multi-token bad words read the output so far: such requests run in sync mode.
+            bad_words={
+                row: (p.bad_words_token_ids, r.output_token_ids)
+                for row, (p, r) in enumerate(zip(params, reqs, strict=True))
+                if p.bad_words_token_ids
+            },
         )

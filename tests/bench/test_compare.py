@@ -10,7 +10,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -85,7 +90,8 @@ def test_table_on_stdout_and_report_md(result):
     assert [c.strip() for c in header.strip("|").split("|")] == [
         "metric", "small", "large"
     ]  # fmt: skip
-    for row in ("weights (GiB)", "KV cache available (GiB)", "KV cache capacity (tokens)",
+    for row in ("dtype | float32 | float32", "device | cpu | cpu", "weights in memory (GiB)",
+                "weights on disk (GiB)", "KV cache available (GiB)", "KV cache capacity (tokens)",
                 "max concurrency at max_model_len=128", "weights load time (s)",
                 "peak host RSS (GiB)", "TTFT p50, prompt 16 (ms)", "decode tok/s, batch 1",
                 "decode tok/s, batch 2", "throughput, 2 requests (output tok/s)",
@@ -165,7 +171,7 @@ def test_plots_exist_and_are_not_blank(result):
     import matplotlib.image
 
     _, _, out = result
-    for name in ("decode_tok_s.png", "memory_split.png", "kv_tokens.png"):
+    for name in ("decode_tok_s.png", "memory_split.png", "kv_tokens.png", "load_time.png"):
         path = out / name
         assert path.stat().st_size > 15_000, name
         img = matplotlib.image.imread(path)
@@ -244,3 +250,87 @@ def test_quantized_spec_is_checked(models):
             m.linear_method = UnquantizedLinearMethod()
     with pytest.raises(ValueError, match="unquantized"):
         compare_worker._check_quantization(llm)
+
+
+def test_defaults_follow_the_device_and_help_says_so(capsys):
+    import argparse
+
+    ns = argparse.Namespace(device="cpu", **dict.fromkeys(compare.GPU_DEFAULTS))
+    ns.iters = 3  # given by the user: kept
+    assert compare.apply_device_defaults(ns) == "cpu"
+    assert ns.iters == 3 and ns.prompt_len == compare.CPU_DEFAULTS["prompt_len"] == 128
+    assert ns.batch_sizes == "1,4" and ns.throughput_requests == 8
+    ns = argparse.Namespace(device="cuda", **dict.fromkeys(compare.GPU_DEFAULTS))
+    compare.apply_device_defaults(ns)
+    assert ns.batch_sizes == "1,8,64" and ns.output_len == 256
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 512 on GPU, 128 on CPU)" in help_text
+    assert "(default: 1,8,64 on GPU, 1,4 on CPU)" in help_text
+
+
+def test_titles_fit_their_figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 5.2), dpi=120)
+    compare_report._title(
+        ax, fig, "KV cache capacity — cuda:0, gpu_memory_utilization=0.85 " * 2, "(a note)"
+    )
+    fig.tight_layout()
+    fig.canvas.draw()
+    box = ax.title.get_window_extent()
+    assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (box, fig.bbox.width)
+    assert ax.title.get_text().count("\n") >= 2  # wrapped, not cut
+    plt.close(fig)
+
+
+@pytest.mark.slow  # two short compare runs of the small model: ~60 s on 2 busy cores
+def test_interrupted_run_keeps_its_measurements_and_resume_finishes_it(models, tmp_path):
+    small, _, text = models
+    out = tmp_path / "run"
+    argv = [
+        sys.executable, "-m", "pagoda.entrypoints.cli", "compare", str(small), "--device", "cpu",
+        # 100 output tokens: the decode runs after TTFT take seconds, so SIGTERM lands in them
+        "--max-model-len", "128", "--prompt-len", "16", "--output-len", "100", "--batch-sizes",
+        "1,2", "--iters", "1", "--throughput-requests", "2", "--ppl-text", str(text),
+        "--ppl-window", "64", "--cpu-threads", "1", "--out", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    result_file = out / "jobs" / "01-small.result.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        partial = compare.read_result(result_file) or {}
+        if "ttft_ms" in partial:
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("the worker never wrote its TTFT")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+    assert "interrupted: 1 of 1 configuration(s) have results" in err.decode()
+    assert f"--out {out} --resume" in err.decode()
+    md = (out / "report.md").read_text()
+    assert "| TTFT p50, prompt 16 (ms) |" in md and "was interrupted" in md
+    assert partial.get("complete") is False and not (partial.get("decode") or {}).get("2")
+    ttft = json.loads((out / "report.json").read_text())["configs"][0]["values"]["ttft_ms"]
+    assert ttft == pytest.approx(partial["ttft_ms"])
+
+    done = subprocess.run([*argv, "--resume"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TTFT: kept from the previous run (--resume)" in done.stderr
+    report = json.loads((out / "report.json").read_text())
+    values = report["configs"][0]["values"]
+    assert values["ttft_ms"] == pytest.approx(ttft)  # kept, not measured again
+    assert values["decode_tok_s@2"] and values["throughput_tok_s"] and values["ppl"]
+    assert "was interrupted" not in (out / "report.md").read_text()
+    # other settings cannot resume this directory
+    bad = subprocess.run([*argv[:-2], "--iters", "2", "--out", str(out), "--resume"],
+                         env=env, capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "was run with other settings (iters)" in bad.stderr

@@ -402,6 +402,102 @@ def test_async_preempted_request_waits_for_its_pending_token_before_readmission(
     assert a.output_token_ids == [1]
 
 
+class FakeGrammar:
+    """Duck-typed StructuredOutputRequest: ready when told, terminates on token `end`."""
+
+    def __init__(self, ready: bool = False, error: Exception | None = None, end: int = 9):
+        self.ready, self.error, self.end = ready, error, end
+        self.accepted: list[int] = []
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def accept_token(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+    def is_terminated(self) -> bool:
+        return bool(self.accepted) and self.accepted[-1] == self.end
+
+
+def test_request_compiling_its_grammar_waits_without_blocking_the_queue():
+    sched = make_scheduler()
+    grammar = FakeGrammar(ready=False)
+    a = Request("a", list(range(5)), SamplingParams(max_tokens=5), structured_output=grammar)
+    sched.add_request(a)
+    add(sched, "b", range(6))
+    out, _ = step(sched)
+    assert plan(out) == [("b", 0, 6)]  # b overtakes a while a's grammar compiles
+    assert a.status == RequestStatus.WAITING and sched.waiting_for_grammar()
+    out, _ = step(sched)
+    assert plan(out) == [("b", 6, 1)]
+    grammar.ready = True
+    out, _ = step(sched)
+    assert plan(out) == [("b", 7, 1), ("a", 0, 5)]
+    assert out.scheduled[1].structured_output is grammar
+    assert not sched.waiting_for_grammar()
+    # The grammar follows every sampled token and its termination ends the request (stop),
+    # even with ignore_eos and no EOS.
+    _, outs = step(sched, token=3)
+    assert grammar.accepted == [7, 3] and a.status == RequestStatus.RUNNING
+    _, outs = step(sched, token=9)
+    assert grammar.accepted == [7, 3, 9]
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert [o.finish_reason for o in outs if o.req_id == "a"] == ["stop"]
+
+
+def test_skipped_grammar_requests_keep_their_place_in_arrival_order():
+    sched = make_scheduler(max_num_seqs=2)
+    g1, g2 = FakeGrammar(), FakeGrammar()
+    for rid, g in (("a", g1), ("b", g2)):
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(), structured_output=g))
+    add(sched, "c", range(4))
+    step(sched)
+    assert [r.request_id for r in sched.waiting] == ["a", "b"]
+    g2.ready = True
+    out, _ = step(sched)
+    assert plan(out) == [("c", 4, 1), ("b", 0, 3)]
+    assert [r.request_id for r in sched.waiting] == ["a"]
+
+
+def test_request_whose_grammar_failed_to_compile_is_aborted():
+    sched = make_scheduler()
+    bad = FakeGrammar(ready=True, error=RuntimeError("boom"))
+    req = Request("a", [1, 2, 3], SamplingParams(), structured_output=bad)
+    sched.add_request(req)
+    out, _ = step(sched)
+    assert out.scheduled == [] and req.status == RequestStatus.FINISHED_ABORTED
+    assert not sched.has_unfinished_requests()
+    assert "a" in out.finished_req_ids  # the runner forgets it
+    (o,) = sched.pop_aborted_outputs()  # the front end hears of it
+    assert (o.req_id, o.finish_reason) == ("a", "abort")
+    assert sched.pop_aborted_outputs() == []
+
+
+@dataclass
+class FakeOutputWithPromptLogprobs(FakeRunnerOutput):
+    prompt_logprobs: dict = field(default_factory=dict)
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_are_forwarded_per_chunk():
+    sched = make_scheduler(budget=24)
+    add(sched, "a", range(40), max_tokens=2)
+    while sched.has_unfinished_requests():
+        step(sched)
+    req = add(sched, "b", range(40), max_tokens=2, prompt_logprobs=1)
+    add(sched, "c", range(40), max_tokens=2)
+    out = sched.schedule()
+    # b recomputes the cached prefix (its logits are needed); c, admitted next, hits it.
+    assert plan(out) == [("b", 0, 24)]
+    chunk = (1, [[1, 5]] * 23, [[-0.5, -0.1]] * 23, [2] * 23)
+    runner = FakeOutputWithPromptLogprobs({}, prompt_logprobs={"b": chunk})
+    (o,) = sched.update_from_output(out, runner)
+    assert (o.req_id, o.new_token_ids, o.new_prompt_logprobs) == ("b", [], chunk)
+    out = sched.schedule()
+    assert plan(out) == [("b", 24, 16), ("c", 32, 8)]
+    assert req.num_cached_tokens == 0
+
+
 def _run_two_long_decodes(window: int | None) -> tuple[int, list[int]]:
     """Two 20-token prompts decoding 60 tokens each over 6 usable blocks; (preemptions, blocks
     held by the running requests after each step)."""

@@ -25,6 +25,23 @@ def test_prompt_longer_than_context_names_both_lengths(llm):
         llm.generate([list(range(3, 103))], use_tqdm=False)
 
 
+def test_max_tokens_beyond_the_context_is_an_error_not_a_silent_clamp(llm):
+    # as the server's 400: the numbers, and what to change
+    message = (
+        r"^max_tokens=1000000000 does not fit: the prompt has 3 tokens and the context "
+        r"\(max_model_len\) is 64, so at most 61 can be generated; lower max_tokens, pass "
+        r"max_tokens=None \(up to the limit\), or raise max_model_len$"
+    )
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10**9), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    # exactly the room left is fine, and None runs up to the limit
+    for max_tokens, n in ((61, 61), (None, 61)):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == n
+
+
 def test_bad_sampling_values_name_the_field():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)

@@ -171,3 +171,35 @@ def test_no_logprobs_requested(logits: torch.Tensor) -> None:
     out = Sampler()(logits, _md([SamplingParams()] * 6))
     assert out.logprobs is None and out.logprob_token_ids is None and out.sampled_ranks is None
     assert logprobs_to_lists(out, [None] * 6) == [None] * 6
+
+
+def test_allowed_token_ids_bad_words_and_grammar_bitmask_masks():
+    from pagoda.layers.sampler import (
+        SamplingMetadata as MD,
+    )
+    from pagoda.layers.sampler import (
+        apply_allowed_token_ids,
+        apply_bad_words,
+        apply_grammar_bitmask,
+    )
+
+    logits = torch.zeros(3, 40)
+    md = MD(temperature=torch.zeros(3), all_greedy=True, all_random=False)
+    md.allowed_token_ids = {1: [3, 33]}
+    out = apply_allowed_token_ids(logits, md)
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [3, 33]
+
+    # [4] always banned; [7, 8]: 8 only right after 7; [1, 2, 3]: 3 only after 1, 2.
+    md.bad_words = {0: ([[4], [7, 8], [1, 2, 3]], [5, 7]), 2: ([[1, 2, 3]], [1, 2])}
+    out = apply_bad_words(logits, md)
+    assert (~torch.isfinite(out)).nonzero().tolist() == [[0, 4], [0, 8], [2, 3]]
+
+    pytest.importorskip("xgrammar")
+    mask = torch.zeros(3, 2, dtype=torch.int32)
+    mask[0, 0] = 0b101  # tokens 0 and 2
+    mask[0, 1] = 1 << 3  # token 35
+    md.grammar_bitmask, md.grammar_rows = mask, [0]
+    out = apply_grammar_bitmask(torch.zeros(3, 40), md)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 2, 35]
+    assert torch.isfinite(out[1:]).all()  # rows without a grammar are untouched

@@ -9,6 +9,7 @@ dtype casting, the CLI, and the errors for adapters that do not fit.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -328,3 +329,26 @@ def test_bin_adapter_with_adapter_names(llama_adapter, tmp_path: Path) -> None:
     torch.testing.assert_close(
         _logits(_hf(tmp_path / "from-bin")), _logits(_hf(tmp_path / "from-st")), atol=0, rtol=0
     )
+
+
+def test_quantized_base_is_refused_with_the_fix(llama_adapter, tmp_path: Path, capsys) -> None:
+    from pagoda.quant.api import quantize
+
+    base, adapter = llama_adapter
+    with_tokenizer = tmp_path / "base"
+    shutil.copytree(base, with_tokenizer)
+    sym = Path(__file__).parents[1] / "fixtures" / "llmcompressor-tiny-w4a16" / "sym"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(sym / name, with_tokenizer / name)
+    quantized = tmp_path / "w4a16"
+    quantize(str(with_tokenizer), quantized, method="rtn", group_size=32, progress=False)
+    argv = ["lora", "merge", "--base", str(quantized), "--adapter", str(adapter)]
+    code = cli_main([*argv, "--out", str(tmp_path / "out"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == (
+        f"error: the base model {quantized} is quantized (quantization_config: "
+        "compressed-tensors); merge the adapter into the unquantized (bf16) model it was "
+        "trained on, then quantize the merged model\n"
+    )
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []

@@ -464,7 +464,7 @@ def test_engine_rejects_bad_image_requests(default_llm):
         llm.chat(_conversation(["a", "b", "c"]), params, use_tqdm=False)
     broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     bad = [{"role": "user", "content": [broken]}]
-    with pytest.raises(ValueError, match="image 0: .*not a valid image"):
+    with pytest.raises(ValueError, match="image 0: .*not an image"):
         llm.chat(bad, params, use_tqdm=False)
     with pytest.raises(ValueError, match="placeholder"):
         llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": IMAGES["a"]}})

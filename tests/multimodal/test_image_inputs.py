@@ -166,7 +166,12 @@ def test_loader_sources(tmp_path):
     ("source", "message"),
     [
         ("data:image/png;base64,!!!notbase64", "invalid base64"),
-        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "not a valid"),
+        (
+            "data:image/png;base64," + base64.b64encode(b"not an image").decode(),
+            r"^data URL: not an image \(12 bytes starting with b'not an i'\); send a PNG, JPEG",
+        ),
+        ("", "^image URL is empty: send the image as a data: URL .* or a local path$"),
+        ("  ", "^image URL is empty"),
         ("data:image/png,rawdata", "only base64"),
         (b"\x89PNG\r\n\x1a\n truncated", "not a valid"),
         ("https://example.com/cat.png", "remote images is disabled"),
@@ -176,6 +181,19 @@ def test_loader_sources(tmp_path):
 def test_loader_rejects_bad_images(source, message):
     with pytest.raises(ValueError, match=message):
         ImageLoader(MultiModalConfig()).load(source, allow_local_paths=True)
+
+
+def test_loader_messages_name_no_python_objects():
+    loader = ImageLoader(MultiModalConfig())
+    for source in (b"\x00" * 64, b"<html></html>", "data:image/png;base64,AAAA"):
+        with pytest.raises(ValueError, match="not an image") as e:
+            loader.load(source)
+        assert "object at 0x" not in str(e.value) and "BytesIO" not in str(e.value)
+    with pytest.raises(ValueError, match=r"^image URL is empty: send the image as a data: URL"):
+        loader.load("")  # the server's case: no local paths, so none are suggested
+    with pytest.raises(ValueError) as e:
+        loader.load("")
+    assert "local" not in str(e.value)
 
 
 def test_loader_rejects_wrong_type():

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -13,7 +19,7 @@ from pagoda.quant.api import quantize
 from pagoda.quant.pipeline import matches_ignore
 
 
-def test_group_size_error_lists_layers_and_working_sizes(tiny_llama, tmp_path, capsys) -> None:
+def test_group_size_error_is_short_and_names_working_sizes(tiny_llama, tmp_path, capsys) -> None:
     code = main(
         [
             "quantize",
@@ -28,9 +34,11 @@ def test_group_size_error_lists_layers_and_working_sizes(tiny_llama, tmp_path, c
     )
     err = capsys.readouterr().err
     assert code == 2
-    assert "group size 48 does not divide the input size of 14 layers" in err
-    assert "model.layers.*.mlp.down_proj (in_features 128)" in err
-    assert "--group-size 32 or 64 or -1" in err and "--ignore 're:model" in err
+    assert err == (
+        "error: group size 48 does not divide the input size (64, 128) of 14 layer(s) "
+        "(down_proj, gate_proj, k_proj, o_proj, ...); use --group-size 32 or --group-size 64 "
+        "or -1 (per channel)\n"
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -92,6 +100,15 @@ def test_ignore_patterns_and_report(tiny_llama, calib_text, tmp_path, capsys) ->
     assert qc["ignore"] == ["lm_head", "re:model\\.layers\\.1\\.mlp\\."]
     report = json.loads((out / "quantization_report.json").read_text())
     assert len(report["layers"]) == 2 and report["num_samples"] == 4
+    # what made the checkpoint: the calibration file (by hash), the ignore list, the seed
+    digest = hashlib.sha256(calib_text.read_bytes()).hexdigest()
+    assert report["dataset"] == {
+        "path": str(calib_text.resolve()),
+        "sha256": digest,
+        "bytes": calib_text.stat().st_size,
+    }
+    assert report["ignore"] == ["lm_head", "re:model\\.layers\\.1\\.mlp\\."]
+    assert report["seed"] == 0
     assert all(m["relative_error"] < 0.05 for lr in report["layers"] for m in lr["modules"])
 
     text = tmp_path / "t.txt"
@@ -123,3 +140,109 @@ def test_ignore_patterns_and_report(tiny_llama, calib_text, tmp_path, capsys) ->
     assert results[0]["num_scored"] == 299
     assert results[1]["weights_bytes"] < results[0]["weights_bytes"]
     assert abs(results[0]["perplexity"] - results[1]["perplexity"]) < 0.1 * results[0]["perplexity"]
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    """Run the CLI, which must fail with exit code 2 and exactly one line on stderr."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_gptq_without_dataset_names_the_flag(tiny_llama, tmp_path, capsys) -> None:
+    err = _cli_error(capsys, ["quantize", str(tiny_llama), "--out", str(tmp_path / "o")])
+    assert "pass --dataset FILE" in err and "--method rtn" in err
+
+
+def test_cheap_checks_fire_before_the_model_loads(
+    tiny_llama, calib_text, tmp_path, capsys, monkeypatch
+) -> None:
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the argument checks")
+
+    monkeypatch.setattr(api, "resolve_model", no_load)
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    err = _cli_error(
+        capsys, ["quantize", str(tiny_llama), "--out", str(full), "--dataset", str(calib_text)]
+    )
+    assert "already exists and is not empty; choose another output directory" in err
+    missing = tmp_path / "nope.jsonl"
+    err = _cli_error(
+        capsys,
+        ["quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--dataset", str(missing)],
+    )
+    assert f"{missing}: calibration file not found" in err
+
+
+def test_truncated_safetensors_is_one_line(tiny_llama, tmp_path, capsys) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_llama.iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(
+            data[: len(data) // 2] if f.suffix == ".safetensors" else data
+        )
+    err = _cli_error(
+        capsys,
+        ["quantize", str(broken), "--out", str(tmp_path / "o"), "--method", "rtn",
+         "--group-size", "32"],
+    )  # fmt: skip
+    assert "model.safetensors: not a readable safetensors file" in err
+    assert "probably truncated" in err and "copy it again" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_ignore_pattern_that_matches_nothing_is_an_error(tiny_llama, tmp_path, capsys) -> None:
+    err = _cli_error(
+        capsys,
+        ["quantize", str(tiny_llama), "--out", str(tmp_path / "o"), "--method", "rtn",
+         "--group-size", "32", "--ignore", "re:.*down_prj", "--ignore", "re:.*up_proj",
+         "--ignore", "model.layers.0.mlp"],
+    )  # fmt: skip
+    assert "--ignore 're:.*down_prj' 'model.layers.0.mlp' matches no linear module" in err
+    assert "'model.layers.0.self_attn.q_proj'" in err
+    assert not (tmp_path / "o").exists()
+
+
+_SLOW_QUANTIZE = """
+import sys, time
+from pagoda.quant import api
+def slow(*a, **k):
+    print("ready", flush=True)
+    time.sleep(120)
+api.quantize_layers = slow
+api.quantize(sys.argv[1], sys.argv[2], method="rtn", group_size=32, progress=False)
+"""
+
+
+def test_sigterm_removes_the_staging_directory_and_stale_ones_are_swept(
+    tiny_llama, tmp_path
+) -> None:
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_QUANTIZE, str(tiny_llama), str(out)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    assert [p.name for p in tmp_path.iterdir()] == [f".out.incomplete-{proc.pid}"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+    # a run killed harder leaves its directory; the next run removes it (its pid is gone)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    stale = tmp_path / f".other.incomplete-{dead.pid}"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    live = tmp_path / f".mine.incomplete-{os.getpid()}"
+    live.mkdir()
+    quantize(str(tiny_llama), out, method="rtn", group_size=32, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "out"]

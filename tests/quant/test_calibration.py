@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.quant.calibration import load_calibration_data
+from pagoda.quant.calibration import FORMAT_EXAMPLES, formats_help, load_calibration_data
 
 
 class _Tok:
@@ -15,7 +15,7 @@ class _Tok:
 
     chat_template = "yes"
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+    def __call__(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> dict:
         ids = [len(w) for w in text.split()]
         return {"input_ids": ([0] if add_special_tokens else []) + ids}
 
@@ -86,3 +86,87 @@ def test_errors_name_file_and_record(tmp_path: Path, name, content, message) -> 
         path.write_text(content)
     with pytest.raises((ValueError, FileNotFoundError), match=message.replace("(", r"\(")):
         load_calibration_data(path, _Tok())
+
+
+def _chat(tok: _Tok, *messages: tuple[str, str]) -> list[int]:
+    text = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages])
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("layout", ["json", "jsonl"])
+def test_every_help_example_loads(tmp_path: Path, layout: str, capsys) -> None:
+    tok = _Tok()
+    expected = {
+        "messages": _chat(tok, ("user", "What is this?"), ("assistant", "A cat.")),
+        "conversations": _chat(tok, ("user", "What is this?"), ("assistant", "A cat.")),
+        "text": tok("Any document.")["input_ids"],
+    }
+    for name, record in FORMAT_EXAMPLES.items():
+        path = tmp_path / f"{name}.{layout}"
+        path.write_text(json.dumps([record]) if layout == "json" else json.dumps(record) + "\n")
+        data = load_calibration_data(path, tok, num_samples=4, max_seq_len=64)
+        assert [s.tolist() for s in data.samples] == [expected[name]], name
+        assert json.dumps(record, ensure_ascii=False) in formats_help()
+    err = capsys.readouterr().err
+    # one line per file with media: the image part, then the <image> tag
+    assert err.count("\n") == 2
+    assert f"note: messages.{layout}: 1 image/video part(s) in 1 record(s) dropped" in err
+
+
+def test_multimodal_messages_join_text_parts_and_drop_images(tmp_path: Path, capsys) -> None:
+    records = [
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+                        {"type": "text", "text": "first part"},
+                        {"type": "image", "path": "b.jpg"},
+                        {"type": "text", "text": "second"},
+                    ],
+                },
+                {"role": "assistant", "content": [{"type": "text", "text": "answer"}]},
+            ]
+        }
+        for _ in range(3)
+    ]
+    path = tmp_path / "mm.json"
+    path.write_text(json.dumps(records))
+    data = load_calibration_data(path, _Tok(), num_samples=8, max_seq_len=64)
+    tok = _Tok()
+    want = _chat(
+        tok, ("system", "be brief"), ("user", "first part\nsecond"), ("assistant", "answer")
+    )
+    assert [s.tolist() for s in data.samples] == [want] * 3
+    err = capsys.readouterr().err
+    assert err == (
+        "note: mm.json: 6 image/video part(s) in 3 record(s) dropped: the text decoder is "
+        "calibrated on the text only (the vision tower stays unquantized)\n"
+    )
+
+
+def test_bad_content_part_names_record_and_part(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}))
+    with pytest.raises(ValueError, match="bad.jsonl: record 1: message 0 part 0 is not a text or"):
+        load_calibration_data(path, _Tok())
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": 3}]}))
+    with pytest.raises(ValueError, match="'content' must be a string or a list of parts, got int"):
+        load_calibration_data(path, _Tok())
+
+
+def test_long_plain_text_prints_no_tokenizer_warning(tmp_path: Path, capfd) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(
+        Path(__file__).parents[1] / "fixtures" / "qwen2.5-tokenizer"
+    )
+    tok.model_max_length = 64
+    path = tmp_path / "corpus.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 100)
+    data = load_calibration_data(path, tok, num_samples=100, max_seq_len=32)
+    assert len(data.samples) > 10 and all(len(s) <= 32 for s in data.samples)
+    out, err = capfd.readouterr()
+    assert "Token indices sequence length" not in out + err

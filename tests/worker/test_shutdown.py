@@ -32,9 +32,11 @@ def test_shutdown_frees_the_model_and_cache(tiny):
     runner = llm.llm_engine.core.runner
     model = weakref.ref(runner.model)
     cache = weakref.ref(runner.kv_caches[0])
+    workspace = weakref.ref(runner.split_k_workspace)
     llm.shutdown()
     gc.collect()
-    assert model() is None and cache() is None  # nothing else kept them alive
+    # nothing else kept them alive
+    assert model() is None and cache() is None and workspace() is None
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     llm.shutdown()  # idempotent
@@ -53,7 +55,7 @@ def test_gpu_memory_returns_and_second_engine_gets_the_same_cache(tiny):
         llm.generate([[5, 6, 7]] * 3, GREEDY, use_tqdm=False)
         kv_alone = llm.memory_report().kv_cache_bytes
         assert llm.memory_report().cuda_graph_sizes  # graphs were captured (Triton present)
-    # Everything but the W4A16 kernels' process-wide split-K workspace (a few MiB) is back.
+    # Everything is back (cuBLAS's workspaces included: shutdown clears them).
     assert torch.cuda.memory_allocated() - before < 16 << 20
     with _llm(tiny, device="cuda", gpu_memory_utilization=0.5) as second:
         assert abs(second.memory_report().kv_cache_bytes - kv_alone) <= 0.05 * kv_alone

@@ -80,7 +80,14 @@ def _discrete(runner, monkeypatch, in_use_at_start: float, fraction: float = 1.0
     the CUDA context, an earlier engine); after profiling torch holds 9 GiB (7 weights + 2
     activations) and cuBLAS added 0.5 GiB outside torch."""
     monkeypatch.setattr(mr, "is_integrated_gpu", lambda device: False)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda *a: fraction)
+
+    def get_fraction(device):  # torch's rule: an index, not torch.device("cuda")
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index, got {device}")
+        return fraction
+
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", get_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     runner.start_snapshot = mr.DeviceSnapshot(
         free_bytes=int((64 - in_use_at_start) * GiB), total_bytes=64 * GiB, reserved_bytes=0
     )

@@ -8,9 +8,10 @@ command runs, so the rest of the CLI works without the `server` extra.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pagoda import envs
-from pagoda.entrypoints.cli import add_engine_args
+from pagoda.entrypoints.cli import add_engine_args, engine_kwargs
 
 API_KEY_ENV = "PAGODA_API_KEY"
 _SERVER_PACKAGES = frozenset({"fastapi", "starlette", "uvicorn", "prometheus_client"})
@@ -72,6 +73,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="adapters resident on the device at once (default: all given, max 8)",
     )
     g.add_argument("--max-lora-rank", type=_positive_int, default=64)
+    g.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="how tool calls are read from the model's text with tool_choice auto "
+        "(default: chosen from the chat template)",
+    )
+    g.add_argument(
+        "--gil-switch-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="sys.setswitchinterval for the server process (default: Python's 0.005); lower "
+        "lets the engine thread take the GIL back sooner from the HTTP loop",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -97,7 +113,7 @@ def _positive_int(text: str) -> int:
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
     try:
-        from pagoda.entrypoints.openai.server import DEFAULT_MAX_BODY_BYTES, run_server
+        from pagoda.entrypoints.openai.api_server import ServerArgs, run_server
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in _SERVER_PACKAGES:
             raise
@@ -105,10 +121,30 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
             f"pagoda serve needs the server extra ({e.name} is missing): "
             "pip install 'pagoda[server]'"
         ) from e
-    if not 0 <= ns.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {ns.port}")
-    if ns.api_key is None:
-        ns.api_key = envs.api_key()
-    if ns.max_body_bytes is None:
-        ns.max_body_bytes = DEFAULT_MAX_BODY_BYTES
-    return run_server(ns)
+    from pagoda.engine.args import EngineArgs
+
+    server_args = server_args_from(ns, ServerArgs)
+    engine_args = EngineArgs(**engine_kwargs(ns), **server_args.engine_overrides())
+    return run_server(engine_args, server_args)
+
+
+def server_args_from(ns: argparse.Namespace, server_args_cls: type) -> Any:
+    """The `ServerArgs` of the parsed flags (the API key falls back to $PAGODA_API_KEY)."""
+    kwargs: dict[str, Any] = dict(
+        host=ns.host,
+        port=ns.port,
+        api_key=ns.api_key if ns.api_key is not None else envs.api_key(),
+        served_model_name=ns.served_model_name,
+        max_concurrent_requests=ns.max_concurrent_requests,
+        shutdown_timeout=ns.shutdown_timeout,
+        log_level=ns.log_level,
+        access_log=not ns.no_access_log,
+        lora_modules=parse_lora_modules(ns.lora_modules),
+        max_loras=ns.max_loras,
+        max_lora_rank=ns.max_lora_rank,
+        tool_call_parser=ns.tool_call_parser,
+        gil_switch_interval_s=ns.gil_switch_interval,
+    )
+    if ns.max_body_bytes is not None:
+        kwargs["max_body_bytes"] = ns.max_body_bytes
+    return server_args_cls(**kwargs)

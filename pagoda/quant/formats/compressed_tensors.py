@@ -14,6 +14,9 @@ import json
 import math
 import os
 import shutil
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -184,21 +187,63 @@ def dequantized_state_dict(
 # ---------------------------------------------------------------- writing
 
 
-@contextlib.contextmanager
-def staged_directory(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
-    """A temporary sibling of `out_dir`, renamed to it only if the block completes."""
+def check_output_dir(out_dir: str | os.PathLike[str]) -> Path:
+    """`out_dir` resolved; an error if it exists and is not an empty directory."""
     out = Path(out_dir).resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} already exists and is not empty; choose another output directory")
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def sweep_stale_staging(parent: Path) -> list[Path]:
+    """Remove `.NAME.incomplete-PID` directories whose process is gone (a run killed hard)."""
+    removed = []
+    for d in parent.glob(".*.incomplete-*"):
+        pid = d.name.rpartition(".incomplete-")[2]
+        if d.is_dir() and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+            print(f"note: removed {d} (left by an interrupted run)", file=sys.stderr)
+    return removed
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def staged_directory(out_dir: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary sibling of `out_dir`, renamed to it only if the block completes.
+
+    SIGTERM unwinds like Ctrl-C while the block runs, so the temporary directory is removed;
+    ones left by a process killed harder (SIGKILL, power loss) are swept on the next run.
+    """
+    out = check_output_dir(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_staging(out.parent)
     tmp = out.parent / f".{out.name}.incomplete-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm) if on_main else None
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
     if out.exists():
         out.rmdir()  # empty (checked above)
     os.replace(tmp, out)

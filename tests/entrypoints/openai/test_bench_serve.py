@@ -126,3 +126,47 @@ def test_bench_serve_rejects_bad_arguments():
         bench_serve.main(_parse(["--num-prompts", "0"]))
     with pytest.raises(ValueError, match="url"):
         bench_serve.main(_parse(["--url", "ftp://x"]))
+
+
+def test_bench_serve_launch_with_offline_baseline(tmp_path, capsys):
+    # The acceptance-5 measurement in miniature: offline LLM.generate and `pagoda serve` on the
+    # same prompts and engine arguments, in one run (a tiny random config on the CPU).
+    from pathlib import Path
+
+    cfg = json.loads(
+        (Path(__file__).parents[3] / "benchmarks" / "configs" / "qwen2.5-3b.json").read_text()
+    )
+    cfg.update(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
+    (tmp_path / "tiny.json").write_text(json.dumps(cfg))
+    out = tmp_path / "r.json"
+    launch = (
+        f"config:{tmp_path / 'tiny.json'} --load-format dummy --device cpu --dtype float32 "
+        "--max-model-len 128 --max-num-seqs 4"
+    )
+    ns = _parse(
+        ["--launch", launch, "--offline-baseline", "--token-prompts", "--max-token-id", "500"]
+        + ["--num-prompts", "8", "--concurrency", "4", "--input-len", "8", "--output-len", "8"]
+        + ["--out", str(out)]
+    )
+    assert bench_serve.main(ns) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 8 and result["total_output_tokens"] == 64
+    assert result["offline"]["total_output_tokens"] == 64
+    assert result["serve_over_offline"] == pytest.approx(
+        result["output_throughput"] / result["offline"]["output_throughput"]
+    )
+    assert "serve / offline" in capsys.readouterr().out
+
+
+def test_offline_baseline_needs_launch():
+    ns = _parse(["--offline-baseline"])
+    with pytest.raises(ValueError, match="--offline-baseline needs --launch"):
+        bench_serve.main(ns)

@@ -25,12 +25,51 @@ SAMPLING_FIELDS = [
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "stream",
     "stream_options", "user", "logit_bias", "max_tokens",
+    # vLLM's extensions and the structured-output fields
+    "prompt_logprobs", "truncate_prompt_tokens", "bad_words", "allowed_token_ids",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "spaces_between_special_tokens", "request_id", "priority",
+    "use_beam_search", "metadata",
 ]
-COMPLETION_FIELDS = [*SAMPLING_FIELDS, "prompt", "echo", "logprobs", "suffix"]
+COMPLETION_FIELDS = [
+    *SAMPLING_FIELDS, "prompt", "echo", "logprobs", "suffix", "add_special_tokens",
+]
 CHAT_FIELDS = [
     *SAMPLING_FIELDS, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
-    "response_format", "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
+    "tools", "tool_choice", "add_generation_prompt", "continue_final_message",
+    "parallel_tool_calls", "chat_template", "chat_template_kwargs", "documents", "echo",
+    "add_special_tokens", "functions", "modalities",
 ]
+TOKENIZE_FIELDS = [
+    "model", "prompt", "messages", "add_special_tokens", "return_token_strs",
+    "add_generation_prompt", "chat_template", "chat_template_kwargs", "tools",
+]
+DETOKENIZE_FIELDS = ["model", "tokens"]
+# Structured values that are almost right: wrong shapes inside the new nested fields.
+NESTED_BAD = {
+    "response_format": [
+        {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"schema": 5}},
+        {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+        {"type": "xml"}, {"type": "json_object", "json_schema": []},
+    ],
+    "structured_outputs": [
+        {"json": 5}, {"regex": "("}, {"choice": []}, {"grammar": "root ::= "},
+        {"json": {}, "regex": "a"}, {"json_object": False}, {"bogus": 1},
+    ],
+    "guided_json": ["{", "[]", {"type": "nonsense"}, {"properties": 5}],
+    "guided_regex": ["(", "[", "a{99999999}"],
+    "guided_grammar": ["root ::= ", "no rules here", "root ::= undefined_rule"],
+    "tools": [
+        [{"type": "function"}], [{"type": "function", "function": {"name": ""}}],
+        [{"type": "code", "function": {"name": "f"}}],
+        [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+    ],
+    "tool_choice": [
+        "required", {"type": "function", "function": {"name": "nope"}}, {"type": "function"},
+    ],
+    "chat_template": ["{% for %}", "{{ 1 / 0 }}", "{{ raise_exception('x') }}", "{{ x.y.z }}"],
+    "chat_template_kwargs": [{"tools": 1}, {"a": [1, 2]}],
+}
 BAD_PARTS = [
     {"type": "text"}, {"type": "video", "text": "x"}, {"text": "x"}, 5,
     {"type": "image_url", "image_url": 3}, {"type": "image_url", "image_url": {"url": "x"}},
@@ -56,6 +95,8 @@ def _valid(kind: str, model: str) -> dict:
 
 
 def _bad_value(rng: random.Random, field: str):
+    if field in NESTED_BAD and rng.random() < 0.6:
+        return rng.choice(NESTED_BAD[field])
     choices = [v for v in BAD_VALUES if not any(v is e for e in EXPENSIVE.get(field, []))]
     return rng.choice(choices)
 
@@ -106,6 +147,9 @@ def _requests(model: str, key: str):
     auth = {"Authorization": f"Bearer {key}"}
     json_ct = {"content-type": "application/json"}
     for _ in range(NUM_REQUESTS):
+        if rng.random() < 0.15:  # the tokenizer endpoints and the small GET ones
+            yield _other_endpoint(rng, model, headers={**auth, **json_ct})
+            continue
         path = rng.choice(["/v1/completions", "/v1/chat/completions"])
         kind = "chat" if "chat" in path else "completion"
         headers = {**auth, **json_ct}
@@ -150,6 +194,39 @@ def _requests(model: str, key: str):
         else:  # oversized: beyond the 8 MiB default limit
             data = b'{"model": "m", "prompt": "' + b"a" * (9 << 20) + b'"}'
         yield "POST", path, headers, data
+
+
+def _other_endpoint(rng: random.Random, model: str, headers: dict):
+    kind = rng.randrange(4)
+    if kind == 0:
+        body: dict = rng.choice(
+            [{"prompt": "hi"}, {"messages": [{"role": "user", "content": "hi"}]}]
+        )
+        for field in rng.sample(TOKENIZE_FIELDS, rng.randrange(1, 3)):
+            if field == "messages":
+                _mutate_messages(rng, body)
+            else:
+                body[field] = _bad_value(rng, field)
+        return "POST", "/tokenize", headers, json.dumps(body).encode()
+    if kind == 1:
+        body = {"model": model, "tokens": [1, 2, 3]}
+        body[rng.choice(DETOKENIZE_FIELDS)] = _bad_value(rng, "tokens")
+        return "POST", "/detokenize", headers, json.dumps(body).encode()
+    if kind == 2:
+        return "POST", rng.choice(["/tokenize", "/detokenize"]), headers, _raw_body(rng, model)
+    method = rng.choice(["GET", "POST", "PUT", "DELETE"])
+    path = rng.choice(
+        [
+            "/tokenizer_info",
+            "/ping",
+            "/version",
+            f"/v1/models/{model}",
+            "/v1/models/%00",
+            "/v1/models/" + "x" * 300,
+            "/v1/models/a/b",
+        ]
+    )
+    return method, path, headers, b"{}"
 
 
 def test_fuzz_never_5xx_and_server_survives(server):

@@ -164,14 +164,23 @@ def test_completion_logprobs_and_echo(client, server):
     choice = out.choices[0]
     assert choice.text.startswith(PROMPT)
     lp = choice.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
-    assert "".join(lp.tokens) == choice.text[len(PROMPT) :]
-    assert lp.text_offset[0] == len(PROMPT)
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+    n_prompt = out.usage.prompt_tokens
+    # echo: the prompt's tokens (the first without a log-prob) come before the generated ones
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n_prompt + 5
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == choice.text
+    assert "".join(lp.tokens[n_prompt:]) == choice.text[len(PROMPT) :]
+    assert lp.text_offset[n_prompt] == len(PROMPT)
+    for i, (token, logprob, top) in enumerate(
+        zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
+    ):
+        if i == 0:
+            continue
         assert logprob <= 0
         assert 3 <= len(top) <= 4
-        assert max(top.values()) == pytest.approx(logprob)  # greedy: the sampled token is top 1
         assert top[token] == pytest.approx(logprob)
+        if i >= n_prompt:
+            assert max(top.values()) == pytest.approx(logprob)  # greedy: the sampled is top 1
 
 
 def test_chat_logprobs(client, server):

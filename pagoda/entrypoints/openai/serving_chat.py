@@ -1,0 +1,287 @@
+"""`/v1/chat/completions`: a conversation rendered by the chat template, then generated.
+
+The template (the model's, or the request's `chat_template`) runs on the engine thread (the
+tokenizer is not thread-safe) with `tools`, `documents` and `chat_template_kwargs`. With tools,
+each choice's text goes through a tool-call parser: the template family's for `auto`, the
+grammar-forced JSON for `required` / named. Streams open with a role delta per choice, then
+content and `tool_calls` deltas, as OpenAI's chunk format does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagoda.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.openai.metrics import Metrics, RequestTracker
+from pagoda.entrypoints.openai.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
+    random_id,
+)
+from pagoda.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    Usage,
+    chat_logprobs,
+    check_stop_token_ids,
+    collect,
+    max_tokens_for,
+    parse_body,
+    process_chat_prompt,
+    prompt_logprobs_json,
+)
+from pagoda.entrypoints.openai.streaming import (
+    DONE,
+    EventStream,
+    dump,
+    merge,
+    sse,
+    stream_error,
+    unless_disconnected,
+)
+from pagoda.entrypoints.openai.tool_parsers import (
+    ForcedToolParser,
+    ParsedToolCall,
+    ToolParser,
+    get_tool_parser,
+    parser_for_template,
+)
+
+
+def _finish_reason(reason: str | None, calls: int) -> str | None:
+    # A generation that ended by itself with tool calls asks the client to run them.
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _tool_call(call: ParsedToolCall) -> ToolCallOut:
+    return ToolCallOut(function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat completions endpoint."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        metrics: Metrics,
+        lora_requests: dict[str, Any] | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        super().__init__(engine, model_name, metrics, lora_requests)
+        # Checked now: a bad --tool-call-parser fails at start-up, not on the first request.
+        self.tool_call_parser = tool_call_parser
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)
+
+    def _parser(self, req: ChatCompletionRequest, template: str | None) -> ToolParser | None:
+        mode = req.tool_call_mode
+        if mode == "none":
+            return None
+        if mode == "named":
+            assert req.named_tool is not None
+            return ForcedToolParser(req.named_tool.function.name)
+        if mode == "required":
+            return ForcedToolParser(None)
+        if self.tool_call_parser is not None:
+            return get_tool_parser(self.tool_call_parser)
+        return parser_for_template(template)
+
+    async def create(self, request: Request) -> Response:
+        req = await parse_body(request, ChatCompletionRequest)
+        lora = self.check_model(req.model)
+        self.warn_ignored(req, "chat/completions")
+        if req.stream and req.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not available when stream is true")
+        messages = [m.to_dict() for m in req.messages]
+        requested = req.requested_max_tokens
+        limit = self.engine.max_model_len
+        req.to_sampling_params(max_tokens=None)  # validate before touching the engine
+        template_used: list[str | None] = [None]
+
+        def prepare(engine: LLMEngine) -> list:
+            check_stop_token_ids(req.stop_token_ids, engine.input_processor.vocab_size)
+            processed = process_chat_prompt(
+                engine,
+                messages,
+                chat_template=req.chat_template,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                template_kwargs=req.template_kwargs(),
+                add_special_tokens=req.add_special_tokens,
+                truncate=req.truncate_prompt_tokens,
+            )
+            tokenizer = engine.tokenizer
+            template_used[0] = req.chat_template or getattr(tokenizer, "chat_template", None)
+            n_prompt = len(processed.prompt_token_ids)
+            params = req.to_sampling_params(max_tokens_for(n_prompt, requested, None, limit))
+            return [(processed, params)]
+
+        rid = req.request_id or random_id("chatcmpl")
+        arrival = time.perf_counter()
+        streams = await self.add(prepare, rid, lora)
+        trackers = [RequestTracker(self.metrics, arrival)]
+        parser = self._parser(req, template_used[0])
+        echo = ""
+        last = req.messages[-1]
+        if req.echo and last.role == "assistant" and isinstance(last.content, str):
+            echo = last.content
+        if req.stream:
+            return EventStream(self._stream(req, rid, streams, trackers, parser, echo))
+        result = await unless_disconnected(request, collect(streams, trackers, req.n))
+        if result is None:
+            return Response(status_code=499)
+        (per_stream,), usage = result
+        k = req.top_logprobs or 0
+        choices = []
+        for j, ch in enumerate(per_stream):
+            text = echo + "".join(ch.text)
+            calls: list[ParsedToolCall] = []
+            if parser is not None:
+                parsed = parser.parse(text)
+                text, calls = parsed.content, parsed.tool_calls
+            message = ChatResponseMessage(
+                content=text if text or not calls else None,
+                tool_calls=[_tool_call(c) for c in calls],
+            )
+            choices.append(
+                ChatCompletionChoice(
+                    index=j,
+                    message=message,
+                    logprobs=chat_logprobs(ch.token_ids, ch.logprobs, k) if req.logprobs else None,
+                    finish_reason=_finish_reason(ch.finish_reason, len(calls)),
+                    stop_reason=ch.stop_reason,
+                    prompt_token_ids=usage.prompt_ids.get(0),
+                    token_ids=ch.token_ids,
+                )
+            )
+        body = ChatCompletionResponse(
+            id=rid,
+            model=self.model_name,
+            choices=choices,
+            usage=usage.info(),
+            prompt_logprobs=(
+                prompt_logprobs_json(usage.prompt_logprobs.get(0))
+                if req.prompt_logprobs is not None
+                else None
+            ),
+        )
+        return dump(body, req.return_token_ids)
+
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        streams: list[RequestStream],
+        trackers: list[RequestTracker],
+        parser: ToolParser | None,
+        echo: str,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        usage = Usage()
+        k = req.top_logprobs or 0
+        done: set[int] = set()
+        ids_wanted = req.return_token_ids
+        parsers = [parser.streaming() if parser is not None else None for _ in range(req.n)]
+        num_calls = [0] * req.n
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            body = ChatCompletionStreamResponse(
+                id=rid, created=created, model=self.model_name, choices=[choice]
+            ).model_dump(exclude={"usage"} if not req.include_usage else set())
+            if req.continuous_usage:
+                body["usage"] = usage.info().model_dump()
+            for c in body["choices"]:
+                c["delta"] = {key: v for key, v in c["delta"].items() if v is not None}
+                if not ids_wanted:
+                    del c["token_ids"]
+            return sse(body)
+
+        def deltas(j: int, text: str, final: bool) -> tuple[str | None, list[DeltaToolCall]]:
+            stream = parsers[j]
+            if stream is None:
+                return text or None, []
+            out = stream.feed(text)
+            if final:
+                rest = stream.finish()
+                out.content += rest.content
+                out.tool_calls += rest.tool_calls
+            calls = []
+            for call in out.tool_calls:
+                tc = _tool_call(call)
+                calls.append(
+                    DeltaToolCall(
+                        index=num_calls[j],
+                        id=tc.id,
+                        type="function",
+                        function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+                    )
+                )
+                num_calls[j] += 1
+            return out.content or None, calls
+
+        try:
+            for j in range(req.n):
+                yield chunk(
+                    ChatCompletionStreamChoice(
+                        index=j, delta=DeltaMessage(role="assistant", content="")
+                    )
+                )
+            pending_echo = {j: echo for j in range(req.n)} if echo else {}
+            async for _, out in merge(streams, trackers):
+                usage.add(0, out)
+                for c in out.outputs:
+                    if c.index in done:
+                        continue
+                    lp = None
+                    if req.logprobs and c.logprobs:
+                        lp = chat_logprobs(c.token_ids, c.logprobs, k)
+                    final = c.finish_reason is not None
+                    text = pending_echo.pop(c.index, "") + c.text
+                    content, calls = deltas(c.index, text, final)
+                    if final:
+                        done.add(c.index)
+                    elif (
+                        content is None
+                        and not calls
+                        and lp is None
+                        and not (ids_wanted and c.token_ids)
+                    ):
+                        continue
+                    yield chunk(
+                        ChatCompletionStreamChoice(
+                            index=c.index,
+                            delta=DeltaMessage(content=content, tool_calls=calls or None),
+                            logprobs=lp,
+                            finish_reason=_finish_reason(c.finish_reason, num_calls[c.index]),
+                            stop_reason=c.stop_reason,
+                            token_ids=c.token_ids if ids_wanted else None,
+                        )
+                    )
+            if req.include_usage:
+                yield sse(
+                    ChatCompletionStreamResponse(
+                        id=rid,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
+                        usage=usage.info(),
+                    )
+                )
+        except Exception as e:
+            yield stream_error(e)
+        yield DONE
