@@ -177,16 +177,16 @@ def quantize(
     tensors); "auto" takes the model's dtype (bfloat16 when it has none). `gptq_scales`:
     "first_touch" (a group's scale from the error-updated weights when GPTQ reaches it) or
     "upfront" (from the original weights). `scheme`: default W4A16 (symmetric) for GPTQ
-    and RTN, W4A16_ASYM for AWQ ("awq": AWQ scales and clipping, then RTN; "awq+gptq": then
-    GPTQ). `format`: "compressed-tensors", or "autoawq" (AutoAWQ's GEMM layout, 4-bit,
-    lm_head dense, float16 scales).
+    and RTN, W4A16_ASYM for AWQ (scales and clipping, then RTN). `format`:
+    "compressed-tensors", or "autoawq" (AutoAWQ's GEMM layout, 4-bit, lm_head dense, float16
+    scales).
     """
     start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not supported; use one of {', '.join(FORMATS)}")
-    awq = method in ("awq", "awq+gptq")
+    awq = method == "awq"
     if scheme is None:
         scheme = "W4A16_ASYM" if awq else "W4A16"
     if scheme.upper() not in SCHEMES:
@@ -200,10 +200,10 @@ def quantize(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     # Act-order changes the order GPTQ visits columns; RTN has no order.
-    args = scheme_args(scheme, group_size, actorder if method in ("gptq", "awq+gptq") else None)
+    args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
     ignore = list(ignore if ignore is not None else ["lm_head"])
     user_ignore = list(ignore)
-    if method in ("gptq", "awq+gptq") and dataset is None:
+    if method == "gptq" and dataset is None:
         raise ValueError("GPTQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")
     if awq and dataset is None:
         raise ValueError("AWQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")

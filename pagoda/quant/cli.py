@@ -102,9 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--method",
         default="gptq",
-        choices=["gptq", "rtn", "awq", "awq+gptq"],
-        help="awq: AWQ's activation-aware scales and clipping, then round to nearest; "
-        "awq+gptq: AWQ's scales and clipping, then GPTQ",
+        choices=["gptq", "rtn", "awq"],
+        help="awq: AWQ's activation-aware scales and clipping, then round to nearest",
     )
     q.add_argument(
         "--format",

@@ -6,8 +6,8 @@ pass accumulates one Hessian per linear input (q/k/v share one, gate/up share on
 projection is quantized (GPTQ or RTN), a second pass through the quantized layer produces
 the next layer's inputs, and the layer goes back to meta. Quantized tensors wait on the CPU.
 AWQ keeps that pass's linear inputs instead: it searches and folds the channel scales of each
-`SmoothMapping` (the layer's math unchanged), clips the weights, then rounds (RTN, or GPTQ
-for "awq+gptq" with Hessians of the scaled inputs); the rescaled norms are written too.
+`SmoothMapping` (the layer's math unchanged), clips the weights, then rounds them (RTN); the
+rescaled norms are written too.
 
 The LM head, when quantized (not ignored, embeddings untied), comes last: the final norm of
 the decoder runs on the quantized decoder's outputs, its outputs give lm_head's Hessian, and
@@ -58,7 +58,7 @@ QUANTIZABLE_ARCHITECTURES = (
     "Qwen2VLForConditionalGeneration",
     "MistralForCausalLM",
 )
-METHODS = ("gptq", "rtn", "awq", "awq+gptq")
+METHODS = ("gptq", "rtn", "awq")
 FORMATS = ("compressed-tensors", "autoawq")
 _CANDIDATE_GROUPS = (32, 64, 128, 256)
 
@@ -558,8 +558,8 @@ def _quantize_matrix(
 ) -> tuple[QuantizedWeight, torch.Tensor, float | None]:
     """GPTQ or RTN of one float32 [out, in] matrix: (quantized, dequantized, GPTQ loss).
 
-    AWQ rounds its smoothed, clipped weights with RTN ("awq") or GPTQ ("awq+gptq")."""
-    if options.method in ("gptq", "awq+gptq"):
+    AWQ rounds its smoothed, clipped weights with RTN."""
+    if options.method == "gptq":
         result = gptq_quantize(
             w,
             hessian,
@@ -816,7 +816,7 @@ def quantize_layers(
     from tqdm import tqdm
 
     device, dtype = options.device, options.compute_dtype
-    awq = options.method in ("awq", "awq+gptq")
+    awq = options.method == "awq"
     mappings: tuple[SmoothMapping, ...] = ()
     if awq:
         mappings = AWQ_MAPPINGS.get(type(model).__name__, ())
@@ -851,7 +851,7 @@ def quantize_layers(
                 compressed[name] = tensor.to(options.storage_dtype).cpu()
             if options.awq.clip:
                 rounded_from = clip_layer(layer, targets, captured, args, options)
-            for t in targets:  # Hessians of the scaled inputs: GPTQ's, and the report's
+            for t in targets:  # Hessians of the scaled inputs, for the report's errors
                 acc = HessianAccumulator(layer.get_submodule(t.attr).in_features, device)
                 for x in captured.pop(t.attr):
                     acc.add(x)
