@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 9): gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
+# Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
@@ -260,6 +260,14 @@ step_gpu9() {
     tests/models/test_models.py tests/kernels/test_fused_decode_attention.py \
     tests/kernels/test_triton_paged_attention.py tests/worker/test_shutdown.py \
     tests/layers/test_wna16_kernels.py tests/kernels/test_triton_w4a16_mma.py
+}
+# issue 17, acc. 3 on the GPU (verbose, with durations: run 1's gpu9 ran out of time in here)
+step_mistral_gpu() {
+  run mistral_gpu 200 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE --durations=15 \
+    tests/entrypoints/test_mistral_vs_hf.py tests/kernels/test_sliding_window_attention.py
+}
+step_shutdown_gpu() {
+  run shutdown_gpu 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/worker
 }
 step_generic_tests() {
   PAGODA_DISABLED_KERNELS=mma_gemv,mma_gemm,mma_dequant run generic_tests 120 python3 -m pytest \

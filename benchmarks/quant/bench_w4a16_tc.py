@@ -43,23 +43,21 @@ WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
 
 def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
     """The default first, then swap-AB tiles of the two largest BLOCK_M up to M (cap 128) and
-    plain [64 | 128, 4 | 8 | 16 CG] tiles, with the hand prefetch of the weights or Triton's
-    pipeliner (3 or 4 stages), each with and without split-K where few programs."""
+    plain [64 | 128, 4 | 8 | 16 CG] tiles, each with and without split-K where few programs."""
     out = [mma.default_mma_gemm_config(m, n, k, num_sms)]
     p2 = 16
     while p2 < m and p2 < 128:
         p2 *= 2
-    plans = [(True, bm, 4, 3, True) for bm in sorted({max(16, p2 // 2), p2})]
-    plans += [(False, bm, w, 3, True) for bm in (64, 128) for w in (4, 8)]
-    plans += [(False, bm, w, st, False) for bm in (64, 128) for w in (4, 8) for st in (3, 4)]
-    for swap, bm, warps, stages, prefetch in plans:
+    plans = [(True, bm, 4, st) for bm in sorted({max(16, p2 // 2), p2}) for st in (3, 4)]
+    plans += [(False, bm, w, 3) for bm in (64, 128) for w in (4, 8)]
+    for swap, bm, warps, stages in plans:
         for cg in (4, 8, 16):
             programs = -(-m // bm) * (n // (16 * cg))
             splits = {1}
             if programs < num_sms:
                 splits.add(max(1, min(8, round(num_sms / programs))))
             for split in sorted(splits):
-                c = (bm, cg, 2, split, warps, stages, swap, prefetch)
+                c = (bm, cg, 2, split, warps, stages, swap)
                 if c not in out:
                     out.append(c)
     return out
