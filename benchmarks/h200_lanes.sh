@@ -263,7 +263,7 @@ step_gpu9() {
 }
 # issue 17, acc. 3 on the GPU (verbose, with durations: run 1's gpu9 ran out of time in here)
 step_mistral_gpu() {
-  run mistral_gpu 200 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE --durations=15 \
+  run mistral_gpu 190 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE --durations=15 \
     tests/entrypoints/test_mistral_vs_hf.py tests/kernels/test_sliding_window_attention.py
 }
 step_shutdown_gpu() {
@@ -294,7 +294,7 @@ step_edge() {
     --out "$R/edge_4070"
 }
 step_startup7b() {
-  run startup7b 240 python3 benchmarks/deploy/startup_7b.py --checkpoint /tmp/qwen7b-ckpt \
+  run startup7b 150 python3 benchmarks/deploy/startup_7b.py --checkpoint /tmp/qwen7b-ckpt \
     --out "$R/startup_7b_h200.json"
 }
 # the generic (non-Hopper) dispatch forced on the H200: a table row (issue 16, acc. 4)

@@ -114,7 +114,7 @@ def run_once(model: str, env: dict[str, str], max_model_len: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None)
     p.add_argument("--checkpoint", default=None, help="reuse/write the checkpoint here")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--warm-runs", type=int, default=2)
@@ -124,6 +124,8 @@ def main() -> int:
     if args.child:
         child(args.child, args.launched, args.max_model_len)
         return 0
+    if not args.out:
+        p.error("--out is required")
     ckpt = Path(args.checkpoint or tempfile.mkdtemp(prefix="qwen7b-"))
     t0 = time.time()
     gib = None
