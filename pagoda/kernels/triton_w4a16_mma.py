@@ -960,6 +960,7 @@ def _mma_gemm_kernel(
     CG: tl.constexpr,  # column groups of 16 per program: two dots of CG * 8 columns each
     T: tl.constexpr,  # K tiles of 64 per step (divides GROUP_TILES: one scale per column)
     SWAP: tl.constexpr,  # out^T = W x^T (the weight is the dot's left operand)
+    PREFETCH: tl.constexpr,  # weights loaded one step ahead by hand, else Triton's pipeliner
     HAS_BIAS: tl.constexpr,
     HAS_ZP: tl.constexpr,
     ONE_SPLIT: tl.constexpr,  # else fp32 partials [split, M, N] summed by the caller
@@ -1005,10 +1006,15 @@ def _mma_gemm_kernel(
     # issued before step i's math): Triton's pipeliner only stages loads that feed a dot, and
     # these feed the unpacking asm.
     words, sp, zp = _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, kb_lo, GROUP_TILES, HAS_ZP)
+    words_n, sp_n, zp_n = words, sp, zp
     for kb0 in range(kb_lo, kb_hi, T):
-        nxt = tl.minimum(kb0 + T, kb_hi - T)
-        words_n, sp_n, zp_n = _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, nxt, GROUP_TILES,
-                                            HAS_ZP)  # fmt: skip
+        if PREFETCH:
+            nxt = tl.minimum(kb0 + T, kb_hi - T)
+            words_n, sp_n, zp_n = _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, nxt,
+                                                GROUP_TILES, HAS_ZP)  # fmt: skip
+        else:
+            words, sp, zp = _load_tc_step(w_rows, sp_ptr, zp_ptr, pair_rows, kb0, GROUP_TILES,
+                                          HAS_ZP)  # fmt: skip
         s0, s1 = _pair_halves(sp, INTERPRET)
         if HAS_ZP:
             z0, z1 = _pair_halves(zp, INTERPRET)
@@ -1040,7 +1046,8 @@ def _mma_gemm_kernel(
         else:
             acc0 = tl.dot(x, tl.trans(w0), acc0)
             acc1 = tl.dot(x, tl.trans(w1), acc1)
-        words, sp, zp = words_n, sp_n, zp_n
+        if PREFETCH:
+            words, sp, zp = words_n, sp_n, zp_n
     if SWAP:
         acc0 = tl.trans(acc0)
         acc1 = tl.trans(acc1)
@@ -1059,7 +1066,8 @@ def _mma_gemm_kernel(
         tl.store(ptrs + 8, acc1, mask=mask)
 
 
-GemmMmaConfig = tuple[int, int, int, int, int, int, bool]  # BM, CG, T, split, warps, stages, swap
+# BLOCK_M, column groups, K tiles per step, split-K, warps, stages, swap-AB, manual prefetch
+GemmMmaConfig = tuple[int, int, int, int, int, int, bool, bool]
 
 
 def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int) -> GemmMmaConfig:
@@ -1072,7 +1080,7 @@ def default_mma_gemm_config(m: int, n: int, k: int, num_sms: int) -> GemmMmaConf
     warps = 8 if (cg == 16 or block_m == 128) else 4
     programs = -(-m // block_m) * max(1, n // (16 * cg))
     split = max(1, min(8, round(num_sms / programs))) if programs < num_sms else 1
-    return (block_m, cg, 2, split, warps, 3, False)
+    return (block_m, cg, 2, split, warps, 3, False, True)
 
 
 def wna16_mma_gemm(
@@ -1093,7 +1101,9 @@ def wna16_mma_gemm(
             f"group={group_size}"
         )
     num_sms = platform.num_sms(x.device) if x.is_cuda else 4
-    block_m, cg, t, split, warps, stages, swap = config or default_mma_gemm_config(m, n, k, num_sms)
+    block_m, cg, t, split, warps, stages, swap, prefetch = config or default_mma_gemm_config(
+        m, n, k, num_sms
+    )
     groups = n // TILE_N
     while cg > 1 and groups % cg:
         cg //= 2
@@ -1124,6 +1134,7 @@ def wna16_mma_gemm(
         CG=cg,
         T=t,
         SWAP=swap,
+        PREFETCH=prefetch,
         HAS_BIAS=bias is not None and split == 1,
         HAS_ZP=zero_pairs is not None,
         ONE_SPLIT=split == 1,

@@ -399,14 +399,14 @@ def test_zero_point_asm_operands_line_up() -> None:
         assert used == set(range(len(str(cons).split(","))))
 
 
-# (M, N, K, group, (BLOCK_M, CG, T, split, warps, stages, swap), bias, zero points): the
-# tensor-core GEMM: swap-AB and not, several M blocks, split-K, CG not dividing the column
-# groups, per-channel, group 64, zero points.
+# (M, N, K, group, (BLOCK_M, CG, T, split, warps, stages, swap, prefetch), bias, zero points):
+# the tensor-core GEMM: swap-AB and not, manual prefetch and the pipeliner, several M blocks,
+# split-K, CG not dividing the column groups, per-channel, group 64, zero points.
 TC_CASES = [
-    (20, 32, 256, 128, (16, 2, 2, 1, 4, 1, True), False, False),
-    (70, 64, 512, 64, (32, 4, 1, 2, 4, 1, False), True, True),
-    (5, 48, 576, -1, (16, 4, 4, 3, 4, 1, True), True, False),
-    (33, 80, 384, 128, (64, 8, 2, 1, 4, 1, False), False, True),
+    (20, 32, 256, 128, (16, 2, 2, 1, 4, 1, True, True), False, False),
+    (70, 64, 512, 64, (32, 4, 1, 2, 4, 1, False, True), True, True),
+    (5, 48, 576, -1, (16, 4, 4, 3, 4, 1, True, False), True, False),
+    (33, 80, 384, 128, (64, 8, 2, 1, 4, 1, False, False), False, True),
 ]
 
 
