@@ -207,6 +207,10 @@ class _ChildLoop:
                         conn.poll(_IDLE_WAIT_S)  # nothing could run: do not spin
                 replies, self.replies = self.replies, []
                 conn.send_bytes(_dumps(("step", replies, outputs, engine_stats(engine), failed)))
+            # Told to stop: drop what runs and report the freed cache before exiting.
+            engine.abort_request(list(self.live))
+            self.live.clear()
+            conn.send_bytes(_dumps(("step", self.replies, [], engine_stats(engine), None)))
         except (EOFError, OSError):
             raise
         except BaseException as e:
