@@ -615,8 +615,9 @@ class EngineProcess:
                 reason = EngineDeadError("the engine is shutting down")
             else:
                 _wait(self._proc, 5.0)
+                verb = "exited" if self._proc.poll() == 0 else "died"
                 reason = EngineDeadError(
-                    f"the engine process died ({self._exit_text()}); restart the server"
+                    f"the engine process {verb} ({self._exit_text()}); restart the server"
                 )
                 logger.error("%s", reason)
         with self._lock:

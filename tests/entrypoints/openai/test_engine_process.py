@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,6 +27,7 @@ from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from tests.helpers import save_tiny_model
 
+FIXTURES = Path(__file__).parents[2] / "fixtures"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
@@ -100,13 +102,22 @@ def test_disconnect_frees_the_request_in_the_child(server, async_engine, wait_un
     assert async_engine.stats().num_steps - steps_before < 400
 
 
-def test_killed_child_is_a_503_not_a_hang(tiny, serve_app):
+def test_killed_child_is_a_503_not_a_hang(tmp_path, serve_app):
     from pagoda.entrypoints.openai.server import build_app
 
-    engine = EngineProcess(EngineArgs(model=str(tiny), skip_tokenizer_init=True, max_model_len=256))
+    # A long context, so that the request is surely still running when the child is killed.
+    path = save_tiny_model("llama", tmp_path / "long", max_position_embeddings=8192)
+    args = EngineArgs(model=str(path), skip_tokenizer_init=True, max_model_len=8192)
+    engine = EngineProcess(args)
     try:
         with serve_app(build_app(engine, "tiny")) as url:
-            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 200, "ignore_eos": True}
+            body = {
+                "model": "tiny",
+                "prompt": [5, 6, 7],
+                "max_tokens": 8000,
+                "ignore_eos": True,
+                "return_token_ids": True,  # no tokenizer: chunks carry token ids, not text
+            }
             events = []
             start = time.monotonic()
             with httpx.stream(
@@ -201,6 +212,8 @@ def test_startup_errors_read_as_the_in_process_engines(tiny, tmp_path):
 def test_serve_cli_startup_error_is_one_line(tiny, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny, bad)
+    for f in (FIXTURES / "qwen2.5-tokenizer").iterdir():  # `pagoda serve` loads a tokenizer
+        shutil.copy(f, bad / f.name)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["intermediate_size"] *= 2
     (bad / "config.json").write_text(json.dumps(cfg))
