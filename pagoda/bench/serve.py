@@ -5,7 +5,8 @@ Streams `--num-prompts` requests (random-word or `--prompts-file` prompts) at a 
 TTFT / TPOT / ITL / end-to-end latency (mean, p50, p99) plus errors, as a table and `--out JSON`.
 Works against pagoda, vLLM or any server that speaks the OpenAI streaming API. `--launch` starts
 `pagoda serve` itself; `--offline-baseline` also times offline `LLM.generate` on the same prompts
-in the same run and reports the ratio.
+in the same run and reports the ratio; `--engine-modes process,thread` launches the server once
+per engine mode (A/B against the same baseline).
 """
 
 from __future__ import annotations
@@ -122,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine arguments (in its own process) and report serve / offline output tok/s",
     )
     parser.add_argument(
+        "--engine-modes",
+        default=None,
+        metavar="MODE[,MODE]",
+        help="with --launch: run the server once per `pagoda serve --engine-mode` (auto, "
+        "process, thread), one after the other, and report each (default: the server's own)",
+    )
+    parser.add_argument(
         "--launch-timeout", type=float, default=900.0, help="seconds to wait for start-up"
     )
 
@@ -137,6 +145,12 @@ def _check(ns: argparse.Namespace) -> None:
         raise ValueError(f"--request-rate must be a positive number, got {ns.request_rate}")
     if ns.offline_baseline and not ns.launch:
         raise ValueError("--offline-baseline needs --launch (the engine arguments to compare)")
+    if ns.engine_modes is not None:
+        if not ns.launch:
+            raise ValueError("--engine-modes needs --launch (it starts the server per mode)")
+        engine_modes(ns.engine_modes)  # a clear error now, not after the offline baseline
+        if "--engine-mode" in ns.launch.split():
+            raise ValueError("give the engine mode in --engine-modes or in --launch, not both")
     for name in ("input_len", "output_len"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
@@ -147,6 +161,20 @@ def _check(ns: argparse.Namespace) -> None:
     for name in ("request_timeout", "max_duration"):
         if not getattr(ns, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+
+
+def engine_modes(text: str) -> list[str]:
+    """`process,thread` -> ["process", "thread"], each a `pagoda serve --engine-mode` value."""
+    allowed = ("auto", "process", "thread")
+    modes = [m.strip() for m in text.split(",")]
+    bad = [m for m in modes if m not in allowed]
+    if bad or not modes:
+        raise ValueError(
+            f"--engine-modes takes {', '.join(allowed)} (comma-separated), got {text!r}"
+        )
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"--engine-modes names a mode twice: {text!r}")
+    return modes
 
 
 def make_prompts(ns: argparse.Namespace) -> list[str] | list[list[int]]:
@@ -372,9 +400,10 @@ def format_table(s: dict[str, Any]) -> str:
         if c["request_rate"]
         else f"concurrency {c['concurrency']}"
     )
+    engine = f", engine mode {c['engine_mode']}" if c.get("engine_mode") else ""
     lines = [
         "=" * 60,
-        f"pagoda bench serve: {c['model']} at {c['url']} ({c['endpoint']})",
+        f"pagoda bench serve: {c['model']} at {c['url']} ({c['endpoint']}{engine})",
         f"{c['num_prompts']} requests, {mode}, input {c['input_len'] or 'file'} "
         f"{'tokens' if c['token_prompts'] else 'words'}, "
         f"output {c['output_len']} tokens",
@@ -497,7 +526,7 @@ async def _wait_healthy(url: str, proc: Any, timeout: float) -> None:
     raise RuntimeError(f"pagoda serve did not answer /health within {timeout:.0f} s")
 
 
-def _launched(ns: argparse.Namespace) -> dict[str, Any]:
+def _launched(ns: argparse.Namespace, engine_mode: str | None = None) -> dict[str, Any]:
     """Start the server, warm it up, run the benchmark, stop the server."""
     import shlex
     import signal
@@ -505,6 +534,8 @@ def _launched(ns: argparse.Namespace) -> dict[str, Any]:
 
     port = _free_port()
     cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *shlex.split(ns.launch)]
+    if engine_mode is not None:
+        cmd += ["--engine-mode", engine_mode]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log"]
     cmd += ["--log-level", "warning"]
     proc = subprocess.Popen(cmd)
@@ -525,12 +556,7 @@ def _launched(ns: argparse.Namespace) -> dict[str, Any]:
             proc.wait()
 
 
-def main(ns: argparse.Namespace) -> int:
-    _check(ns)
-    offline = None
-    if ns.offline_baseline:
-        offline = _run_offline(ns, make_prompts(ns))
-    summary = _launched(ns) if ns.launch else asyncio.run(run_benchmark(ns))
+def _with_offline(summary: dict[str, Any], offline: dict[str, Any] | None) -> dict[str, Any]:
     if offline is not None:
         summary["offline"] = offline
         summary["serve_over_offline"] = (
@@ -538,7 +564,28 @@ def main(ns: argparse.Namespace) -> int:
             if offline["output_throughput"]
             else None
         )
-    print(format_table(summary))
+    return summary
+
+
+def main(ns: argparse.Namespace) -> int:
+    _check(ns)
+    offline = None
+    if ns.offline_baseline:
+        offline = _run_offline(ns, make_prompts(ns))
+    if ns.engine_modes is not None:
+        # One server per mode, each against the same offline baseline; the first mode's
+        # numbers are also the top level (as a run without --engine-modes reports them).
+        by_mode = {}
+        for mode in engine_modes(ns.engine_modes):
+            by_mode[mode] = _with_offline(_launched(ns, mode), offline)
+            by_mode[mode]["config"]["engine_mode"] = mode
+            print(format_table(by_mode[mode]))
+        summary = dict(next(iter(by_mode.values())))
+        summary["by_engine_mode"] = by_mode
+    else:
+        summary = _launched(ns) if ns.launch else asyncio.run(run_benchmark(ns))
+        summary = _with_offline(summary, offline)
+        print(format_table(summary))
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

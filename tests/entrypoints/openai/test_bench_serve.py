@@ -154,16 +154,35 @@ def test_bench_serve_launch_with_offline_baseline(tmp_path, capsys):
     ns = _parse(
         ["--launch", launch, "--offline-baseline", "--token-prompts", "--max-token-id", "500"]
         + ["--num-prompts", "8", "--concurrency", "4", "--input-len", "8", "--output-len", "8"]
-        + ["--out", str(out)]
+        + ["--engine-modes", "process,thread", "--out", str(out)]
     )
     assert bench_serve.main(ns) == 0
     result = json.loads(out.read_text())
-    assert result["completed"] == 8 and result["total_output_tokens"] == 64
+    assert list(result["by_engine_mode"]) == ["process", "thread"]
+    for mode, r in result["by_engine_mode"].items():
+        assert r["config"]["engine_mode"] == mode
+        assert r["completed"] == 8 and r["total_output_tokens"] == 64
+        assert r["serve_over_offline"] == pytest.approx(
+            r["output_throughput"] / result["offline"]["output_throughput"]
+        )
     assert result["offline"]["total_output_tokens"] == 64
-    assert result["serve_over_offline"] == pytest.approx(
-        result["output_throughput"] / result["offline"]["output_throughput"]
-    )
-    assert "serve / offline" in capsys.readouterr().out
+    assert result["output_throughput"] == result["by_engine_mode"]["process"]["output_throughput"]
+    table = capsys.readouterr().out
+    assert "serve / offline" in table
+    assert "engine mode process" in table and "engine mode thread" in table
+
+
+def test_engine_modes_are_checked():
+    with pytest.raises(ValueError, match="--engine-modes needs --launch"):
+        bench_serve.main(_parse(["--engine-modes", "thread"]))
+    with pytest.raises(ValueError, match="--engine-modes takes auto, process, thread"):
+        bench_serve.main(_parse(["--launch", "m", "--engine-modes", "process,fork"]))
+    with pytest.raises(ValueError, match="names a mode twice"):
+        bench_serve.main(_parse(["--launch", "m", "--engine-modes", "thread,thread"]))
+    with pytest.raises(ValueError, match="not both"):
+        bench_serve.main(
+            _parse(["--launch", "m --engine-mode thread", "--engine-modes", "process"])
+        )
 
 
 def test_offline_baseline_needs_launch():
