@@ -249,3 +249,30 @@ def test_merged_deltas_equal_the_sum_of_their_parts():
     assert m.finished
     assert [list(d) for d in c.logprobs] == [[7], [8], [9]]
     assert c.cumulative_logprob == -2.0 and m.prompt_logprobs[1][2].logprob == -1.0
+
+
+@pytest.mark.gpu
+def test_gpu_the_server_process_never_initialises_cuda(tiny, tmp_path):
+    # Only the engine process holds a CUDA context (a fresh interpreter, not a fork); the
+    # server process stays off the device. Checked in a clean interpreter.
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import asyncio, torch\n"
+        "from pagoda.engine.args import EngineArgs\n"
+        "from pagoda.engine.engine_process import EngineProcess\n"
+        "from pagoda.sampling_params import SamplingParams\n"
+        f"e = EngineProcess(EngineArgs(model={str(tiny)!r}, skip_tokenizer_init=True, "
+        "max_model_len=128, device='cuda', gpu_memory_utilization=0.2))\n"
+        "p = SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False)\n"
+        "async def go():\n"
+        "    return [o async for o in e.generate([5, 6, 7], p)]\n"
+        "n = sum(len(o.outputs[0].token_ids) for o in asyncio.run(go()))\n"
+        "print(n, torch.cuda.is_initialized(), flush=True)\n"
+        "e.shutdown()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["4", "False"]
