@@ -531,7 +531,9 @@ class EngineProcess:
             if self._stopping:
                 return
             self._stopping = True
-        self._frontend.shutdown(wait=False, cancel_futures=True)
+        # Queued front-end work still runs (and then finds the engine stopping), so that its
+        # callers get EngineDeadError, not a cancellation.
+        self._frontend.shutdown(wait=False)
         self._send_quietly(("shutdown",))
         self._stop_process(30.0 if timeout is None else timeout)
         self._reader.join(5.0)
