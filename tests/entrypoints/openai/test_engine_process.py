@@ -276,3 +276,18 @@ def test_gpu_the_server_process_never_initialises_cuda(tiny, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["4", "False"]
+
+
+def test_serve_engine_mode_flag():
+    from pagoda.entrypoints.cli import build_parser
+    from pagoda.entrypoints.openai.api_server import ServerArgs
+    from pagoda.entrypoints.openai.cli import server_args_from
+
+    parse = build_parser().parse_args
+    assert server_args_from(parse(["serve"]), ServerArgs).engine_mode == "auto"
+    ns = parse(["serve", "--engine-mode", "thread"])
+    assert server_args_from(ns, ServerArgs).engine_mode == "thread"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--engine-mode", "fork"])
+    with pytest.raises(ValueError, match="--engine-mode must be one of auto, process, thread"):
+        ServerArgs(engine_mode="fork")
