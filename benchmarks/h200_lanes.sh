@@ -6,6 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
+# Steps (session 10 candidates): wgmma
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
@@ -304,6 +305,14 @@ step_generic_e2e() {
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
     --baseline none --timeout 100 --out "$R/compare_7b_generic"
+}
+# the Gluon swap-AB wgmma GEMM (pagoda/kernels/gluon_w4a16_wgmma.py): GPU equality tests, then
+# the per-layer table with it as a candidate (not in the kernel registry until measured)
+step_wgmma() {
+  run wgmma_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_w4a16_wgmma.py
+  run wgmma_table 200 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0,1 \
+    --out "$R/wgmma_table"
 }
 step_structured() {
   OUT=$R/structured run structured 300 bash benchmarks/structured/run_h200.sh

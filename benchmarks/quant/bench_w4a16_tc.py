@@ -1,6 +1,7 @@
 """W4A16 per-layer kernels at M = 1-256 against bf16 cuBLAS, Qwen2.5-7B and 3B shapes (H200).
 
-Kernels (all on the `repack_mma` tensor-core layout, the layer's only weight copy):
+Kernels (on the `repack_mma` tensor-core layout, the layer's only weight copy, and `wgmma`:
+the Gluon swap-AB GEMM on its own layout, `gluon_w4a16_wgmma.py`, sm_90 only):
 `gemv` (M <= 64: `wna16_mma_gemv`), `tc` (`wna16_mma_gemm`: dequantization in registers,
 `tl.dot`; `--sweep` tries its configs), `dequant+cublas`
 (`wna16_mma_dequant` then `F.linear`), and `bf16` (cuBLAS on the dense weight) as the
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagoda.bench.common import copy_bandwidth, environment  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
+from pagoda.kernels import gluon_w4a16_wgmma as wg  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 
@@ -89,6 +91,16 @@ class Layer:
                 mma.repack_mma_zeros(torch.randint(0, 16, (groups, n), device=dev, generator=g))
                 for _ in range(self.copies)
             ]
+        self.wg = None  # the same weights in the wgmma layout: (words, scales_t, zeros_t)
+        if wg.gluon_available() and torch.cuda.get_device_capability(dev) == (9, 0):
+            self.wg = [
+                (
+                    wg.repack_wgmma(mma.unpack_mma(self.words[i], n, k)),
+                    mma.unpack_mma_scales(self.pairs[i]),
+                    mma.unpack_mma_zeros(self.zeros[i]) if zp else None,
+                )
+                for i in range(self.copies)
+            ]
         self.dense_copies = max(2, -(-4 * l2 // (n * k * 2)))
         w0 = mma.wna16_mma_dequant(self.words[0], self.pairs[0], n, k, GROUP, self.z(0))
         self.w_ref = w0.float()
@@ -113,6 +125,13 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: in
     cands["dequant+cublas"] = lambda i: F.linear(
         x, mma.wna16_mma_dequant(layer.words[i], layer.pairs[i], n, k, GROUP, layer.z(i))
     )
+    if layer.wg is not None:
+
+        def wgmma(i):
+            words, scales_t, zeros_t = layer.wg[i]
+            return wg.wna16_wgmma_gemm(x, words, scales_t, n, GROUP, zeros_t=zeros_t)
+
+        cands["wgmma"] = wgmma
     configs = [None]
     if sweep and m in SWEEP_MS and not zp:
         configs = tc_sweep(m, n, k, num_sms)
