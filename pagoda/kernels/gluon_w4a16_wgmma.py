@@ -153,11 +153,16 @@ def _kernel():
         x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 64], x_sl)
         acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma)
 
+        # Both operands are loaded one step ahead into registers (their global latency hides
+        # behind this step's unpacking and MMA); the activation tile then goes to shared memory.
         words_n = gl.load(w_rows + w_off + kt_lo * 512)
+        x_n = gl.load(x_ptrs + kt_lo * 64, mask=x_mask, other=0.0)
         for kt in range(kt_lo, kt_hi):
             words = words_n
+            x = x_n
             nxt = gl.minimum(kt + 1, kt_hi - 1)
-            words_n = gl.load(w_rows + w_off + nxt * 512)  # the next block, one step ahead
+            words_n = gl.load(w_rows + w_off + nxt * 512)
+            x_n = gl.load(x_ptrs + nxt * 64, mask=x_mask, other=0.0)
             q0 = words & 0xF
             q1 = (words >> 4) & 0xF
             q2 = (words >> 8) & 0xF
@@ -182,7 +187,6 @@ def _kernel():
             else:
                 z = gl.full([BN], 8.0, gl.float32, layout=gl.SliceLayout(1, a_l))
             w = ((q.to(gl.float32) - gl.expand_dims(z, 1)) * gl.expand_dims(s, 1)).to(gl.bfloat16)
-            x = gl.load(x_ptrs + kt * 64, mask=x_mask, other=0.0)
             x_smem.store(x)
             fence_async_shared()
             acc = warpgroup_mma(w, x_smem.permute((1, 0)), acc)
