@@ -3,9 +3,10 @@
 Each round points `XDG_CACHE_HOME` at a new empty folder and runs the whole command twice, each
 time in a fresh process: the first start converts the embedded GGUF and fills the cache, the
 second reads it. Wall times of the whole command (interpreter start to exit) are what count;
-the engine's own "ready in X s" is recorded beside them. The answers of both starts must be
-equal (greedy decoding). Writes per-run times, load averages, medians, spreads and the ratio of
-the medians (plus each round's own ratio) as JSON into `--out`.
+the engine's own "ready in X s" and the process's CPU time (user + system) are recorded beside
+them. The answers of both starts must be equal (greedy decoding). Writes per-run figures, load
+averages, medians, spreads and the ratio of the medians (plus each round's own ratio) as JSON
+into `--out`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -26,14 +28,17 @@ from pathlib import Path
 def _start(cmd: list[str], cache: str) -> dict:
     env = dict(os.environ, XDG_CACHE_HOME=cache)
     load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if done.returncode != 0:
         print(done.stderr[-2000:], file=sys.stderr)
         raise SystemExit(f"error: the command exited with {done.returncode}")
     ready = re.search(r"ready in ([0-9.]+) s", done.stderr)
-    return {"wall_s": wall, "load_avg_1m": load,
+    return {"wall_s": wall, "cpu_s": cpu, "load_avg_1m": load,
             "engine_ready_s": float(ready.group(1)) if ready else None,
             "answer": done.stdout.strip()}  # fmt: skip
 
