@@ -6,6 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
+# Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
 #        serve_offline64 throughput throughput_async vl quant7b compare3b compare7b
@@ -249,6 +250,63 @@ step_offload() {
 }
 step_two_engines() {
   run two_engines 120 python3 benchmarks/deploy/two_engines.py --out "$R/two_engines_h200.json"
+}
+
+# session 9: Mistral / shutdown / registry GPU tests, the generic dispatch forced, the tc GEMM
+# pipeliner sweep, deployment runs (issue 19), bf16 copy-bandwidth fractions (issue 16, acc. 3)
+step_gpu9() {
+  run gpu9 230 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_sliding_window_attention.py tests/entrypoints/test_mistral_vs_hf.py \
+    tests/models/test_models.py tests/kernels/test_fused_decode_attention.py \
+    tests/kernels/test_triton_paged_attention.py tests/worker/test_shutdown.py \
+    tests/layers/test_wna16_kernels.py tests/kernels/test_triton_w4a16_mma.py
+}
+# issue 17, acc. 3 on the GPU (verbose, with durations: run 1's gpu9 ran out of time in here)
+step_mistral_gpu() {
+  run mistral_gpu 190 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE --durations=15 \
+    tests/entrypoints/test_mistral_vs_hf.py tests/kernels/test_sliding_window_attention.py
+}
+step_shutdown_gpu() {
+  run shutdown_gpu 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/worker
+}
+step_generic_tests() {
+  PAGODA_DISABLED_KERNELS=mma_gemv,mma_gemm,mma_dequant run generic_tests 120 python3 -m pytest \
+    -q -p no:cacheprovider -m gpu -rfE tests/entrypoints/test_gpu_engine.py \
+    tests/quant/test_autoawq_load.py tests/models/test_models.py
+}
+step_tc_sweep() {
+  run tc_sweep 150 python3 benchmarks/quant/bench_w4a16_tc.py --sweep --models 7b,3b \
+    --layers gate_up,down --ms 64,128,256 --zp 0 --out "$R/tc_sweep"
+}
+step_no_triton_vl() {
+  run no_triton_vl 120 python3 benchmarks/deploy/no_triton_vl.py --out "$R/no_triton_vl_h200.json"
+}
+step_bw() {
+  run lat3b_bf16 80 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG3" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 2 --baseline none \
+    --out "$R/lat_3b_bf16.json"
+  run lat7b_bf16 80 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 2 --baseline none \
+    --out "$R/lat_7b_bf16.json"
+}
+step_edge() {
+  run edge 300 python3 -m pagoda bench edge --memory-cap-gib 12 --emulate-capability 8.9 \
+    --out "$R/edge_4070"
+}
+step_startup7b() {
+  run startup7b 150 python3 benchmarks/deploy/startup_7b.py --checkpoint /tmp/qwen7b-ckpt \
+    --out "$R/startup_7b_h200.json"
+}
+# the generic (non-Hopper) dispatch forced on the H200: a table row (issue 16, acc. 4)
+step_generic_e2e() {
+  PAGODA_DISABLED_KERNELS=mma_gemv,mma_gemm,mma_dequant run generic_e2e 150 python3 -m \
+    pagoda.entrypoints.cli compare "config:$CFG7:w4a16" --labels "Qwen2.5-7B W4A16 generic" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
+    --baseline none --timeout 100 --out "$R/compare_7b_generic"
+}
+step_structured() {
+  OUT=$R/structured run structured 300 bash benchmarks/structured/run_h200.sh
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

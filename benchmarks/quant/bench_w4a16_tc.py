@@ -35,6 +35,7 @@ SHAPES = {  # model: {layer: (N, K)}
     "3b": {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)},
 }
 MS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+SWEEP_MS = (16, 32, 64, 128, 256)
 GROUP = 128
 
 WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
@@ -42,7 +43,7 @@ WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
 
 def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
     """The default first, then swap-AB tiles of the two largest BLOCK_M up to M (cap 128) and
-    plain [64 | 128, 8 CG | 16 CG] tiles, each with and without split-K where few programs."""
+    plain [64 | 128, 4 | 8 | 16 CG] tiles, each with and without split-K where few programs."""
     out = [mma.default_mma_gemm_config(m, n, k, num_sms)]
     p2 = 16
     while p2 < m and p2 < 128:
@@ -50,7 +51,7 @@ def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
     plans = [(True, bm, 4, st) for bm in sorted({max(16, p2 // 2), p2}) for st in (3, 4)]
     plans += [(False, bm, w, 3) for bm in (64, 128) for w in (4, 8)]
     for swap, bm, warps, stages in plans:
-        for cg in (8, 16):
+        for cg in (4, 8, 16):
             programs = -(-m // bm) * (n // (16 * cg))
             splits = {1}
             if programs < num_sms:
@@ -113,7 +114,7 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: in
         x, mma.wna16_mma_dequant(layer.words[i], layer.pairs[i], n, k, GROUP, layer.z(i))
     )
     configs = [None]
-    if sweep and m in (16, 32, 64, 128, 256) and not zp:
+    if sweep and m in SWEEP_MS and not zp:
         configs = tc_sweep(m, n, k, num_sms)
     if m >= 8:
         for c in configs:
@@ -127,10 +128,10 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: in
     return cands
 
 
-def bench(model: str, name: str, n: int, k: int, zp: bool, sweep: bool, bw, l2, num_sms, dev):
+def bench(model, name, n, k, zp: bool, sweep: bool, bw, l2, num_sms, dev, ms=MS):
     layer = Layer(n, k, l2, zp, dev)
     rows = []
-    for m in MS:
+    for m in ms:
         x = torch.randn(m, k, device=dev).bfloat16()
         row = {"model": model, "layer": name, "n": n, "k": k, "m": m, "zp": zp}
         t = time_graph(lambda i, x=x: F.linear(x, layer.dense[i]), layer.dense_copies)
@@ -174,7 +175,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="try the tc GEMM's configs at M >= 16")
     ap.add_argument("--models", default="7b,3b")
     ap.add_argument("--zp", default="0,1", help="symmetric (0) and / or zero points (1)")
+    ap.add_argument("--layers", default=None, help="only these layers, e.g. gate_up,down")
+    ap.add_argument("--ms", default=None, help="only these M, e.g. 64,128,256")
     ns = ap.parse_args()
+    ms = [int(v) for v in ns.ms.split(",")] if ns.ms else MS
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
@@ -185,9 +189,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for model in ns.models.split(","):
         for name, (n, k) in SHAPES[model].items():
+            if ns.layers and name not in ns.layers.split(","):
+                continue
             for zp in (int(z) for z in ns.zp.split(",")):
                 rows += bench(model, name, n, k, bool(zp), ns.sweep, bw, l2,
-                              props.multi_processor_count, dev)  # fmt: skip
+                              props.multi_processor_count, dev, ms)  # fmt: skip
                 result = {"env": environment(dev), "copy_bw": bw, "seconds": time.time() - t0}
                 result["rows"] = rows  # written after every layer: a cut-off run keeps its rows
                 (out / "w4a16_tc.json").write_text(json.dumps(result, indent=1))

@@ -6,7 +6,8 @@ array of objects, compact whitespace), so both runs keep the whole batch busy; i
 decode tok/s and their ratio. Part 2 measures whether compiling grammars stalls other requests:
 `--batch` unconstrained requests decode while `--compile-requests` requests with new (uncached)
 schemas arrive; it reports the running requests' step gaps before and while the grammars compile,
-and how long one such compile takes when done on the calling thread instead.
+the same with the new requests unconstrained (the control: admitting any request costs a mixed
+prefill step), and how long one such compile takes when done on the calling thread instead.
 
     python benchmarks/structured/bench_structured.py --out DIR      # Qwen2.5-3B shape
     python benchmarks/structured/bench_structured.py --device cpu --dtype float32 \\
@@ -83,8 +84,12 @@ def decode_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams])
     }
 
 
-def stall_run(llm: LLM, ns: argparse.Namespace, prompts: list[list[int]]) -> dict:
-    """Running requests' step gaps while new schemas compile on the grammar pool."""
+def stall_run(
+    llm: LLM, ns: argparse.Namespace, prompts: list[list[int]], with_grammar: bool = True
+) -> dict:
+    """Running requests' step gaps while new schemas compile on the grammar pool, until each
+    new request has its first token; `with_grammar=False` is the control: the same requests
+    without a constraint (what admitting them costs anyway: their prefill, a mixed step)."""
     engine = llm.llm_engine
     free = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     running = []
@@ -108,7 +113,9 @@ def stall_run(llm: LLM, ns: argparse.Namespace, prompts: list[list[int]]) -> dic
                     json=long_schema(f"new{i}_{time.time_ns()}", ns.schema_fields),
                     disable_any_whitespace=True,
                 )
-                sp = SamplingParams(temperature=0, max_tokens=8, structured_outputs=so)
+                sp = SamplingParams(
+                    temperature=0, max_tokens=8, structured_outputs=so if with_grammar else None
+                )
                 rid = engine.next_request_id()
                 compiling[rid] = time.perf_counter()
                 engine.add_request(rid, {"prompt_token_ids": prompts[0]}, sp)
@@ -129,13 +136,16 @@ def stall_run(llm: LLM, ns: argparse.Namespace, prompts: list[list[int]]) -> dic
             last_token[rid] = now
         step += 1
     compiled = mgr.num_compiles - compiles_before
-    # The counterfactual: the same kind of compile on the engine thread would stall it this long.
-    t = time.perf_counter()
-    so = StructuredOutputsParams(
-        json=long_schema(f"sync_{time.time_ns()}", ns.schema_fields), disable_any_whitespace=True
-    )
-    mgr._compile(mgr.grammar(so))
-    sync_compile_s = time.perf_counter() - t
+    sync_compile_s = None
+    if with_grammar:
+        # The counterfactual: the same compile on the engine thread would stall it this long.
+        t = time.perf_counter()
+        so = StructuredOutputsParams(
+            json=long_schema(f"sync_{time.time_ns()}", ns.schema_fields),
+            disable_any_whitespace=True,
+        )
+        mgr._compile(mgr.grammar(so))
+        sync_compile_s = time.perf_counter() - t
     return {
         "running_requests": len(running),
         "compile_requests": ns.compile_requests,
@@ -146,7 +156,7 @@ def stall_run(llm: LLM, ns: argparse.Namespace, prompts: list[list[int]]) -> dic
         "max_gap_before_ms": 1e3 * max(gaps_before) if gaps_before else None,
         "gaps_during_compile": len(gaps_during),
         "admit_latency_ms": [1e3 * x for x in compile_latency],
-        "one_compile_on_engine_thread_ms": 1e3 * sync_compile_s,
+        "one_compile_on_engine_thread_ms": 1e3 * sync_compile_s if sync_compile_s else None,
     }
 
 
@@ -204,19 +214,22 @@ def main() -> int:
     result["json_schema_over_unconstrained"] = (
         result["json_schema"]["decode_tok_s"] / result["unconstrained"]["decode_tok_s"]
     )
+    result["stall_control"] = stall_run(llm, ns, prompts, with_grammar=False)
     result["stall"] = stall_run(llm, ns, prompts)
 
     os.makedirs(ns.out, exist_ok=True)
     path = Path(ns.out) / "structured.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     u, c = result["unconstrained"], result["json_schema"]
-    s = result["stall"]
+    s, c0 = result["stall"], result["stall_control"]
     print(
         f"decode tok/s: unconstrained {u['decode_tok_s']:.0f}, json_schema "
         f"{c['decode_tok_s']:.0f} ({result['json_schema_over_unconstrained']:.3f}x); "
         f"step gap median {s['median_gap_before_ms']:.2f} ms before, "
         f"{s['median_gap_during_ms']:.2f} ms (max {s['max_gap_during_ms']:.2f}) while "
-        f"{s['grammars_compiled']} grammars compiled; one compile on the engine thread "
+        f"{s['grammars_compiled']} grammars compiled; admitting the same requests without a "
+        f"grammar: median {c0['median_gap_during_ms']:.2f} ms, max "
+        f"{c0['max_gap_during_ms']:.2f} ms; one compile on the engine thread "
         f"{s['one_compile_on_engine_thread_ms']:.1f} ms -> {path}"
     )
     return 0

@@ -5,7 +5,8 @@ Streams `--num-prompts` requests (random-word or `--prompts-file` prompts) at a 
 TTFT / TPOT / ITL / end-to-end latency (mean, p50, p99) plus errors, as a table and `--out JSON`.
 Works against pagoda, vLLM or any server that speaks the OpenAI streaming API. `--launch` starts
 `pagoda serve` itself; `--offline-baseline` also times offline `LLM.generate` on the same prompts
-in the same run and reports the ratio.
+in the same run and reports the ratio; `--engine-modes process,thread` launches the server once
+per engine mode (A/B against the same baseline).
 """
 
 from __future__ import annotations
@@ -122,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "engine arguments (in its own process) and report serve / offline output tok/s",
     )
     parser.add_argument(
+        "--engine-modes",
+        default=None,
+        metavar="MODE[,MODE]",
+        help="with --launch: run the server once per `pagoda serve --engine-mode` (auto, "
+        "process, thread), one after the other, and report each (default: the server's own)",
+    )
+    parser.add_argument(
         "--launch-timeout", type=float, default=900.0, help="seconds to wait for start-up"
     )
 
@@ -137,6 +145,12 @@ def _check(ns: argparse.Namespace) -> None:
         raise ValueError(f"--request-rate must be a positive number, got {ns.request_rate}")
     if ns.offline_baseline and not ns.launch:
         raise ValueError("--offline-baseline needs --launch (the engine arguments to compare)")
+    if ns.engine_modes is not None:
+        if not ns.launch:
+            raise ValueError("--engine-modes needs --launch (it starts the server per mode)")
+        engine_modes(ns.engine_modes)  # a clear error now, not after the offline baseline
+        if "--engine-mode" in ns.launch.split():
+            raise ValueError("give the engine mode in --engine-modes or in --launch, not both")
     for name in ("input_len", "output_len"):
         if getattr(ns, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
@@ -147,6 +161,20 @@ def _check(ns: argparse.Namespace) -> None:
     for name in ("request_timeout", "max_duration"):
         if not getattr(ns, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+
+
+def engine_modes(text: str) -> list[str]:
+    """`process,thread` -> ["process", "thread"], each a `pagoda serve --engine-mode` value."""
+    allowed = ("auto", "process", "thread")
+    modes = [m.strip() for m in text.split(",")]
+    bad = [m for m in modes if m not in allowed]
+    if bad or not modes:
+        raise ValueError(
+            f"--engine-modes takes {', '.join(allowed)} (comma-separated), got {text!r}"
+        )
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"--engine-modes names a mode twice: {text!r}")
+    return modes
 
 
 def make_prompts(ns: argparse.Namespace) -> list[str] | list[list[int]]:
@@ -195,54 +223,188 @@ def _payload(ns: argparse.Namespace, model: str, prompt: str | list[int]) -> dic
     return body
 
 
+class _Tally:
+    """Reads one streamed response's SSE lines into a `RequestResult` (times, tokens, errors)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.res = RequestResult()
+        self.chat = chat
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.chunks = 0
+
+    def line(self, line: str) -> bool:
+        """Take one line; True once the stream's `[DONE]` arrived."""
+        if not line.startswith("data:"):
+            return False
+        data = line[5:].strip()
+        res = self.res
+        if data == "[DONE]":
+            res.ok = res.error is None
+            return True
+        event = json.loads(data)
+        if "error" in event:
+            res.error = str(event["error"].get("message", event["error"]))
+            return False
+        if event.get("usage"):
+            res.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+            res.output_tokens = event["usage"].get("completion_tokens", 0)
+        for choice in event.get("choices", []):
+            text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+            if not text and not choice.get("token_ids"):
+                continue
+            now = time.perf_counter()
+            if self.last is None:
+                res.ttft_s = now - self.start
+            else:
+                res.itl_s.append(now - self.last)
+            self.last = now
+            self.chunks += 1
+        return False
+
+    def result(self) -> RequestResult:
+        res = self.res
+        res.latency_s = time.perf_counter() - self.start
+        if res.ok and not res.output_tokens:
+            res.output_tokens = self.chunks  # a server without usage: one token per chunk
+        if res.error is not None:
+            res.ok = False
+        elif not res.ok:
+            res.error = "the stream ended without [DONE]"
+        return res
+
+
 async def _one(client: Any, url: str, payload: dict[str, Any], chat: bool) -> RequestResult:
-    res = RequestResult()
-    start = time.perf_counter()
-    last: float | None = None
-    chunks = 0
+    """One streamed request through httpx (https:// servers)."""
+    tally = _Tally(chat)
     try:
         async with client.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {body[:300]}"
-                return res
+                tally.res.error = f"HTTP {resp.status_code}: {body[:300]}"
+                return tally.result()
             async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    res.ok = res.error is None
+                if tally.line(line):
                     break
-                event = json.loads(data)
-                if "error" in event:
-                    res.error = str(event["error"].get("message", event["error"]))
-                    continue
-                if event.get("usage"):
-                    res.prompt_tokens = event["usage"].get("prompt_tokens", 0)
-                    res.output_tokens = event["usage"].get("completion_tokens", 0)
-                for choice in event.get("choices", []):
-                    text = (
-                        (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    )
-                    if not text and not choice.get("token_ids"):
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft_s = now - start
-                    else:
-                        res.itl_s.append(now - last)
-                    last = now
-                    chunks += 1
     except Exception as e:  # network errors are results, not crashes of the benchmark
-        res.error = f"{type(e).__name__}: {e}"
-    res.latency_s = time.perf_counter() - start
-    if res.ok and not res.output_tokens:
-        res.output_tokens = chunks  # a server without usage: one token per chunk
-    if res.error is not None:
-        res.ok = False
-    elif not res.ok:
-        res.error = "the stream ended without [DONE]"
-    return res
+        tally.res.error = f"{type(e).__name__}: {e}"
+    return tally.result()
+
+
+class _Deadline:
+    """Cancels the current task when `timeout` seconds pass without a `restart()` (what
+    `asyncio.timeout` does from Python 3.11 on; pagoda supports 3.10)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.expired = False
+        self._task: asyncio.Task | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    def restart(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = asyncio.get_running_loop().call_later(self.timeout, self._fire)
+
+    def _fire(self) -> None:
+        self.expired = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def __enter__(self) -> _Deadline:
+        self._task = asyncio.current_task()
+        self.restart()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._task = None
+
+
+async def _one_plain(
+    url: str, headers: dict[str, str], payload: dict[str, Any], chat: bool, timeout: float
+) -> RequestResult:
+    """One streamed request over plain HTTP/1.1 on asyncio streams (http:// servers).
+
+    httpx spends ~150 us of client CPU per SSE event (its transport layers run for every
+    read); at 64 streams and 10k tokens/s that is a whole core, and the benchmark would measure
+    its own client. This reads the chunked body straight off the socket. `timeout` bounds
+    each read, as httpx's does.
+    """
+    from urllib.parse import urlsplit
+
+    tally = _Tally(chat)
+    parts = urlsplit(url)
+    body = json.dumps(payload).encode()
+    head = [
+        f"POST {parts.path or '/'} HTTP/1.1",
+        f"Host: {parts.netloc}",
+        "Content-Type: application/json",
+        "Accept: text/event-stream",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    writer = None
+    deadline = _Deadline(timeout)
+    try:
+        with deadline:
+            reader, writer = await asyncio.open_connection(
+                parts.hostname, parts.port or 80, limit=1 << 24
+            )
+            writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+            status_line = await reader.readline()
+            fields = status_line.split(None, 2)
+            status = int(fields[1]) if len(fields) >= 2 and fields[1].isdigit() else 0
+            chunked = False
+            length = None
+            while (header := await reader.readline()) not in (b"\r\n", b"\n", b""):
+                name, _, value = header.decode("latin-1").partition(":")
+                name, value = name.strip().lower(), value.strip().lower()
+                if name == "transfer-encoding" and "chunked" in value:
+                    chunked = True
+                elif name == "content-length" and value.isdigit():
+                    length = int(value)
+            if status != 200:
+                text = await (reader.readexactly(length) if length else reader.read(1 << 16))
+                if chunked:  # good enough for an error message: strip the size lines
+                    text = b"".join(text.split(b"\r\n")[1::2])
+                tally.res.error = f"HTTP {status}: {text.decode(errors='replace')[:300]}"
+                return tally.result()
+            pending = b""
+            while True:
+                deadline.restart()
+                if chunked:
+                    size_line = await reader.readline()
+                    size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+                    if size == 0:
+                        break
+                    data = await reader.readexactly(size + 2)
+                    data = data[:-2]
+                else:
+                    data = await reader.read(1 << 16)
+                    if not data:
+                        break
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                done = False
+                for raw in lines:
+                    if tally.line(raw.decode().rstrip("\r")):
+                        done = True
+                        break
+                if done:
+                    break
+    except asyncio.CancelledError:
+        if not deadline.expired:
+            raise
+        tally.res.error = f"ReadTimeout: no data within {timeout} s"
+    except Exception as e:  # network errors are results, not crashes of the benchmark
+        tally.res.error = f"{type(e).__name__}: {e}"
+    finally:
+        if writer is not None:
+            writer.close()
+    return tally.result()
 
 
 async def _fetch_model(client: Any, base: str) -> str:
@@ -275,12 +437,20 @@ async def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(ns.seed + 1)
         sem = asyncio.Semaphore(concurrency) if concurrency else None
 
+        plain = base.startswith("http://")
+
+        async def one(payload: dict[str, Any]) -> RequestResult:
+            chat = ns.endpoint == "chat"
+            if plain:
+                return await _one_plain(base + path, headers, payload, chat, ns.request_timeout)
+            return await _one(client, base + path, payload, chat)
+
         async def task(prompt: str | list[int]) -> RequestResult:
             payload = _payload(ns, model, prompt)
             if sem is None:
-                return await _one(client, base + path, payload, ns.endpoint == "chat")
+                return await one(payload)
             async with sem:
-                return await _one(client, base + path, payload, ns.endpoint == "chat")
+                return await one(payload)
 
         tasks: list[asyncio.Task[RequestResult]] = []
 
@@ -372,9 +542,10 @@ def format_table(s: dict[str, Any]) -> str:
         if c["request_rate"]
         else f"concurrency {c['concurrency']}"
     )
+    engine = f", engine mode {c['engine_mode']}" if c.get("engine_mode") else ""
     lines = [
         "=" * 60,
-        f"pagoda bench serve: {c['model']} at {c['url']} ({c['endpoint']})",
+        f"pagoda bench serve: {c['model']} at {c['url']} ({c['endpoint']}{engine})",
         f"{c['num_prompts']} requests, {mode}, input {c['input_len'] or 'file'} "
         f"{'tokens' if c['token_prompts'] else 'words'}, "
         f"output {c['output_len']} tokens",
@@ -497,7 +668,7 @@ async def _wait_healthy(url: str, proc: Any, timeout: float) -> None:
     raise RuntimeError(f"pagoda serve did not answer /health within {timeout:.0f} s")
 
 
-def _launched(ns: argparse.Namespace) -> dict[str, Any]:
+def _launched(ns: argparse.Namespace, engine_mode: str | None = None) -> dict[str, Any]:
     """Start the server, warm it up, run the benchmark, stop the server."""
     import shlex
     import signal
@@ -505,6 +676,8 @@ def _launched(ns: argparse.Namespace) -> dict[str, Any]:
 
     port = _free_port()
     cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *shlex.split(ns.launch)]
+    if engine_mode is not None:
+        cmd += ["--engine-mode", engine_mode]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log"]
     cmd += ["--log-level", "warning"]
     proc = subprocess.Popen(cmd)
@@ -525,12 +698,7 @@ def _launched(ns: argparse.Namespace) -> dict[str, Any]:
             proc.wait()
 
 
-def main(ns: argparse.Namespace) -> int:
-    _check(ns)
-    offline = None
-    if ns.offline_baseline:
-        offline = _run_offline(ns, make_prompts(ns))
-    summary = _launched(ns) if ns.launch else asyncio.run(run_benchmark(ns))
+def _with_offline(summary: dict[str, Any], offline: dict[str, Any] | None) -> dict[str, Any]:
     if offline is not None:
         summary["offline"] = offline
         summary["serve_over_offline"] = (
@@ -538,7 +706,28 @@ def main(ns: argparse.Namespace) -> int:
             if offline["output_throughput"]
             else None
         )
-    print(format_table(summary))
+    return summary
+
+
+def main(ns: argparse.Namespace) -> int:
+    _check(ns)
+    offline = None
+    if ns.offline_baseline:
+        offline = _run_offline(ns, make_prompts(ns))
+    if ns.engine_modes is not None:
+        # One server per mode, each against the same offline baseline; the first mode's
+        # numbers are also the top level (as a run without --engine-modes reports them).
+        by_mode = {}
+        for mode in engine_modes(ns.engine_modes):
+            by_mode[mode] = _with_offline(_launched(ns, mode), offline)
+            by_mode[mode]["config"]["engine_mode"] = mode
+            print(format_table(by_mode[mode]))
+        summary = dict(next(iter(by_mode.values())))
+        summary["by_engine_mode"] = by_mode
+    else:
+        summary = _launched(ns) if ns.launch else asyncio.run(run_benchmark(ns))
+        summary = _with_offline(summary, offline)
+        print(format_table(summary))
     if ns.out:
         Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.out).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

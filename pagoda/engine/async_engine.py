@@ -123,6 +123,8 @@ class RequestStream:
 class AsyncLLMEngine:
     """Runs `engine.step()` on its own thread while there is work; sleeps otherwise."""
 
+    runs_in_process = False  # the engine shares this process (and its GIL)
+
     def __init__(self, engine: LLMEngine, step_idle_sleep_s: float = 0.001) -> None:
         self.engine = engine
         self._cond = threading.Condition()
@@ -152,6 +154,10 @@ class AsyncLLMEngine:
     @property
     def model_name(self) -> str:
         return self.engine.source.name
+
+    @property
+    def startup_time_s(self) -> float:
+        return self.engine.startup_time_s
 
     @property
     def is_running(self) -> bool:
@@ -367,19 +373,24 @@ class AsyncLLMEngine:
             stream._put(error)
 
     def _snapshot(self) -> EngineStats:
-        core = self.engine.core
-        scheduler = core.scheduler
-        kv = core.kv_cache_manager
-        queries, hits = kv.prefix_cache_stats
-        return EngineStats(
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            num_unfinished=self.engine.get_num_unfinished_requests(),
-            num_blocks=kv.num_blocks - 1,
-            num_free_blocks=kv.num_free_blocks,
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
-            num_steps=core.num_steps,
-            timestamp=time.time(),
-        )
+        return engine_stats(self.engine)
+
+
+def engine_stats(engine: LLMEngine) -> EngineStats:
+    """A snapshot of `engine`'s load; take it on the thread that drives the engine."""
+    core = engine.core
+    scheduler = core.scheduler
+    kv = core.kv_cache_manager
+    queries, hits = kv.prefix_cache_stats
+    return EngineStats(
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        num_unfinished=engine.get_num_unfinished_requests(),
+        num_blocks=kv.num_blocks - 1,
+        num_free_blocks=kv.num_free_blocks,
+        kv_cache_usage=kv.usage,
+        prefix_cache_queries=queries,
+        prefix_cache_hits=hits,
+        num_steps=core.num_steps,
+        timestamp=time.time(),
+    )

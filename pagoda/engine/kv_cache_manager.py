@@ -101,26 +101,47 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All blocks, their ref counts, the free queue and the prefix-cache map."""
+    """All blocks, their ref counts, the free queue and the prefix-cache map.
+
+    Blocks never handed out yet exist only as a count: they are handed out first, in id order,
+    as if they stood at the head of the free queue, and get their metadata object then. So a
+    pool of millions of blocks (a small model on a large GPU) costs nothing to create.
+    """
 
     def __init__(self, num_blocks: int) -> None:
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
+        self.null_block = KVCacheBlock(0)
         self.null_block.ref_cnt = 1  # pinned: never freed, never queued
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.blocks = [self.null_block]  # blocks [0, len) have objects; the rest are fresh
+        self._num_fresh = num_blocks - 1
+        self.free_queue = FreeBlockQueue(())  # blocks freed after use, in eviction order
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out, including free blocks still holding cached KV."""
-        return self.free_queue.num_free_blocks
+        return self._num_fresh + self.free_queue.num_free_blocks
+
+    def ref_cnt(self, block_id: int) -> int:
+        """References to a block (0 for one never handed out)."""
+        return self.blocks[block_id].ref_cnt if block_id < len(self.blocks) else 0
+
+    def free_block_ids(self) -> list[int]:
+        """Every free block id in the order they would be handed out (fresh ones first)."""
+        first = len(self.blocks)
+        fresh = range(first, first + self._num_fresh)
+        return [*fresh, *(b.block_id for b in self.free_queue)]
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
-        """Pop blocks off the head of the free queue, evicting their cached KV."""
-        assert num_blocks <= self.free_queue.num_free_blocks, "caller must check num_free_blocks"
+        """Fresh blocks first, then the head of the free queue, evicting their cached KV."""
+        assert num_blocks <= self.num_free_blocks, "caller must check num_free_blocks"
         new_ids = []
         for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+            if self._num_fresh:
+                block = KVCacheBlock(len(self.blocks))
+                self.blocks.append(block)
+                self._num_fresh -= 1
+            else:
+                block = self.free_queue.popleft()
             if block.block_hash is not None:
                 # Its KV is about to be overwritten: no prefix may hit it any more.
                 del self.cached_blocks[block.block_hash]

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda import envs
+from pagoda.config import ModelConfig, RunnerConfig
 from pagoda.engine.args import EngineArgs
 from pagoda.engine.core import EngineCore
 from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.input_processor import InputProcessor, ProcessedPrompt
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.scheduler import EngineCoreOutput
-from pagoda.model_files import eos_token_ids, load_tokenizer
+from pagoda.model_files import ModelSource, eos_token_ids, load_tokenizer
 from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.platform import cuda_available, triton_available
 from pagoda.sampling_params import SamplingParams
@@ -77,30 +78,10 @@ class LLMEngine:
         self.source = source
         self.model_config = model_config
         self.scheduler_config = sched_config
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(source)
-        if args.tokenizer is not None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        self.tokenizer = load_engine_tokenizer(args, source)
         self.eos_token_ids = eos_token_ids(source, model_config.hf_config, self.tokenizer)
         self.core = EngineCore(model_config, cache_config, sched_config, runner_config)
-        mm_processor = None
-        if runner_config.multimodal is not None:  # a vision-language model
-            from pagoda.multimodal.processor import MultiModalProcessor
-
-            mm_processor = MultiModalProcessor.from_model(
-                model_config.model,
-                model_config.hf_config,
-                self.tokenizer,
-                runner_config.multimodal,
-                model_config.max_model_len,
-            )
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            model_config.text_config.vocab_size,
-            model_config.max_model_len,
-            mm_processor,
-        )
+        self.input_processor = make_input_processor(self.tokenizer, model_config, runner_config)
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, tuple[_Parent, _Child]] = {}
         self._structured: StructuredOutputManager | None = None  # made on first use
@@ -407,6 +388,39 @@ class LLMEngine:
             num_cached_tokens=max(first.request.num_cached_tokens, 0),
             prompt_logprobs=prompt_logprobs,
         )
+
+
+def load_engine_tokenizer(args: EngineArgs, source: ModelSource) -> Any | None:
+    """The tokenizer `args` ask for: the model's, `args.tokenizer`'s, or none."""
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(args.tokenizer)
+    return None if args.skip_tokenizer_init else load_tokenizer(source)
+
+
+def make_input_processor(
+    tokenizer: Any | None, model_config: ModelConfig, runner_config: RunnerConfig
+) -> InputProcessor:
+    """Prompt processing for this model (with its image processor for a vision-language one).
+
+    Shared with the server's front end when the engine runs in its own process, so that both
+    sides turn prompts into the same token ids.
+    """
+    mm_processor = None
+    if runner_config.multimodal is not None:  # a vision-language model
+        from pagoda.multimodal.processor import MultiModalProcessor
+
+        mm_processor = MultiModalProcessor.from_model(
+            model_config.model,
+            model_config.hf_config,
+            tokenizer,
+            runner_config.multimodal,
+            model_config.max_model_len,
+        )
+    return InputProcessor(
+        tokenizer, model_config.text_config.vocab_size, model_config.max_model_len, mm_processor
+    )
 
 
 def _wants_cuda(device: str) -> bool:

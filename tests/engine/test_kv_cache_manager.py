@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from pagoda.engine.kv_cache_manager import BlockPool, KVCacheManager, hash_block_tokens
 from pagoda.engine.request import Request
 from pagoda.sampling_params import SamplingParams
 
@@ -20,11 +20,11 @@ def make_request(req_id: str, tokens, **kwargs) -> Request:
 
 
 def free_ids(kv: KVCacheManager) -> list[int]:
-    return [b.block_id for b in kv.block_pool.free_queue]
+    return kv.block_pool.free_block_ids()
 
 
 def ref_cnts(kv: KVCacheManager, ids) -> list[int]:
-    return [kv.block_pool.blocks[i].ref_cnt for i in ids]
+    return [kv.block_pool.ref_cnt(i) for i in ids]
 
 
 def admit(kv: KVCacheManager, req: Request) -> tuple[list[int], int]:
@@ -380,3 +380,21 @@ def test_bad_window():
     for bad in (0, -3, 2.0, True):
         with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
             KVCacheManager(10, BS, sliding_window=bad)
+
+
+def test_huge_pool_creates_block_metadata_only_when_handed_out():
+    """A small model on a large GPU gets millions of blocks: the pool holds them as a count,
+    hands them out in id order before any freed block (as the free queue's head), and a block
+    gets its metadata when first handed out."""
+    pool = BlockPool(50_000_000)
+    assert len(pool.blocks) == 1 and pool.num_free_blocks == 50_000_000 - 1
+    a = pool.get_new_blocks(2)
+    assert a == [1, 2] and len(pool.blocks) == 3
+    pool.free(a)
+    assert pool.get_new_blocks(1) == [3]  # fresh before the freed (LRU) ones
+    assert pool.ref_cnt(1) == 0 and pool.ref_cnt(3) == 1 and pool.ref_cnt(10**6) == 0
+    assert pool.num_free_blocks == 50_000_000 - 2
+    small = BlockPool(4)
+    ids = small.get_new_blocks(3)
+    small.free([ids[1], ids[0]])
+    assert small.free_block_ids() == [2, 1] and small.get_new_blocks(2) == [2, 1]

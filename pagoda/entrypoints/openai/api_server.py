@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: a FastAPI app over one `AsyncLLMEngine`.
+"""The OpenAI-compatible HTTP server: a FastAPI app over one engine (its own process by default).
 
 `build_app()` wires the endpoints, the ASGI guard (API key, body size, concurrency limit) and
 the error handlers that turn every client mistake into an OpenAI-style 4xx. `run_server()` is
@@ -19,7 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__
 from pagoda.engine.args import EngineArgs
-from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagoda.engine.async_engine import EngineDeadError
+from pagoda.engine.engine_process import ENGINE_MODES, ServerEngine, start_engine
 from pagoda.entrypoints.openai.errors import (
     APIError,
     error_response,
@@ -56,10 +57,13 @@ class ServerArgs:
     max_loras: int | None = None
     max_lora_rank: int = 64
     tool_call_parser: str | None = None  # None: chosen from the chat template
-    # sys.setswitchinterval for the server process (None: Python's 5 ms). The engine thread
-    # shares the GIL with the HTTP loop; each time it releases the GIL (a device sync, a
-    # socket write) it may wait this long to get it back while the loop is busy.
+    # sys.setswitchinterval for the server process (None: Python's 5 ms). With
+    # engine_mode="thread" the engine thread shares the GIL with the HTTP loop; each time it
+    # releases the GIL (a device sync, a socket write) it may wait this long to get it back.
     gil_switch_interval_s: float | None = None
+    # Where the engine loop runs: "process" (its own, so it holds its own GIL), "thread" (of
+    # the server process) or "auto" (process where one can be started).
+    engine_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -76,6 +80,10 @@ class ServerArgs:
             raise ValueError(
                 f"--gil-switch-interval must be > 0 seconds, got {self.gil_switch_interval_s}"
             )
+        if self.engine_mode not in ENGINE_MODES:
+            raise ValueError(
+                f"--engine-mode must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}"
+            )
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
 
@@ -91,7 +99,7 @@ class ServerArgs:
 
 
 def build_app(
-    async_engine: AsyncLLMEngine,
+    async_engine: ServerEngine,
     served_model_name: str,
     api_key: str | None = None,
     max_concurrent_requests: int | None = None,
@@ -260,12 +268,13 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if server_args.gil_switch_interval_s is not None:
         sys.setswitchinterval(server_args.gil_switch_interval_s)
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    engine = start_engine(engine_args, server_args.engine_mode)
     try:
         name = server_args.served_model_name or engine.model_name
+        where = "in its own process" if engine.runs_in_process else "in a thread"
         print(
-            f"pagoda: {engine.model_name} ready in {engine.engine.startup_time_s:.1f} s, "
-            f"served as {name!r}\n{engine.memory_report}",
+            f"pagoda: {engine.model_name} ready in {engine.startup_time_s:.1f} s (engine "
+            f"{where}), served as {name!r}\n{engine.memory_report}",
             file=sys.stderr,
         )
         app = build_app(

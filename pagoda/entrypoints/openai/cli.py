@@ -85,8 +85,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="sys.setswitchinterval for the server process (default: Python's 0.005); lower "
-        "lets the engine thread take the GIL back sooner from the HTTP loop",
+        help="sys.setswitchinterval for the server process (default: Python's 0.005); with "
+        "--engine-mode thread, lower lets the engine thread take the GIL back sooner",
+    )
+    g.add_argument(
+        "--engine-mode",
+        choices=["auto", "process", "thread"],
+        default="auto",
+        help="where the engine loop runs: its own process, so that it does not share the GIL "
+        "with the HTTP side, or a thread of the server process (default auto: a process where "
+        "one can be started)",
     )
     p.set_defaults(func=_cmd_serve)
 
@@ -144,6 +152,7 @@ def server_args_from(ns: argparse.Namespace, server_args_cls: type) -> Any:
         max_lora_rank=ns.max_lora_rank,
         tool_call_parser=ns.tool_call_parser,
         gil_switch_interval_s=ns.gil_switch_interval,
+        engine_mode=ns.engine_mode,
     )
     if ns.max_body_bytes is not None:
         kwargs["max_body_bytes"] = ns.max_body_bytes

@@ -16,7 +16,7 @@ from prometheus_client import generate_latest as prometheus_text
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pagoda.engine.async_engine import AsyncLLMEngine
+from pagoda.engine.engine_process import ServerEngine
 from pagoda.outputs import RequestOutput
 
 # fmt: off
@@ -31,7 +31,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine's latest stats snapshot at scrape time."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: ServerEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -104,7 +104,7 @@ class _Alias(Collector):
 class Metrics:
     """Everything /metrics shows, in a private registry (several apps may share a process)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: ServerEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self._model_name = model_name

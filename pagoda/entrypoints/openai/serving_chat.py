@@ -1,10 +1,10 @@
 """`/v1/chat/completions`: a conversation rendered by the chat template, then generated.
 
-The template (the model's, or the request's `chat_template`) runs on the engine thread (the
-tokenizer is not thread-safe) with `tools`, `documents` and `chat_template_kwargs`. With tools,
-each choice's text goes through a tool-call parser: the template family's for `auto`, the
-grammar-forced JSON for `required` / named. Streams open with a role delta per choice, then
-content and `tool_calls` deltas, as OpenAI's chunk format does.
+The template (the model's, or the request's `chat_template`) runs on the engine's tokenizer
+thread (the tokenizer is not thread-safe) with `tools`, `documents` and `chat_template_kwargs`.
+With tools, each choice's text goes through a tool-call parser: the template family's for
+`auto`, the grammar-forced JSON for `required` / named. Streams open with a role delta per
+choice, then content and `tool_calls` deltas, as OpenAI's chunk format does.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagoda.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagoda.engine.async_engine import RequestStream
+from pagoda.engine.engine_process import ServerEngine
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.metrics import Metrics, RequestTracker
 from pagoda.entrypoints.openai.protocol import (
@@ -76,7 +77,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: ServerEngine,
         model_name: str,
         metrics: Metrics,
         lora_requests: dict[str, Any] | None = None,

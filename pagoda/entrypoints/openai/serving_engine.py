@@ -15,7 +15,8 @@ from typing import Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from pagoda.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pagoda.engine.async_engine import EngineDeadError, RequestStream
+from pagoda.engine.engine_process import ServerEngine
 from pagoda.engine.input_processor import ProcessedPrompt
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.entrypoints.openai.errors import APIError, validation_error
@@ -156,7 +157,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: ServerEngine,
         model_name: str,
         metrics: Metrics,
         lora_requests: dict[str, Any] | None = None,

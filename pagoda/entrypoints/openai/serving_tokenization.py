@@ -2,7 +2,8 @@
 
 `/tokenize` takes a prompt (completion form) or messages (chat form, rendered by the template as
 the chat endpoint would); `/tokenizer_info` is what lm-eval's remote tokenizer reads (special
-tokens, chat template). The tokenizer runs on the engine thread: it is not thread-safe.
+tokens, chat template). The tokenizer runs on the engine's one tokenizer thread (`run`): it is not
+thread-safe.
 """
 
 from __future__ import annotations

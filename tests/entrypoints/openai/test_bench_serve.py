@@ -154,19 +154,80 @@ def test_bench_serve_launch_with_offline_baseline(tmp_path, capsys):
     ns = _parse(
         ["--launch", launch, "--offline-baseline", "--token-prompts", "--max-token-id", "500"]
         + ["--num-prompts", "8", "--concurrency", "4", "--input-len", "8", "--output-len", "8"]
-        + ["--out", str(out)]
+        + ["--engine-modes", "process,thread", "--out", str(out)]
     )
     assert bench_serve.main(ns) == 0
     result = json.loads(out.read_text())
-    assert result["completed"] == 8 and result["total_output_tokens"] == 64
+    assert list(result["by_engine_mode"]) == ["process", "thread"]
+    for mode, r in result["by_engine_mode"].items():
+        assert r["config"]["engine_mode"] == mode
+        assert r["completed"] == 8 and r["total_output_tokens"] == 64
+        assert r["serve_over_offline"] == pytest.approx(
+            r["output_throughput"] / result["offline"]["output_throughput"]
+        )
     assert result["offline"]["total_output_tokens"] == 64
-    assert result["serve_over_offline"] == pytest.approx(
-        result["output_throughput"] / result["offline"]["output_throughput"]
-    )
-    assert "serve / offline" in capsys.readouterr().out
+    assert result["output_throughput"] == result["by_engine_mode"]["process"]["output_throughput"]
+    table = capsys.readouterr().out
+    assert "serve / offline" in table
+    assert "engine mode process" in table and "engine mode thread" in table
+
+
+def test_engine_modes_are_checked():
+    with pytest.raises(ValueError, match="--engine-modes needs --launch"):
+        bench_serve.main(_parse(["--engine-modes", "thread"]))
+    with pytest.raises(ValueError, match="--engine-modes takes auto, process, thread"):
+        bench_serve.main(_parse(["--launch", "m", "--engine-modes", "process,fork"]))
+    with pytest.raises(ValueError, match="names a mode twice"):
+        bench_serve.main(_parse(["--launch", "m", "--engine-modes", "thread,thread"]))
+    with pytest.raises(ValueError, match="not both"):
+        bench_serve.main(
+            _parse(["--launch", "m --engine-mode thread", "--engine-modes", "process"])
+        )
 
 
 def test_offline_baseline_needs_launch():
     ns = _parse(["--offline-baseline"])
     with pytest.raises(ValueError, match="--offline-baseline needs --launch"):
         bench_serve.main(ns)
+
+
+def test_plain_http_client_reads_what_httpx_reads(server):
+    # The benchmark's own HTTP/1.1 reader (http://) against httpx (https:// servers).
+    import httpx
+
+    url = f"{server.url}/v1/completions"
+    payload = {
+        "model": server.model,
+        "prompt": "Hello",
+        "max_tokens": 7,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def both():
+        plain = await bench_serve._one_plain(url, server.headers, payload, False, 60.0)
+        async with httpx.AsyncClient(headers=server.headers, timeout=60) as client:
+            via_httpx = await bench_serve._one(client, url, payload, False)
+        return plain, via_httpx
+
+    plain, via_httpx = asyncio.run(both())
+    assert plain.ok and via_httpx.ok, (plain.error, via_httpx.error)
+    assert (plain.prompt_tokens, plain.output_tokens) == (via_httpx.prompt_tokens, 7)
+    assert via_httpx.output_tokens == 7 and plain.ttft_s > 0
+
+
+def test_plain_http_client_times_out_on_a_silent_server():
+    async def main():
+        async def silent(reader, writer):
+            await asyncio.sleep(30)
+
+        srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        async with srv:
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            return await bench_serve._one_plain(url, {}, {"prompt": "x"}, False, 0.5)
+
+    res = asyncio.run(main())
+    assert not res.ok and res.error == "ReadTimeout: no data within 0.5 s"
+    assert res.latency_s < 5

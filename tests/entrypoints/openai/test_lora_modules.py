@@ -14,7 +14,7 @@ pytest.importorskip("peft")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from pagoda.engine.args import EngineArgs  # noqa: E402
-from pagoda.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from pagoda.engine.engine_process import start_engine  # noqa: E402
 from pagoda.entrypoints.openai.cli import parse_lora_modules  # noqa: E402
 from pagoda.entrypoints.openai.server import build_app  # noqa: E402
 from pagoda.lora.merge import merge_lora  # noqa: E402
@@ -34,7 +34,7 @@ def client(tmp_path_factory):
     for name in ("a1", "a2"):
         merge_lora(base, root / name, root / f"m-{name}", progress=False)
         refs[name] = hf_greedy(root / f"m-{name}", [PROMPT], 8)[0][0]
-    engine = AsyncLLMEngine.from_engine_args(
+    engine = start_engine(
         EngineArgs(
             model=str(base),
             skip_tokenizer_init=True,

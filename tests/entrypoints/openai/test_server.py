@@ -347,14 +347,12 @@ def test_return_token_ids(server):
 
 def test_model_without_tokenizer_streams_token_ids(tmp_path, serve_app):
     from pagoda.engine.args import EngineArgs
-    from pagoda.engine.async_engine import AsyncLLMEngine
+    from pagoda.engine.engine_process import start_engine
     from pagoda.entrypoints.openai.server import build_app
     from tests.helpers import save_tiny_model
 
     path = save_tiny_model("llama", tmp_path / "tiny")
-    engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(model=str(path), skip_tokenizer_init=True, max_model_len=128)
-    )
+    engine = start_engine(EngineArgs(model=str(path), skip_tokenizer_init=True, max_model_len=128))
     try:
         with serve_app(build_app(engine, "tiny")) as url:
             body = {
