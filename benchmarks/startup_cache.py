@@ -1,11 +1,12 @@
-"""First vs later start of the README's main command (`pagoda chat --message ...`).
+"""First vs second start of the README's main command (`pagoda chat --message ...`).
 
-Runs the command `--runs` times in fresh processes against an empty cache directory
-(`XDG_CACHE_HOME` pointed at a new temporary folder): the first run converts the embedded GGUF
-and fills the cache, the later ones read it. Writes the wall times, the load averages and the
-first / median-later ratios as JSON into `--out`: of the whole command, and of the engine
-start-up it prints ("ready in X s": the model's config, tokenizer and weights, the KV cache),
-which is the part the cache shortens (the rest is Python, torch and transformers imports).
+Each round points `XDG_CACHE_HOME` at a new empty folder and runs the whole command twice, each
+time in a fresh process: the first start converts the embedded GGUF and fills the cache, the
+second reads it. Wall times of the whole command (interpreter start to exit) are what count;
+the engine's own "ready in X s" and the process's CPU time (user + system) are recorded beside
+them. The answers of both starts must be equal (greedy decoding). Writes per-run figures, load
+averages, medians, spreads and the ratio of the medians (plus each round's own ratio) as JSON
+into `--out`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -23,56 +25,76 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
+def _start(cmd: list[str], cache: str) -> dict:
+    env = dict(os.environ, XDG_CACHE_HOME=cache)
+    load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if done.returncode != 0:
+        print(done.stderr[-2000:], file=sys.stderr)
+        raise SystemExit(f"error: the command exited with {done.returncode}")
+    ready = re.search(r"ready in ([0-9.]+) s", done.stderr)
+    return {"wall_s": wall, "cpu_s": cpu, "load_avg_1m": load,
+            "engine_ready_s": float(ready.group(1)) if ready else None,
+            "answer": done.stdout.strip()}  # fmt: skip
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for the JSON result")
-    p.add_argument("--runs", type=int, default=3, help="starts in all (the first fills the cache)")
+    p.add_argument("--rounds", type=int, default=3, help="cold-cache rounds (first + second)")
     p.add_argument("--message", default="What is the capital of France?")
     ns = p.parse_args()
-    if ns.runs < 2:
-        raise SystemExit("error: --runs must be >= 2 (a first and a later start)")
+    if ns.rounds < 1:
+        raise SystemExit("error: --rounds must be >= 1")
     cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "chat", "--message", ns.message]
-    runs = []
-    with tempfile.TemporaryDirectory(prefix="pagoda-cache-") as cache:
-        env = dict(os.environ, XDG_CACHE_HOME=cache)
-        for i in range(ns.runs):
-            load = os.getloadavg()[0]
-            t = time.perf_counter()
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            wall = time.perf_counter() - t
-            if done.returncode != 0:
-                print(done.stderr[-2000:], file=sys.stderr)
-                return 1
-            ready = re.search(r"ready in ([0-9.]+) s", done.stderr)
-            runs.append({"run": i + 1, "wall_s": wall, "load_avg_1m": load,
-                         "engine_ready_s": float(ready.group(1)) if ready else None,
-                         "answer": done.stdout.strip()})  # fmt: skip
-            print(f"run {i + 1}: {wall:.1f} s, engine ready in "
-                  f"{runs[-1]['engine_ready_s']} s (load {load:.1f})", file=sys.stderr)  # fmt: skip
-    later = statistics.median(r["wall_s"] for r in runs[1:])
+    rounds = []
+    for i in range(ns.rounds):
+        with tempfile.TemporaryDirectory(prefix="pagoda-cache-") as cache:
+            first = _start(cmd, cache)
+            second = _start(cmd, cache)
+        if first["answer"] != second["answer"]:
+            raise SystemExit(f"error: answers differ: {first['answer']!r} / {second['answer']!r}")
+        rounds.append({"round": i + 1, "first": first, "second": second,
+                       "ratio": first["wall_s"] / second["wall_s"]})  # fmt: skip
+        print(f"round {i + 1}: first {first['wall_s']:.1f} s (ready {first['engine_ready_s']} s, "
+              f"load {first['load_avg_1m']:.1f}), second {second['wall_s']:.1f} s (ready "
+              f"{second['engine_ready_s']} s, load {second['load_avg_1m']:.1f}): "
+              f"{rounds[-1]['ratio']:.1f}x", file=sys.stderr)  # fmt: skip
+    firsts = [r["first"]["wall_s"] for r in rounds]
+    seconds = [r["second"]["wall_s"] for r in rounds]
     result = {
         "benchmark": "startup_cache",
         "command": " ".join(cmd[2:]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpu_count": os.cpu_count(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "runs": runs,
-        "first_s": runs[0]["wall_s"],
-        "later_median_s": later,
-        "speedup": runs[0]["wall_s"] / later,
+        "rounds": rounds,
+        "first_s": _stats(firsts),
+        "second_s": _stats(seconds),
+        "speedup": statistics.median(firsts) / statistics.median(seconds),
+        "speedup_per_round": _stats([r["ratio"] for r in rounds]),
     }
-    readies = [r["engine_ready_s"] for r in runs]
-    if all(readies):
-        result["engine_ready_first_s"] = readies[0]
-        result["engine_ready_later_median_s"] = statistics.median(readies[1:])
-        result["engine_ready_speedup"] = readies[0] / result["engine_ready_later_median_s"]
+    readies = [(r["first"]["engine_ready_s"], r["second"]["engine_ready_s"]) for r in rounds]
+    if all(a and b for a, b in readies):
+        result["engine_ready_first_s"] = _stats([a for a, _ in readies])
+        result["engine_ready_second_s"] = _stats([b for _, b in readies])
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"startup_cache-{datetime.now():%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    engine = result.get("engine_ready_speedup", 0.0)
-    print(f"command: first {result['first_s']:.1f} s, later {later:.1f} s: "
-          f"{result['speedup']:.1f}x; engine start-up: {engine:.1f}x; wrote {path}")  # fmt: skip
+    f, s = result["first_s"], result["second_s"]
+    print(f"whole command, median of {ns.rounds}: first {f['median']:.1f} s "
+          f"[{f['min']:.1f}-{f['max']:.1f}], second {s['median']:.1f} s "
+          f"[{s['min']:.1f}-{s['max']:.1f}]: {result['speedup']:.1f}x; wrote {path}")  # fmt: skip
     return 0
 
 

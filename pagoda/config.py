@@ -32,7 +32,9 @@ def normalize_dtype(dtype: Any) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What to load and how. `hf_config` is the transformers `PretrainedConfig`."""
+    """What to load and how. `hf_config` is the transformers `PretrainedConfig`, or for a
+    cached GGUF conversion a `model_files.ConfigView` of one (`transformers_config()` gives
+    the real one, to hand to transformers)."""
 
     model: str
     hf_config: Any

@@ -98,20 +98,33 @@ def resolve_model(model: str | os.PathLike | None) -> ModelSource:
     )
 
 
-def load_hf_config(source: ModelSource) -> Any:
-    """The transformers config of the model."""
-    from transformers import AutoConfig, PretrainedConfig
-
+def load_hf_config(source: ModelSource, lazy: bool = False) -> Any:
+    """The transformers config of the model. With `lazy`, a GGUF file whose conversion is
+    cached gives its `ConfigView` instead (no transformers config class imported: seconds)."""
     if source.kind == "gguf":
         cache = gguf_cache(source.path)
+        if lazy and cache is not None and cache.config_file.is_file():
+            view = ConfigView.read(cache)
+            if view is not None:
+                return view
+        from transformers import AutoConfig
+
         if cache is not None and cache.config_file.is_file():
             with contextlib.suppress(OSError, ValueError):
-                return AutoConfig.from_pretrained(str(cache.directory))
+                config = AutoConfig.from_pretrained(str(cache.directory))
+                if not cache.view_file.is_file():  # an entry cached before views existed
+                    ConfigView.store(cache, config)
+                return config
         p = Path(source.path)
         config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
-        if cache is not None:
-            cache.store(cache.config_file, lambda tmp: tmp.write_text(config.to_json_string()))
+        stored = cache is not None and cache.store(
+            cache.config_file, lambda tmp: tmp.write_text(config.to_json_string())
+        )
+        if stored:
+            ConfigView.store(cache, config)
         return config
+    from transformers import AutoConfig, PretrainedConfig
+
     if source.kind == "config":
         with open(source.path, encoding="utf-8") as f:
             try:
@@ -139,17 +152,19 @@ def load_hf_config(source: ModelSource) -> Any:
 
 def load_tokenizer(source: ModelSource) -> Any | None:
     """The model's tokenizer, or None when the model has none (a bare config)."""
-    from transformers import AutoTokenizer
-
     if source.kind == "config":
         return None
     if source.kind == "gguf":
         cache = gguf_cache(source.path)
         if cache is not None and cache.tokenizer_dir.is_dir():
             with contextlib.suppress(OSError, ValueError):
-                tok = AutoTokenizer.from_pretrained(str(cache.tokenizer_dir))
+                tok = _cached_tokenizer_class(cache).from_pretrained(str(cache.tokenizer_dir))
                 _fix_gguf_chatml_eos(tok)
                 return tok
+    # Imported here: `AutoTokenizer` pulls in every model mapping of transformers (seconds).
+    from transformers import AutoTokenizer
+
+    if source.kind == "gguf":
         p = Path(source.path)
         tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         _fix_gguf_chatml_eos(tok)
@@ -160,6 +175,19 @@ def load_tokenizer(source: ModelSource) -> Any | None:
         return AutoTokenizer.from_pretrained(source.path)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load the tokenizer from {source.path}: {e}") from None
+
+
+def _cached_tokenizer_class(cache: GGUFCache) -> Any:
+    """The class the cached tokenizer was saved from: `TokenizersBackend` (what transformers 5
+    converts a GGUF vocabulary to) is loaded directly, since `AutoTokenizer` imports every
+    model mapping of transformers (seconds) to find it; anything else goes through
+    `AutoTokenizer`."""
+    import transformers
+
+    saved = json.loads((cache.tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    if saved.get("tokenizer_class") == "TokenizersBackend":
+        return transformers.TokenizersBackend
+    return transformers.AutoTokenizer
 
 
 def _fix_gguf_chatml_eos(tokenizer: Any) -> None:
@@ -235,6 +263,10 @@ class GGUFCache:
     def weights_file(self) -> Path:
         return self.directory / "model.safetensors"
 
+    @property
+    def view_file(self) -> Path:  # ConfigView's fields and attribute names
+        return self.directory / "config_view.json"
+
     def store(self, target: Path, write: Callable[[Path], object]) -> bool:
         """`write(tmp)` then rename onto `target`; False (and nothing left) when it fails:
         the cache only saves time, so a full disk or read-only home must not stop the run."""
@@ -254,6 +286,73 @@ class GGUFCache:
             return False
         finally:
             _remove(tmp)
+
+
+class ConfigView:
+    """A cached model config read back without its transformers class, whose import alone
+    (transformers builds each config class's docstring from its model mappings) takes longer
+    than the rest of a cached start. It answers the fields whose JSON value equals the
+    config's own; any other attribute the config has (methods, properties) is delegated to the
+    transformers config, built on first use; names the config lacks raise AttributeError. It
+    is read-only. `transformers_config(view)` gives the real config, e.g. to build an HF model.
+    """
+
+    def __init__(self, directory: str, fields: dict[str, Any], attributes: frozenset[str]) -> None:
+        d = self.__dict__
+        d.update(fields)
+        d["_view_directory"] = directory
+        d["_view_attributes"] = attributes
+        d["_view_config"] = None
+
+    @staticmethod
+    def store(cache: GGUFCache, config: Any) -> None:
+        """Write `config`'s view beside its config.json (first start: the config is at hand)."""
+        fields = {}
+        for name, value in json.loads(json.dumps(config.to_dict())).items():
+            with contextlib.suppress(AttributeError):
+                own = getattr(config, name)
+                if type(own) is type(value) and own == value:  # e.g. not int-keyed id2label
+                    fields[name] = value
+        attributes = set(dir(config)) | set(getattr(config, "attribute_map", {}))
+        record = {"fields": fields, "attributes": sorted(attributes - set(fields))}
+        cache.store(cache.view_file, lambda tmp: tmp.write_text(json.dumps(record)))
+
+    @classmethod
+    def read(cls, cache: GGUFCache) -> ConfigView | None:
+        """The cached view, or None when there is none (or it is unreadable)."""
+        try:
+            record = json.loads(cache.view_file.read_text(encoding="utf-8"))
+            return cls(str(cache.directory), record["fields"], frozenset(record["attributes"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def transformers_config(self) -> Any:
+        d = self.__dict__
+        if d["_view_config"] is None:
+            from transformers import AutoConfig
+
+            d["_view_config"] = AutoConfig.from_pretrained(d["_view_directory"])
+        return d["_view_config"]
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not fields
+        if not name.startswith("__") and name in self.__dict__.get("_view_attributes", ()):
+            return getattr(self.transformers_config(), name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise TypeError(f"{type(self).__name__} is read-only (set {name!r} on a copy of "
+                        "transformers_config(view))")  # fmt: skip
+
+    def __delattr__(self, name: str) -> None:
+        raise TypeError(f"{type(self).__name__} is read-only (cannot delete {name!r})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__['_view_directory']!r})"
+
+
+def transformers_config(config: Any) -> Any:
+    """The transformers config behind `config` (itself unless it is a `ConfigView`)."""
+    return config.transformers_config() if isinstance(config, ConfigView) else config
 
 
 def gguf_cache(gguf_path: str | os.PathLike[str]) -> GGUFCache | None:

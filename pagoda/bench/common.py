@@ -134,8 +134,10 @@ def hf_model_from_config(hf_config: Any, dtype: torch.dtype, device: torch.devic
     """A transformers model with random weights of the same shape, on the device."""
     from transformers import AutoModelForCausalLM
 
+    from pagoda.model_files import transformers_config
+
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(transformers_config(hf_config), dtype=dtype)
     return model.eval()
 
 

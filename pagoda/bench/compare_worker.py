@@ -524,13 +524,14 @@ def run_transformers(job: CompareJob) -> dict[str, Any]:
 
     from pagoda.bench.common import environment, hf_model_from_config
     from pagoda.engine.args import EngineArgs
+    from pagoda.model_files import transformers_config
 
     progress("building the transformers model")
     _, mc, _, _, runner_config = EngineArgs(
         model=job.model, dtype=job.dtype, device=job.device, max_model_len=job.max_model_len
     ).create_configs()
     device = torch.device(runner_config.device)
-    hf_config = copy.deepcopy(mc.hf_config)
+    hf_config = copy.deepcopy(transformers_config(mc.hf_config))  # a ConfigView is read-only
     if hasattr(hf_config, "quantization_config"):
         del hf_config.quantization_config  # the baseline is the unquantized shape
     if device.type == "cuda":

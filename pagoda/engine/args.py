@@ -104,7 +104,7 @@ class EngineArgs:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an integer, got {value!r}")
         source = resolve_model(self.model)
-        hf_config = load_hf_config(source)
+        hf_config = load_hf_config(source, lazy=True)
         text_config = getattr(hf_config, "text_config", None) or hf_config
         device = resolve_device(self.device)
 

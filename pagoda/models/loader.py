@@ -118,10 +118,12 @@ def _dequantize_gguf(gguf_path: str, model_config: ModelConfig) -> dict[str, tor
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from pagoda.model_files import transformers_config
+
     # transformers maps GGUF tensor names through an HF model's state_dict; a meta-device
     # instance gives it the names without allocating memory.
     with torch.device("meta"):
-        hf_skeleton = AutoModelForCausalLM.from_config(model_config.hf_config)
+        hf_skeleton = AutoModelForCausalLM.from_config(transformers_config(model_config.hf_config))
     try:
         parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=hf_skeleton)
     except (ValueError, OSError, KeyError) as e:

@@ -472,8 +472,14 @@ class ModelRunner:
         mc = self.model_config
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         layers = self.model.attention_layers()
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        # Not zero-filled (that cost up to seconds per start on CPU for a 1 GiB cache): attention
+        # reads only slots written before, below each sequence's seq_len, and kernels mask the
+        # rest of a tile, as they must for the stale data of a freed and reused block anyway.
+        # The null block 0 is the exception: nothing writes it and CUDA-graph padding rows
+        # (seq_len 1, block table all 0) read it, so it holds zeros.
+        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in layers]
         for layer, cache in zip(layers, self.kv_caches, strict=True):
+            cache[:, 0].zero_()
             layer.kv_cache = cache
 
     def _release_kv_cache(self) -> None:

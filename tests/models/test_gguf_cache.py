@@ -20,12 +20,14 @@ import torch
 
 from pagoda.config import ModelConfig
 from pagoda.model_files import (
+    ConfigView,
     GGUFCache,
     default_model_path,
     gguf_cache,
     load_hf_config,
     load_tokenizer,
     resolve_model,
+    transformers_config,
     user_cache_dir,
 )
 from pagoda.models.loader import iter_gguf_weights
@@ -93,6 +95,11 @@ def test_second_load_comes_from_the_cache_and_is_identical(tmp_path, monkeypatch
         return d
 
     assert comparable(config2) == comparable(config)
+    view = load_hf_config(source, lazy=True)  # what the engine gets: the same answers
+    assert isinstance(view, ConfigView) and cache.view_file.is_file()
+    skip = {"_name_or_path", "name_or_path", "per_layer_config"}
+    expected = {k: v for k, v in _public_attributes(config2).items() if k not in skip}
+    assert {name: getattr(view, name) for name in expected} == expected
     assert tokenizer2.get_vocab() == tokenizer.get_vocab()
     assert tokenizer2.chat_template == tokenizer.chat_template
     assert tokenizer2.eos_token == tokenizer.eos_token == "<|im_end|>"
@@ -185,3 +192,116 @@ def test_unusable_cache_directory_is_not_fatal(monkeypatch, tmp_path, capsys):
     assert cache is not None
     assert not cache.store(cache.config_file, lambda tmp: tmp.write_text("{}"))
     assert "could not cache" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- ConfigView
+
+FIXTURE_TOKENIZER = Path(__file__).parents[1] / "fixtures" / "qwen2.5-tokenizer"
+
+
+def _fake_gguf_entry(tmp_path, monkeypatch, config) -> tuple:
+    """A `.gguf` file (only hashed here) whose cache entry holds `config` and a tokenizer saved
+    as `TokenizersBackend`, as a first start of a real GGUF file leaves them."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF not parsed: the cache entry exists")
+    cache = gguf_cache(gguf)
+    assert cache.store(cache.config_file, lambda tmp: tmp.write_text(config.to_json_string()))
+    ConfigView.store(cache, config)
+    reference = AutoTokenizer.from_pretrained(FIXTURE_TOKENIZER)
+    tok = TokenizersBackend(
+        tokenizer_object=Tokenizer.from_file(str(FIXTURE_TOKENIZER / "tokenizer.json")),
+        eos_token="<|im_end|>",
+        chat_template=reference.chat_template,
+    )
+    tok.save_pretrained(str(cache.tokenizer_dir))
+    return resolve_model(str(gguf)), cache
+
+
+def _public_attributes(config) -> dict[str, object]:
+    out = {}
+    for name in dir(config):
+        if name.startswith("__"):
+            continue
+        try:
+            value = getattr(config, name)
+        except AttributeError:
+            continue
+        if not callable(value):
+            out[name] = value
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_config_view_answers_like_the_transformers_config(tmp_path, monkeypatch, arch):
+    import copy
+    import pickle
+
+    from tests.helpers import tiny_config
+
+    config = tiny_config(arch, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    source, cache = _fake_gguf_entry(tmp_path, monkeypatch, config)
+    view = load_hf_config(source, lazy=True)
+    assert isinstance(view, ConfigView)
+    real = load_hf_config(source)  # lazy=False: the transformers class, as before
+    assert type(real) is type(config)
+    # What the engine reads never builds the transformers config...
+    for name in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "rope_parameters",
+                 "rms_norm_eps", "vocab_size", "tie_word_embeddings", "max_position_embeddings",
+                 "model_type", "eos_token_id", "head_dim", "architectures"):  # fmt: skip
+        assert getattr(view, name, "absent") == getattr(real, name, "absent"), name
+    assert getattr(view, "text_config", None) is None and getattr(view, "vision_config", 1) == 1
+    assert view.__dict__["_view_config"] is None
+    # ...and every attribute of the real config reads the same through the view.
+    skip = {"_name_or_path", "name_or_path", "per_layer_config"}  # paths; a per-call view object
+    expected = {k: v for k, v in _public_attributes(real).items() if k not in skip}
+    assert len(expected) > 40
+    assert {name: getattr(view, name) for name in expected} == expected
+    assert view.to_dict() == real.to_dict()  # a method: delegated
+    assert type(transformers_config(view)) is type(config)
+    assert transformers_config(real) is real
+    with pytest.raises(TypeError, match="read-only"):
+        view.hidden_size = 1
+    with pytest.raises(AttributeError, match="no attribute 'not_a_field'"):
+        _ = view.not_a_field
+    for clone in (copy.deepcopy(view), pickle.loads(pickle.dumps(view))):
+        assert clone.hidden_size == real.hidden_size and clone.to_dict() == real.to_dict()
+
+
+def test_cached_start_imports_no_transformers_model_mappings(tmp_path, monkeypatch):
+    """The whole point of the view and the direct tokenizer load: a cached GGUF start does not
+    import transformers' auto mappings (seconds: every config class, generation, sklearn)."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers import tiny_config
+
+    source, cache = _fake_gguf_entry(tmp_path, monkeypatch, tiny_config("llama"))
+    code = (
+        "import sys\n"
+        "from pagoda.model_files import load_hf_config, load_tokenizer, resolve_model\n"
+        f"source = resolve_model({source.path!r})\n"
+        "config = load_hf_config(source, lazy=True)\n"
+        "tok = load_tokenizer(source)\n"
+        "heavy = [m for m in ('transformers.models.auto.modeling_auto',\n"
+        "    'transformers.models.auto.tokenization_auto', 'transformers.generation.utils',\n"
+        "    'transformers.models.llama.configuration_llama') if m in sys.modules]\n"
+        "print(type(config).__name__, type(tok).__name__, heavy)\n"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "ConfigView TokenizersBackend []"
+    # The directly loaded tokenizer is the one AutoTokenizer gives for the entry.
+    tok = load_tokenizer(source)
+    auto = AutoTokenizer.from_pretrained(str(cache.tokenizer_dir))
+    assert type(tok) is type(auto)
+    text = "<|im_start|>user\n안녕하세요! What is 2+2?<|im_end|>"
+    assert tok(text)["input_ids"] == auto(text)["input_ids"]
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        auto.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+    assert tok.eos_token == auto.eos_token == "<|im_end|>"
