@@ -120,7 +120,55 @@ class RequestStream:
         self.abort()
 
 
-class AsyncLLMEngine:
+class RequestAPI:
+    """`add_requests` / `add_request` / `generate`, shared by the thread and process engines on
+    top of their `_add(prepare, ids_for)`."""
+
+    async def _add(
+        self, prepare: Callable[[Any], PreparedRequests], ids_for: Callable[[int], list[str]]
+    ) -> list[RequestStream]:
+        raise NotImplementedError
+
+    async def add_requests(
+        self,
+        prepare: Callable[[Any], PreparedRequests],
+        request_id_prefix: str | None = None,
+    ) -> list[RequestStream]:
+        """Add several requests atomically: all of them, or none and an exception.
+
+        `prepare(...)` runs where tokenizing is safe (the engine thread, or the process engine's
+        front-end thread) and returns (prompt, params) pairs; a prompt is anything
+        `LLMEngine.add_request` accepts, or a `ProcessedPrompt`. Errors it or `add_request`
+        raises (ValueError, TypeError) reach the caller unchanged. Request ids are `{prefix}-{i}`
+        (a random prefix by default).
+        """
+        prefix = request_id_prefix or uuid.uuid4().hex
+        return await self._add(prepare, lambda n: [f"{prefix}-{i}" for i in range(n)])
+
+    async def add_request(
+        self, prompt: Any, params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Add one request (a prompt, token ids or a `ProcessedPrompt`); see `add_requests`."""
+        rid = request_id or uuid.uuid4().hex
+        (stream,) = await self._add(lambda _engine: [(prompt, params)], lambda n: [rid] * n)
+        return stream
+
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one request as they are produced.
+
+        Leaving the loop early (break, cancellation, a client disconnect) aborts the request.
+        """
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+
+class AsyncLLMEngine(RequestAPI):
     """Runs `engine.step()` on its own thread while there is work; sleeps otherwise."""
 
     runs_in_process = False  # the engine shares this process (and its GIL)
@@ -185,29 +233,6 @@ class AsyncLLMEngine:
         self._submit(command)
         return await fut
 
-    async def add_requests(
-        self,
-        prepare: Callable[[LLMEngine], PreparedRequests],
-        request_id_prefix: str | None = None,
-    ) -> list[RequestStream]:
-        """Add several requests atomically: all of them, or none and an exception.
-
-        `prepare(engine)` runs on the engine thread (the tokenizer is not thread-safe) and returns
-        (prompt, params) pairs; a prompt is anything `LLMEngine.add_request` accepts, or a
-        `ProcessedPrompt`. Errors it or `add_request` raises (ValueError, TypeError) reach the
-        caller unchanged. Request ids are `{prefix}-{i}` (a random prefix by default).
-        """
-        prefix = request_id_prefix or uuid.uuid4().hex
-        return await self._add(prepare, lambda n: [f"{prefix}-{i}" for i in range(n)])
-
-    async def add_request(
-        self, prompt: Any, params: SamplingParams, request_id: str | None = None
-    ) -> RequestStream:
-        """Add one request (a prompt, token ids or a `ProcessedPrompt`); see `add_requests`."""
-        rid = request_id or uuid.uuid4().hex
-        (stream,) = await self._add(lambda _engine: [(prompt, params)], lambda n: [rid] * n)
-        return stream
-
     async def _add(
         self, prepare: Callable[[LLMEngine], PreparedRequests], ids_for: Callable[[int], list[str]]
     ) -> list[RequestStream]:
@@ -253,20 +278,6 @@ class AsyncLLMEngine:
 
         self._submit(command)
         return await fut
-
-    async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request as they are produced.
-
-        Leaving the loop early (break, cancellation, a client disconnect) aborts the request.
-        """
-        stream = await self.add_request(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; unknown or finished ids are ignored."""

@@ -21,9 +21,8 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -35,6 +34,7 @@ from pagoda.engine.async_engine import (
     EngineDeadError,
     EngineStats,
     PreparedRequests,
+    RequestAPI,
     RequestStream,
     _call_in_loop,
     _deliver,
@@ -44,7 +44,6 @@ from pagoda.engine.async_engine import (
 from pagoda.engine.input_processor import InputProcessor, ProcessedPrompt
 from pagoda.model_files import ModelSource
 from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams
 from pagoda.worker.memory import MemoryReport
 
 logger = logging.getLogger("pagoda")
@@ -351,7 +350,7 @@ class _ProcessStream(RequestStream):
         return out
 
 
-class EngineProcess:
+class EngineProcess(RequestAPI):
     """`AsyncLLMEngine`'s interface over an `LLMEngine` that runs in a child process."""
 
     runs_in_process = True
@@ -433,38 +432,6 @@ class EngineProcess:
     async def run(self, fn: Callable[[EngineFrontend], T]) -> T:
         """Call `fn(frontend)` on the front-end thread (tokenizer work) and return its result."""
         return await self._on_frontend(asyncio.get_running_loop(), lambda: fn(self.frontend))
-
-    async def add_requests(
-        self,
-        prepare: Callable[[EngineFrontend], PreparedRequests],
-        request_id_prefix: str | None = None,
-    ) -> list[RequestStream]:
-        """Add several requests atomically: all of them, or none and an exception.
-
-        `prepare(frontend)` runs on the front-end thread and returns (prompt, params[, lora])
-        tuples, as for `AsyncLLMEngine.add_requests`; errors it or the engine's `add_request`
-        raises reach the caller unchanged. Request ids are `{prefix}-{i}`.
-        """
-        prefix = request_id_prefix or uuid.uuid4().hex
-        return await self._add(prepare, lambda n: [f"{prefix}-{i}" for i in range(n)])
-
-    async def add_request(
-        self, prompt: Any, params: SamplingParams, request_id: str | None = None
-    ) -> RequestStream:
-        rid = request_id or uuid.uuid4().hex
-        (stream,) = await self._add(lambda _frontend: [(prompt, params)], lambda n: [rid] * n)
-        return stream
-
-    async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request; leaving the loop early aborts the request."""
-        stream = await self.add_request(prompt, params, request_id)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
 
     async def _add(
         self,
