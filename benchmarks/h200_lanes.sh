@@ -311,8 +311,8 @@ step_generic_e2e() {
 step_wgmma() {
   run wgmma_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_w4a16_wgmma.py
-  run wgmma_table 200 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0,1 \
-    --out "$R/wgmma_table"
+  run wgmma_table 220 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --sweep wgmma --out "$R/wgmma_table"
 }
 step_structured() {
   OUT=$R/structured run structured 300 bash benchmarks/structured/run_h200.sh

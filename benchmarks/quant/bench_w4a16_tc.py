@@ -3,14 +3,14 @@
 Kernels (on the `repack_mma` tensor-core layout, the layer's only weight copy, and `wgmma`:
 the Gluon swap-AB GEMM on its own layout, `gluon_w4a16_wgmma.py`, sm_90 only):
 `gemv` (M <= 64: `wna16_mma_gemv`), `tc` (`wna16_mma_gemm`: dequantization in registers,
-`tl.dot`; `--sweep` tries its configs), `dequant+cublas`
+`tl.dot`; `--sweep` tries its configs, `--sweep wgmma` the wgmma GEMM's), `dequant+cublas`
 (`wna16_mma_dequant` then `F.linear`), and `bf16` (cuBLAS on the dense weight) as the
 denominator of every ratio. Each is timed inside one CUDA graph cycling over enough weight
 copies to stream > 4x the L2 from HBM per replay (`pagoda.bench.common.graph_time_per_call`),
 symmetric and with zero points (`--zp`). Every result is checked against the fp32 matmul of the
 dequantized weight before it is timed.
 
-    python benchmarks/quant/bench_w4a16_tc.py --out DIR [--sweep] [--models 7b,3b]
+    python benchmarks/quant/bench_w4a16_tc.py --out DIR [--sweep [tc,wgmma]] [--models 7b,3b]
 """
 
 from __future__ import annotations
@@ -65,6 +65,24 @@ def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
     return out
 
 
+def wgmma_sweep(m: int, n: int, k: int, num_sms: int) -> list[wg.WgmmaConfig]:
+    """The wgmma GEMM's tiles: the two smallest BLOCK_M that hold M, 1 or 2 warpgroups, with
+    and without split-K where the programs do not fill the SMs (the default is tried apart)."""
+    p2 = 8
+    while p2 < min(m, wg.MAX_BLOCK_M):
+        p2 *= 2
+    out = []
+    for bm in sorted({max(8, p2 // 2), p2}):
+        for wgs in (1, 2):
+            programs = -(-m // bm) * (n // (64 * wgs))
+            splits = {1}
+            if programs < num_sms:
+                splits.add(max(1, min(8, round(num_sms / programs))))
+            out += [(bm, wgs, sp) for sp in sorted(splits)]
+    default = wg.default_wgmma_config(m, n, k, num_sms)
+    return [c for c in out if c != default]
+
+
 class Layer:
     """`copies` random weight copies of one (N, K) layer in the MMA layout + one dense copy."""
 
@@ -115,7 +133,7 @@ def check(y: torch.Tensor, x: torch.Tensor, layer: Layer) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: int) -> dict:
+def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int) -> dict:
     m, n, k = x.shape[0], layer.n, layer.k
     cands = {}
     if m <= mma.MAX_ROWS:
@@ -126,14 +144,18 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: in
         x, mma.wna16_mma_dequant(layer.words[i], layer.pairs[i], n, k, GROUP, layer.z(i))
     )
     if layer.wg is not None:
+        wg_configs = [None]
+        if "wgmma" in sweep and m in SWEEP_MS:
+            wg_configs += wgmma_sweep(m, n, k, num_sms)
+        for c in wg_configs:
 
-        def wgmma(i):
-            words, scales_t, zeros_t = layer.wg[i]
-            return wg.wna16_wgmma_gemm(x, words, scales_t, n, GROUP, zeros_t=zeros_t)
+            def wgmma(i, c=c):
+                words, scales_t, zeros_t = layer.wg[i]
+                return wg.wna16_wgmma_gemm(x, words, scales_t, n, GROUP, zeros_t=zeros_t, config=c)
 
-        cands["wgmma"] = wgmma
+            cands["wgmma" if c is None else f"wgmma{list(c)}"] = wgmma
     configs = [None]
-    if sweep and m in SWEEP_MS and not zp:
+    if "tc" in sweep and m in SWEEP_MS and not zp:
         configs = tc_sweep(m, n, k, num_sms)
     if m >= 8:
         for c in configs:
@@ -147,7 +169,7 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: bool, num_sms: in
     return cands
 
 
-def bench(model, name, n, k, zp: bool, sweep: bool, bw, l2, num_sms, dev, ms=MS):
+def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
     layer = Layer(n, k, l2, zp, dev)
     rows = []
     for m in ms:
@@ -165,12 +187,16 @@ def bench(model, name, n, k, zp: bool, sweep: bool, bw, l2, num_sms, dev, ms=MS)
                 row[key + "_us"] = time_graph(fn, layer.copies) * 1e6
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
                 row[key + "_fail"] = repr(e)[:160]
-        tcs = {kk: v for kk, v in row.items() if kk.startswith("tc") and kk.endswith("_us")}
-        if tcs:
-            best = min(tcs, key=tcs.get)
-            row["tc_best"] = best[:-3]
-            row["tc_best_us"] = tcs[best]
-        w4 = [v for kk, v in row.items() if kk.endswith("_us") and kk != "bf16_us"]
+        for fam in ("tc", "wgmma"):
+            times = {kk: v for kk, v in row.items() if kk.startswith(fam) and kk.endswith("_us")}
+            if times:
+                best = min(times, key=times.get)
+                row[fam + "_best"] = best[:-3]
+                row[fam + "_best_us"] = times[best]
+        w4 = [
+            v for kk, v in row.items()
+            if kk.endswith("_us") and kk != "bf16_us" and not kk.endswith("_best_us")
+        ]  # fmt: skip
         row["w4_best_us"] = min(w4) if w4 else None
         row["ratio_vs_bf16"] = row["bf16_us"] / row["w4_best_us"] if w4 else None
         rows.append(row)
@@ -179,10 +205,11 @@ def bench(model, name, n, k, zp: bool, sweep: bool, bw, l2, num_sms, dev, ms=MS)
             for kk, v in row.items()
             if kk.endswith("_us") and kk not in ("bf16_us", "w4_best_us") and "[" not in kk
         }
+        best_of = [row.get("tc_best", ""), row.get("wgmma_best", "")]
         print(
             f"{model} {name:8s} zp={int(zp)} M={m:4d} bf16 {row['bf16_us']:8.1f}  "
             + "  ".join(f"{kk} {v:7.1f}" for kk, v in shown.items())
-            + f"  best x{row['ratio_vs_bf16'] or 0:.2f} ({row.get('tc_best', '')})",
+            + f"  best x{row['ratio_vs_bf16'] or 0:.2f} ({' '.join(b for b in best_of if b)})",
             flush=True,
         )
     return rows
@@ -191,7 +218,8 @@ def bench(model, name, n, k, zp: bool, sweep: bool, bw, l2, num_sms, dev, ms=MS)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sweep", action="store_true", help="try the tc GEMM's configs at M >= 16")
+    ap.add_argument("--sweep", nargs="?", const="tc", default="",
+                    help="try these kernels' configs at M >= 16: tc (default), wgmma, or tc,wgmma")
     ap.add_argument("--models", default="7b,3b")
     ap.add_argument("--zp", default="0,1", help="symmetric (0) and / or zero points (1)")
     ap.add_argument("--layers", default=None, help="only these layers, e.g. gate_up,down")
