@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 10 candidates): wgmma
+# Steps (session 10): wgmma serve_ab structured
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
@@ -313,6 +313,21 @@ step_wgmma() {
     tests/kernels/test_gluon_w4a16_wgmma.py
   run wgmma_table 220 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
     --sweep wgmma --out "$R/wgmma_table"
+}
+# session 10: issue 18 acc. 5, pagoda serve at 64 streams vs offline LLM.generate on the same
+# prompts, engine core in its own process and in a thread, one run (wheels from .whl/)
+whl_install() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$R/whl_install.log" 2>&1
+}
+step_serve_ab() {
+  whl_install || { echo "[serve_ab] wheel install failed" | tee -a "$R/summary.txt"; return; }
+  PYTHONPATH=/tmp/site:$PYTHONPATH run serve_ab 240 python3 -m pagoda bench serve \
+    --launch "config:$CFG3 --load-format dummy --max-num-seqs 64 --max-model-len 1024" \
+    --offline-baseline --token-prompts --num-prompts 256 --concurrency 64 --input-len 128 \
+    --output-len 512 --engine-modes process,thread --out "$R/serve_ab_h200.json"
+  PYTHONPATH=/tmp/site:$PYTHONPATH run engine_process_gpu 90 python3 -m pytest -q \
+    -p no:cacheprovider -m gpu -rfE tests/entrypoints/openai/test_engine_process.py
 }
 step_structured() {
   OUT=$R/structured run structured 300 bash benchmarks/structured/run_h200.sh
