@@ -14,7 +14,9 @@ program's 64-row blocks for one K step (2 KB per warpgroup) and the activation t
 zero-filled). The weight words run NUM_STAGES - 1 steps ahead, the activations NUM_STAGES - 2
 (one stage is still read by the MMA in flight). A thread reads its A fragment from its stage in
 two 8-byte loads (conflict-free); the MMA is asynchronous, one left in flight over the next
-step's unpacking.
+step's unpacking. Dequantization ORs each nibble q into the bits of bf16 128 + q; with bf16
+scales it is (128 + q - (128 + z)) * s in bf16 (exact difference, one rounding: the same values
+as the fp32 (q - z) * s rounded to bf16; zero points must be integers), else in fp32.
 
 Layout (`repack_wgmma`): blocks of 64 rows x 64 K, stored [N / 64][K / 64][row 0..63][j 0..7]
 int32. In a block, with k = 32 h + 16 a + 8 b + 2 c + d (h, a, b, d in {0, 1}, c in 0..3), row r's
@@ -217,14 +219,14 @@ def _kernel():
                 async_copy.commit_group()
 
                 words = w_smem.index(i % S).load(w_l)
-                q0 = words & 0xF
-                q1 = (words >> 4) & 0xF
-                q2 = (words >> 8) & 0xF
-                q3 = (words >> 12) & 0xF
-                q4 = (words >> 16) & 0xF
-                q5 = (words >> 20) & 0xF
-                q6 = (words >> 24) & 0xF
-                q7 = (words >> 28) & 0xF
+                q0 = (words & 0xF) | 0x4300  # bf16 bits of 128 + nibble
+                q1 = ((words >> 4) & 0xF) | 0x4300
+                q2 = ((words >> 8) & 0xF) | 0x4300
+                q3 = ((words >> 12) & 0xF) | 0x4300
+                q4 = ((words >> 16) & 0xF) | 0x4300
+                q5 = ((words >> 20) & 0xF) | 0x4300
+                q6 = ((words >> 24) & 0xF) | 0x4300
+                q7 = ((words >> 28) & 0xF) | 0x4300
                 r0 = gl.join(gl.join(q0, q1), gl.join(q2, q3))  # [BN, 8, d, b]
                 r1 = gl.join(gl.join(q4, q5), gl.join(q6, q7))
                 t = gl.join(r0, r1)  # [BN rows, 8 j, d, b, a]
@@ -235,14 +237,19 @@ def _kernel():
                     grp = gl.minimum(kt, kt_hi - 1) // GROUP_TILES
                 else:
                     grp = 0
-                s = gl.load(s_ptr + grp * N + s_n).to(gl.float32)
+                q = q.to(gl.int16).to(gl.bfloat16, bitcast=True)
                 if HAS_ZP:
-                    z = gl.load(z_ptr + grp * N + s_n).to(gl.float32)
+                    z = gl.load(z_ptr + grp * N + s_n) + 128.0
                 else:
-                    z = gl.full([BN], 8.0, gl.float32, layout=gl.SliceLayout(1, a_l))
-                w = ((q.to(gl.float32) - gl.expand_dims(z, 1)) * gl.expand_dims(s, 1)).to(
-                    gl.bfloat16
-                )
+                    z = gl.full([BN], 136.0, gl.float32, layout=gl.SliceLayout(1, a_l))
+                s = gl.load(s_ptr + grp * N + s_n)
+                if s_ptr.dtype.element_ty == gl.bfloat16:
+                    # (128 + q) - (128 + z) is exact, and so one rounding of its product with s,
+                    # the same as the fp32 path's
+                    w = (q - gl.expand_dims(z.to(gl.bfloat16), 1)) * gl.expand_dims(s, 1)
+                else:
+                    w = (q.to(gl.float32) - gl.expand_dims(z, 1)) * gl.expand_dims(s, 1)
+                    w = w.to(gl.bfloat16)
                 xs = x_smem.index(i % S)
                 acc = warpgroup_mma(w, xs.permute((1, 0)), acc, is_async=True)
                 # one MMA stays in flight (over the next step's unpacking); `w` stays live with it
