@@ -67,7 +67,8 @@ def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
 
 def wgmma_sweep(m: int, n: int, k: int, num_sms: int) -> list[wg.WgmmaConfig]:
     """The wgmma GEMM's tiles: the two smallest BLOCK_M that hold M, 1 or 2 warpgroups, with
-    and without split-K where the programs do not fill the SMs (the default is tried apart)."""
+    and without split-K where the programs do not fill the SMs, a 3- or 4-stage ring (the
+    default is tried apart)."""
     p2 = 8
     while p2 < min(m, wg.MAX_BLOCK_M):
         p2 *= 2
@@ -78,7 +79,7 @@ def wgmma_sweep(m: int, n: int, k: int, num_sms: int) -> list[wg.WgmmaConfig]:
             splits = {1}
             if programs < num_sms:
                 splits.add(max(1, min(8, round(num_sms / programs))))
-            out += [(bm, wgs, sp) for sp in sorted(splits)]
+            out += [(bm, wgs, sp, st) for sp in sorted(splits) for st in (3, 4)]
     default = wg.default_wgmma_config(m, n, k, num_sms)
     return [c for c in out if c != default]
 
@@ -218,8 +219,13 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sweep", nargs="?", const="tc", default="",
-                    help="try these kernels' configs at M >= 16: tc (default), wgmma, or tc,wgmma")
+    ap.add_argument(
+        "--sweep",
+        nargs="?",
+        const="tc",
+        default="",
+        help="try these kernels' configs at M >= 16: tc (default), wgmma, or tc,wgmma",
+    )
     ap.add_argument("--models", default="7b,3b")
     ap.add_argument("--zp", default="0,1", help="symmetric (0) and / or zero points (1)")
     ap.add_argument("--layers", default=None, help="only these layers, e.g. gate_up,down")

@@ -1,6 +1,7 @@
 """The Gluon swap-AB wgmma W4A16 GEMM: its layout on CPU (repack / the kernel's unpacking in
-torch), its sm_90 code compiled here without a GPU (the weight never touches shared memory), and
-the kernel against the dequantized matmul on an H100 / H200 (`gpu`)."""
+torch), its sm_90 code compiled here without a GPU (the cp.async ring, the A fragment in 8-byte
+shared loads, async wgmma on it in registers), and the kernel against the dequantized matmul on
+an H100 / H200 (`gpu`)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_bad_shapes_are_refused():
                             torch.ones(1, 64), 64, -1)  # fmt: skip
 
 
-def _ptx(block_m: int, num_wg: int, zp: bool) -> str:
+def _compiled(block_m: int, num_wg: int, stages: int, zp: bool):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -57,30 +58,61 @@ def _ptx(block_m: int, num_wg: int, zp: bool) -> str:
     )
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*fp32",
            "b_ptr": "*bf16", "out_ptr": "*bf16", **sig}  # fmt: skip
-    consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": num_wg, "HAS_ZP": zp,
-              "HAS_BIAS": False, "ONE_SPLIT": True}  # fmt: skip
+    consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": num_wg, "NUM_STAGES": stages,
+              "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": True}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     # what the launcher specializes for 16-aligned pointers and strides
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 10, 11, 12)}
     src = GluonASTSource(fn=wg._kernel(), signature=sig, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * num_wg}
-    )
-    return kernel.asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * num_wg})
+
+
+def _ptxas_info(ptx: str) -> str:
+    """ptxas -v on the PTX (the one Triton compiles sm_90 with): registers, spills, and
+    whether it had to serialize the wgmma."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        cmd = [ptxas, "-arch=sm_90a", "-v", path, "-o", os.path.join(d, "k.cubin")]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
 
 
 @pytest.mark.skipif(not wg.gluon_available(), reason="needs Triton with Gluon")
-@pytest.mark.parametrize("block_m,num_wg,zp", [(8, 1, False), (64, 2, True), (256, 2, False)])
-def test_sm90_code_keeps_the_weight_in_registers(block_m, num_wg, zp):
-    """Compiled for sm_90 here (no GPU needed): one wgmma per K = 16 with the A operand in
-    registers, the weight words in 8-byte loads, and shared memory only for the activation
-    tile (no ldmatrix, no shared-memory loads, no shuffles for the layout conversion)."""
-    ptx = _ptx(block_m, num_wg, zp)
-    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16", ptx)
-    assert mmas and {int(v) for v in mmas} == {block_m}
-    assert "ld.global.v2.b32" in ptx
-    for absent in ("ldmatrix", "ld.shared", "shfl"):
+@pytest.mark.parametrize(
+    "block_m,num_wg,stages,zp", [(8, 1, 4, False), (64, 2, 4, True), (256, 2, 4, False),
+                                 (128, 2, 3, True)]
+)  # fmt: skip
+def test_sm90_code_pipelines_through_shared_memory(block_m, num_wg, stages, zp):
+    """Compiled for sm_90 here (no GPU needed): cp.async fills the ring; the weight's A fragment
+    comes from it in 8-byte shared loads (no ldmatrix) and stays in registers for the async
+    wgmma (one per K = 16), one MMA group left in flight; no shuffles for the layout
+    conversion, no local memory."""
+    kernel = _compiled(block_m, num_wg, stages, zp)
+    ptx = kernel.asm["ptx"]
+    mmas = re.findall(
+        r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx
+    )  # the A operand a register list, not a descriptor
+    assert len(mmas) == 8 and {int(v) for v in mmas} == {block_m}  # two K steps a loop trip
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.commit_group" in ptx
+    waits = {int(v) for v in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
+    assert waits == {0, 2 * stages - 5}
+    mma_waits = {int(v) for v in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}
+    assert mma_waits == {0, 1}
+    assert ptx.count("ld.shared.v2.b32") == 4  # per step a thread's words of rows r, r + 8
+    assert "ld.global.v2" not in ptx  # the words come through the ring only
+    for absent in ("ldmatrix", "shfl", "ld.local", "st.local"):
         assert absent not in ptx, absent
+    info = _ptxas_info(ptx)
+    assert "0 bytes spill stores, 0 bytes spill loads" in info, info
+    assert "serialized" not in info, info  # ptxas keeps the async wgmma asynchronous
 
 
 def _case(m: int, n: int, k: int, group: int, zp: bool, seed: int):
@@ -109,16 +141,17 @@ def _hopper() -> bool:
     "group,zp,bias", [(128, False, False), (64, True, True), (-1, True, False)]
 )
 def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
-    n, k = 256, 512
+    n, k = 256, 512 if group == 128 else 576  # 9 K steps: an odd count, a padded last pair
     x, codes, scales, zeros, ref = _case(m, n, k, group, zp, seed=m)
     b = torch.randn(n).bfloat16() if bias else None
     if bias:
         ref = ref + b.float()
     dev = torch.device("cuda")
     words = wg.repack_wgmma(codes.to(dev))
-    for config in (None, (8 if m <= 8 else 64, 1, 1), (256, 2, 3)):
+    configs = (None, (8 if m <= 8 else 64, 1, 1, 3), (256, 2, 3, 4), (32, 2, 2, 5))
+    for config, s_dtype in zip(configs, (torch.bfloat16,) * 3 + (torch.float32,)):  # fp32 path
         y = wg.wna16_wgmma_gemm(
-            x.to(dev), words, scales.to(dev), n, group,
+            x.to(dev), words, scales.to(dev, s_dtype), n, group,
             zeros_t=zeros.to(dev) if zp else None, bias=b.to(dev) if bias else None,
             config=config,
         )  # fmt: skip
