@@ -50,6 +50,7 @@ class RequestResult:
     ttft_s: float | None = None
     latency_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    start_s: float | None = None  # time.perf_counter() when the request was sent
 
     @property
     def tpot_s(self) -> float | None:
@@ -229,7 +230,7 @@ class _Tally:
     def __init__(self, chat: bool) -> None:
         self.res = RequestResult()
         self.chat = chat
-        self.start = time.perf_counter()
+        self.start = self.res.start_s = time.perf_counter()
         self.last: float | None = None
         self.chunks = 0
 
@@ -476,7 +477,7 @@ async def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
             RequestResult(error=f"not started within {ns.max_duration} s")
             for _ in range(len(prompts) - len(tasks))
         ]
-    return summarize(ns, model, results, duration, concurrency)
+    return summarize(ns, model, results, duration, concurrency, t0=start)
 
 
 def _stats_ms(values: list[float]) -> dict[str, float | None]:
@@ -498,7 +499,10 @@ def summarize(
     results: list[RequestResult],
     duration: float,
     concurrency: int | None,
+    t0: float | None = None,
 ) -> dict[str, Any]:
+    """The run's figures; with `t0` (the run's start on `time.perf_counter`) also every
+    finished request's timeline: [sent, first token, done] in seconds from t0, output tokens."""
     ok = [r for r in results if r.ok]
     errors = [r.error for r in results if not r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -532,6 +536,16 @@ def summarize(
         "tpot_ms": _stats_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_ms": _stats_ms([x for r in ok for x in r.itl_s]),
         "e2e_ms": _stats_ms([r.latency_s for r in ok if r.latency_s is not None]),
+        "requests": [
+            [
+                round(r.start_s - t0, 6),
+                None if r.ttft_s is None else round(r.start_s - t0 + r.ttft_s, 6),
+                round(r.start_s - t0 + r.latency_s, 6),
+                r.output_tokens,
+            ]
+            for r in ok
+            if t0 is not None and r.start_s is not None and r.latency_s is not None
+        ],
     }
 
 

@@ -52,6 +52,11 @@ def test_bench_serve_small_run(server, tmp_path, capsys, mode):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert result[key]["p50"] > 0 and result[key]["p99"] >= result[key]["p50"]
     assert result["request_throughput"] > 0 and result["output_throughput"] > 0
+    # every request's timeline: sent <= first token <= done within the run, its token count
+    timeline = result["requests"]
+    assert len(timeline) == 8 and sum(r[3] for r in timeline) == 8 * 6
+    for sent, first, done, _ in timeline:
+        assert 0 <= sent <= first <= done <= result["duration_s"] + 1e-3
 
 
 def test_bench_serve_chat_and_prompts_file(server, tmp_path):
