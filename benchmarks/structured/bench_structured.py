@@ -1,13 +1,14 @@
 """Structured-output overhead: batch JSON-schema decoding vs unconstrained, in one run.
 
-Part 1 decodes `--batch` requests of `--output-len` tokens twice with the same engine: without a
-constraint, then each under a JSON schema whose output cannot end before `--output-len` (a long
-array of objects, compact whitespace), so both runs keep the whole batch busy; it reports both
-decode tok/s and their ratio. Part 2 measures whether compiling grammars stalls other requests:
-`--batch` unconstrained requests decode while `--compile-requests` requests with new (uncached)
-schemas arrive; it reports the running requests' step gaps before and while the grammars compile,
-the same with the new requests unconstrained (the control: admitting any request costs a mixed
-prefill step), and how long one such compile takes when done on the calling thread instead.
+Part 1 decodes `--batch` requests of `--output-len` tokens with the same engine, `--repeats`
+times in pairs: without a constraint, then each under a JSON schema whose output cannot end
+before `--output-len` (a long array of objects, compact whitespace), so both runs keep the whole
+batch busy; it reports the median pair's decode tok/s and the median of the pairs' ratios.
+Part 2 measures whether compiling grammars stalls other requests: `--batch` unconstrained
+requests decode while `--compile-requests` requests with new (uncached) schemas arrive; it
+reports the running requests' step gaps before and while the grammars compile, the same with the
+new requests unconstrained (the control: admitting any request costs a mixed prefill step), and
+how long one such compile takes when done on the calling thread instead.
 
     python benchmarks/structured/bench_structured.py --out DIR      # Qwen2.5-3B shape
     python benchmarks/structured/bench_structured.py --device cpu --dtype float32 \\
@@ -172,6 +173,7 @@ def main() -> int:
     p.add_argument("--compile-requests", type=int, default=4)
     p.add_argument("--schema-fields", type=int, default=40, help="fields per record (part 2)")
     p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3, help="unconstrained / JSON pairs (median)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--out", required=True, help="directory for structured.json")
@@ -209,11 +211,18 @@ def main() -> int:
         "async_scheduling": llm.llm_engine.core.async_scheduling,
         "device": str(llm.llm_engine.core.runner.device),
     }
-    result["unconstrained"] = decode_run(llm, prompts, [free.clone() for _ in prompts])
-    result["json_schema"] = decode_run(llm, prompts, [constrained.clone() for _ in prompts])
-    result["json_schema_over_unconstrained"] = (
-        result["json_schema"]["decode_tok_s"] / result["unconstrained"]["decode_tok_s"]
-    )
+    # Alternating pairs; the ratio reported is the median of the pairs' ratios (one pair
+    # lasts ~2 s on an H200, short enough for host noise to move a single ratio by 10 %).
+    pairs = []
+    for _ in range(ns.repeats):
+        u = decode_run(llm, prompts, [free.clone() for _ in prompts])
+        c = decode_run(llm, prompts, [constrained.clone() for _ in prompts])
+        pairs.append((u, c, c["decode_tok_s"] / u["decode_tok_s"]))
+    ratios = [r for _, _, r in pairs]
+    u, c, _ = sorted(pairs, key=lambda p: p[2])[len(pairs) // 2]
+    result["unconstrained"], result["json_schema"] = u, c
+    result["json_schema_over_unconstrained"] = statistics.median(ratios)
+    result["pair_ratios"] = ratios
     result["stall_control"] = stall_run(llm, ns, prompts, with_grammar=False)
     result["stall"] = stall_run(llm, ns, prompts)
 
@@ -222,15 +231,20 @@ def main() -> int:
     path.write_text(json.dumps(result, indent=2) + "\n")
     u, c = result["unconstrained"], result["json_schema"]
     s, c0 = result["stall"], result["stall_control"]
+
+    def ms(v: float | None) -> str:  # None: no step fell in that window (a short run)
+        return "n/a" if v is None else f"{v:.2f} ms"
+
     print(
         f"decode tok/s: unconstrained {u['decode_tok_s']:.0f}, json_schema "
-        f"{c['decode_tok_s']:.0f} ({result['json_schema_over_unconstrained']:.3f}x); "
-        f"step gap median {s['median_gap_before_ms']:.2f} ms before, "
-        f"{s['median_gap_during_ms']:.2f} ms (max {s['max_gap_during_ms']:.2f}) while "
+        f"{c['decode_tok_s']:.0f} ({result['json_schema_over_unconstrained']:.3f}x, median of "
+        f"{', '.join(f'{r:.3f}' for r in result['pair_ratios'])}); "
+        f"step gap median {ms(s['median_gap_before_ms'])} before, "
+        f"{ms(s['median_gap_during_ms'])} (max {ms(s['max_gap_during_ms'])}) while "
         f"{s['grammars_compiled']} grammars compiled; admitting the same requests without a "
-        f"grammar: median {c0['median_gap_during_ms']:.2f} ms, max "
-        f"{c0['max_gap_during_ms']:.2f} ms; one compile on the engine thread "
-        f"{s['one_compile_on_engine_thread_ms']:.1f} ms -> {path}"
+        f"grammar: median {ms(c0['median_gap_during_ms'])}, max "
+        f"{ms(c0['max_gap_during_ms'])}; one compile on the engine thread "
+        f"{ms(s['one_compile_on_engine_thread_ms'])} -> {path}"
     )
     return 0
 
