@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 10): wgmma serve_ab structured
+# Steps (session 10): wgmma serve_ab structured final10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
@@ -326,11 +326,24 @@ step_serve_ab() {
     --launch "config:$CFG3 --load-format dummy --max-num-seqs 64 --max-model-len 1024" \
     --offline-baseline --token-prompts --num-prompts 256 --concurrency 64 --input-len 128 \
     --output-len 512 --engine-modes process,thread --out "$R/serve_ab_h200.json"
+}
+step_engine_process_gpu() {
+  whl_install || { echo "[engine_process_gpu] wheel install failed" | tee -a "$R/summary.txt"; return; }
   PYTHONPATH=/tmp/site:$PYTHONPATH run engine_process_gpu 90 python3 -m pytest -q \
     -p no:cacheprovider -m gpu -rfE tests/entrypoints/openai/test_engine_process.py
 }
+# session 10, last call: the pipelined wgmma GEMM's GPU tests, structured outputs (async
+# fill), serve vs offline (with per-request timelines), then the per-layer table (cut-off safe)
+step_final10() {
+  run wgmma_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_w4a16_wgmma.py
+  step_structured
+  step_serve_ab
+  run wgmma_table 240 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --sweep wgmma --out "$R/wgmma_table"
+}
 step_structured() {
-  OUT=$R/structured run structured 300 bash benchmarks/structured/run_h200.sh
+  OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
