@@ -325,7 +325,7 @@ step_serve_ab() {
   PYTHONPATH=/tmp/site:$PYTHONPATH run serve_ab 240 python3 -m pagoda bench serve \
     --launch "config:$CFG3 --load-format dummy --max-num-seqs 64 --max-model-len 1024" \
     --offline-baseline --token-prompts --num-prompts 256 --concurrency 64 --input-len 128 \
-    --output-len 512 --engine-modes process,thread --out "$R/serve_ab_h200.json"
+    --output-len 512 --engine-modes ${SERVE_MODES:-process,thread} --out "$R/serve_ab_h200.json"
 }
 step_engine_process_gpu() {
   whl_install || { echo "[engine_process_gpu] wheel install failed" | tee -a "$R/summary.txt"; return; }
