@@ -7,8 +7,6 @@ reference to any front end, so it could move to its own process unchanged.
 
 from __future__ import annotations
 
-import contextlib
-from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
@@ -52,20 +50,12 @@ class EngineCore:
         self.async_scheduling = scheduler_config.async_scheduling
         # The step launched on the device whose output is not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
-        # Its grammar bitmasks, being filled on the manager's thread (async scheduling): the
-        # sampler is launched by the next step, before anything else goes to the device.
-        self._filling: tuple[PendingOutput, Future] | None = None
         self.num_steps = 0
         self.num_preemptions = 0
         self.closed = False
 
     def shutdown(self) -> None:
         """Drop the step in flight and free the runner's device memory (idempotent)."""
-        if self._filling is not None:
-            self._filling[1].cancel()
-            with contextlib.suppress(Exception):
-                self._filling[1].result()  # the fill thread no longer touches the matchers
-            self._filling = None
         self._in_flight = None
         self.closed = True
         self.runner.shutdown()
@@ -96,13 +86,10 @@ class EngineCore:
 
         Grammars (structured outputs) keep the async loop: a step with constrained rows is
         launched up to its logits, the previous step's tokens are processed (advancing each
-        grammar), and its bitmasks are filled on the grammar manager's thread while the caller
-        processes this step's outputs and the next step is scheduled; the next step launches
-        the sampler first, then its own forward. So the mask of step N+1 follows the token of
-        step N, and filling it overlaps the host's other work and the device's forward.
+        grammar), and only then are the bitmasks filled and the sampler launched, so the mask
+        of step N+1 follows the token of step N while the forward of N+1 runs on the device.
         """
         if not self.async_scheduling or self.scheduler.needs_sync():
-            self._sample_filled()
             outputs = self._drain()
             sched_out = self.scheduler.schedule()
             outputs += self.scheduler.pop_aborted_outputs()
@@ -116,36 +103,17 @@ class EngineCore:
             return outputs + self.scheduler.update_from_output(sched_out, pending.result())
         sched_out = self.scheduler.schedule()
         self.num_preemptions += len(sched_out.preempted_req_ids)
-        self._sample_filled()  # the previous step's sampler goes before this step's forward
         launched = None
         if sched_out.scheduled:
             launched = (sched_out, self.runner.launch(sched_out))
             self.num_steps += 1
         outputs = self._drain() + self.scheduler.pop_aborted_outputs()
         if launched is not None:
-            self._start_fill(launched[1])
+            self._sample_constrained(launched[1])
         else:
             self._wait_for_grammars()
         self._in_flight = launched
         return outputs
-
-    def _start_fill(self, pending: PendingOutput) -> None:
-        """Start filling the bitmasks of a step launched up to its logits (async loop)."""
-        if not pending.awaiting_bitmask:
-            return
-        mgr = self.structured_output_manager
-        assert mgr is not None, "a request has a grammar but the engine has no manager"
-        rows = [r.structured_output for r in pending.reqs]
-        pin = self.runner.device.type == "cuda"
-        self._filling = (pending, mgr.bitmask_async(rows, pin_memory=pin))
-
-    def _sample_filled(self) -> None:
-        """Launch the sampler of the step whose bitmasks `_start_fill` started, if any."""
-        if self._filling is None:
-            return
-        pending, fut = self._filling
-        self._filling = None
-        self.runner.sample(pending, fut.result())
 
     def _sample_constrained(self, pending: PendingOutput) -> None:
         """Fill the grammar bitmasks of a step launched up to its logits, then sample it."""
@@ -165,7 +133,6 @@ class EngineCore:
 
     def _drain(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and process its output."""
-        self._sample_filled()
         if self._in_flight is None:
             return []
         sched_out, pending = self._in_flight

@@ -125,7 +125,6 @@ class StructuredOutputManager:
         self._batch_matcher: Any = None
         self._compiler_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self._fill_pool: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self.num_compiles = 0  # grammars compiled (cache misses)
 
@@ -224,19 +223,7 @@ class StructuredOutputManager:
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, mask, indices)
         return mask, indices
 
-    def bitmask_async(
-        self, rows: Sequence[StructuredOutputRequest | None], pin_memory: bool = False
-    ) -> Future:
-        """`bitmask` on the manager's fill thread (xgrammar fills without holding the GIL), so
-        the engine thread goes on with its other work; `.result()` is what `bitmask` returns."""
-        if self._fill_pool is None:
-            self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar-fill")
-        return self._fill_pool.submit(self.bitmask, list(rows), pin_memory)
-
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-        if self._fill_pool is not None:
-            self._fill_pool.shutdown(wait=True, cancel_futures=True)
-            self._fill_pool = None
