@@ -38,13 +38,13 @@ def test_bad_emulated_capability_is_a_clear_error(fake_h200, monkeypatch):
 def test_triton_cache_entries_count_compiled_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(llm_engine, "triton_available", lambda: True)
-    assert llm_engine._triton_cache_entries() == 0
+    assert llm_engine.triton_cache_entries() == 0
     for name in ("abc", "def"):
         (tmp_path / name).mkdir()
     (tmp_path / "lock").write_text("")  # files are not kernels
-    assert llm_engine._triton_cache_entries() == 2
+    assert llm_engine.triton_cache_entries() == 2
     monkeypatch.setattr(llm_engine, "triton_available", lambda: False)
-    assert llm_engine._triton_cache_entries() is None
+    assert llm_engine.triton_cache_entries() is None
 
 
 def test_memory_report_says_cold_or_warm():

@@ -73,7 +73,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
         # Triton compiles on CUDA only (the interpreter and the CPU paths compile nothing).
-        kernels_before = _triton_cache_entries() if _wants_cuda(args.device) else None
+        kernels_before = triton_cache_entries() if _wants_cuda(args.device) else None
         source, model_config, cache_config, sched_config, runner_config = args.create_configs()
         self.source = source
         self.model_config = model_config
@@ -90,7 +90,7 @@ class LLMEngine:
         report = self.core.memory_report
         report.startup_time_s = self.startup_time_s
         if kernels_before is not None:
-            report.triton_kernels_compiled = max(0, _triton_cache_entries() - kernels_before)
+            report.triton_kernels_compiled = max(0, triton_cache_entries() - kernels_before)
 
     def shutdown(self) -> None:
         """Abort what is queued and free every device allocation of the engine."""
@@ -429,7 +429,7 @@ def _wants_cuda(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def _triton_cache_entries() -> int | None:
+def triton_cache_entries() -> int | None:
     """Compiled kernels in Triton's cache (one directory each); None without Triton."""
     if not triton_available():
         return None

@@ -55,7 +55,8 @@ def _rotate_neox(x, x_partner, cos, sin, sign, DROP: tl.constexpr):
     return _round(_round(x * cos, DROP) + sign * _round(x_partner * sin, DROP), DROP)
 
 
-@triton.jit
+# The block-table width changes per eager step: one compile for all (no mid-serving compile).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _fused_decode_attention_kernel(
     q_ptr,  # [T, H, D] view (e.g. of the QKV output), not yet rotated
     k_ptr,  # [T, Hkv, D] view, not yet rotated

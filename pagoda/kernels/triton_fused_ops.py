@@ -47,7 +47,8 @@ def _round(x, DROP: tl.constexpr):
     return x
 
 
-@triton.jit
+# The row count changes every step: specialized (== 1, % 16) it would compile mid-serving.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,

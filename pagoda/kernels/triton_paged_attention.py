@@ -158,7 +158,9 @@ def _attn_range(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The sequence count and block-table width change every eager step: specialized on them
+# (== 1, % 16) the kernel would be compiled again mid-serving, stalling the step ~1 s.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -300,7 +302,7 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _split_kv_reduce_kernel(
     out_ptr,
     part_acc_ptr,
