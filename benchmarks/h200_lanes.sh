@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 10): wgmma serve_ab structured final10
+# Steps (session 10): wgmma serve_ab structured final10 check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
@@ -341,6 +341,15 @@ step_final10() {
   step_serve_ab
   run wgmma_table 240 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
     --sweep wgmma --out "$R/wgmma_table"
+}
+# session 10, check: serve vs offline with the per-step counts unspecialized, structured outputs
+# without the async fill, 3B bf16 batch-1 latency (no regression from the unspecialized counts)
+step_check10() {
+  step_serve_ab
+  step_structured
+  run lat3b_bf16 80 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG3" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 2 --baseline none \
+    --out "$R/lat_3b_bf16.json"
 }
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh
