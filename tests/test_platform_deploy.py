@@ -47,6 +47,25 @@ def test_triton_cache_entries_count_compiled_kernels(tmp_path, monkeypatch):
     assert llm_engine.triton_cache_entries() is None
 
 
+def test_triton_cache_kernels_name_each_entry(tmp_path, monkeypatch):
+    """Entries as Triton writes them (`<name>.json` beside `__grp__<name>.json`): two
+    snapshots tell which kernels compiled in between, by name."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(llm_engine, "triton_available", lambda: True)
+    assert llm_engine.triton_cache_kernels() == {}
+    (tmp_path / "h1").mkdir()
+    for f in ("_rms_norm_kernel.json", "__grp___rms_norm_kernel.json", "_rms_norm_kernel.cubin"):
+        (tmp_path / "h1" / f).write_text("{}")
+    before = llm_engine.triton_cache_kernels()
+    (tmp_path / "h2").mkdir()
+    (tmp_path / "h2" / "_paged_attention_kernel.json").write_text("{}")
+    after = llm_engine.triton_cache_kernels()
+    assert before == {"h1": "_rms_norm_kernel"}
+    assert [n for e, n in after.items() if e not in before] == ["_paged_attention_kernel"]
+    monkeypatch.setattr(llm_engine, "triton_available", lambda: False)
+    assert llm_engine.triton_cache_kernels() is None
+
+
 def test_memory_report_says_cold_or_warm():
     from pagoda.worker.memory import MemoryReport
 

@@ -587,9 +587,10 @@ def format_table(s: dict[str, Any]) -> str:
         lines.append(f"{'offline LLM.generate (tok/s)':<28}{s['offline']['output_throughput']:.1f}")
         ratio = s["serve_over_offline"]
         lines.append(f"{'serve / offline':<28}{'-' if ratio is None else f'{ratio:.3f}'}")
-    if s.get("triton_kernels_compiled_during_run") is not None:
-        label = "Triton compiles in the run"
-        lines.append(f"{label:<28}{s['triton_kernels_compiled_during_run']}")
+    compiled = s.get("triton_kernels_compiled_during_run")
+    if compiled is not None:
+        names = f" ({', '.join(compiled)})" if compiled else ""
+        lines.append(f"{'Triton compiles in the run':<28}{len(compiled)}{names}")
     for err in s["error_examples"]:
         lines.append(f"error: {err}")
     lines.append("=" * 60)
@@ -705,15 +706,17 @@ def _launched(ns: argparse.Namespace, engine_mode: str | None = None) -> dict[st
         warm.num_prompts = min(ns.num_prompts, ns.concurrency or 16)
         warm.output_len = min(ns.output_len, 8)
         asyncio.run(run_benchmark(warm))
-        from pagoda.engine.llm_engine import triton_cache_entries
+        from pagoda.engine.llm_engine import triton_cache_kernels
 
-        before = triton_cache_entries()
+        before = triton_cache_kernels()
         result = asyncio.run(run_benchmark(ns))
-        after = triton_cache_entries()
+        after = triton_cache_kernels()
         # Kernels the server compiled during the timed run (each stalls every running request
-        # for the compile); None without Triton.
+        # for the compile), by name; None without Triton.
         result["triton_kernels_compiled_during_run"] = (
-            None if before is None or after is None else after - before
+            None
+            if before is None or after is None
+            else sorted(name for entry, name in after.items() if entry not in before)
         )
         return result
     finally:

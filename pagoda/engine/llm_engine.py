@@ -437,3 +437,23 @@ def triton_cache_entries() -> int | None:
         return sum(1 for e in os.scandir(envs.triton_cache_dir()) if e.is_dir())
     except OSError:
         return 0
+
+
+def triton_cache_kernels() -> dict[str, str] | None:
+    """Triton's cache: {entry directory: kernel name} (the name of its `<name>.json`, not the
+    `__grp__` index); None without Triton. Two snapshots tell which kernels compiled between."""
+    if not triton_available():
+        return None
+    out: dict[str, str] = {}
+    try:
+        entries = [e for e in os.scandir(envs.triton_cache_dir()) if e.is_dir()]
+    except OSError:
+        return out
+    for e in entries:
+        try:
+            names = [f[:-5] for f in os.listdir(e.path) if f.endswith(".json")]
+        except OSError:
+            continue
+        kernels = [n for n in names if not n.startswith("__grp__")]
+        out[e.name] = kernels[0] if kernels else "?"
+    return out
