@@ -161,6 +161,14 @@ def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor
     return logits.index_put(index, torch.full((), float("-inf"), device=device))
 
 
+def pad_grammar_rows(rows: list[int]) -> list[int]:
+    """The constrained rows, the last repeated up to a multiple of 16 (masking a row twice is
+    masking it once). xgrammar's Triton kernel takes the row count as a specialized int, so a
+    count of 1, a multiple of 16 or anything else would each compile it anew mid-serving; padded,
+    every step shares one compiled variant."""
+    return rows + rows[-1:] * (-len(rows) % 16)
+
+
 def apply_grammar_bitmask(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """Mask (-inf, in place) the tokens each constrained row's grammar does not allow next.
 

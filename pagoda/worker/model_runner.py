@@ -23,7 +23,13 @@ from pagoda.kernels.workspace import SplitKWorkspace
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.embedding import LMHead
 from pagoda.layers.linear import LinearBase
-from pagoda.layers.sampler import Sampler, SamplingMetadata, compute_logprobs, to_device
+from pagoda.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    compute_logprobs,
+    pad_grammar_rows,
+    to_device,
+)
 from pagoda.models.loader import load_model
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.memory import (
@@ -769,6 +775,7 @@ class ModelRunner:
             smd.grammar_bitmask = mask.to(self.device, non_blocking=self._pin)
             # On CUDA the rows go as a tensor through pinned memory: xgrammar would copy a list
             # from pageable memory, which waits for the forward just launched.
+            rows = pad_grammar_rows(rows)
             smd.grammar_rows = to_device(rows, torch.int32, self.device) if self._pin else rows
         self._sample(pending, logits, smd)
 

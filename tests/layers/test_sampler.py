@@ -12,6 +12,7 @@ from pagoda.layers.sampler import (
     SamplingMetadata,
     apply_penalties,
     logprobs_to_lists,
+    pad_grammar_rows,
 )
 from pagoda.sampling_params import SamplingParams
 
@@ -203,3 +204,11 @@ def test_allowed_token_ids_bad_words_and_grammar_bitmask_masks():
     out = apply_grammar_bitmask(torch.zeros(3, 40), md)
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 2, 35]
     assert torch.isfinite(out[1:]).all()  # rows without a grammar are untouched
+    # The runner pads the rows to a multiple of 16 by repeating the last: the same result
+    md.grammar_rows = pad_grammar_rows([0, 2])
+    assert md.grammar_rows == [0, 2] + [2] * 14
+    mask[2, 0] = 1 << 4
+    out = apply_grammar_bitmask(torch.zeros(3, 40), md)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 2, 35]
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == [4]
+    assert torch.isfinite(out[1]).all()
