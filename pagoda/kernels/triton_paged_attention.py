@@ -413,6 +413,55 @@ def effective_kv_len(max_seq_len: int, max_query_len: int, sliding_window: int |
     return min(max_seq_len, sliding_window + max_query_len - 1)
 
 
+def mixed_step_variants(
+    num_queries_per_kv: int, max_model_len: int, sliding_window: int | None = None
+) -> list[tuple[int, int]]:
+    """One (max_query_len, max_seq_len) per kernel variant that an eager step whose longest
+    query has 2 or more tokens can compile: the tiles of `_launch_config` and SINGLE_Q_BLOCK
+    (split-KV is only chosen for decode-only steps). Beyond the first prefill's variant these
+    come from mixed steps that are rare but certain under load: chunked prefill leaves a
+    prompt's tail of a few tokens beside the running decodes, and its step takes the decode
+    tiles (2 tokens) or one query block per sequence (up to BLOCK_Q tokens)."""
+    seen: dict[tuple, tuple[int, int]] = {}
+    for q in range(2, min(max_model_len, 130) + 1):
+        # the shortest context, and one at the decode tiles' 4096-key threshold
+        for kv in sorted({q, min(max_model_len, max(q, 4096))}):
+            eff = effective_kv_len(kv, q, sliding_window)
+            config = _launch_config(q, eff, num_queries_per_kv, 1)
+            key = (config, q <= config[0] // num_queries_per_kv)
+            seen.setdefault(key, (q, kv))
+    return list(seen.values())
+
+
+def warm_up_mixed_steps(
+    kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D], a layer's cache (its null block 0 is read)
+    num_heads: int,
+    scale: float,
+    max_model_len: int,
+    sliding_window: int | None = None,
+) -> int:
+    """Compile every `mixed_step_variants` kernel now, on one dummy sequence over the null
+    block, so that no step compiles one while requests wait; returns the launches made."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    dev = kv_cache.device
+    variants = mixed_step_variants(num_heads // num_kv_heads, max_model_len, sliding_window)
+    for q_len, kv_len in variants:
+        q = torch.zeros((q_len, num_heads, head_dim), dtype=kv_cache.dtype, device=dev)
+        table = torch.zeros((1, -(-kv_len // block_size)), dtype=torch.int32, device=dev)
+        paged_attention_triton(
+            q,
+            kv_cache,
+            torch.tensor([0, q_len], dtype=torch.int32, device=dev),
+            torch.tensor([kv_len], dtype=torch.int32, device=dev),
+            table,
+            scale,
+            q_len,
+            kv_len,
+            sliding_window=sliding_window,
+        )
+    return len(variants)
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [T, H, D]
     kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]

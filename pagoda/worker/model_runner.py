@@ -338,6 +338,7 @@ class ModelRunner:
                 "memory"
             )
         self._allocate_kv_cache(num_blocks + 1)  # + the null block 0
+        self._warm_up_attention()
         snap = self.start_snapshot
         self.memory_report = MemoryReport(
             device=str(self.device),
@@ -487,6 +488,27 @@ class ModelRunner:
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             cache[:, 0].zero_()
             layer.kv_cache = cache
+
+    def _warm_up_attention(self) -> None:
+        """Compile the paged-attention kernel's mixed-step variants now (CUDA with Triton): a
+        step needing one later would compile it while every running request waits."""
+        if self.device.type != "cuda" or not triton_available():
+            return
+        from pagoda.kernels.triton_paged_attention import warm_up_mixed_steps
+
+        done = set()
+        for layer in self.model.attention_layers():
+            key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.sliding_window)
+            if key in done:
+                continue
+            done.add(key)
+            warm_up_mixed_steps(
+                layer.kv_cache,
+                layer.num_heads,
+                layer.scale,
+                self.model_config.max_model_len,
+                layer.sliding_window,
+            )
 
     def _release_kv_cache(self) -> None:
         for layer in self.model.attention_layers():

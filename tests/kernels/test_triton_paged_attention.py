@@ -26,8 +26,12 @@ if os.environ.get("TRITON_INTERPRET") == "1" and tuple(
 
 from pagoda.kernels.paged_attention import paged_attention_ref  # noqa: E402
 from pagoda.kernels.triton_paged_attention import (  # noqa: E402
+    _launch_config,
     choose_num_splits,
+    effective_kv_len,
+    mixed_step_variants,
     paged_attention_triton,
+    warm_up_mixed_steps,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -354,3 +358,33 @@ def test_gpu_cuda_graph_replay():
     second.kv_cache = cache
     second.block_tables = tables
     assert_close(out, reference(second), torch.bfloat16)
+
+
+def _variant(q_len: int, kv_len: int, qpk: int, window: int | None) -> tuple:
+    config = _launch_config(q_len, effective_kv_len(kv_len, q_len, window), qpk, 1)
+    return config, q_len <= config[0] // qpk
+
+
+@pytest.mark.parametrize(
+    "qpk,max_model_len,window", [(8, 1024, None), (8, 32768, None), (1, 4096, None), (4, 8192, 64)]
+)
+def test_mixed_step_variants_cover_every_longest_query(qpk, max_model_len, window):
+    """Every (longest query >= 2, context) an eager step can have maps to a variant in the
+    warm-up list, each listed variant is distinct: nothing is left to compile mid-serving."""
+    variants = mixed_step_variants(qpk, max_model_len, window)
+    keys = [_variant(q, kv, qpk, window) for q, kv in variants]
+    assert len(set(keys)) == len(keys) and all(kv >= q for q, kv in variants)
+    for q_len in range(2, min(max_model_len, 300) + 1, 3):
+        for kv_len in (q_len, min(max_model_len, q_len + 5000)):
+            assert _variant(q_len, kv_len, qpk, window) in keys, (q_len, kv_len)
+
+
+def test_warm_up_runs_each_variant_on_the_null_block():
+    """The warm-up launches the kernel once per variant, reading only the zeroed null block."""
+    heads, kv_heads, dim, bs = 4, 2, 16, 16
+    cache = torch.randn(2, 3, bs, kv_heads, dim, device=DEVICE)
+    cache[:, 0].zero_()
+    before = cache.clone()
+    n = warm_up_mixed_steps(cache, heads, dim**-0.5, max_model_len=64)
+    assert n == len(mixed_step_variants(heads // kv_heads, 64)) >= 2
+    assert torch.equal(cache, before)  # nothing written
