@@ -499,7 +499,7 @@ class ModelRunner:
         done = set()
         for layer in self.model.attention_layers():
             key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.sliding_window)
-            if key in done:
+            if key in done or layer.kv_cache is None:  # no cache bound: nothing to read
                 continue
             done.add(key)
             warm_up_mixed_steps(
