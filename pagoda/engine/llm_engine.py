@@ -431,12 +431,8 @@ def _wants_cuda(device: str) -> bool:
 
 def triton_cache_entries() -> int | None:
     """Compiled kernels in Triton's cache (one directory each); None without Triton."""
-    if not triton_available():
-        return None
-    try:
-        return sum(1 for e in os.scandir(envs.triton_cache_dir()) if e.is_dir())
-    except OSError:
-        return 0
+    kernels = triton_cache_kernels()
+    return None if kernels is None else len(kernels)
 
 
 def triton_cache_kernels() -> dict[str, str] | None:

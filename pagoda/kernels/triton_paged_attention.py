@@ -159,7 +159,7 @@ def _attn_range(
 
 
 # The sequence count and block-table width change every eager step: specialized on them
-# (== 1, % 16) the kernel would be compiled again mid-serving, stalling the step ~1 s.
+# (== 1, % 16) the kernel would be compiled again mid-serving, stalling every running request.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
@@ -413,6 +413,17 @@ def effective_kv_len(max_seq_len: int, max_query_len: int, sliding_window: int |
     return min(max_seq_len, sliding_window + max_query_len - 1)
 
 
+def kernel_variant(
+    max_query_len: int, kv_len: int, num_queries_per_kv: int, num_splits: int
+) -> tuple[int, int, int, int, bool]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, SINGLE_Q_BLOCK): what a launch compiles for,
+    besides the model's fixed shapes (`kv_len`: the keys a program reads, `effective_kv_len`)."""
+    block_m, block_n, num_warps, num_stages = _launch_config(
+        max_query_len, kv_len, num_queries_per_kv, num_splits
+    )
+    return block_m, block_n, num_warps, num_stages, max_query_len <= block_m // num_queries_per_kv
+
+
 def mixed_step_variants(
     num_queries_per_kv: int, max_model_len: int, sliding_window: int | None = None
 ) -> list[tuple[int, int]]:
@@ -427,9 +438,7 @@ def mixed_step_variants(
         # the shortest context, and one at the decode tiles' 4096-key threshold
         for kv in sorted({q, min(max_model_len, max(q, 4096))}):
             eff = effective_kv_len(kv, q, sliding_window)
-            config = _launch_config(q, eff, num_queries_per_kv, 1)
-            key = (config, q <= config[0] // num_queries_per_kv)
-            seen.setdefault(key, (q, kv))
+            seen.setdefault(kernel_variant(q, eff, num_queries_per_kv, 1), (q, kv))
     return list(seen.values())
 
 
@@ -517,9 +526,10 @@ def paged_attention_triton(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     qpk = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = _launch_config(max_query_len, kv_len, qpk, num_splits)
+    block_m, block_n, num_warps, num_stages, single_q_block = kernel_variant(
+        max_query_len, kv_len, qpk, num_splits
+    )
     block_q = block_m // qpk
-    single_q_block = max_query_len <= block_q
     grid_q = num_seqs if single_q_block else num_tokens // block_q + num_seqs
 
     k_cache, v_cache = kv_cache[0], kv_cache[1]

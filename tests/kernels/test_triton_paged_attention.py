@@ -26,9 +26,9 @@ if os.environ.get("TRITON_INTERPRET") == "1" and tuple(
 
 from pagoda.kernels.paged_attention import paged_attention_ref  # noqa: E402
 from pagoda.kernels.triton_paged_attention import (  # noqa: E402
-    _launch_config,
     choose_num_splits,
     effective_kv_len,
+    kernel_variant,
     mixed_step_variants,
     paged_attention_triton,
     warm_up_mixed_steps,
@@ -361,8 +361,9 @@ def test_gpu_cuda_graph_replay():
 
 
 def _variant(q_len: int, kv_len: int, qpk: int, window: int | None) -> tuple:
-    config = _launch_config(q_len, effective_kv_len(kv_len, q_len, window), qpk, 1)
-    return config, q_len <= config[0] // qpk
+    """What the wrapper compiles for a step with this longest query (split-KV: decode only)."""
+    num_splits = choose_num_splits(1, 1, q_len, kv_len, 132)
+    return kernel_variant(q_len, effective_kv_len(kv_len, q_len, window), qpk, num_splits)
 
 
 @pytest.mark.parametrize(
