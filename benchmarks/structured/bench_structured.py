@@ -178,6 +178,8 @@ def main() -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--out", required=True, help="directory for structured.json")
     ns = p.parse_args()
+    if ns.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {ns.repeats}")
 
     llm = LLM(
         ns.model,
