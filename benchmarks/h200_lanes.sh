@@ -6,8 +6,8 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 10): wgmma serve_ab structured final10 check10 (next: check10 again, it names
-#   the kernels compiled mid-serving and measures the padded grammar rows)
+# Steps (session 11): check11
+# Steps (session 10): wgmma serve_ab structured final10 check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
@@ -351,6 +351,19 @@ step_check10() {
   run lat3b_bf16 80 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG3" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 2 --baseline none \
     --out "$R/lat_3b_bf16.json"
+}
+# session 11, first call: serve vs offline with the mixed-step warm-up (process engine only),
+# structured outputs with padded grammar rows, the GPU tests of the kernels changed since they
+# last ran on the device, and where the 3B batch-1 step goes (bf16 and W4A16, issue 16 point 5)
+step_check11() {
+  SERVE_MODES=process step_serve_ab
+  step_structured
+  run gpu_kernels11 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_paged_attention.py tests/kernels/test_fused_decode_attention.py \
+    tests/kernels/test_fused_ops.py tests/entrypoints/test_gpu_engine.py
+  run profile3b 100 python3 benchmarks/profile_decode.py "config:$CFG3" --out "$R/profile3b"
+  run profile3b_w4a16 100 python3 benchmarks/profile_decode.py "config:$CFG3:w4a16" \
+    --out "$R/profile3b_w4a16"
 }
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh
