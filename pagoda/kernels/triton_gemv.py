@@ -15,8 +15,7 @@ once and one kernel per GEMV. Here:
   column tile reads the sums back with atomic exchanges, adds the bias, stores in the output
   dtype and resets its counter): one kernel per GEMV, CUDA-graph capturable;
 - programmatic dependent launch (`pagoda/kernels/pdl.py`): the GEMV launches while the
-  preceding norm / attention kernel finishes, and each program loads its first weight tile
-  before it waits for that kernel.
+  preceding norm / attention kernel finishes.
 
 `gemv_bf16` is used by `UnquantizedLinearMethod` for every M = 1 layer on sm_90+ unless
 `PAGODA_DISABLED_KERNELS` lists "dense_gemv" (`pagoda/layers/linear.py`); `gemv_ref` is the
@@ -51,26 +50,18 @@ def _gemv_kernel(
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    # The slice's first tile is loaded before `gdc_wait`: weights never depend on the previous
-    # kernel, so with PDL they stream in while it finishes (pdl.py's contract).
-    k = k_start + offs_k
-    if EVEN_N and EVEN_K:
-        w0 = tl.load(rows + k[None, :])
-    else:
-        w0 = tl.load(rows + k[None, :], mask=mask_n[:, None] & (k < k_end)[None, :], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    x0 = tl.load(x_ptr + k, mask=k < k_end, other=0.0)
-    acc = w0.to(tl.float32) * x0.to(tl.float32)[None, :]
-    for k0 in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + offs_k
         if EVEN_N and EVEN_K:
             w = tl.load(rows + k[None, :])
