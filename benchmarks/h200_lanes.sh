@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 11): check11
+# Steps (session 11): check11 gemv11
 # Steps (session 10): wgmma serve_ab structured final10 check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
@@ -364,6 +364,19 @@ step_check11() {
   run profile3b 100 python3 benchmarks/profile_decode.py "config:$CFG3" --out "$R/profile3b"
   run profile3b_w4a16 100 python3 benchmarks/profile_decode.py "config:$CFG3:w4a16" \
     --out "$R/profile3b_w4a16"
+}
+# session 11, second call: the dense GEMV's weight prefetch before gdc_wait (GPU tests, the 3B
+# batch-1 step), the tensor-core GEMV's configs on the Qwen2.5-3B shapes (M = 1, 8)
+step_gemv11() {
+  run gemv_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_gemv.py tests/entrypoints/test_gpu_engine.py
+  run compare3b_11 200 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG3" "config:$CFG3:w4a16" --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
+    --baseline none --timeout 100 --out "$R/compare_3b"
+  run mma_sweep3b 200 python3 benchmarks/quant/bench_w4a16_mma.py --models 3b --ms 1,8 \
+    --sweep-ms 1,8 --out "$R/mma_sweep3b.json"
 }
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh

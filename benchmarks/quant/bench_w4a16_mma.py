@@ -34,11 +34,9 @@ from pagoda.kernels.triton_w4a16 import wna16_gemv  # noqa: E402
 from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 from pagoda.quant.packing import pack_to_int32  # noqa: E402
 
-SHAPES = {  # name: (N, K) of Qwen2.5-7B
-    "qkv": (4608, 3584),
-    "o": (3584, 3584),
-    "gate_up": (37888, 3584),
-    "down": (3584, 18944),
+MODEL_SHAPES = {  # model: {layer: (N, K)}
+    "7b": {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)},
+    "3b": {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)},
 }
 
 WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
@@ -48,7 +46,7 @@ def configs(m: int, n: int, k: int, num_sms: int):
     """(K tiles per step, split-K, warps): the default first."""
     out = [mma.default_mma_config(m, n, k, num_sms)]
     for kt, warps in ((1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (8, 2), (8, 4)):
-        for split in (1, 2, 4, 8, 16):
+        for split in (1, 2, 4, 8, 16, 32):
             if (kt, split, warps) not in out:
                 out.append((kt, split, warps))
     return out
@@ -306,6 +304,7 @@ def main() -> int:
     ap.add_argument("--sweep-ms", default="1,16,64", help="M values with a config sweep")
     ap.add_argument("--shared-only", action="store_true", help="only M = 9-64, shared dequant")
     ap.add_argument("--stream-only", action="store_true", help="only the read floor per layer")
+    ap.add_argument("--models", default="7b", help="comma-separated: 7b, 3b (Qwen2.5 shapes)")
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -316,7 +315,12 @@ def main() -> int:
     results = {"gpu": props.name, "copy_bw": bw, "rows": []}
     ms = [int(v) for v in args.ms.split(",")]
     sweep_ms = {int(v) for v in args.sweep_ms.split(",")}
-    for name, (n, k) in SHAPES.items():
+    shapes = [
+        (f"{model} {layer}" if "," in args.models else layer, nk)
+        for model in args.models.split(",")
+        for layer, nk in MODEL_SHAPES[model].items()
+    ]
+    for name, (n, k) in shapes:
         if args.stream_only:
             results["rows"] += bench_stream(name, n, k, bw, l2)
         elif args.shared_only:
