@@ -152,6 +152,10 @@ def test_default_config_follows_the_shape() -> None:
     kt, split, warps = mm.default_mma_config(1, 3584, 18944, 132)
     assert split > 1 and warps == 2
     assert mm.default_mma_config(16, 4608, 3584, 132) == (4, 2, 2)
+    # Qwen2.5-3B: gate_up (1,376 groups) splits in two, down (128 groups) in 16
+    assert mm.default_mma_config(1, 22016, 2048, 132) == (2, 2, 1)
+    assert mm.default_mma_config(1, 2048, 11008, 132) == (4, 16, 2)
+    assert mm.default_mma_config(16, 2048, 11008, 132)[1] == 8
     assert mm._k_tiles_per_step(576, 4) == 1 and mm._k_tiles_per_step(3584, 4) == 4
 
 
