@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 11): check11 gemv11
+# Steps (session 11): check11 gemv11 cfg11
 # Steps (session 10): wgmma serve_ab structured final10 check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
@@ -366,7 +366,7 @@ step_check11() {
     --out "$R/profile3b_w4a16"
 }
 # session 11, second call: the dense GEMV's weight prefetch before gdc_wait (GPU tests, the 3B
-# batch-1 step), the tensor-core GEMV's configs on the Qwen2.5-3B shapes (M = 1, 8)
+# batch-1 step; no faster, reverted), the tensor-core GEMV's configs on the Qwen2.5-3B shapes (M = 1, 8)
 step_gemv11() {
   run gemv_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_triton_gemv.py tests/entrypoints/test_gpu_engine.py
@@ -377,6 +377,24 @@ step_gemv11() {
     --baseline none --timeout 100 --out "$R/compare_3b"
   run mma_sweep3b 200 python3 benchmarks/quant/bench_w4a16_mma.py --models 3b --ms 1,8 \
     --sweep-ms 1,8 --out "$R/mma_sweep3b.json"
+}
+# session 11, third call: the GEMV configs from gemv11's sweep (GPU tests, both models bf16 vs
+# W4A16 at batch 1 / 8 / 64 in one run each), structured outputs again (a second sample)
+step_cfg11() {
+  run mma_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py tests/layers/test_wna16_kernels.py \
+    tests/kernels/test_wna16_gemv_bias_pdl.py
+  run compare3b_cfg 160 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG3" "config:$CFG3:w4a16" --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
+    --baseline none --timeout 100 --out "$R/compare_3b"
+  run compare7b_cfg 200 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG7" "config:$CFG7:w4a16" --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
+    --baseline none --timeout 120 --out "$R/compare_7b"
+  step_structured
 }
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh
