@@ -687,18 +687,18 @@ def default_mma_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
     """(K tiles per step, split-K, warps) measured on the H200 (`benchmarks/quant/
     bench_w4a16_mma.py`, Qwen2.5-7B and 3B shapes): at M <= 8 one warp per program (two past
     K = 8192), split-K to ~16 programs per SM where the column groups alone do not fill the GPU
-    (qkv / o / down: 128-288 groups, up to 16 slices), a split of 2 where they fill it only
-    8-16 times (3B gate_up: 1,376 groups) and none beyond (7B gate_up: 2,368); at
-    9 <= M <= 16 (two blocks of 8 rows, twice the math per weight) fewer, two-warp programs."""
+    (qkv / o / down: 128-288 groups; at M = 1 up to 16 slices, else 8), and at M = 1 a split
+    of 2 where they fill it only 8-16 times (3B gate_up: 1,376 groups; none at M = 8, where
+    both measured slower); at 9 <= M <= 16 (two blocks of 8 rows, twice the math per weight)
+    fewer, two-warp programs."""
     groups = n // TILE_N
-    split = max(1, min(16, round(16 * num_sms / groups)))
+    split = max(1, min(16 if m == 1 else 8, round(16 * num_sms / groups)))
     if m <= MAX_M:
-        if groups >= 16 * num_sms:
+        if groups >= (16 if m == 1 else 8) * num_sms:
             return (2, 1, 1)
         if groups >= 8 * num_sms:
             return (2, 2, 1)
         return (4, split, 1 if k <= 8192 else 2)
-    split = min(split, 8)
     if groups >= 8 * num_sms:
         return (2, 2, 2)
     return (4 if k <= 8192 else 2, split if k > 8192 else max(1, split // 3), 2)
