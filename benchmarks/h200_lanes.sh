@@ -6,7 +6,7 @@
 #
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
-# Steps (session 11): check11 gemv11 cfg11
+# Steps (session 11): check11 gemv11 cfg11 last11
 # Steps (session 10): wgmma serve_ab structured final10 check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
@@ -395,6 +395,18 @@ step_cfg11() {
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
     --baseline none --timeout 120 --out "$R/compare_7b"
   step_structured
+}
+# session 11, last call: the tensor-core GEMV's GPU tests that cfg11 cut off (the new configs
+# among them), then the structured-output benchmark under cProfile (where a constrained step's
+# host time goes)
+step_last11() {
+  run mma_gpu 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_w4a16_mma.py -k "configs_gpu or qwen7b_gpu or quantized_layer"
+  whl_install || { echo "[structured_prof] wheel install failed" | tee -a "$R/summary.txt"; return; }
+  PYTHONPATH=/tmp/site:$PYTHONPATH run structured_prof 150 python3 -m cProfile \
+    -o "$R/structured.prof" benchmarks/structured/bench_structured.py --out "$R/structured_prof"
+  python3 -c "import pstats; pstats.Stats('$R/structured.prof').sort_stats('tottime').print_stats(40)" \
+    >"$R/structured_prof.txt" 2>&1
 }
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh
