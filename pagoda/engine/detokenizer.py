@@ -8,13 +8,39 @@ only; while streaming, a possible partial stop string at the end is held back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Prompt tokens that seed the decode window, so the first output token is decoded in context
 # (SentencePiece drops the leading space of a window's first token).
 INITIAL_DECODE_WINDOW = 5
 REPLACEMENT_CHAR = "\ufffd"
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_fast_decode(tokenizer_type: type) -> bool:
+    """Whether `tokenizer_type.decode(ids, skip_special_tokens=s, clean_up_tokenization_spaces=
+    False)` is exactly its Rust tokenizer's `decode(ids, skip_special_tokens=s)`: a transformers
+    fast tokenizer whose `_decode` is the backend's own (no model-specific override)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return False
+    return (
+        issubclass(tokenizer_type, TokenizersBackend)
+        and tokenizer_type._decode is TokenizersBackend._decode
+    )
+
+
+def fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """A decode of token ids without transformers' Python wrapper (3x cheaper per call, the
+    same text), or None where the wrapper does more than call the Rust tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not _plain_fast_decode(type(tokenizer)):
+        return None
+    rust_decode = backend.decode
+    return lambda ids: rust_decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -60,12 +86,15 @@ class IncrementalDetokenizer:
             0 if include_stop_str_in_output or not self.stop else max(map(len, self.stop)) - 1
         )
         self._token_text_cache: dict[int, str] = {}
+        self._fast = fast_decoder(tokenizer, skip_special_tokens)
 
     @property
     def output_text(self) -> str:
         return self._output_text
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(token_ids)
         return self.tokenizer.decode(token_ids, **self._decode_kwargs)
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:

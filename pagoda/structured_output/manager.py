@@ -59,14 +59,21 @@ class StructuredOutputRequest:
         self.kind = kind
         self._matcher: Any = None
         self.rejected = False  # a token the grammar does not allow was sampled (a bug)
+        # The future's outcome, read once it is done (each Future call takes its lock, and the
+        # bitmask asks every constrained row every step)
+        self._done = False
+        self._error: BaseException | None = None
 
     def is_ready(self) -> bool:
         """Whether compilation finished (successfully or not)."""
-        return self._future.done()
+        if not self._done and self._future.done():
+            self._error = self._future.exception()
+            self._done = True
+        return self._done
 
     @property
     def error(self) -> BaseException | None:
-        return self._future.exception() if self._future.done() else None
+        return self._error if self.is_ready() else None
 
     @property
     def matcher(self) -> Any:

@@ -119,3 +119,31 @@ def test_decode_token(tokenizer) -> None:
     (hello,) = tokenizer.encode(" hello")
     assert detok.decode_token(hello) == " hello"
     assert detok.decode_token(tokenizer.convert_tokens_to_ids(IM_END)) == IM_END
+
+
+def test_fast_decode_equals_the_tokenizers_decode(tokenizer) -> None:
+    """The Rust-tokenizer shortcut gives the transformers wrapper's text, specials skipped or
+    not, split UTF-8 included; a tokenizer overriding `_decode` keeps the wrapper."""
+    from pagoda.engine.detokenizer import fast_decoder
+
+    ids = tokenizer.encode(f"{IM_START}{KOREAN}{IM_END} {CHINESE}")
+    for skip in (True, False):
+        fast = fast_decoder(tokenizer, skip)
+        assert fast is not None
+        for i in range(len(ids)):
+            window = ids[max(0, i - 6) : i + 1]
+            expect = tokenizer.decode(
+                window, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+            )
+            assert fast(window) == expect
+
+    class Custom(type(tokenizer)):
+        def _decode(self, token_ids, **kwargs):  # a model-specific override
+            return "x" * len(token_ids)
+
+    custom = Custom.__new__(Custom)
+    custom.__dict__.update(tokenizer.__dict__)
+    assert fast_decoder(custom, True) is None
+    detok = IncrementalDetokenizer(custom, [])
+    detok.update(tokenizer.encode("hello world"))
+    assert detok.output_text == "xx"
