@@ -7,6 +7,8 @@
 #   RUN_COMMIT=<hash> OUT=out bash benchmarks/h200_lanes.sh "gpu_tests profile latency" "throughput vl"
 #
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
+#   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
+#   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
 # Steps (session 10): wgmma serve_ab structured final10 check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
