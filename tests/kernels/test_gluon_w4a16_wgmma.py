@@ -48,7 +48,8 @@ def test_bad_shapes_are_refused():
                             torch.ones(1, 64), 64, -1)  # fmt: skip
 
 
-def _compiled(block_m: int, num_wg: int, stages: int, zp: bool):
+def _compile_ptx(block_m: int, num_wg: int, stages: int, zp: bool) -> str:
+    """The kernel's sm_90 PTX (run in a fresh interpreter: see `_compiled`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -64,7 +65,31 @@ def _compiled(block_m: int, num_wg: int, stages: int, zp: bool):
     # what the launcher specializes for 16-aligned pointers and strides
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8, 10, 11, 12)}
     src = GluonASTSource(fn=wg._kernel(), signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * num_wg})
+    opts = {"num_warps": 4 * num_wg}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+
+def _compiled(block_m: int, num_wg: int, stages: int, zp: bool) -> str:
+    """`_compile_ptx` in a child process without TRITON_INTERPRET: the interpreter patches
+    triton.language in place while it runs kernels (and leaves the patch behind when a jit
+    function is called outside a launch or two threads interleave), so a compile in the test
+    process can see interpreter builtins, depending on which tests ran before."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:3]; import test_gluon_w4a16_wgmma as t; "
+        f"sys.stdout.write(t._compile_ptx({block_m}, {num_wg}, {stages}, {zp}))"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    done = subprocess.run(
+        [sys.executable, "-c", code, here, root], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def _ptxas_info(ptx: str) -> str:
@@ -95,8 +120,7 @@ def test_sm90_code_pipelines_through_shared_memory(block_m, num_wg, stages, zp):
     comes from it in 8-byte shared loads (no ldmatrix) and stays in registers for the async
     wgmma (one per K = 16), one MMA group left in flight; no shuffles for the layout
     conversion, no local memory."""
-    kernel = _compiled(block_m, num_wg, stages, zp)
-    ptx = kernel.asm["ptx"]
+    ptx = _compiled(block_m, num_wg, stages, zp)
     mmas = re.findall(
         r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx
     )  # the A operand a register list, not a descriptor
