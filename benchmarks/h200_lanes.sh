@@ -410,6 +410,19 @@ step_last11() {
   python3 -c "import pstats; pstats.Stats('$R/structured.prof').sort_stats('tottime').print_stats(40)" \
     >"$R/structured_prof.txt" 2>&1
 }
+# session 12, first call: the wgmma GEMM on the MMA layout (GPU tests; per-layer table and its
+# config sweep against bf16, the tl.dot GEMM and the wgmma GEMM on its own layout; 3B end to end)
+step_mwg12() {
+  run mwg_tests 130 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_mma_wgmma.py
+  run mwg_table 250 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 1,8,16,24,32,48,64,96,128,192,256 --sweep mwg --out "$R/mwg_table"
+  run compare3b_12 160 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG3" "config:$CFG3:w4a16" --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
+    --baseline none --timeout 100 --out "$R/compare_3b"
+}
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh
 }

@@ -30,6 +30,7 @@ def _flag(name: str, default: bool) -> bool:
 # attention (`layers/attention.py`).
 KERNEL_NAMES = (
     "mma_gemv",
+    "mma_wgmma",
     "mma_gemm",
     "mma_dequant",
     "triton_gemv",

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagoda.bench.common import copy_bandwidth, environment  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
+from pagoda.kernels import gluon_mma_wgmma as mwg  # noqa: E402
 from pagoda.kernels import gluon_w4a16_wgmma as wg  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
@@ -84,10 +85,33 @@ def wgmma_sweep(m: int, n: int, k: int, num_sms: int) -> list[wg.WgmmaConfig]:
     return [c for c in out if c != default]
 
 
+def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
+    """The MMA-layout wgmma GEMM's tiles: the two smallest BLOCK_M that hold M, 1 or 2
+    warpgroups, no split-K and the split that fills the SMs, a 3- or 4-stage ring."""
+    p2 = next((b for b in mwg.BLOCK_MS if b >= m), mwg.MAX_BLOCK_M)
+    lower = [b for b in mwg.BLOCK_MS if b < p2]
+    out = []
+    for bm in ([lower[-1]] if lower else []) + [p2]:
+        for wgs in (1, 2):
+            if n % (64 * wgs):
+                continue
+            programs = -(-m // bm) * (n // (64 * wgs))
+            splits = {1}
+            if programs < num_sms:
+                splits.add(max(1, min(8, round(num_sms / programs))))
+                splits.add(max(1, min(16, round(2 * num_sms / programs))))
+            for sp in sorted(splits):
+                for st in (3, 4):
+                    if mwg.wgmma_smem_bytes(bm, wgs, st) <= mwg.SMEM_BYTES:
+                        out.append((bm, wgs, sp, st))
+    default = mwg.default_wgmma_config(m, n, k, num_sms)
+    return [c for c in out if c != default]
+
+
 class Layer:
     """`copies` random weight copies of one (N, K) layer in the MMA layout + one dense copy."""
 
-    def __init__(self, n: int, k: int, l2: int, zp: bool, dev: torch.device) -> None:
+    def __init__(self, n: int, k: int, l2: int, zp: bool, dev: torch.device, v2: bool) -> None:
         self.n, self.k = n, k
         packed = n * k // 2
         self.copies = max(2, -(-4 * l2 // packed))
@@ -111,7 +135,7 @@ class Layer:
                 for _ in range(self.copies)
             ]
         self.wg = None  # the same weights in the wgmma layout: (words, scales_t, zeros_t)
-        if wg.gluon_available() and torch.cuda.get_device_capability(dev) == (9, 0):
+        if wg.gluon_available() and torch.cuda.get_device_capability(dev) == (9, 0) and v2:
             self.wg = [
                 (
                     wg.repack_wgmma(mma.unpack_mma(self.words[i], n, k)),
@@ -144,7 +168,20 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
     cands["dequant+cublas"] = lambda i: F.linear(
         x, mma.wna16_mma_dequant(layer.words[i], layer.pairs[i], n, k, GROUP, layer.z(i))
     )
-    if layer.wg is not None:
+    if mwg.gluon_available() and torch.cuda.get_device_capability(x.device) == (9, 0):
+        mwg_configs = [None]
+        if "mwg" in sweep and m in SWEEP_MS:
+            mwg_configs += mwg_sweep(m, n, k, num_sms)
+        for c in mwg_configs:
+
+            def mwgmma(i, c=c):
+                return mwg.wna16_mma_wgmma(
+                    x, layer.words[i], layer.pairs[i], n, GROUP, zero_pairs=layer.z(i),
+                    workspace=WS, config=c,
+                )  # fmt: skip
+
+            cands["mwg" if c is None else f"mwg{list(c)}"] = mwgmma
+    if layer.wg is not None and "nov2" not in sweep:
         wg_configs = [None]
         if "wgmma" in sweep and m in SWEEP_MS:
             wg_configs += wgmma_sweep(m, n, k, num_sms)
@@ -171,7 +208,7 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
 
 
 def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
-    layer = Layer(n, k, l2, zp, dev)
+    layer = Layer(n, k, l2, zp, dev, v2="nov2" not in sweep)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=dev).bfloat16()
@@ -188,7 +225,7 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
                 row[key + "_us"] = time_graph(fn, layer.copies) * 1e6
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
                 row[key + "_fail"] = repr(e)[:160]
-        for fam in ("tc", "wgmma"):
+        for fam in ("tc", "wgmma", "mwg"):
             times = {kk: v for kk, v in row.items() if kk.startswith(fam) and kk.endswith("_us")}
             if times:
                 best = min(times, key=times.get)
@@ -206,7 +243,7 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
             for kk, v in row.items()
             if kk.endswith("_us") and kk not in ("bf16_us", "w4_best_us") and "[" not in kk
         }
-        best_of = [row.get("tc_best", ""), row.get("wgmma_best", "")]
+        best_of = [row.get(f + "_best", "") for f in ("tc", "wgmma", "mwg")]
         print(
             f"{model} {name:8s} zp={int(zp)} M={m:4d} bf16 {row['bf16_us']:8.1f}  "
             + "  ".join(f"{kk} {v:7.1f}" for kk, v in shown.items())
@@ -224,7 +261,8 @@ def main() -> None:
         nargs="?",
         const="tc",
         default="",
-        help="try these kernels' configs at M >= 16: tc (default), wgmma, or tc,wgmma",
+        help="try these kernels' configs at M >= 16: tc (default), wgmma, mwg (the MMA-layout "
+        "wgmma GEMM), comma-separated; nov2: leave out the wgmma GEMM on its own layout",
     )
     ap.add_argument("--models", default="7b,3b")
     ap.add_argument("--zp", default="0,1", help="symmetric (0) and / or zero points (1)")

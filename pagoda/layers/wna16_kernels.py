@@ -360,6 +360,35 @@ class MmaGemv(_MmaLayout):
         return _mma_apply(wna16_mma_gemv, layer, x, bias, workspace=workspace)
 
 
+class MmaWgmma(_MmaLayout):
+    """Hopper `wgmma` GEMM on the MMA layout (the weight dequantized in registers as the
+    register operand, `gluon_mma_wgmma`): past the GEMV's rows, every M."""
+
+    name = "mma_wgmma"
+
+    @classmethod
+    def supports(cls, cfg):
+        if cfg.capability != (9, 0):
+            return False, "needs sm_90 (wgmma)"
+        ok, why = super().supports(cfg)
+        if not ok:
+            return ok, why
+        from pagoda.kernels import gluon_mma_wgmma as mwg
+
+        if not mwg.gluon_available():
+            return False, "Triton without Gluon's Hopper MMA"
+        if not mwg.wgmma_supported(cfg.n, cfg.k, cfg.group_size):
+            return False, "N % 64, K % 64 and whole 64-K groups needed"
+        return True, ""
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        from pagoda.kernels.gluon_mma_wgmma import wna16_mma_wgmma
+
+        workspace = getattr(layer, "split_k_workspace", None)
+        return _mma_apply(wna16_mma_wgmma, layer, x, bias, workspace=workspace)
+
+
 class MmaGemm(_MmaLayout):
     """Tensor-core GEMM on the MMA layout (dequantization in registers, `tl.dot`): preferred
     past the GEMV's 32 rows up to 128 on layers of >= 64 Mi weights and up to 64 on layers of
@@ -397,7 +426,7 @@ class MmaDequantCublas(_MmaLayout):
 
 # Priority order: layouts first to last, kernels within a layout first to last.
 KERNELS: tuple[tuple[type[WNA16Kernel], ...], ...] = (
-    (MmaGemv, MmaGemm, MmaDequantCublas),
+    (MmaGemv, MmaWgmma, MmaGemm, MmaDequantCublas),
     (TritonGemv, TritonGemm, TritonDequantCublas),
     (TorchDequant,),
 )
