@@ -274,7 +274,7 @@ step_shutdown_gpu() {
   run shutdown_gpu 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/worker
 }
 step_generic_tests() {
-  PAGODA_DISABLED_KERNELS=mma_gemv,mma_gemm,mma_dequant run generic_tests 120 python3 -m pytest \
+  PAGODA_DISABLED_KERNELS=mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_tests 120 python3 -m pytest \
     -q -p no:cacheprovider -m gpu -rfE tests/entrypoints/test_gpu_engine.py \
     tests/quant/test_autoawq_load.py tests/models/test_models.py
 }
@@ -303,7 +303,7 @@ step_startup7b() {
 }
 # the generic (non-Hopper) dispatch forced on the H200: a table row (issue 16, acc. 4)
 step_generic_e2e() {
-  PAGODA_DISABLED_KERNELS=mma_gemv,mma_gemm,mma_dequant run generic_e2e 150 python3 -m \
+  PAGODA_DISABLED_KERNELS=mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_e2e 150 python3 -m \
     pagoda.entrypoints.cli compare "config:$CFG7:w4a16" --labels "Qwen2.5-7B W4A16 generic" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
@@ -422,6 +422,14 @@ step_mwg12() {
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
     --baseline none --timeout 100 --out "$R/compare_3b"
+}
+# session 12, second call: the wgmma GEMM's configs (ring depth 4 / 6 / 8, split-K, BLOCK_M)
+# on both models' shapes, its GPU tests (the split-K graph test compares within rounding now)
+step_mwg12b() {
+  run mwg_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_mma_wgmma.py tests/layers/test_wna16_kernels.py
+  run mwg_sweep 440 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 1,8,16,24,32,48,64,96,128,256 --sweep mwg,nov2 --out "$R/mwg_sweep"
 }
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh

@@ -86,24 +86,22 @@ def wgmma_sweep(m: int, n: int, k: int, num_sms: int) -> list[wg.WgmmaConfig]:
 
 
 def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
-    """The MMA-layout wgmma GEMM's tiles: the two smallest BLOCK_M that hold M, 1 or 2
-    warpgroups, no split-K and the split that fills the SMs, a 3- or 4-stage ring."""
+    """The MMA-layout wgmma GEMM's tiles: the BLOCK_M that holds M and half of it (at most
+    128), two warpgroups (one where N needs it), no split-K, the split that makes about one
+    and two programs an SM, a 4-, 6- or 8-stage ring."""
     p2 = next((b for b in mwg.BLOCK_MS if b >= m), mwg.MAX_BLOCK_M)
-    lower = [b for b in mwg.BLOCK_MS if b < p2]
+    wgs = 2 if n % 128 == 0 else 1
     out = []
-    for bm in ([lower[-1]] if lower else []) + [p2]:
-        for wgs in (1, 2):
-            if n % (64 * wgs):
-                continue
-            programs = -(-m // bm) * (n // (64 * wgs))
-            splits = {1}
-            if programs < num_sms:
-                splits.add(max(1, min(8, round(num_sms / programs))))
-                splits.add(max(1, min(16, round(2 * num_sms / programs))))
-            for sp in sorted(splits):
-                for st in (3, 4):
-                    if mwg.wgmma_smem_bytes(bm, wgs, st) <= mwg.SMEM_BYTES:
-                        out.append((bm, wgs, sp, st))
+    for bm in sorted({min(128, max(8, p2 // 2)), min(128, p2)}):
+        programs = -(-m // bm) * (n // (64 * wgs))
+        splits = {1}
+        if programs < num_sms:
+            splits.add(max(1, min(16, round(num_sms / programs))))
+            splits.add(max(1, min(16, round(2 * num_sms / programs))))
+        for sp in sorted(splits):
+            for st in (4, 6, 8):
+                if mwg.wgmma_smem_bytes(bm, wgs, st) <= mwg.SMEM_BYTES:
+                    out.append((bm, wgs, sp, st))
     default = mwg.default_wgmma_config(m, n, k, num_sms)
     return [c for c in out if c != default]
 

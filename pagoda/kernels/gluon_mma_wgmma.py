@@ -325,13 +325,15 @@ def wgmma_smem_bytes(block_m: int, wgs: int, stages: int) -> int:
 
 
 def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
-    """The smallest BLOCK_M of `BLOCK_MS` that holds M (a larger M takes several); two
-    warpgroups share each activation tile from M = 64 on; split-K until the SMs are full; a
-    4-stage ring."""
-    block_m = next((b for b in BLOCK_MS if b >= m), MAX_BLOCK_M)
-    wgs = 2 if block_m >= 64 and n % (2 * BLOCK_N) == 0 else 1
+    """The smallest BLOCK_M that holds M up to 32 rows, half of it above (two programs along M
+    beat one at every M of session 12's sweep), at most 128; two warpgroups share each
+    activation tile where N allows; split-K to about two programs an SM when there are fewer
+    than one; a 4-stage ring."""
+    p2 = next((b for b in BLOCK_MS if b >= m), MAX_BLOCK_M)
+    block_m = min(128, p2 if p2 <= 32 else p2 // 2)
+    wgs = 2 if n % (2 * BLOCK_N) == 0 else 1
     programs = -(-m // block_m) * (n // (BLOCK_N * wgs))
-    split = max(1, min(8, round(num_sms / programs))) if programs < num_sms else 1
+    split = max(1, min(16, round(2 * num_sms / programs))) if programs < num_sms else 1
     return block_m, wgs, split, 4
 
 

@@ -84,7 +84,8 @@ def _within(cfg: KernelConfig, max_rows: int | None) -> bool:
 
 class WNA16Kernel:
     """One kernel: hard limits (`can_implement`, `max_rows`), its measured best range
-    (`best_max_m`: the M up to which it beats the next kernel of its layout) and its layout."""
+    (`best_min_m` .. `best_max_m`: where it beats the later kernels of its layout) and its
+    layout."""
 
     name: ClassVar[str]
     layout: ClassVar[str]
@@ -104,6 +105,12 @@ class WNA16Kernel:
     @classmethod
     def best_max_m(cls, cfg: KernelConfig) -> int | None:
         return cls.max_rows
+
+    @classmethod
+    def best_min_m(cls, cfg: KernelConfig) -> int:
+        """The M from which it is the best of its layout (a kernel earlier in the priority
+        list that starts later takes over from the ones after it)."""
+        return 1
 
     @staticmethod
     def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
@@ -362,9 +369,18 @@ class MmaGemv(_MmaLayout):
 
 class MmaWgmma(_MmaLayout):
     """Hopper `wgmma` GEMM on the MMA layout (the weight dequantized in registers as the
-    register operand, `gluon_mma_wgmma`): past the GEMV's rows, every M."""
+    register operand, `gluon_mma_wgmma`): best from 9 to 64 rows (BENCHMARKS.md, session 12);
+    first in the priority list, so the GEMV keeps M <= 8 and the larger-M kernels the rest."""
 
     name = "mma_wgmma"
+
+    @classmethod
+    def best_min_m(cls, cfg):
+        return 9
+
+    @classmethod
+    def best_max_m(cls, cfg):
+        return 64
 
     @classmethod
     def supports(cls, cfg):
@@ -426,7 +442,7 @@ class MmaDequantCublas(_MmaLayout):
 
 # Priority order: layouts first to last, kernels within a layout first to last.
 KERNELS: tuple[tuple[type[WNA16Kernel], ...], ...] = (
-    (MmaGemv, MmaWgmma, MmaGemm, MmaDequantCublas),
+    (MmaWgmma, MmaGemv, MmaGemm, MmaDequantCublas),
     (TritonGemv, TritonGemm, TritonDequantCublas),
     (TorchDequant,),
 )
@@ -461,26 +477,40 @@ def _runs_at(kernel: type[WNA16Kernel], cfg: KernelConfig, m: int) -> bool:
     return kernel.can_implement(cfg.rows(m, m))[0]
 
 
+def _best_at(kernel: type[WNA16Kernel], cfg: KernelConfig, m: int) -> bool:
+    hi = kernel.best_max_m(cfg)
+    return kernel.best_min_m(cfg) <= m and (hi is None or m <= hi)
+
+
 def _cover(cfg: KernelConfig, kernels: list[type[WNA16Kernel]]) -> KernelTable | str:
-    """The dispatch table of one layout's enabled kernels, or why they cannot cover every M."""
-    entries: list[tuple[int | None, type[WNA16Kernel]]] = []
-    m = 1
-    while True:
+    """The dispatch table of one layout's enabled kernels, or why they cannot cover every M:
+    at each M the first kernel (priority order) whose best range holds M, else the first that
+    runs there. Past every finite bound the choice no longer changes, so M = 1 .. that bound
+    + 1 decides the table, the last entry open-ended."""
+    bounds = [1]
+    for k in kernels:
+        bounds += [b for b in (k.max_rows, k.best_max_m(cfg)) if b is not None]
+        bounds.append(k.best_min_m(cfg))
+    last = max(bounds) + 1
+    choice = []
+    for m in range(1, last + 1):
         runnable = [k for k in kernels if _runs_at(k, cfg, m)]
         if not runnable:
             why = "; ".join(f"{k.name}: {k.can_implement(cfg.rows(m, m))[1]}" for k in kernels)
             return f"nothing runs M={m} ({why or 'all disabled'})"
-        best = [k for k in runnable if (k.best_max_m(cfg) is None or k.best_max_m(cfg) >= m)]
-        kernel = best[0] if best else runnable[0]
-        hi = kernel.best_max_m(cfg)
-        if hi is not None and (hi < m or not any(_runs_at(k, cfg, hi + 1) for k in kernels)):
-            hi = kernel.max_rows  # nothing better takes over: run as far as it can
-        ok, why = kernel.can_implement(cfg.rows(m, hi))
-        assert ok, why
-        entries.append((hi, kernel))
-        if hi is None:
-            return KernelTable(kernel.layout, tuple(entries))
-        m = hi + 1
+        best = [k for k in runnable if _best_at(k, cfg, m)]
+        choice.append(best[0] if best else runnable[0])
+    entries: list[tuple[int | None, type[WNA16Kernel]]] = []
+    lo = 1
+    for m in range(1, last + 1):
+        if m == last or choice[m] is not choice[m - 1]:
+            hi = None if m == last else m
+            ok, why = choice[m - 1].can_implement(cfg.rows(lo, hi))
+            if not ok:
+                return f"{choice[m - 1].name} cannot run M={lo}..: {why}"
+            entries.append((hi, choice[m - 1]))
+            lo = m + 1
+    return KernelTable(kernels[0].layout, tuple(entries))
 
 
 def choose_kernels(cfg: KernelConfig, disabled: frozenset[str] | None = None) -> KernelTable:

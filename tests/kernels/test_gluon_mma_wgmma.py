@@ -52,7 +52,7 @@ def test_default_configs_fit_shared_memory():
     for m in (8, 17, 33, 64, 100, 128, 200, 256, 512):
         for n, k in ((4608, 3584), (2048, 11008), (37888, 3584)):
             block_m, wgs, split, stages = wg.default_wgmma_config(m, n, k, 132)
-            assert block_m in wg.BLOCK_MS and block_m >= min(m, wg.MAX_BLOCK_M)
+            assert block_m in wg.BLOCK_MS and min(m, 32) <= block_m <= 128
             assert n % (64 * wgs) == 0 and split >= 1
             assert wg.wgmma_smem_bytes(block_m, wgs, stages) <= wg.SMEM_BYTES
 
@@ -199,5 +199,7 @@ def test_qwen_shapes_and_graph_replay_gpu(m, zp):
         x.copy_(x2)
         graph.replay()
         ref2 = wg.wna16_mma_wgmma(x2, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
-        assert torch.equal(yg, ref2)
+        # split-K sums fp32 partials with atomics, in arrival order: equal up to rounding
+        tol = 2.0**-7 * ref2.float().abs().max().item()
+        assert (yg.float() - ref2.float()).abs().max().item() <= tol, (n, k)
     assert all(int(t.count_nonzero()) == 0 for t in ws.all_buffers())

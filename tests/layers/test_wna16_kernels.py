@@ -12,7 +12,7 @@ from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref
 from pagoda.layers import wna16_kernels as wk
 from pagoda.quant.scheme import UnpackedWeight
 
-MMA = frozenset({"mma_gemv", "mma_gemm", "mma_dequant"})
+MMA = frozenset({"mma_wgmma", "mma_gemv", "mma_gemm", "mma_dequant"})
 
 
 def _cfg(n=4608, k=3584, bits=4, zp=False, group=128, dtype=torch.bfloat16, cuda=True, **kw):
@@ -47,20 +47,41 @@ def test_cpu_layers_dequantize_per_call() -> None:
 
 
 def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
-    # qkv (>= 12 Mi weights): GEMV to 32 rows, the MMA GEMM to 64, then dequant + cuBLAS;
-    # gate_up (>= 64 Mi weights): the MMA GEMM to 128; small layers: no GEMM.
+    # sm_90: the GEMV to 8 rows, the wgmma GEMM 9-64, then the MMA GEMM (layers of >= 64 Mi
+    # weights, to 128) and dequant + cuBLAS
+    pytest.importorskip("triton.experimental.gluon")
     assert wk.choose_kernels(_cfg(), frozenset()).describe() == (
-        "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
+        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_dequant M=65.."
     )
     assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
-        "mma_gemv M=1..32, mma_gemm M=33..128, mma_dequant M=129.."
-    )
-    assert wk.choose_kernels(_cfg(n=1024), frozenset()).describe() == (
-        "mma_gemv M=1..32, mma_dequant M=33.."
+        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_gemm M=65..128, mma_dequant M=129.."
     )
     # zero points (AWQ, asymmetric GPTQ) take the same kernels
     assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
+        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_gemm M=65..128, mma_dequant M=129.."
+    )
+    # without the wgmma GEMM (or before sm_90): the GEMV to 32 rows, the MMA GEMM to 64 on
+    # layers of >= 12 Mi weights (qkv), to 128 on >= 64 Mi (gate_up); small layers no GEMM
+    no_wg = frozenset({"mma_wgmma"})
+    for cfg, disabled in ((_cfg(), no_wg), (_cfg(capability=(8, 9)), frozenset())):
+        assert wk.choose_kernels(cfg, disabled).describe() == (
+            "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
+        )
+    assert wk.choose_kernels(_cfg(n=37888, capability=(8, 9)), frozenset()).describe() == (
         "mma_gemv M=1..32, mma_gemm M=33..128, mma_dequant M=129.."
+    )
+    assert wk.choose_kernels(_cfg(n=1024), no_wg).describe() == (
+        "mma_gemv M=1..32, mma_dequant M=33.."
+    )
+
+
+def test_wgmma_needs_hopper_and_whole_tiles(mma_passes) -> None:
+    pytest.importorskip("triton.experimental.gluon")
+    assert wk.MmaWgmma.can_implement(_cfg(capability=(8, 9))) == (False, "needs sm_90 (wgmma)")
+    ok, why = wk.MmaWgmma.can_implement(_cfg(n=4608 + 16))  # N % 64 != 0: the GEMV still runs
+    assert not ok and "N % 64" in why
+    assert wk.choose_kernels(_cfg(n=4608 + 16), frozenset()).describe() == (
+        "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
     )
 
 
@@ -80,7 +101,7 @@ def test_packed_layout_follows_the_large_m_rule(mma_passes) -> None:
         "triton_gemm M=1..139, triton_dequant M=140.."
     )
     # the MMA GEMV alone still covers what it can; the rest falls to the next layout
-    only_gemv = frozenset({"mma_gemm", "mma_dequant"})
+    only_gemv = frozenset({"mma_wgmma", "mma_gemm", "mma_dequant"})
     assert wk.choose_kernels(_cfg(), only_gemv).layout == "triton"
 
 
@@ -220,7 +241,7 @@ def test_every_cuda_path_of_a_layer_gpu(monkeypatch) -> None:
     scale = torch.rand(out, inp // 128, generator=g) * 0.02 + 0.001
     x = torch.randn(100, inp, generator=g)
     ref = wna16_linear_ref(x, q, scale.bfloat16().float(), None, 128)
-    for disabled, layout in (("", "mma"), ("mma_gemv,mma_gemm,mma_dequant", "triton")):
+    for disabled, layout in (("", "mma"), ("mma_wgmma,mma_gemv,mma_gemm,mma_dequant", "triton")):
         monkeypatch.setenv("PAGODA_DISABLED_KERNELS", disabled)
         method = WNA16LinearMethod(WeightQuantArgs(4, True, 128))
         with torch.device("cuda"):
