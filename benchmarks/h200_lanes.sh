@@ -423,13 +423,14 @@ step_mwg12() {
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
     --baseline none --timeout 100 --out "$R/compare_3b"
 }
-# session 12, second call: the wgmma GEMM's configs (ring depth 4 / 6 / 8, split-K, BLOCK_M)
-# on both models' shapes, its GPU tests (the split-K graph test compares within rounding now)
+# session 12, second call: the wgmma GEMM's configs (slot vs natural K order, ring depth 4 / 8,
+# split-K, BLOCK_M) on both models' shapes, its GPU tests (split-K graph test within rounding)
 step_mwg12b() {
-  run mwg_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  run mwg_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_mma_wgmma.py tests/layers/test_wna16_kernels.py
-  run mwg_sweep 440 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
-    --ms 1,8,16,24,32,48,64,96,128,256 --sweep mwg,nov2 --out "$R/mwg_sweep"
+  run mwg_sweep 455 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0 \
+    --ms 1,8,16,24,32,48,64,96,128,256 --sweep mwg,nov2 --sweep-ms 16,32,64,128 \
+    --out "$R/mwg_sweep"
 }
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh

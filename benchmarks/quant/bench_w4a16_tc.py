@@ -87,8 +87,8 @@ def wgmma_sweep(m: int, n: int, k: int, num_sms: int) -> list[wg.WgmmaConfig]:
 
 def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
     """The MMA-layout wgmma GEMM's tiles: the BLOCK_M that holds M and half of it (at most
-    128), two warpgroups (one where N needs it), no split-K, the split that makes about one
-    and two programs an SM, a 4-, 6- or 8-stage ring."""
+    128), two warpgroups (one where N needs it), no split-K and the split that makes about two
+    programs an SM; the activations in slot order (4-stage ring) or natural K order (4 or 8)."""
     p2 = next((b for b in mwg.BLOCK_MS if b >= m), mwg.MAX_BLOCK_M)
     wgs = 2 if n % 128 == 0 else 1
     out = []
@@ -96,13 +96,13 @@ def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
         programs = -(-m // bm) * (n // (64 * wgs))
         splits = {1}
         if programs < num_sms:
-            splits.add(max(1, min(16, round(num_sms / programs))))
             splits.add(max(1, min(16, round(2 * num_sms / programs))))
         for sp in sorted(splits):
-            for st in (4, 6, 8):
+            for st, natural in ((4, False), (4, True), (8, True)):
                 if mwg.wgmma_smem_bytes(bm, wgs, st) <= mwg.SMEM_BYTES:
-                    out.append((bm, wgs, sp, st))
-    default = mwg.default_wgmma_config(m, n, k, num_sms)
+                    out.append((bm, wgs, sp, st, natural))
+    default = tuple(mwg.default_wgmma_config(m, n, k, num_sms))
+    default = default + (False,) * (5 - len(default))
     return [c for c in out if c != default]
 
 
@@ -178,7 +178,8 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
                     workspace=WS, config=c,
                 )  # fmt: skip
 
-            cands["mwg" if c is None else f"mwg{list(c)}"] = mwgmma
+            label = None if c is None else [int(v) for v in c]
+            cands["mwg" if c is None else f"mwg{label}"] = mwgmma
     if layer.wg is not None and "nov2" not in sweep:
         wg_configs = [None]
         if "wgmma" in sweep and m in SWEEP_MS:
@@ -252,6 +253,7 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
 
 
 def main() -> None:
+    global SWEEP_MS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument(
@@ -266,8 +268,13 @@ def main() -> None:
     ap.add_argument("--zp", default="0,1", help="symmetric (0) and / or zero points (1)")
     ap.add_argument("--layers", default=None, help="only these layers, e.g. gate_up,down")
     ap.add_argument("--ms", default=None, help="only these M, e.g. 64,128,256")
+    ap.add_argument(
+        "--sweep-ms", default=None, help=f"sweep configs at these M (default {SWEEP_MS})"
+    )
     ns = ap.parse_args()
     ms = [int(v) for v in ns.ms.split(",")] if ns.ms else MS
+    if ns.sweep_ms:
+        SWEEP_MS = tuple(int(v) for v in ns.sweep_ms.split(","))
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     l2 = getattr(props, "L2_cache_size", 50 << 20)

@@ -40,7 +40,7 @@ BLOCK_K = 64  # K per loop step (one tile of the layout)
 MAX_BLOCK_M = 256  # the largest wgmma N
 BLOCK_MS = (8, 16, 32, 64, 128, 256)
 
-WgmmaConfig = tuple[int, int, int, int]  # BLOCK_M, warpgroups, split-K, stages
+WgmmaConfig = tuple  # (BLOCK_M, warpgroups, split-K, stages[, natural K order])
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
 
 
@@ -87,6 +87,45 @@ _DEQUANT = "\n".join(
         "}",
     ]
 )
+# Natural K order (NATURAL_X): a lane's 4 words hold real K 16 c + 0..15 (rows g, g + 8), while
+# natural slice V of lane c needs K 16 V + 2 c + {0, 1} and 16 V + 8 + 2 c + {0, 1}, which sit in
+# lane V's words c // 2 and 2 + c // 2 (bytes c % 2 and 2 + c % 2). Each lane packs those four
+# bytes for every receiver with one `prmt` (in the order whose nibble pairs the dequantization
+# expects), then a 4 x 4 transpose across the quad (two butterfly `shfl` stages) hands lane c
+# its word for slice V. $0-$3 out (slices 0-3), $4-$7 in (the lane's words v = 0-3).
+_QUAD_T = "\n".join(
+    [
+        "{",
+        ".reg .b32 m<4>, t0, t1, r0, r1, ln;",
+        ".reg .pred p;",
+        "prmt.b32 m0, $4, $6, 0x6240;",
+        "prmt.b32 m1, $4, $6, 0x7351;",
+        "prmt.b32 m2, $5, $7, 0x6240;",
+        "prmt.b32 m3, $5, $7, 0x7351;",
+        "mov.u32 ln, %laneid;",
+        *[
+            line
+            for bit, (a, b, c, d) in ((1, (0, 1, 2, 3)), (2, (0, 2, 1, 3)))
+            for line in (
+                f"and.b32 t0, ln, {bit};",
+                "setp.ne.u32 p, t0, 0;",
+                f"selp.b32 t0, m{a}, m{b}, p;",
+                f"selp.b32 t1, m{c}, m{d}, p;",
+                f"shfl.sync.bfly.b32 r0, t0, {bit}, 0x1f, 0xffffffff;",
+                f"shfl.sync.bfly.b32 r1, t1, {bit}, 0x1f, 0xffffffff;",
+                f"selp.b32 m{a}, r0, m{a}, p;",
+                f"selp.b32 m{b}, m{b}, r0, p;",
+                f"selp.b32 m{c}, r1, m{c}, p;",
+                f"selp.b32 m{d}, m{d}, r1, p;",
+            )
+        ],
+        "mov.b32 $0, m0;",
+        "mov.b32 $1, m1;",
+        "mov.b32 $2, m2;",
+        "mov.b32 $3, m3;",
+        "}",
+    ]
+)
 # the scale (or zero) pair of columns g (low) and g + 8 (high) -> each in both halves
 _SPLAT = "prmt.b32 $0, $2, $2, 0x1010;\nprmt.b32 $1, $2, $2, 0x3232;"
 
@@ -115,6 +154,7 @@ def _kernel():
 
     dequant_asm = gl.constexpr(_DEQUANT)
     splat_asm = gl.constexpr(_SPLAT)
+    quad_t_asm = gl.constexpr(_QUAD_T)
 
     @constexpr_function
     def word_layout(num_wg):
@@ -169,6 +209,7 @@ def _kernel():
         BLOCK_M: gl.constexpr,
         NUM_WG: gl.constexpr,  # warpgroups, each 64 weight rows sharing the activation tile
         NUM_STAGES: gl.constexpr,  # ring depth (>= 3)
+        NATURAL_X: gl.constexpr,  # activations in natural K order, the words transposed
         HAS_ZP: gl.constexpr,
         HAS_BIAS: gl.constexpr,
         ONE_SPLIT: gl.constexpr,  # else the serial split-K reduction through ws / cnt
@@ -217,14 +258,31 @@ def _kernel():
             + gl.expand_dims(gl.expand_dims(se, 0), 1)
         )  # + grp * 16
         # activations in slot order: slot pair s <- real pair 8 (s % 4) + 2 (s // 8) + (s // 4) % 2
-        x_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xc_l))
-        x_s = gl.arange(0, 32, layout=gl.SliceLayout(0, xc_l))
-        x_real = 8 * (x_s % 4) + 2 * (x_s // 8) + (x_s // 4) % 2
-        x_mask = gl.expand_dims(x_m < M, 1)
-        x_ptrs = x_ptr + gl.expand_dims(x_m, 1) * stride_xm + gl.expand_dims(x_real, 0)
+        if NATURAL_X:  # 16-byte copies, 8 lanes a row (the NVMMA layout wgmma reads)
+            xk_l: gl.constexpr = gl.BlockedLayout(
+                size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
+                order=[1, 0],
+            )  # fmt: skip
+            x_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xk_l))
+            x_k = gl.arange(0, 64, layout=gl.SliceLayout(0, xk_l))
+            x_mask = gl.expand_dims(x_m < M, 1)
+            x_ptrs = x_ptr + gl.expand_dims(x_m, 1) * (2 * stride_xm) + gl.expand_dims(x_k, 0)
+            x_step = 64
+        else:
+            # activations in slot order: slot pair s <- real pair 8 (s % 4) + 2 (s // 8) +
+            # (s // 4) % 2
+            x_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xc_l))
+            x_s = gl.arange(0, 32, layout=gl.SliceLayout(0, xc_l))
+            x_real = 8 * (x_s % 4) + 2 * (x_s // 8) + (x_s // 4) % 2
+            x_mask = gl.expand_dims(x_m < M, 1)
+            x_ptrs = x_ptr + gl.expand_dims(x_m, 1) * stride_xm + gl.expand_dims(x_real, 0)
+            x_step = 32
 
         w_smem = gl.allocate_shared_memory(gl.bfloat16, [S, RW, 32], w_sl)
-        x_smem = gl.allocate_shared_memory(gl.int32, [S, BLOCK_M, 32], x_sl32)
+        if NATURAL_X:
+            x_smem = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_M, 64], x_sl)
+        else:
+            x_smem = gl.allocate_shared_memory(gl.int32, [S, BLOCK_M, 32], x_sl32)
         acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma)
 
         # cp.async ring, one commit group per operand and step: W(0), X(0), W(1), X(1), ...
@@ -232,7 +290,7 @@ def _kernel():
         async_copy.commit_group()
         for p in gl.static_range(S - 2):
             kx = gl.minimum(kt_lo + p, kt_hi - 1)
-            async_load(x_smem.index(p), x_ptrs + kx * 32, mask=x_mask & (kt_lo + p < kt_hi))
+            async_load(x_smem.index(p), x_ptrs + kx * x_step, mask=x_mask & (kt_lo + p < kt_hi))
             async_copy.commit_group()
             kw = gl.minimum(kt_lo + p + 1, kt_hi - 1)
             async_load(w_smem.index(p + 1), w_ptrs + kw * 256)
@@ -248,7 +306,7 @@ def _kernel():
                 kx = kt + S - 2
                 async_load(
                     x_smem.index((i + S - 2) % S),
-                    x_ptrs + gl.minimum(kx, kt_hi - 1) * 32,
+                    x_ptrs + gl.minimum(kx, kt_hi - 1) * x_step,
                     mask=x_mask & (kx < kt_hi),
                 )
                 async_copy.commit_group()
@@ -273,6 +331,11 @@ def _kernel():
                     zl = gl.full([RW, 4, 2], -136.0, gl.bfloat16, layout=v_l)
                     zh = zl
                 words = w_smem.index(i % S).load(w_l)  # [RW, 32 (c, v, half)]
+                if NATURAL_X:  # now word v of lane c is its word for natural slice v
+                    words = gl.inline_asm_elementwise(
+                        quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16,
+                        is_pure=True, pack=8,
+                    )  # fmt: skip
                 # one tensor per v: [RW, 4 c, 2 half]
                 wv = gl.permute(gl.reshape(words, [RW, 4, 2, 2, 2]), [0, 1, 4, 2, 3])
                 odd0, odd1 = gl.split(wv)  # v % 2 = 0, 1
@@ -287,7 +350,10 @@ def _kernel():
                 t = gl.reshape(t, [NW, 8, 4, 2, 2, 2, 2, 2])
                 t = gl.permute(t, [0, 4, 1, 7, 6, 5, 2, 3])  # w, rowhi, g, v1, v0, khi, c, e
                 a = gl.convert_layout(gl.reshape(t, [BN, 64]), a_l, assert_trivial=True)
-                xs = _as_bf16(x_smem.index(i % S), [BLOCK_M, 64], x_sl)
+                if NATURAL_X:
+                    xs = x_smem.index(i % S)
+                else:
+                    xs = _as_bf16(x_smem.index(i % S), [BLOCK_M, 64], x_sl)
                 acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
                 acc, a, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a, xs])
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -358,7 +424,8 @@ def wna16_mma_wgmma(
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    block_m, wgs, split, stages = config or default_wgmma_config(m, n, k, num_sms)
+    block_m, wgs, split, stages, *rest = config or default_wgmma_config(m, n, k, num_sms)
+    natural = bool(rest[0]) if rest else False
     if block_m not in BLOCK_MS or n % (BLOCK_N * wgs):
         raise ValueError(f"config {config}: BLOCK_M in {BLOCK_MS}, N % {BLOCK_N * wgs} == 0")
     if stages < 3 or wgmma_smem_bytes(block_m, wgs, stages) > SMEM_BYTES:
@@ -382,7 +449,7 @@ def wna16_mma_wgmma(
     per_channel = group_size <= 0 or group_size >= k
     sp = scale_pairs.view(torch.bfloat16)
     _kernel()[grid](
-        xi, words.view(torch.bfloat16), sp,
+        x if natural else xi, words.view(torch.bfloat16), sp,
         zero_pairs.view(torch.bfloat16) if zero_pairs is not None else sp,
         bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt,
         m, n, k, per, scale_pairs.shape[1], xi.stride(0), out.stride(0),
@@ -390,6 +457,7 @@ def wna16_mma_wgmma(
         BLOCK_M=block_m,
         NUM_WG=wgs,
         NUM_STAGES=stages,
+        NATURAL_X=natural,
         HAS_ZP=zero_pairs is not None,
         HAS_BIAS=bias is not None,
         ONE_SPLIT=split == 1,
@@ -398,10 +466,28 @@ def wna16_mma_wgmma(
     return out
 
 
-def unpack_slots(words: torch.Tensor, n: int, k: int, num_wg: int = 1) -> torch.Tensor:
+def _prmt(a: torch.Tensor, b: torch.Tensor, sel: int) -> torch.Tensor:
+    """PTX `prmt.b32 d, a, b, sel` (bytes 0-3 of a, 4-7 of b) on int64 words."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    return sum(src[(sel >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+
+
+def _quad_transpose(word: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """`_QUAD_T` in torch: word[v] [R, c] (lane c's words) -> word'[V] [R, c], lane c's word for
+    natural slice V (the prmt messages, then the transpose across the quad's lanes)."""
+    msg = {
+        cr: _prmt(word[cr // 2], word[2 + cr // 2], 0x7351 if cr % 2 else 0x6240) for cr in range(4)
+    }  # msg[receiver][R, sender]
+    return {v: torch.stack([msg[cr][:, v] for cr in range(4)], -1) for v in range(4)}
+
+
+def unpack_slots(
+    words: torch.Tensor, n: int, k: int, num_wg: int = 1, natural: bool = False
+) -> torch.Tensor:
     """The kernel's unpacking in torch, step by step (reshape, permute, split, the asm's nibble
-    choice, join as `torch.stack(..., -1)`): the code [N, K] that it feeds to each row and
-    shared-memory slot (slot order, see `slot_to_real_pair`) of every 64-K tile."""
+    choice, join as `torch.stack(..., -1)`; with `natural` the quad transpose first): the code
+    [N, K] that it feeds to each row and shared-memory slot of every 64-K tile (slot order,
+    see `slot_to_real_pair`, or natural K order)."""
     nw, rw = 4 * num_wg, 32 * num_wg
     ncg, kt_total = n // 16, k // BLOCK_K
     u = words.view(ncg, kt_total, 8, 4, 4).to(torch.int64) & 0xFFFFFFFF  # cg, kt, g, c, v
@@ -416,6 +502,8 @@ def unpack_slots(words: torch.Tensor, n: int, k: int, num_wg: int = 1) -> torch.
                 for v0 in range(2):
                     pair = wv[..., v1, v0]  # [R, c, e]: one 32-bit register a thread
                     word[2 * v1 + v0] = pair[..., 0] | (pair[..., 1] << 16)
+            if natural:
+                word = _quad_transpose(word)
             f = []
             for v in range(4):
                 o = [(word[v] >> (4 * s)) & 0x000F000F for s in range(4)]  # the asm's lop3

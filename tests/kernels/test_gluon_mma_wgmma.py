@@ -39,6 +39,16 @@ def test_the_kernels_unpacking_feeds_each_slot_its_real_k(n, k, num_wg):
     assert torch.equal(slots, codes[:, real].to(torch.int32))
 
 
+@pytest.mark.parametrize("n,k,num_wg", [(64, 64, 1), (128, 192, 1), (256, 128, 2)])
+def test_natural_order_unpacking_feeds_each_slot_its_own_k(n, k, num_wg):
+    """With the quad transpose (NATURAL_X) slot s of a tile is real K s: the activation tile
+    is copied as it is."""
+    g = torch.Generator().manual_seed(n + k + num_wg)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int16)
+    slots = wg.unpack_slots(mma.repack_mma(codes), n, k, num_wg, natural=True)
+    assert torch.equal(slots, codes.to(torch.int32))
+
+
 def test_bad_inputs_are_refused():
     assert not wg.wgmma_supported(64, 128, 32) and not wg.wgmma_supported(48, 128, 128)
     assert wg.wgmma_supported(128, 256, 128) and wg.wgmma_supported(64, 64, -1)
@@ -57,18 +67,21 @@ def test_default_configs_fit_shared_memory():
             assert wg.wgmma_smem_bytes(block_m, wgs, stages) <= wg.SMEM_BYTES
 
 
-def _compile_ptx(block_m: int, num_wg: int, stages: int, zp: bool, one_split: bool) -> str:
+def _compile_ptx(
+    block_m: int, num_wg: int, stages: int, zp: bool, one_split: bool, natural: bool = False
+) -> str:
     """The kernel's sm_90 PTX (in a fresh interpreter: see `_compiled`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     ints = ["M", "N", "K", "kt_per_split", "n_groups", "stride_xm", "stride_om"]
-    sig = {"x_ptr": "*i32", "w_ptr": "*bf16", "sp_ptr": "*bf16", "zp_ptr": "*bf16",
-           "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "wsi_ptr": "*i32",
-           "cnt_ptr": "*i32", **dict.fromkeys(ints, "i32")}  # fmt: skip
+    sig = {"x_ptr": "*bf16" if natural else "*i32", "w_ptr": "*bf16", "sp_ptr": "*bf16",
+           "zp_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+           "wsi_ptr": "*i32", "cnt_ptr": "*i32", **dict.fromkeys(ints, "i32")}  # fmt: skip
     consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": num_wg, "NUM_STAGES": stages,
-              "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split}  # fmt: skip
+              "NATURAL_X": natural, "HAS_ZP": zp, "HAS_BIAS": False,
+              "ONE_SPLIT": one_split}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(9), 10, 11, 14, 15)}
     src = GluonASTSource(fn=wg._kernel(), signature=sig, constexprs=consts, attrs=attrs)
@@ -124,6 +137,23 @@ def test_sm90_code(block_m, num_wg, stages, zp, one_split):
         assert absent not in ptx, absent
 
 
+@pytest.mark.skipif(not wg.gluon_available(), reason="needs Triton with Gluon")
+@pytest.mark.parametrize("block_m,num_wg,stages", [(16, 1, 4), (64, 2, 8)])
+def test_sm90_code_natural_order(block_m, num_wg, stages):
+    """NATURAL_X: the activations in 16-byte copies, the words through the quad transpose (4
+    prmt, 4 shfl a step), the same dequantization and register-operand wgmma."""
+    ptx = _compiled(block_m, num_wg, stages, False, True, True)
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", ptx)) == 8
+    assert "cp.async.ca" not in ptx  # no 4-byte gathers
+    w_copies = re.findall(r"cp\.async\.cg\.shared\.global .*0x10, 0x10;", ptx)
+    x_copies = re.findall(r"cp\.async\.cg\.shared\.global .*0x10, %r\d+;", ptx)  # masked rows
+    assert len(w_copies) == stages + 1
+    assert len(x_copies) == stages * max(1, block_m * 8 // (128 * num_wg))
+    assert ptx.count("shfl.sync.bfly.b32") == 8 and ptx.count("mul.rn.bf16x2") == 32
+    for absent in ("ldmatrix", "ld.local", "st.local"):
+        assert absent not in ptx, absent
+
+
 def _case(m: int, n: int, k: int, group: int, zp: bool, seed: int, dev):
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int16)
@@ -166,7 +196,8 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
     if bias:
         ref = ref + b.float()
     ws = SplitKWorkspace()
-    configs = (None, (8 if m <= 8 else 64, 1, 1, 3), (256, 2, 1, 4), (32, 2, 3, 5), (16, 1, 4, 4))
+    configs = (None, (8 if m <= 8 else 64, 1, 1, 3), (256, 2, 1, 4), (32, 2, 3, 5), (16, 1, 4, 4),
+               (64, 2, 1, 4, True), (16, 1, 3, 6, True))  # fmt: skip
     for config in configs:
         y = wg.wna16_mma_wgmma(
             x, words, pairs, n, group, bias=b.to(dev) if bias else None, zero_pairs=zpairs,
