@@ -390,17 +390,26 @@ def wgmma_smem_bytes(block_m: int, wgs: int, stages: int) -> int:
     return stages * (block_m * BLOCK_K * 2 + wgs * BLOCK_N * BLOCK_K // 2)
 
 
+SMALL_LAYER = 32 << 20  # weights (16 MiB packed): below it, two programs along M from 33 rows
+
+
 def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
-    """The smallest BLOCK_M that holds M up to 32 rows, half of it above (two programs along M
-    beat one at every M of session 12's sweep), at most 128; two warpgroups share each
-    activation tile where N allows; split-K to about two programs an SM when there are fewer
-    than one; a 4-stage ring."""
+    """From session 12's sweep (BENCHMARKS.md): one program along M up to 32 rows (BLOCK_M the
+    smallest that holds M) with the activations in slot order; from 33 rows BLOCK_M 64 on
+    layers of >= 32 Mi weights (two programs would read them twice from HBM) and half the
+    rows on smaller ones (more programs, the weights stay in the L2), the activations in
+    natural K order (16-byte copies); two warpgroups where N allows; split-K to about two
+    programs an SM when there are fewer than one; a 4-stage ring."""
     p2 = next((b for b in BLOCK_MS if b >= m), MAX_BLOCK_M)
-    block_m = min(128, p2 if p2 <= 32 else p2 // 2)
+    if p2 <= 32:
+        block_m, natural = p2, False
+    else:
+        block_m = 64 if n * k >= SMALL_LAYER else min(128, p2) // 2
+        natural = True
     wgs = 2 if n % (2 * BLOCK_N) == 0 else 1
     programs = -(-m // block_m) * (n // (BLOCK_N * wgs))
     split = max(1, min(16, round(2 * num_sms / programs))) if programs < num_sms else 1
-    return block_m, wgs, split, 4
+    return block_m, wgs, split, 4, natural
 
 
 def wna16_mma_wgmma(

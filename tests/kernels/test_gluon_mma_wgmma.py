@@ -58,13 +58,19 @@ def test_bad_inputs_are_refused():
                            64, -1)  # fmt: skip
 
 
-def test_default_configs_fit_shared_memory():
+def test_default_configs():
     for m in (8, 17, 33, 64, 100, 128, 200, 256, 512):
         for n, k in ((4608, 3584), (2048, 11008), (37888, 3584)):
-            block_m, wgs, split, stages = wg.default_wgmma_config(m, n, k, 132)
-            assert block_m in wg.BLOCK_MS and min(m, 32) <= block_m <= 128
-            assert n % (64 * wgs) == 0 and split >= 1
+            block_m, wgs, split, stages, natural = wg.default_wgmma_config(m, n, k, 132)
+            assert block_m in wg.BLOCK_MS and min(m, 16) <= block_m <= 64
+            assert natural == (m > 32) and n % (64 * wgs) == 0 and split >= 1
             assert wg.wgmma_smem_bytes(block_m, wgs, stages) <= wg.SMEM_BYTES
+    # up to 32 rows one program along M; past that a large layer keeps 64-row programs (its
+    # weights read once), a small one takes two programs
+    assert wg.default_wgmma_config(32, 37888, 3584, 132)[:3] == (32, 2, 1)
+    assert wg.default_wgmma_config(64, 37888, 3584, 132)[:3] == (64, 2, 1)
+    assert wg.default_wgmma_config(64, 4608, 3584, 132)[:3] == (32, 2, 4)  # 72 programs
+    assert wg.default_wgmma_config(16, 3584, 18944, 132)[:3] == (16, 2, 9)  # 28 programs
 
 
 def _compile_ptx(

@@ -47,18 +47,21 @@ def test_cpu_layers_dequantize_per_call() -> None:
 
 
 def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
-    # sm_90: the GEMV to 8 rows, the wgmma GEMM 9-64, then the MMA GEMM (layers of >= 64 Mi
-    # weights, to 128) and dequant + cuBLAS
+    # sm_90: the GEMV to 8 rows, the wgmma GEMM 9-64 (to 128 on gate_up-sized N), then the
+    # MMA GEMM (layers of >= 64 Mi weights, to 128) and dequant + cuBLAS
     pytest.importorskip("triton.experimental.gluon")
     assert wk.choose_kernels(_cfg(), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..64, mma_dequant M=65.."
     )
     assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
+        "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
+    )
+    assert wk.choose_kernels(_cfg(n=3584, k=18944), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..64, mma_gemm M=65..128, mma_dequant M=129.."
     )
     # zero points (AWQ, asymmetric GPTQ) take the same kernels
     assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
-        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_gemm M=65..128, mma_dequant M=129.."
+        "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
     )
     # without the wgmma GEMM (or before sm_90): the GEMV to 32 rows, the MMA GEMM to 64 on
     # layers of >= 12 Mi weights (qkv), to 128 on >= 64 Mi (gate_up); small layers no GEMM
