@@ -488,14 +488,16 @@ def _cover(cfg: KernelConfig, kernels: list[type[WNA16Kernel]]) -> KernelTable |
     at each M the first kernel (priority order) whose best range holds M, else the first that
     runs there. Past every finite bound the choice no longer changes, so M = 1 .. that bound
     + 1 decides the table, the last entry open-ended."""
+    # only kernels that can run here are asked for their ranges (a range may need Triton)
+    usable = [k for k in kernels if k.supports(cfg)[0]]
     bounds = [1]
-    for k in kernels:
+    for k in usable:
         bounds += [b for b in (k.max_rows, k.best_max_m(cfg)) if b is not None]
         bounds.append(k.best_min_m(cfg))
     last = max(bounds) + 1
     choice = []
     for m in range(1, last + 1):
-        runnable = [k for k in kernels if _runs_at(k, cfg, m)]
+        runnable = [k for k in usable if _runs_at(k, cfg, m)]
         if not runnable:
             why = "; ".join(f"{k.name}: {k.can_implement(cfg.rows(m, m))[1]}" for k in kernels)
             return f"nothing runs M={m} ({why or 'all disabled'})"
