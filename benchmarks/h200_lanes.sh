@@ -441,6 +441,8 @@ step_e2e12() {
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,16,32,64 --iters 2 --gpu-memory-utilization 0.85 \
     --throughput-requests 256 --baseline none --timeout 150 --out "$R/compare_3b"
+  run w4a16_table 100 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0 \
+    --ms 1,8,16,24,32,48,64,96,128,256 --sweep nov2 --out "$R/w4a16_table"
   run compare7b_e2e 210 python3 -m pagoda.entrypoints.cli compare \
     "config:$CFG7" "config:$CFG7:w4a16" --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
