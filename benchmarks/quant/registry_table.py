@@ -5,7 +5,7 @@ on an H200 (sm_90, 132 SMs) with the config its default rule picks; the table su
 linears' measured times (bf16 cuBLAS is the denominator) and marks an M where the run did not
 time that kernel and config ("n/m").
 
-    python benchmarks/quant/registry_table.py RUN/w4a16_tc.json [--zp 0]
+    python benchmarks/quant/registry_table.py RUN/w4a16_tc.json [--zp 0] [--current]
 """
 
 from __future__ import annotations
@@ -39,13 +39,16 @@ def _old_default(m: int, n: int) -> tuple:
     return (block_m, wgs, split, 4, False)
 
 
-def kernel_key(row: dict, zp: bool) -> tuple[str, str]:
-    """(kernel name, the row's key of its time) for the registry's choice at this row's M."""
+def kernel_key(row: dict, zp: bool, current: bool) -> tuple[str, str]:
+    """(kernel name, the row's key of its time) for the registry's choice at this row's M;
+    `current`: the run timed the default config of this code (its plain `mwg` key)."""
     n, k, m = row["n"], row["k"], row["m"]
     cfg = wk.KernelConfig("cuda", 0, (9, 0), NUM_SMS, "NVIDIA H200", n, k, 4, zp, 128,
                           torch.bfloat16)  # fmt: skip
     kernel = wk.choose_kernels(cfg, frozenset()).pick(m)
     if kernel.name == "mma_wgmma":
+        if current:
+            return kernel.name, "mwg_us"
         c = tuple(int(v) for v in mwg.default_wgmma_config(m, n, k, NUM_SMS))
         key = f"mwg{list(c)}_us"
         if key not in row and c == tuple(int(v) for v in _old_default(m, n)):
@@ -59,6 +62,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("json")
     ap.add_argument("--zp", type=int, default=0)
+    ap.add_argument(
+        "--current", action="store_true",
+        help="the run timed this code's default wgmma configs (else: session 12's second sweep, "
+        "whose plain `mwg` rows are the first default rule)",
+    )  # fmt: skip
     ns = ap.parse_args()
     rows = [r for r in json.loads(Path(ns.json).read_text())["rows"] if r["zp"] == bool(ns.zp)]
     for model in sorted({r["model"] for r in rows}):
@@ -68,7 +76,7 @@ def main() -> None:
             layer_rows = [r for r in rows if r["model"] == model and r["m"] == m]
             bf16, w4, names, missing = 0.0, 0.0, [], []
             for r in layer_rows:
-                name, key = kernel_key(r, bool(ns.zp))
+                name, key = kernel_key(r, bool(ns.zp), ns.current)
                 bf16 += r["bf16_us"]
                 names.append(name.replace("mma_", ""))
                 if key in r:
