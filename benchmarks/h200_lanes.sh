@@ -435,19 +435,19 @@ step_mwg12b() {
 # session 12, last call: end to end with the wgmma GEMM in the registry, bf16 vs W4A16 (GPTQ
 # symmetric) vs AWQ (zero points), decode at batch 1-64 and the nano-vllm throughput protocol
 step_e2e12() {
-  run compare3b_e2e 240 python3 -m pagoda.entrypoints.cli compare \
+  run compare3b_e2e 200 python3 -m pagoda.entrypoints.cli compare \
     "config:$CFG3" "config:$CFG3:w4a16" "config:$CFG3:awq" \
     --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16,Qwen2.5-3B AWQ" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,16,32,64 --iters 2 --gpu-memory-utilization 0.85 \
-    --throughput-requests 256 --baseline none --timeout 150 --out "$R/compare_3b"
-  run w4a16_table 100 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0 \
-    --ms 1,8,16,24,32,48,64,96,128,256 --sweep nov2 --out "$R/w4a16_table"
-  run compare7b_e2e 210 python3 -m pagoda.entrypoints.cli compare \
+    --throughput-requests 256 --baseline none --timeout 120 --out "$R/compare_3b"
+  run compare7b_e2e 160 python3 -m pagoda.entrypoints.cli compare \
     "config:$CFG7" "config:$CFG7:w4a16" --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,32,64 --iters 2 --gpu-memory-utilization 0.85 \
-    --throughput-requests 256 --baseline none --timeout 150 --out "$R/compare_7b"
+    --throughput-requests 256 --baseline none --timeout 120 --out "$R/compare_7b"
+  run w4a16_table 100 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0 \
+    --ms 1,8,16,24,32,48,64,96,128,256 --sweep nov2 --out "$R/w4a16_table"
   local NCU
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$NCU" ] && run ncu_mwg 80 "$NCU" --clock-control none --launch-skip 3 --launch-count 1 \
