@@ -454,6 +454,14 @@ step_e2e12() {
     -k regex:kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis python3 benchmarks/quant/profile_mwg.py --m 64
 }
+# the same, shortest: Qwen2.5-3B bf16 vs W4A16 only (little device time left)
+step_e2e12s() {
+  run compare3b_e2e 190 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG3" "config:$CFG3:w4a16" --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,16,32,64 --iters 2 --gpu-memory-utilization 0.85 \
+    --throughput-requests 0 --baseline none --timeout 90 --out "$R/compare_3b"
+}
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh
 }
