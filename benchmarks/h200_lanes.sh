@@ -9,7 +9,8 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 10): wgmma serve_ab structured final10 check10
+# Steps (session 12): mwg12 mwg12b e2e12 e2e12s
+# Steps (session 10): serve_ab structured check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
 # Steps (session 8): e2e7b gpu8 offload kernel_table two_engines
 # Steps: gpu_tests gpu_tests_core profile profile_w4a16 latency latency_ab gemm lora serve
@@ -309,14 +310,6 @@ step_generic_e2e() {
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
     --baseline none --timeout 100 --out "$R/compare_7b_generic"
 }
-# the Gluon swap-AB wgmma GEMM (pagoda/kernels/gluon_w4a16_wgmma.py): GPU equality tests, then
-# the per-layer table with it as a candidate (not in the kernel registry until measured)
-step_wgmma() {
-  run wgmma_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_gluon_w4a16_wgmma.py
-  run wgmma_table 220 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
-    --sweep wgmma --out "$R/wgmma_table"
-}
 # session 10: issue 18 acc. 5, pagoda serve at 64 streams vs offline LLM.generate on the same
 # prompts, engine core in its own process and in a thread, one run (wheels from .whl/)
 whl_install() {
@@ -334,16 +327,6 @@ step_engine_process_gpu() {
   whl_install || { echo "[engine_process_gpu] wheel install failed" | tee -a "$R/summary.txt"; return; }
   PYTHONPATH=/tmp/site:$PYTHONPATH run engine_process_gpu 90 python3 -m pytest -q \
     -p no:cacheprovider -m gpu -rfE tests/entrypoints/openai/test_engine_process.py
-}
-# session 10, last call: the pipelined wgmma GEMM's GPU tests, structured outputs (async
-# fill), serve vs offline (with per-request timelines), then the per-layer table (cut-off safe)
-step_final10() {
-  run wgmma_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_gluon_w4a16_wgmma.py
-  step_structured
-  step_serve_ab
-  run wgmma_table 240 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
-    --sweep wgmma --out "$R/wgmma_table"
 }
 # session 10, check: serve vs offline with the per-step counts unspecialized, structured outputs
 # without the async fill, 3B bf16 batch-1 latency (no regression from the unspecialized counts)
@@ -411,7 +394,7 @@ step_last11() {
     >"$R/structured_prof.txt" 2>&1
 }
 # session 12, first call: the wgmma GEMM on the MMA layout (GPU tests; per-layer table and its
-# config sweep against bf16, the tl.dot GEMM and the wgmma GEMM on its own layout; 3B end to end)
+# config sweep against bf16 and the tl.dot GEMM; 3B end to end)
 step_mwg12() {
   run mwg_tests 130 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_mma_wgmma.py
@@ -429,7 +412,7 @@ step_mwg12b() {
   run mwg_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_mma_wgmma.py tests/layers/test_wna16_kernels.py
   run mwg_sweep 455 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0 \
-    --ms 1,8,16,24,32,48,64,96,128,256 --sweep mwg,nov2 --sweep-ms 16,32,64,128 \
+    --ms 1,8,16,24,32,48,64,96,128,256 --sweep mwg --sweep-ms 16,32,64,128 \
     --out "$R/mwg_sweep"
 }
 # session 12, last call: end to end with the wgmma GEMM in the registry, bf16 vs W4A16 (GPTQ
@@ -447,7 +430,7 @@ step_e2e12() {
     --batch-sizes 1,8,32,64 --iters 2 --gpu-memory-utilization 0.85 \
     --throughput-requests 256 --baseline none --timeout 120 --out "$R/compare_7b"
   run w4a16_table 100 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0 \
-    --ms 1,8,16,24,32,48,64,96,128,256 --sweep nov2 --out "$R/w4a16_table"
+    --ms 1,8,16,24,32,48,64,96,128,256 --sweep none --out "$R/w4a16_table"
   local NCU
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$NCU" ] && run ncu_mwg 80 "$NCU" --clock-control none --launch-skip 3 --launch-count 1 \

@@ -1,16 +1,16 @@
 """W4A16 per-layer kernels at M = 1-256 against bf16 cuBLAS, Qwen2.5-7B and 3B shapes (H200).
 
-Kernels (on the `repack_mma` tensor-core layout, the layer's only weight copy, and `wgmma`:
-the Gluon swap-AB GEMM on its own layout, `gluon_w4a16_wgmma.py`, sm_90 only):
+Kernels (on the `repack_mma` tensor-core layout, the layer's only weight copy):
 `gemv` (M <= 64: `wna16_mma_gemv`), `tc` (`wna16_mma_gemm`: dequantization in registers,
-`tl.dot`; `--sweep` tries its configs, `--sweep wgmma` the wgmma GEMM's), `dequant+cublas`
+`tl.dot`; `--sweep` tries its configs), `mwg` (`wna16_mma_wgmma`, the Gluon wgmma GEMM, sm_90
+only; `--sweep mwg` tries its configs), `dequant+cublas`
 (`wna16_mma_dequant` then `F.linear`), and `bf16` (cuBLAS on the dense weight) as the
 denominator of every ratio. Each is timed inside one CUDA graph cycling over enough weight
 copies to stream > 4x the L2 from HBM per replay (`pagoda.bench.common.graph_time_per_call`),
 symmetric and with zero points (`--zp`). Every result is checked against the fp32 matmul of the
 dequantized weight before it is timed.
 
-    python benchmarks/quant/bench_w4a16_tc.py --out DIR [--sweep [tc,wgmma]] [--models 7b,3b]
+    python benchmarks/quant/bench_w4a16_tc.py --out DIR [--sweep [tc,mwg]] [--models 7b,3b]
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pagoda.bench.common import copy_bandwidth, environment  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels import gluon_mma_wgmma as mwg  # noqa: E402
-from pagoda.kernels import gluon_w4a16_wgmma as wg  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 
@@ -66,25 +65,6 @@ def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
     return out
 
 
-def wgmma_sweep(m: int, n: int, k: int, num_sms: int) -> list[wg.WgmmaConfig]:
-    """The wgmma GEMM's tiles: the two smallest BLOCK_M that hold M, 1 or 2 warpgroups, with
-    and without split-K where the programs do not fill the SMs, a 3- or 4-stage ring (the
-    default is tried apart)."""
-    p2 = 8
-    while p2 < min(m, wg.MAX_BLOCK_M):
-        p2 *= 2
-    out = []
-    for bm in sorted({max(8, p2 // 2), p2}):
-        for wgs in (1, 2):
-            programs = -(-m // bm) * (n // (64 * wgs))
-            splits = {1}
-            if programs < num_sms:
-                splits.add(max(1, min(8, round(num_sms / programs))))
-            out += [(bm, wgs, sp, st) for sp in sorted(splits) for st in (3, 4)]
-    default = wg.default_wgmma_config(m, n, k, num_sms)
-    return [c for c in out if c != default]
-
-
 def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
     """The MMA-layout wgmma GEMM's tiles: the BLOCK_M that holds M and half of it (at most
     128), two warpgroups (one where N needs it), no split-K and the split that makes about two
@@ -109,7 +89,7 @@ def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
 class Layer:
     """`copies` random weight copies of one (N, K) layer in the MMA layout + one dense copy."""
 
-    def __init__(self, n: int, k: int, l2: int, zp: bool, dev: torch.device, v2: bool) -> None:
+    def __init__(self, n: int, k: int, l2: int, zp: bool, dev: torch.device) -> None:
         self.n, self.k = n, k
         packed = n * k // 2
         self.copies = max(2, -(-4 * l2 // packed))
@@ -131,16 +111,6 @@ class Layer:
             self.zeros = [
                 mma.repack_mma_zeros(torch.randint(0, 16, (groups, n), device=dev, generator=g))
                 for _ in range(self.copies)
-            ]
-        self.wg = None  # the same weights in the wgmma layout: (words, scales_t, zeros_t)
-        if wg.gluon_available() and torch.cuda.get_device_capability(dev) == (9, 0) and v2:
-            self.wg = [
-                (
-                    wg.repack_wgmma(mma.unpack_mma(self.words[i], n, k)),
-                    mma.unpack_mma_scales(self.pairs[i]),
-                    mma.unpack_mma_zeros(self.zeros[i]) if zp else None,
-                )
-                for i in range(self.copies)
             ]
         self.dense_copies = max(2, -(-4 * l2 // (n * k * 2)))
         w0 = mma.wna16_mma_dequant(self.words[0], self.pairs[0], n, k, GROUP, self.z(0))
@@ -180,17 +150,6 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
 
             label = None if c is None else [int(v) for v in c]
             cands["mwg" if c is None else f"mwg{label}"] = mwgmma
-    if layer.wg is not None and "nov2" not in sweep:
-        wg_configs = [None]
-        if "wgmma" in sweep and m in SWEEP_MS:
-            wg_configs += wgmma_sweep(m, n, k, num_sms)
-        for c in wg_configs:
-
-            def wgmma(i, c=c):
-                words, scales_t, zeros_t = layer.wg[i]
-                return wg.wna16_wgmma_gemm(x, words, scales_t, n, GROUP, zeros_t=zeros_t, config=c)
-
-            cands["wgmma" if c is None else f"wgmma{list(c)}"] = wgmma
     configs = [None]
     if "tc" in sweep and m in SWEEP_MS and not zp:
         configs = tc_sweep(m, n, k, num_sms)
@@ -207,7 +166,7 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
 
 
 def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
-    layer = Layer(n, k, l2, zp, dev, v2="nov2" not in sweep)
+    layer = Layer(n, k, l2, zp, dev)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device=dev).bfloat16()
@@ -224,7 +183,7 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
                 row[key + "_us"] = time_graph(fn, layer.copies) * 1e6
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
                 row[key + "_fail"] = repr(e)[:160]
-        for fam in ("tc", "wgmma", "mwg"):
+        for fam in ("tc", "mwg"):
             times = {kk: v for kk, v in row.items() if kk.startswith(fam) and kk.endswith("_us")}
             if times:
                 best = min(times, key=times.get)
@@ -242,7 +201,7 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
             for kk, v in row.items()
             if kk.endswith("_us") and kk not in ("bf16_us", "w4_best_us") and "[" not in kk
         }
-        best_of = [row.get(f + "_best", "") for f in ("tc", "wgmma", "mwg")]
+        best_of = [row.get(f + "_best", "") for f in ("tc", "mwg")]
         print(
             f"{model} {name:8s} zp={int(zp)} M={m:4d} bf16 {row['bf16_us']:8.1f}  "
             + "  ".join(f"{kk} {v:7.1f}" for kk, v in shown.items())
@@ -261,8 +220,8 @@ def main() -> None:
         nargs="?",
         const="tc",
         default="",
-        help="try these kernels' configs at M >= 16: tc (default), wgmma, mwg (the MMA-layout "
-        "wgmma GEMM), comma-separated; nov2: leave out the wgmma GEMM on its own layout",
+        help="try these kernels' configs at the sweep's M: tc (default), mwg (the wgmma GEMM), "
+        "comma-separated; any other word (e.g. none): the default configs only",
     )
     ap.add_argument("--models", default="7b,3b")
     ap.add_argument("--zp", default="0,1", help="symmetric (0) and / or zero points (1)")

@@ -19,7 +19,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 KERNELS = {  # result key -> legend
     "gemv_us": "tensor-core GEMV (registry, M <= 64)",
     "tc_best_us": "tl.dot GEMM (registry)",
-    "wgmma_best_us": "wgmma GEMM (candidate, best config)",
+    "wgmma_best_us": "wgmma GEMM on its own layout (session 10, best config)",
+    "mwg_best_us": "wgmma GEMM on the MMA layout (best config)",
     "dequant+cublas_us": "dequant + cuBLAS (registry)",
     "w4_best_us": "best W4A16",
 }
