@@ -11,9 +11,11 @@ fragment. An inline-asm block turns a word into its four bf16x2 registers: `lop3
 ((u - z) * s in fp32, rounded). 15 instructions per 8 weights.
 
 The layout orders K inside a 64-K tile: MMA v, thread c holds real K 16 c + 4 v + {0, 1} in its
-slots 2 c, 2 c + 1 and 16 c + 4 v + {2, 3} in slots 2 c + 8, 2 c + 9. The activation tile is
-staged in that slot order: cp.async copies 4-byte K pairs, slot pair 8 v + 4 h + c <- real pair
-8 c + 2 v + h, into the 128-byte-swizzled shared tile that wgmma reads as its B operand.
+slots 2 c, 2 c + 1 and 16 c + 4 v + {2, 3} in slots 2 c + 8, 2 c + 9. So the activation tile,
+wgmma's B operand in a 128-byte-swizzled shared tile, is staged either in that slot order
+(cp.async of 4-byte K pairs, slot pair 8 v + 4 h + c <- real pair 8 c + 2 v + h; cheaper at
+small tiles) or, with NATURAL_X, as it is in memory (16-byte copies) after each lane's words are
+exchanged across its quad so that they match natural K (`_QUAD_T`; cheaper from 64-row tiles).
 
 Pipeline, per program: a ring of NUM_STAGES shared-memory stages holding the program's words for
 one K step and the activation tile [BLOCK_M, 64]; the words run NUM_STAGES - 1 steps ahead, the
@@ -23,8 +25,8 @@ trip (consecutive MMAs' A operands must be distinct registers for ptxas to keep 
 Split-K adds fp32 partials into the runner's `SplitKWorkspace`; the last program of an output
 tile stores it and re-zeroes what it used (one launch, CUDA-graph safe).
 
-sm_90 only. The CPU tests check the slot order against the layout and compile the kernel for
-sm_90; the GPU tests compare it with the dequantized matmul.
+sm_90 only. The CPU tests check both orders against the layout (`unpack_slots`) and compile the
+kernel for sm_90; the GPU tests compare it with the dequantized matmul.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import functools
 
 import torch
 
+from pagoda import platform
 from pagoda.kernels.workspace import SplitKWorkspace
 
 BLOCK_N = 64  # weight rows per warpgroup (wgmma's M)
@@ -257,7 +260,6 @@ def _kernel():
             + gl.expand_dims(gl.expand_dims(sc * 0, 0), 2)
             + gl.expand_dims(gl.expand_dims(se, 0), 1)
         )  # + grp * 16
-        # activations in slot order: slot pair s <- real pair 8 (s % 4) + 2 (s // 8) + (s // 4) % 2
         if NATURAL_X:  # 16-byte copies, 8 lanes a row (the NVMMA layout wgmma reads)
             xk_l: gl.constexpr = gl.BlockedLayout(
                 size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
@@ -432,7 +434,7 @@ def wna16_mma_wgmma(
         )
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    num_sms = platform.num_sms(x.device)
     block_m, wgs, split, stages, *rest = config or default_wgmma_config(m, n, k, num_sms)
     natural = bool(rest[0]) if rest else False
     if block_m not in BLOCK_MS or n % (BLOCK_N * wgs):

@@ -474,34 +474,27 @@ class KernelTable:
         return ", ".join(parts)
 
 
-def _runs_at(kernel: type[WNA16Kernel], cfg: KernelConfig, m: int) -> bool:
-    return kernel.can_implement(cfg.rows(m, m))[0]
-
-
-def _best_at(kernel: type[WNA16Kernel], cfg: KernelConfig, m: int) -> bool:
-    hi = kernel.best_max_m(cfg)
-    return kernel.best_min_m(cfg) <= m and (hi is None or m <= hi)
-
-
 def _cover(cfg: KernelConfig, kernels: list[type[WNA16Kernel]]) -> KernelTable | str:
     """The dispatch table of one layout's enabled kernels, or why they cannot cover every M:
     at each M the first kernel (priority order) whose best range holds M, else the first that
     runs there. Past every finite bound the choice no longer changes, so M = 1 .. that bound
     + 1 decides the table, the last entry open-ended."""
     # only kernels that can run here are asked for their ranges (a range may need Triton)
+    # (asked once each: past `supports`, whether a kernel runs at M is its row limit alone)
     usable = [k for k in kernels if k.supports(cfg)[0]]
-    bounds = [1]
-    for k in usable:
-        bounds += [b for b in (k.max_rows, k.best_max_m(cfg)) if b is not None]
-        bounds.append(k.best_min_m(cfg))
+    ranges = {k: (k.max_rows, k.best_min_m(cfg), k.best_max_m(cfg)) for k in usable}
+    bounds = [1] + [b for r in ranges.values() for b in r if b is not None]
     last = max(bounds) + 1
     choice = []
     for m in range(1, last + 1):
-        runnable = [k for k in usable if _runs_at(k, cfg, m)]
+        runnable = [k for k, (rows, _, _) in ranges.items() if rows is None or m <= rows]
         if not runnable:
             why = "; ".join(f"{k.name}: {k.can_implement(cfg.rows(m, m))[1]}" for k in kernels)
             return f"nothing runs M={m} ({why or 'all disabled'})"
-        best = [k for k in runnable if _best_at(k, cfg, m)]
+        best = [
+            k for k in runnable
+            if ranges[k][1] <= m and (ranges[k][2] is None or m <= ranges[k][2])
+        ]  # fmt: skip
         choice.append(best[0] if best else runnable[0])
     entries: list[tuple[int | None, type[WNA16Kernel]]] = []
     lo = 1
