@@ -9,6 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
+# Steps (session 13): mwg13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
 # Steps (session 10): serve_ab structured check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
@@ -436,6 +437,15 @@ step_e2e12() {
   [ -n "$NCU" ] && run ncu_mwg 80 "$NCU" --clock-control none --launch-skip 3 --launch-count 1 \
     -k regex:kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis python3 benchmarks/quant/profile_mwg.py --m 64
+}
+# session 13, first call: the wgmma GEMM with words / scales prefetched into registers and
+# stream-K scheduling: its GPU tests, then the per-layer table and its config sweep
+step_mwg13() {
+  run mwg_tests 110 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -x \
+    tests/kernels/test_gluon_mma_wgmma.py
+  run mwg_sweep 400 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 1,8,16,24,32,48,64,96,128,192,256 --sweep mwg --sweep-ms 16,32,64,128 \
+    --out "$R/mwg_sweep"
 }
 # the same, shortest: Qwen2.5-3B bf16 vs W4A16 only (little device time left)
 step_e2e12s() {
