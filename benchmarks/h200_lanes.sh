@@ -441,7 +441,7 @@ step_e2e12() {
 # session 13, first call: the wgmma GEMM with words / scales prefetched into registers and
 # stream-K scheduling: its GPU tests, then the per-layer table and its config sweep
 step_mwg13() {
-  run mwg_tests 110 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -x \
+  run mwg_tests 110 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_mma_wgmma.py
   run mwg_sweep 400 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
     --ms 1,8,16,24,32,48,64,96,128,192,256 --sweep mwg --sweep-ms 16,32,64,128 \
