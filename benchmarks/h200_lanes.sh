@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 13): mwg13
+# Steps (session 13): mwg13 (its kernel deleted) e2e13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
 # Steps (session 10): serve_ab structured check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
@@ -438,14 +438,24 @@ step_e2e12() {
     -k regex:kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis python3 benchmarks/quant/profile_mwg.py --m 64
 }
-# session 13, first call: the wgmma GEMM with words / scales prefetched into registers and
-# stream-K scheduling: its GPU tests, then the per-layer table and its config sweep
-step_mwg13() {
-  run mwg_tests 110 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_gluon_mma_wgmma.py
-  run mwg_sweep 400 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
-    --ms 1,8,16,24,32,48,64,96,128,192,256 --sweep mwg --sweep-ms 16,32,64,128 \
-    --out "$R/mwg_sweep"
+# session 13, second call (the kernel of session 12 again: the first call's variant measured
+# slower): end to end bf16 / W4A16 / AWQ on 3B and 7B, the nano-vllm protocol, the per-layer
+# table with zero points, then the GPU tests of the engine against transformers
+step_e2e13() {
+  run compare3b_e2e 190 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG3" "config:$CFG3:w4a16" "config:$CFG3:awq" \
+    --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16,Qwen2.5-3B AWQ" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 \
+    --throughput-requests 256 --baseline none --timeout 110 --out "$R/compare_3b"
+  run compare7b_e2e 170 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG7" "config:$CFG7:w4a16" "config:$CFG7:awq" \
+    --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16,Qwen2.5-7B AWQ" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 \
+    --throughput-requests 256 --baseline none --timeout 100 --out "$R/compare_7b"
+  run w4a16_table 150 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0,1 \
+    --ms 1,8,16,32,48,64,96,128,256 --sweep none --out "$R/w4a16_table"
 }
 # the same, shortest: Qwen2.5-3B bf16 vs W4A16 only (little device time left)
 step_e2e12s() {

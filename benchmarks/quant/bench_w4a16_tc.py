@@ -66,27 +66,23 @@ def tc_sweep(m: int, n: int, k: int, num_sms: int) -> list[mma.GemmMmaConfig]:
 
 
 def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
-    """The MMA-layout wgmma GEMM's configs `(BLOCK_M, warpgroups, programs, max registers,
-    natural K order)`: the BLOCK_M that holds M and half of it (8-128), the K order the
-    default takes at that BLOCK_M (and the other at 32 / 64); with two warpgroups (where N
-    allows) one program a tile or one / two waves sharing the iterations (stream-K), each at
-    the compiler's register count and at 128; one warpgroup in one wave (4 an SM)."""
+    """The MMA-layout wgmma GEMM's tiles: the BLOCK_M that holds M and half of it (at most
+    128), two warpgroups (one where N needs it), no split-K and the split that makes about two
+    programs an SM; the activations in slot order (4-stage ring) or natural K order (4 or 8)."""
     p2 = next((b for b in mwg.BLOCK_MS if b >= m), mwg.MAX_BLOCK_M)
     wgs = 2 if n % 128 == 0 else 1
-    wave = num_sms * mwg.PROGRAMS_PER_SM[wgs]
     out = []
     for bm in sorted({min(128, max(8, p2 // 2)), min(128, p2)}):
-        orders = (bm > 32,) if bm not in (32, 64) else (False, True)
-        plans = [(wgs, 0, 0), (wgs, 0, 128), (wgs, wave, 0), (wgs, wave, 128),
-                 (wgs, 2 * wave, 128), (1, num_sms * mwg.PROGRAMS_PER_SM[1], 128)]  # fmt: skip
-        for natural in orders:
-            for w, programs, regs in plans:
-                if programs and mwg.wgmma_smem_bytes(bm, w, True) > mwg.SMEM_BYTES:
-                    continue
-                c = (bm, w, programs, regs, natural)
-                if c not in out:
-                    out.append(c)
+        programs = -(-m // bm) * (n // (64 * wgs))
+        splits = {1}
+        if programs < num_sms:
+            splits.add(max(1, min(16, round(2 * num_sms / programs))))
+        for sp in sorted(splits):
+            for st, natural in ((4, False), (4, True), (8, True)):
+                if mwg.wgmma_smem_bytes(bm, wgs, st) <= mwg.SMEM_BYTES:
+                    out.append((bm, wgs, sp, st, natural))
     default = tuple(mwg.default_wgmma_config(m, n, k, num_sms))
+    default = default + (False,) * (5 - len(default))
     return [c for c in out if c != default]
 
 

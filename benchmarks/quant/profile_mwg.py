@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=37888)
     ap.add_argument("--k", type=int, default=3584)
     ap.add_argument("--m", type=int, default=64)
-    ap.add_argument("--config", default=None, help="BLOCK_M,warpgroups,programs,maxnreg,natural")
+    ap.add_argument("--config", default=None, help="BLOCK_M,warpgroups,split,stages,natural")
     ap.add_argument("--calls", type=int, default=6)
     ns = ap.parse_args()
     dev = torch.device("cuda")

@@ -29,6 +29,16 @@ NUM_SMS = 132
 mma.mma_self_test = lambda device_index: True
 
 
+def _old_default(m: int, n: int) -> tuple:
+    """The default config of session 12's first sweep (its rows' plain `mwg` key)."""
+    p2 = next((b for b in mwg.BLOCK_MS if b >= m), mwg.MAX_BLOCK_M)
+    block_m = min(128, p2 if p2 <= 32 else p2 // 2)
+    wgs = 2 if n % 128 == 0 else 1
+    programs = -(-m // block_m) * (n // (64 * wgs))
+    split = max(1, min(16, round(2 * NUM_SMS / programs))) if programs < NUM_SMS else 1
+    return (block_m, wgs, split, 4, False)
+
+
 def kernel_key(row: dict, zp: bool, current: bool) -> tuple[str, str]:
     """(kernel name, the row's key of its time) for the registry's choice at this row's M;
     `current`: the run timed the default config of this code (its plain `mwg` key)."""
@@ -40,7 +50,10 @@ def kernel_key(row: dict, zp: bool, current: bool) -> tuple[str, str]:
         if current:
             return kernel.name, "mwg_us"
         c = tuple(int(v) for v in mwg.default_wgmma_config(m, n, k, NUM_SMS))
-        return kernel.name, f"mwg{list(c)}_us"
+        key = f"mwg{list(c)}_us"
+        if key not in row and c == tuple(int(v) for v in _old_default(m, n)):
+            key = "mwg_us"
+        return kernel.name, key
     return kernel.name, {"mma_gemv": "gemv_us", "mma_gemm": "tc_us",
                          "mma_dequant": "dequant+cublas_us"}[kernel.name]  # fmt: skip
 
@@ -51,8 +64,8 @@ def main() -> None:
     ap.add_argument("--zp", type=int, default=0)
     ap.add_argument(
         "--current", action="store_true",
-        help="the run timed this code's default wgmma configs (its plain `mwg` rows); else "
-        "the default is looked up among the run's swept configs",
+        help="the run timed this code's default wgmma configs (else: session 12's second sweep, "
+        "whose plain `mwg` rows are the first default rule)",
     )  # fmt: skip
     ns = ap.parse_args()
     rows = [r for r in json.loads(Path(ns.json).read_text())["rows"] if r["zp"] == bool(ns.zp)]

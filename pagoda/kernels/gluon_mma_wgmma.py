@@ -17,21 +17,13 @@ wgmma's B operand in a 128-byte-swizzled shared tile, is staged either in that s
 small tiles) or, with NATURAL_X, as it is in memory (16-byte copies) after each lane's words are
 exchanged across its quad so that they match natural K (`_QUAD_T`; cheaper from 64-row tiles).
 
-Pipeline, per program: a thread's words (16 bytes) and scale / zero pairs are loaded straight
-into registers four K steps ahead (no thread shares them); the activation tile [BLOCK_M, 64]
-goes through a ring of four shared-memory stages, two steps ahead (one stage is still read by
-the MMA in flight), each stage its own allocation so that one barrier a step suffices; the MMA
-is issued asynchronously with one left in flight over the next step's dequantization; four
-steps a loop trip (consecutive MMAs' A operands must be distinct registers for ptxas to keep
-one in flight).
-
-Scheduling: one program a tile, or a fixed number of programs (about one wave of the GPU)
-sharing the tiles x K steps iterations evenly and contiguously (stream-K,
-`stream_k_segments`): a program ends and starts tiles part-way through K, adds such partial
-tiles into the runner's `SplitKWorkspace` (from a shared-memory staging tile, in chunks), and
-the program that completes a tile's K stores it and re-zeroes what it used (one launch,
-CUDA-graph safe). That removes the tail wave of a tile count just above a multiple of the
-programs the GPU holds (Qwen2.5-7B gate_up: 296 tiles on 264 slots).
+Pipeline, per program: a ring of NUM_STAGES shared-memory stages holding the program's words for
+one K step and the activation tile [BLOCK_M, 64]; the words run NUM_STAGES - 1 steps ahead, the
+activations NUM_STAGES - 2 (one stage is still read by the MMA in flight); the MMA is issued
+asynchronously with one left in flight over the next step's dequantization; two steps a loop
+trip (consecutive MMAs' A operands must be distinct registers for ptxas to keep one in flight).
+Split-K adds fp32 partials into the runner's `SplitKWorkspace`; the last program of an output
+tile stores it and re-zeroes what it used (one launch, CUDA-graph safe).
 
 sm_90 only. The CPU tests check both orders against the layout (`unpack_slots`) and compile the
 kernel for sm_90; the GPU tests compare it with the dequantized matmul.
@@ -213,311 +205,203 @@ def _kernel():
         return gl.join(gl.join(o0, o1), gl.join(o2, o3))
 
     @gluon.jit
-    def _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt, kt_hi, GROUP_TILES: gl.constexpr,
-                  HAS_ZP: gl.constexpr):  # fmt: skip
-        """Step kt's words (16 bytes a thread) and scale / zero pairs (clamped to the last step:
-        a padded step's activations are zero)."""
-        k = gl.minimum(kt, kt_hi - 1)
-        words = gl.load(w_ptrs + k * 256)
-        if GROUP_TILES > 0:
-            grp = k // GROUP_TILES
-        else:
-            grp = 0
-        s_raw = gl.load(sp_ptr + s_off + grp * 16)
-        if HAS_ZP:
-            z_raw = gl.load(zp_ptr + s_off + grp * 16)
-        else:
-            z_raw = s_raw
-        return words, s_raw, z_raw
-
-    @gluon.jit
-    def _stage_x(buf, x_ptrs, x_mask, x_step, kx, kt_hi, WAIT: gl.constexpr):
-        """With WAIT, wait for the oldest activation stage (every warp past the barrier has
-        retired the MMA that read `buf`, two steps back); then copy step kx's tile into buf."""
-        if WAIT:
-            async_copy.wait_group(1)
-            barrier()
-            fence_async_shared()
-        async_load(buf, x_ptrs + gl.minimum(kx, kt_hi - 1) * x_step, mask=x_mask & (kx < kt_hi))
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _mma_step(acc, x_buf, words, s_raw, z_raw, BLOCK_M: gl.constexpr,
-                  NUM_WG: gl.constexpr, NATURAL_X: gl.constexpr, HAS_ZP: gl.constexpr):  # fmt: skip
-        """Dequantize a thread's 4 words into wgmma's A operand and issue the MMA on the
-        activation stage `x_buf`, leaving it in flight."""
-        BN: gl.constexpr = 64 * NUM_WG
-        RW: gl.constexpr = 32 * NUM_WG
-        NW: gl.constexpr = 4 * NUM_WG
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
-        )
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        v_l: gl.constexpr = v_layout(NUM_WG)
-        x_sl: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=16, rank=2
-        )
-        sl, sh = gl.inline_asm_elementwise(
-            splat_asm, "=r,=r,r", [s_raw], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2
-        )
-        if HAS_ZP:
-            zl, zh = gl.inline_asm_elementwise(
-                splat_asm, "=r,=r,r", [z_raw], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
-                pack=2,
-            )  # fmt: skip
-        else:  # -136 = -(128 + 8)
-            zl = gl.full([RW, 4, 2], -136.0, gl.bfloat16, layout=v_l)
-            zh = zl
-        if NATURAL_X:  # now word v of lane c is its word for natural slice v
-            words = gl.inline_asm_elementwise(
-                quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16,
-                is_pure=True, pack=8,
-            )  # fmt: skip
-        # one tensor per v: [RW, 4 c, 2 half]
-        wv = gl.permute(gl.reshape(words, [RW, 4, 2, 2, 2]), [0, 1, 4, 2, 3])
-        odd0, odd1 = gl.split(wv)  # v % 2 = 0, 1
-        w0, w2 = gl.split(odd0)
-        w1, w3 = gl.split(odd1)
-        f0 = _dequant_v(gl.convert_layout(w0, v_l, assert_trivial=True), sl, sh, zl, zh)
-        f1 = _dequant_v(gl.convert_layout(w1, v_l, assert_trivial=True), sl, sh, zl, zh)
-        f2 = _dequant_v(gl.convert_layout(w2, v_l, assert_trivial=True), sl, sh, zl, zh)
-        f3 = _dequant_v(gl.convert_layout(w3, v_l, assert_trivial=True), sl, sh, zl, zh)
-        t = gl.join(gl.join(f0, f1), gl.join(f2, f3))
-        # [RW (w, g), 4 c, 2 e, 2 rowhi, 2 khi, 2 v0, 2 v1]
-        t = gl.reshape(t, [NW, 8, 4, 2, 2, 2, 2, 2])
-        t = gl.permute(t, [0, 4, 1, 7, 6, 5, 2, 3])  # w, rowhi, g, v1, v0, khi, c, e
-        a = gl.convert_layout(gl.reshape(t, [BN, 64]), a_l, assert_trivial=True)
-        if NATURAL_X:
-            xs = x_buf
-        else:
-            xs = _as_bf16(x_buf, [BLOCK_M, 64], x_sl)
-        acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
-        acc, a, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a, xs])
-        return acc
-
-    @gluon.jit
     def kernel(
         x_ptr, w_ptr, sp_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-        M, N, K, n_groups, stride_xm, stride_om, m_tiles, total,
+        M, N, K, kt_per_split, n_groups, stride_xm, stride_om,
         GROUP_TILES: gl.constexpr,  # K tiles per scale group (0: one scale per column)
         BLOCK_M: gl.constexpr,
         NUM_WG: gl.constexpr,  # warpgroups, each 64 weight rows sharing the activation tile
+        NUM_STAGES: gl.constexpr,  # ring depth (>= 3)
         NATURAL_X: gl.constexpr,  # activations in natural K order, the words transposed
         HAS_ZP: gl.constexpr,
         HAS_BIAS: gl.constexpr,
-        ONE_SPLIT: gl.constexpr,  # one program a tile (else partial tiles through ws / cnt)
+        ONE_SPLIT: gl.constexpr,  # else the serial split-K reduction through ws / cnt
     ):  # fmt: skip
         BN: gl.constexpr = 64 * NUM_WG
         RW: gl.constexpr = 32 * NUM_WG
         NW: gl.constexpr = 4 * NUM_WG
+        S: gl.constexpr = NUM_STAGES
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
         )
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         w_l: gl.constexpr = word_layout(NUM_WG)
         v_l: gl.constexpr = v_layout(NUM_WG)
         xc_l: gl.constexpr = copy_layout(BLOCK_M, NW)
+        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         x_sl32: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=32, rank=2
         )
         x_sl: gl.constexpr = gl.NVMMASharedLayout(
             swizzle_byte_width=128, element_bitwidth=16, rank=2
         )
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
         kt_total = K // 64
-        # this program's share of the (tile, K step) iterations, tiles M-fastest (programs
-        # side by side read the same weights at once): contiguous, so it crosses at most a few
-        # tile boundaries; a tile's partial sums meet in ws
-        pid = gl.program_id(0).to(gl.int64)
-        it = (pid * total // gl.num_programs(0)).to(gl.int32)
-        it_end = ((pid + 1) * total // gl.num_programs(0)).to(gl.int32)
+        kt_lo = pid_k * kt_per_split
+        kt_hi = gl.minimum(kt_lo + kt_per_split, kt_total)
 
-        # four activation stages, each its own allocation: the barrier pass then sees that a
-        # step's copy and its MMA touch different buffers (one barrier a step, not two)
-        if NATURAL_X:
-            x0 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 64], x_sl)
-            x1 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 64], x_sl)
-            x2 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 64], x_sl)
-            x3 = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, 64], x_sl)
-        else:
-            x0 = gl.allocate_shared_memory(gl.int32, [BLOCK_M, 32], x_sl32)
-            x1 = gl.allocate_shared_memory(gl.int32, [BLOCK_M, 32], x_sl32)
-            x2 = gl.allocate_shared_memory(gl.int32, [BLOCK_M, 32], x_sl32)
-            x3 = gl.allocate_shared_memory(gl.int32, [BLOCK_M, 32], x_sl32)
-
-        if not ONE_SPLIT:  # the epilogue's staging tile; chunks [BN, CM], lanes along N
-            CM: gl.constexpr = 8
-            ep = gl.allocate_shared_memory(
-                gl.float32, [BN, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-            )
-            ep_l: gl.constexpr = gl.BlockedLayout(
-                size_per_thread=[1, 1], threads_per_warp=[32, 1],
-                warps_per_cta=[2 * NUM_WG, 2], order=[0, 1],
+        # words: (R, C' = 4 c + v, e) of column group pid_n * NW + R // 8 at tile kt:
+        #   ((cg * kt_total + kt) * 128 + 16 (R % 8) + C') * 2 + e  (bf16 elements)
+        wr = gl.arange(0, RW, layout=gl.SliceLayout(1, w_l))
+        wc = gl.arange(0, 32, layout=gl.SliceLayout(0, w_l))
+        w_off = gl.expand_dims((wr // 8) * (kt_total * 256) + (wr % 8) * 32, 1)
+        w_off = w_off + gl.expand_dims(wc, 0)
+        w_ptrs = w_ptr + pid_n.to(gl.int64) * NW * kt_total * 256 + w_off  # + kt * 256
+        # scale / zero pairs, one per thread (the 4 lanes of g read the same):
+        #   (column group, group, g) -> ((cg * n_groups + grp) * 8 + g) * 2 + e
+        sr = gl.arange(0, RW, layout=gl.SliceLayout(1, gl.SliceLayout(2, v_l)))
+        sc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, v_l)))
+        se = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, v_l)))
+        s_row = (pid_n * NW + sr // 8) * (n_groups * 16) + (sr % 8) * 2
+        s_off = (
+            gl.expand_dims(gl.expand_dims(s_row, 1), 2)
+            + gl.expand_dims(gl.expand_dims(sc * 0, 0), 2)
+            + gl.expand_dims(gl.expand_dims(se, 0), 1)
+        )  # + grp * 16
+        if NATURAL_X:  # 16-byte copies, 8 lanes a row (the NVMMA layout wgmma reads)
+            xk_l: gl.constexpr = gl.BlockedLayout(
+                size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
+                order=[1, 0],
             )  # fmt: skip
+            x_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xk_l))
+            x_k = gl.arange(0, 64, layout=gl.SliceLayout(0, xk_l))
+            x_mask = gl.expand_dims(x_m < M, 1)
+            x_ptrs = x_ptr + gl.expand_dims(x_m, 1) * (2 * stride_xm) + gl.expand_dims(x_k, 0)
+            x_step = 64
+        else:
+            # activations in slot order: slot pair s <- real pair 8 (s % 4) + 2 (s // 8) +
+            # (s // 4) % 2
+            x_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xc_l))
+            x_s = gl.arange(0, 32, layout=gl.SliceLayout(0, xc_l))
+            x_real = 8 * (x_s % 4) + 2 * (x_s // 8) + (x_s // 4) % 2
+            x_mask = gl.expand_dims(x_m < M, 1)
+            x_ptrs = x_ptr + gl.expand_dims(x_m, 1) * stride_xm + gl.expand_dims(x_real, 0)
+            x_step = 32
 
-        while it < it_end:
-            tile = it // kt_total
-            kt_lo = it - tile * kt_total
-            kt_hi = gl.minimum(kt_total, kt_lo + it_end - it)
-            it += kt_hi - kt_lo
-            pid_n = tile // m_tiles
-            pid_m = tile - pid_n * m_tiles
+        w_smem = gl.allocate_shared_memory(gl.bfloat16, [S, RW, 32], w_sl)
+        if NATURAL_X:
+            x_smem = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_M, 64], x_sl)
+        else:
+            x_smem = gl.allocate_shared_memory(gl.int32, [S, BLOCK_M, 32], x_sl32)
+        acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma)
 
-            # words: (R, C' = 4 c + v, e) of column group pid_n * NW + R // 8 at tile kt:
-            #   ((cg * kt_total + kt) * 128 + 16 (R % 8) + C') * 2 + e  (bf16 elements)
-            wr = gl.arange(0, RW, layout=gl.SliceLayout(1, w_l))
-            wc = gl.arange(0, 32, layout=gl.SliceLayout(0, w_l))
-            w_off = gl.expand_dims((wr // 8) * (kt_total * 256) + (wr % 8) * 32, 1)
-            w_off = w_off + gl.expand_dims(wc, 0)
-            w_ptrs = w_ptr + pid_n.to(gl.int64) * NW * kt_total * 256 + w_off  # + kt * 256
-            # scale / zero pairs, one per thread (the 4 lanes of g read the same):
-            #   (column group, group, g) -> ((cg * n_groups + grp) * 8 + g) * 2 + e
-            sr = gl.arange(0, RW, layout=gl.SliceLayout(1, gl.SliceLayout(2, v_l)))
-            sc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, v_l)))
-            se = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, v_l)))
-            s_row = (pid_n * NW + sr // 8) * (n_groups * 16) + (sr % 8) * 2
-            s_off = (
-                gl.expand_dims(gl.expand_dims(s_row, 1), 2)
-                + gl.expand_dims(gl.expand_dims(sc * 0, 0), 2)
-                + gl.expand_dims(gl.expand_dims(se, 0), 1)
-            )  # + grp * 16
-            if NATURAL_X:  # 16-byte copies, 8 lanes a row (the NVMMA layout wgmma reads)
-                xk_l: gl.constexpr = gl.BlockedLayout(
-                    size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[NW, 1],
-                    order=[1, 0],
+        # cp.async ring, one commit group per operand and step: W(0), X(0), W(1), X(1), ...
+        async_load(w_smem.index(0), w_ptrs + kt_lo * 256)
+        async_copy.commit_group()
+        for p in gl.static_range(S - 2):
+            kx = gl.minimum(kt_lo + p, kt_hi - 1)
+            async_load(x_smem.index(p), x_ptrs + kx * x_step, mask=x_mask & (kt_lo + p < kt_hi))
+            async_copy.commit_group()
+            kw = gl.minimum(kt_lo + p + 1, kt_hi - 1)
+            async_load(w_smem.index(p + 1), w_ptrs + kw * 256)
+            async_copy.commit_group()
+        pairs = gl.maximum((kt_hi - kt_lo + 1) // 2, 1)
+        for pair in range(pairs):
+            for u in gl.static_range(2):
+                kt = kt_lo + 2 * pair + u
+                i = kt - kt_lo
+                async_copy.wait_group(2 * S - 5)
+                barrier()
+                fence_async_shared()
+                kx = kt + S - 2
+                async_load(
+                    x_smem.index((i + S - 2) % S),
+                    x_ptrs + gl.minimum(kx, kt_hi - 1) * x_step,
+                    mask=x_mask & (kx < kt_hi),
+                )
+                async_copy.commit_group()
+                kw = gl.minimum(kt + S - 1, kt_hi - 1)
+                async_load(w_smem.index((i + S - 1) % S), w_ptrs + kw * 256)
+                async_copy.commit_group()
+
+                if GROUP_TILES > 0:
+                    grp = gl.minimum(kt, kt_hi - 1) // GROUP_TILES
+                else:
+                    grp = 0
+                sl, sh = gl.inline_asm_elementwise(
+                    splat_asm, "=r,=r,r", [gl.load(sp_ptr + s_off + grp * 16)],
+                    dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
                 )  # fmt: skip
-                x_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xk_l))
-                x_k = gl.arange(0, 64, layout=gl.SliceLayout(0, xk_l))
-                x_mask = gl.expand_dims(x_m < M, 1)
-                x_ptrs = x_ptr + gl.expand_dims(x_m, 1) * (2 * stride_xm) + gl.expand_dims(x_k, 0)
-                x_step = 64
-            else:
-                # activations in slot order: slot pair s <- real pair 8 (s % 4) + 2 (s // 8) +
-                # (s // 4) % 2
-                x_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, xc_l))
-                x_s = gl.arange(0, 32, layout=gl.SliceLayout(0, xc_l))
-                x_real = 8 * (x_s % 4) + 2 * (x_s // 8) + (x_s // 4) % 2
-                x_mask = gl.expand_dims(x_m < M, 1)
-                x_ptrs = x_ptr + gl.expand_dims(x_m, 1) * stride_xm + gl.expand_dims(x_real, 0)
-                x_step = 32
-            acc = gl.zeros([BN, BLOCK_M], gl.float32, layout=mma)
+                if HAS_ZP:
+                    zl, zh = gl.inline_asm_elementwise(
+                        splat_asm, "=r,=r,r", [gl.load(zp_ptr + s_off + grp * 16)],
+                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
+                    )  # fmt: skip
+                else:  # -136 = -(128 + 8)
+                    zl = gl.full([RW, 4, 2], -136.0, gl.bfloat16, layout=v_l)
+                    zh = zl
+                words = w_smem.index(i % S).load(w_l)  # [RW, 32 (c, v, half)]
+                if NATURAL_X:  # now word v of lane c is its word for natural slice v
+                    words = gl.inline_asm_elementwise(
+                        quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16,
+                        is_pure=True, pack=8,
+                    )  # fmt: skip
+                # one tensor per v: [RW, 4 c, 2 half]
+                wv = gl.permute(gl.reshape(words, [RW, 4, 2, 2, 2]), [0, 1, 4, 2, 3])
+                odd0, odd1 = gl.split(wv)  # v % 2 = 0, 1
+                w0, w2 = gl.split(odd0)
+                w1, w3 = gl.split(odd1)
+                f0 = _dequant_v(gl.convert_layout(w0, v_l, assert_trivial=True), sl, sh, zl, zh)
+                f1 = _dequant_v(gl.convert_layout(w1, v_l, assert_trivial=True), sl, sh, zl, zh)
+                f2 = _dequant_v(gl.convert_layout(w2, v_l, assert_trivial=True), sl, sh, zl, zh)
+                f3 = _dequant_v(gl.convert_layout(w3, v_l, assert_trivial=True), sl, sh, zl, zh)
+                t = gl.join(gl.join(f0, f1), gl.join(f2, f3))
+                # [RW (w, g), 4 c, 2 e, 2 rowhi, 2 khi, 2 v0, 2 v1]
+                t = gl.reshape(t, [NW, 8, 4, 2, 2, 2, 2, 2])
+                t = gl.permute(t, [0, 4, 1, 7, 6, 5, 2, 3])  # w, rowhi, g, v1, v0, khi, c, e
+                a = gl.convert_layout(gl.reshape(t, [BN, 64]), a_l, assert_trivial=True)
+                if NATURAL_X:
+                    xs = x_smem.index(i % S)
+                else:
+                    xs = _as_bf16(x_smem.index(i % S), [BLOCK_M, 64], x_sl)
+                acc = warpgroup_mma(a, xs.permute((1, 0)), acc, is_async=True)
+                acc, a, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a, xs])
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        async_copy.wait_group(0)
 
-            # activations 2 steps ahead through the ring (one commit group a step); a thread's
-            # words and scale (zero) pairs straight into registers, 4 steps ahead
-            barrier()  # every warp is done with the last tile's stages
-            _stage_x(x0, x_ptrs, x_mask, x_step, kt_lo, kt_hi, False)
-            _stage_x(x1, x_ptrs, x_mask, x_step, kt_lo + 1, kt_hi, False)
-            w0, q0, z0 = _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt_lo, kt_hi, GROUP_TILES, HAS_ZP)
-            w1, q1, z1 = _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt_lo + 1, kt_hi, GROUP_TILES,
-                                   HAS_ZP)  # fmt: skip
-            w2, q2, z2 = _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt_lo + 2, kt_hi, GROUP_TILES,
-                                   HAS_ZP)  # fmt: skip
-            w3, q3, z3 = _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt_lo + 3, kt_hi, GROUP_TILES,
-                                   HAS_ZP)  # fmt: skip
-            for trip in range(gl.cdiv(kt_hi - kt_lo, 4)):  # padded steps: zero activations
-                kt = kt_lo + 4 * trip
-                _stage_x(x2, x_ptrs, x_mask, x_step, kt + 2, kt_hi, True)
-                w4, q4, z4 = _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt + 4, kt_hi, GROUP_TILES,
-                                       HAS_ZP)  # fmt: skip
-                acc = _mma_step(acc, x0, w0, q0, z0, BLOCK_M, NUM_WG, NATURAL_X, HAS_ZP)
-                _stage_x(x3, x_ptrs, x_mask, x_step, kt + 3, kt_hi, True)
-                w5, q5, z5 = _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt + 5, kt_hi, GROUP_TILES,
-                                       HAS_ZP)  # fmt: skip
-                acc = _mma_step(acc, x1, w1, q1, z1, BLOCK_M, NUM_WG, NATURAL_X, HAS_ZP)
-                _stage_x(x0, x_ptrs, x_mask, x_step, kt + 4, kt_hi, True)
-                w6, q6, z6 = _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt + 6, kt_hi, GROUP_TILES,
-                                       HAS_ZP)  # fmt: skip
-                acc = _mma_step(acc, x2, w2, q2, z2, BLOCK_M, NUM_WG, NATURAL_X, HAS_ZP)
-                _stage_x(x1, x_ptrs, x_mask, x_step, kt + 5, kt_hi, True)
-                w7, q7, z7 = _prefetch(w_ptrs, sp_ptr, zp_ptr, s_off, kt + 7, kt_hi, GROUP_TILES,
-                                       HAS_ZP)  # fmt: skip
-                acc = _mma_step(acc, x3, w3, q3, z3, BLOCK_M, NUM_WG, NATURAL_X, HAS_ZP)
-                w0, q0, z0, w1, q1, z1 = w4, q4, z4, w5, q5, z5
-                w2, q2, z2, w3, q3, z3 = w6, q6, z6, w7, q7, z7
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            async_copy.wait_group(0)
-
-            o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-            o_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-            o_mask = gl.expand_dims(o_m < M, 0)
-            o_idx = gl.expand_dims(o_m, 0) * stride_om + gl.expand_dims(o_n, 1)
-            if ONE_SPLIT:
+        o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        o_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        o_mask = gl.expand_dims(o_m < M, 0)
+        o_idx = gl.expand_dims(o_m, 0) * stride_om + gl.expand_dims(o_n, 1)
+        if ONE_SPLIT:
+            if HAS_BIAS:
+                acc = acc + gl.expand_dims(gl.load(b_ptr + o_n).to(gl.float32), 1)
+            gl.store(out_ptr + o_idx, acc.to(gl.bfloat16), mask=o_mask)
+        else:
+            w_idx = gl.expand_dims(o_m, 0) * N + gl.expand_dims(o_n, 1)
+            gl.atomic_add(ws_ptr + w_idx, acc, mask=o_mask, sem="relaxed")
+            barrier()
+            tile = pid_m * gl.num_programs(0) + pid_n
+            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if done == gl.num_programs(2) - 1:
+                zero = gl.zeros([BN, BLOCK_M], gl.int32, layout=mma)
+                bits = gl.atomic_xchg(wsi_ptr + w_idx, zero, mask=o_mask, sem="relaxed")
+                total = bits.to(gl.float32, bitcast=True)
                 if HAS_BIAS:
-                    acc = acc + gl.expand_dims(gl.load(b_ptr + o_n).to(gl.float32), 1)
-                gl.store(out_ptr + o_idx, acc.to(gl.bfloat16), mask=o_mask)
-            else:  # through shared memory, in chunks of CM rows (few registers)
-                barrier()
-                ep.store(acc)
-                barrier()
-                e_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, ep_l))
-                e_c = gl.arange(0, CM, layout=gl.SliceLayout(0, ep_l))
-                whole = kt_hi - kt_lo == kt_total
-                for c in gl.static_range(BLOCK_M // CM):
-                    e_m = pid_m * BLOCK_M + c * CM + e_c
-                    e_mask = gl.expand_dims(e_m < M, 0)
-                    part = ep.slice(c * CM, CM, dim=1).load(ep_l)
-                    if whole:
-                        if HAS_BIAS:
-                            part = part + gl.expand_dims(gl.load(b_ptr + e_n).to(gl.float32), 1)
-                        e_idx = gl.expand_dims(e_m, 0) * stride_om + gl.expand_dims(e_n, 1)
-                        gl.store(out_ptr + e_idx, part.to(gl.bfloat16), mask=e_mask)
-                    else:
-                        w_idx = gl.expand_dims(e_m, 0) * N + gl.expand_dims(e_n, 1)
-                        gl.atomic_add(ws_ptr + w_idx, part, mask=e_mask, sem="relaxed")
-                if not whole:  # the program that completes the tile's K stores it
-                    barrier()
-                    steps = kt_hi - kt_lo
-                    done = gl.atomic_add(cnt_ptr + tile, steps, sem="acq_rel")
-                    if done + steps == kt_total:
-                        for c in gl.static_range(BLOCK_M // CM):
-                            e_m = pid_m * BLOCK_M + c * CM + e_c
-                            e_mask = gl.expand_dims(e_m < M, 0)
-                            w_idx = gl.expand_dims(e_m, 0) * N + gl.expand_dims(e_n, 1)
-                            zero = gl.zeros([BN, CM], gl.int32, layout=ep_l)
-                            bits = gl.atomic_xchg(wsi_ptr + w_idx, zero, mask=e_mask, sem="relaxed")
-                            fin = bits.to(gl.float32, bitcast=True)
-                            if HAS_BIAS:
-                                fin = fin + gl.expand_dims(gl.load(b_ptr + e_n).to(gl.float32), 1)
-                            e_idx = gl.expand_dims(e_m, 0) * stride_om + gl.expand_dims(e_n, 1)
-                            gl.store(out_ptr + e_idx, fin.to(gl.bfloat16), mask=e_mask)
-                        gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+                    total = total + gl.expand_dims(gl.load(b_ptr + o_n).to(gl.float32), 1)
+                gl.store(out_ptr + o_idx, total.to(gl.bfloat16), mask=o_mask)
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 
     return kernel
 
 
-def wgmma_smem_bytes(block_m: int, wgs: int, stream_k: bool) -> int:
-    """Four activation stages (bf16) and, with partial tiles, the fp32 staging tile."""
-    return 4 * block_m * BLOCK_K * 2 + (wgs * BLOCK_N * block_m * 4 if stream_k else 0)
-
-
-def wgmma_tiles(m: int, n: int, block_m: int, wgs: int) -> int:
-    return -(-m // block_m) * (n // (BLOCK_N * wgs))
-
-
-def stream_k_segments(tiles: int, kt_total: int, programs: int, p: int) -> list[tuple]:
-    """The kernel's schedule for program p of `programs` (the same integer steps): its share
-    of the tiles x K steps iterations as (tile, first K step, end) segments."""
-    total = tiles * kt_total
-    it, end = p * total // programs, (p + 1) * total // programs
-    out = []
-    while it < end:
-        tile, lo = divmod(it, kt_total)
-        hi = min(kt_total, lo + end - it)
-        out.append((tile, lo, hi))
-        it += hi - lo
-    return out
+def wgmma_smem_bytes(block_m: int, wgs: int, stages: int) -> int:
+    """The ring: per stage the activation tile (bf16) and the warpgroups' words."""
+    return stages * (block_m * BLOCK_K * 2 + wgs * BLOCK_N * BLOCK_K // 2)
 
 
 SMALL_LAYER = 32 << 20  # weights (16 MiB packed): below it, two programs along M from 33 rows
-PROGRAMS_PER_SM = {1: 4, 2: 2}  # warpgroups -> programs an SM holds at 128 registers a thread
 
 
 def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
-    """BLOCK_M and the K order from session 12's sweep (BENCHMARKS.md): one program along M
-    up to 32 rows (BLOCK_M the smallest that holds M) with the activations in slot order;
-    from 33 rows BLOCK_M 64 on layers of >= 32 Mi weights (two programs would read them twice
-    from HBM) and half the rows on smaller ones, in natural K order; two warpgroups where N
-    allows. Programs: one a tile when the tiles fill whole waves of the GPU (or many waves),
-    else one wave that shares the (tile, K step) iterations evenly (stream-K); 128 registers
-    a thread (two 2-warpgroup programs an SM)."""
+    """From session 12's sweep (BENCHMARKS.md): one program along M up to 32 rows (BLOCK_M the
+    smallest that holds M) with the activations in slot order; from 33 rows BLOCK_M 64 on
+    layers of >= 32 Mi weights (two programs would read them twice from HBM) and half the
+    rows on smaller ones (more programs, the weights stay in the L2), the activations in
+    natural K order (16-byte copies); two warpgroups where N allows; split-K to about two
+    programs an SM when there are fewer than one; a 4-stage ring."""
     p2 = next((b for b in BLOCK_MS if b >= m), MAX_BLOCK_M)
     if p2 <= 32:
         block_m, natural = p2, False
@@ -525,12 +409,9 @@ def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
         block_m = 64 if n * k >= SMALL_LAYER else min(128, p2) // 2
         natural = True
     wgs = 2 if n % (2 * BLOCK_N) == 0 else 1
-    tiles = wgmma_tiles(m, n, block_m, wgs)
-    wave = num_sms * PROGRAMS_PER_SM[wgs]
-    programs = 0 if tiles % wave == 0 or tiles >= 4 * wave else wave
-    if programs and wgmma_smem_bytes(block_m, wgs, True) > SMEM_BYTES:
-        programs = 0
-    return block_m, wgs, programs, 128, natural
+    programs = -(-m // block_m) * (n // (BLOCK_N * wgs))
+    split = max(1, min(16, round(2 * num_sms / programs))) if programs < num_sms else 1
+    return block_m, wgs, split, 4, natural
 
 
 def wna16_mma_wgmma(
@@ -541,12 +422,10 @@ def wna16_mma_wgmma(
     group_size: int,
     bias: torch.Tensor | None = None,
     zero_pairs: torch.Tensor | None = None,  # `repack_mma_zeros` (None: symmetric, z = 8)
-    workspace: SplitKWorkspace | None = None,  # partial tiles' scratch (None: one a program)
+    workspace: SplitKWorkspace | None = None,  # split-K scratch (None: no split-K)
     config: WgmmaConfig | None = None,
 ) -> torch.Tensor:  # [M, N] bf16
-    """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, W = (u - z) * s per group.
-    `config` = (BLOCK_M, warpgroups, programs (0: one a tile), max registers a thread (0: the
-    compiler's choice), natural K order)."""
+    """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, W = (u - z) * s per group."""
     m, k = x.shape
     if x.dtype != torch.bfloat16 or not x.is_cuda or not wgmma_supported(n, k, group_size):
         raise ValueError(
@@ -556,48 +435,44 @@ def wna16_mma_wgmma(
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
     num_sms = platform.num_sms(x.device)
-    block_m, wgs, programs, maxnreg, natural = config or default_wgmma_config(m, n, k, num_sms)
-    if block_m not in BLOCK_MS or wgs not in (1, 2) or n % (BLOCK_N * wgs) or programs < 0:
-        raise ValueError(
-            f"config {config}: BLOCK_M in {BLOCK_MS}, 1 or 2 warpgroups, N % {BLOCK_N * wgs} "
-            f"== 0, programs >= 0"
-        )
-    tiles = wgmma_tiles(m, n, block_m, wgs)
+    block_m, wgs, split, stages, *rest = config or default_wgmma_config(m, n, k, num_sms)
+    natural = bool(rest[0]) if rest else False
+    if block_m not in BLOCK_MS or n % (BLOCK_N * wgs):
+        raise ValueError(f"config {config}: BLOCK_M in {BLOCK_MS}, N % {BLOCK_N * wgs} == 0")
+    if stages < 3 or wgmma_smem_bytes(block_m, wgs, stages) > SMEM_BYTES:
+        raise ValueError(f"{stages} stages: at least 3, and within {SMEM_BYTES} bytes")
     kt_total = k // BLOCK_K
-    programs = min(programs, tiles * kt_total)
-    if programs and wgmma_smem_bytes(block_m, wgs, True) > SMEM_BYTES:
-        raise ValueError(f"config {config}: partial tiles need more than {SMEM_BYTES} bytes")
+    per = -(-kt_total // split)
+    split = -(-kt_total // per)
     if x.stride(1) != 1 or x.stride(0) % 2 or x.storage_offset() % 2:
         x = x.contiguous()
     xi = x.view(torch.int32)
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
+    grid = (n // (BLOCK_N * wgs), -(-m // block_m), split)
     ws, cnt = out.view(-1)[:0].float(), words
-    if programs and programs != tiles:
-        bufs = workspace.buffers(x.device, m * n, tiles) if workspace else None
+    if split > 1:
+        bufs = workspace.buffers(x.device, m * n, grid[0] * grid[1]) if workspace else None
         if bufs is None:  # no workspace, or capturing with one too small to grow
-            programs = 0
+            per, split = kt_total, 1
+            grid = (grid[0], grid[1], 1)
         else:
             ws, cnt = bufs
-    else:
-        programs = 0
     per_channel = group_size <= 0 or group_size >= k
     sp = scale_pairs.view(torch.bfloat16)
-    extra = {"maxnreg": maxnreg} if maxnreg else {}
-    _kernel()[(programs or tiles,)](
+    _kernel()[grid](
         x if natural else xi, words.view(torch.bfloat16), sp,
         zero_pairs.view(torch.bfloat16) if zero_pairs is not None else sp,
         bias if bias is not None else out, out, ws, ws.view(torch.int32), cnt,
-        m, n, k, scale_pairs.shape[1], xi.stride(0), out.stride(0), -(-m // block_m),
-        tiles * kt_total,
+        m, n, k, per, scale_pairs.shape[1], xi.stride(0), out.stride(0),
         GROUP_TILES=0 if per_channel else group_size // BLOCK_K,
         BLOCK_M=block_m,
         NUM_WG=wgs,
+        NUM_STAGES=stages,
         NATURAL_X=natural,
         HAS_ZP=zero_pairs is not None,
         HAS_BIAS=bias is not None,
-        ONE_SPLIT=programs == 0,
+        ONE_SPLIT=split == 1,
         num_warps=4 * wgs,
-        **extra,
     )  # fmt: skip
     return out
 

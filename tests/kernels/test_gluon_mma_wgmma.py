@@ -63,77 +63,47 @@ def test_bad_inputs_are_refused():
 def test_default_configs():
     for m in (8, 17, 33, 64, 100, 128, 200, 256, 512):
         for n, k in ((4608, 3584), (2048, 11008), (37888, 3584)):
-            block_m, wgs, programs, maxnreg, natural = wg.default_wgmma_config(m, n, k, 132)
+            block_m, wgs, split, stages, natural = wg.default_wgmma_config(m, n, k, 132)
             assert block_m in wg.BLOCK_MS and min(m, 16) <= block_m <= 64
-            assert natural == (m > 32) and n % (64 * wgs) == 0 and maxnreg == 128
-            assert wg.wgmma_smem_bytes(block_m, wgs, programs > 0) <= wg.SMEM_BYTES
-            tiles = wg.wgmma_tiles(m, n, block_m, wgs)
-            # one program a tile only where the tiles fill whole waves (or many); else one
-            # wave of programs (two an SM) shares the iterations
-            assert programs in (0, 264) and (programs == 0) == (tiles % 264 == 0 or tiles >= 1056)
+            assert natural == (m > 32) and n % (64 * wgs) == 0 and split >= 1
+            assert wg.wgmma_smem_bytes(block_m, wgs, stages) <= wg.SMEM_BYTES
     # up to 32 rows one program along M; past that a large layer keeps 64-row programs (its
     # weights read once), a small one takes two programs
-    assert wg.default_wgmma_config(32, 37888, 3584, 132)[:3] == (32, 2, 264)  # 296 tiles
-    assert wg.default_wgmma_config(64, 37888, 3584, 132)[:3] == (64, 2, 264)
-    assert wg.default_wgmma_config(64, 4608, 3584, 132)[:3] == (32, 2, 264)  # 72 tiles
-    assert wg.default_wgmma_config(256, 37888, 3584, 132)[:3] == (64, 2, 0)  # 1184 tiles
-
-
-@pytest.mark.parametrize(
-    "tiles,kt_total,programs",
-    [(296, 56, 264), (10, 8, 3), (10, 8, 7), (36, 56, 264), (4, 9, 36), (5, 4, 20)],
-)
-def test_stream_k_schedule_covers_each_iteration_once(tiles, kt_total, programs):
-    """The kernel's schedule (`stream_k_segments`): every (tile, K step) once, contiguous K
-    ranges; a tile's K steps from several programs add up to its K (its last adder stores)."""
-    seen = torch.zeros(tiles, kt_total, dtype=torch.int32)
-    per_tile: dict[int, int] = {}
-    for p in range(programs):
-        for tile, lo, hi in wg.stream_k_segments(tiles, kt_total, programs, p):
-            assert 0 <= lo < hi <= kt_total
-            seen[tile, lo:hi] += 1
-            per_tile[tile] = per_tile.get(tile, 0) + hi - lo
-    assert torch.equal(seen, torch.ones_like(seen))
-    assert set(per_tile.values()) == {kt_total}
+    assert wg.default_wgmma_config(32, 37888, 3584, 132)[:3] == (32, 2, 1)
+    assert wg.default_wgmma_config(64, 37888, 3584, 132)[:3] == (64, 2, 1)
+    assert wg.default_wgmma_config(64, 4608, 3584, 132)[:3] == (32, 2, 4)  # 72 programs
+    assert wg.default_wgmma_config(16, 3584, 18944, 132)[:3] == (16, 2, 9)  # 28 programs
 
 
 def _compile_ptx(
-    block_m: int, num_wg: int, maxnreg: int, zp: bool, one_split: bool, natural: bool = False
-) -> tuple[str, str]:
-    """The kernel's sm_90 PTX and its resource line (in a fresh interpreter: see `_compiled`)."""
-    import tempfile
-
+    block_m: int, num_wg: int, stages: int, zp: bool, one_split: bool, natural: bool = False
+) -> str:
+    """The kernel's sm_90 PTX (in a fresh interpreter: see `_compiled`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    ints = ["M", "N", "K", "n_groups", "stride_xm", "stride_om", "m_tiles", "total"]
+    ints = ["M", "N", "K", "kt_per_split", "n_groups", "stride_xm", "stride_om"]
     sig = {"x_ptr": "*bf16" if natural else "*i32", "w_ptr": "*bf16", "sp_ptr": "*bf16",
            "zp_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
            "wsi_ptr": "*i32", "cnt_ptr": "*i32", **dict.fromkeys(ints, "i32")}  # fmt: skip
-    consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": num_wg, "NATURAL_X": natural,
-              "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split}  # fmt: skip
+    consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": num_wg, "NUM_STAGES": stages,
+              "NATURAL_X": natural, "HAS_ZP": zp, "HAS_BIAS": False,
+              "ONE_SPLIT": one_split}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(9), 13, 14)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(9), 10, 11, 14, 15)}
     src = GluonASTSource(fn=wg._kernel(), signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": 4 * num_wg, **({"maxnreg": maxnreg} if maxnreg else {})}
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                               capture_output=True, text=True).stdout  # fmt: skip
-    return compiled.asm["ptx"], usage
+    opts = {"num_warps": 4 * num_wg}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
 
-def _compiled(*args) -> tuple[str, str]:
+def _compiled(*args) -> str:
     """`_compile_ptx` in a child process without TRITON_INTERPRET (the interpreter patches
     triton.language in place while the suite runs)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
-        "import sys, json; sys.path[:0] = sys.argv[1:3]; import test_gluon_mma_wgmma as t; "
-        f"sys.stdout.write(json.dumps(t._compile_ptx{args!r}))"
+        "import sys; sys.path[:0] = sys.argv[1:3]; import test_gluon_mma_wgmma as t; "
+        f"sys.stdout.write(t._compile_ptx{args!r})"
     )
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
@@ -141,72 +111,53 @@ def _compiled(*args) -> tuple[str, str]:
         [sys.executable, "-c", code, here, root], capture_output=True, text=True, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
-    ptx, usage = json.loads(done.stdout)
-    return ptx, usage
-
-
-def _ring_barriers(num_wg: int) -> int:
-    """The ring's barriers a loop trip: one a step (Triton 3.9's barrier pass adds one at the
-    back edge of a two-warpgroup loop; 3.6, the GPU machine's, does not)."""
-    import triton
-
-    return 4 + (num_wg == 2 and not triton.__version__.startswith("3.6"))
-
-
-def _loop(ptx: str) -> str:
-    """The K loop's body (the one inner loop header to its back branch)."""
-    start = re.search(r"This Inner Loop Header", ptx).start()
-    return ptx[start : re.compile(r"\sbra(\.uni)?\s").search(ptx, start).start()]
+    return done.stdout
 
 
 @pytest.mark.skipif(not wg.gluon_available(), reason="needs Triton with Gluon")
 @pytest.mark.parametrize(
-    "block_m,num_wg,maxnreg,zp,one_split",
-    [(8, 1, 0, False, True), (64, 1, 128, True, True), (64, 2, 128, False, False),
-     (128, 2, 0, True, True)],
+    "block_m,num_wg,stages,zp,one_split",
+    [(8, 1, 4, False, True), (64, 1, 4, True, True), (64, 2, 4, False, False),
+     (128, 2, 3, True, True)],
 )  # fmt: skip
-def test_sm90_code(block_m, num_wg, maxnreg, zp, one_split):
-    """Compiled for sm_90 here: per K step of the loop (four a trip) one barrier, one 16-byte
-    global load of a thread's words and one of its scales, the activations in 4-byte copies
-    (the slot order), the asm's 15 instructions per word feeding wgmma's register operand (no
-    shuffles, no local memory), one MMA group left in flight; at most `maxnreg` registers."""
-    ptx, usage = _compiled(block_m, num_wg, maxnreg, zp, one_split)
-    loop = _loop(ptx)
+def test_sm90_code(block_m, num_wg, stages, zp, one_split):
+    """Compiled for sm_90 here: the words come through the ring in 16-byte copies and one
+    16-byte shared load a step, the activations in 4-byte copies (the slot order); the
+    dequantization is the asm's 15 instructions per word, feeding wgmma's register operand
+    (no shuffles, no local memory), one MMA group left in flight."""
+    ptx = _compiled(block_m, num_wg, stages, zp, one_split)
     mmas = re.findall(
-        r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", loop
+        r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx
     )  # the A operand a register list, not a descriptor
-    assert len(mmas) == 16 and {int(v) for v in mmas} == {block_m}
-    assert loop.count("bar.sync") == _ring_barriers(num_wg)  # nothing between copy and MMA
-    assert len(re.findall(r"ld\.global(\.\w+)*\.v4\.b32", loop)) == 4  # the words
-    assert len(re.findall(r"ld\.global(\.\w+)*\.b32 \{ %r\d+ \}", loop)) == 4 * (1 + zp)
-    x_copies = re.findall(r"cp\.async\.ca\.shared\.global .*0x4, %r\d+;", loop)
-    assert len(x_copies) == 4 * block_m * 32 // (128 * num_wg)  # each pair copied once
-    assert "ld.shared" not in loop and "cp.async.cg" not in loop
-    # per loop trip: 4 steps x 4 words x (4 lop3, 4 add, 4 mul)
-    assert loop.count("lop3.b32") == 64 and loop.count("mul.rn.bf16x2") == 64
-    assert loop.count("add.rn.bf16x2") == 64
+    assert len(mmas) == 8 and {int(v) for v in mmas} == {block_m}  # two K steps a loop trip
+    # copies: the prologue's S - 1 word stages and S - 2 activation stages, then per loop trip
+    # two of each; 16 bytes a thread for the words, 4-byte pairs for the activations
+    w_copies = re.findall(r"cp\.async\.cg\.shared\.global .*0x10, 0x10;", ptx)
+    assert len(w_copies) == stages + 1
+    x_copies = re.findall(r"cp\.async\.ca\.shared\.global .*0x4, %r\d+;", ptx)
+    assert len(x_copies) == stages * block_m * 32 // (128 * num_wg)  # each pair copied once
+    assert ptx.count("ld.shared.v4.b32") == 2  # a thread's 4 words, once a step
+    # per loop trip: 2 steps x 4 words x (4 lop3, 4 add, 4 mul)
+    assert ptx.count("lop3.b32") == 32 and ptx.count("mul.rn.bf16x2") == 32
+    assert ptx.count("add.rn.bf16x2") == 32
     assert {int(v) for v in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)} == {0, 1}
     for absent in ("ldmatrix", "shfl", "ld.local", "st.local"):
         assert absent not in ptx, absent
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert regs <= (maxnreg or 255)
 
 
 @pytest.mark.skipif(not wg.gluon_available(), reason="needs Triton with Gluon")
-@pytest.mark.parametrize("block_m,num_wg", [(16, 1), (64, 2)])
-def test_sm90_code_natural_order(block_m, num_wg):
+@pytest.mark.parametrize("block_m,num_wg,stages", [(16, 1, 4), (64, 2, 8)])
+def test_sm90_code_natural_order(block_m, num_wg, stages):
     """NATURAL_X: the activations in 16-byte copies, the words through the quad transpose (4
     prmt, 4 shfl a step), the same dequantization and register-operand wgmma."""
-    ptx, _ = _compiled(block_m, num_wg, 128, False, False, True)
-    loop = _loop(ptx)
-    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", loop)) == 16
+    ptx = _compiled(block_m, num_wg, stages, False, True, True)
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16", ptx)) == 8
     assert "cp.async.ca" not in ptx  # no 4-byte gathers
-    x_copies = re.findall(r"cp\.async\.cg\.shared\.global .*0x10, %r\d+;", loop)  # masked rows
-    assert len(x_copies) == 4 * max(1, block_m * 8 // (128 * num_wg))
-    assert loop.count("shfl.sync.bfly.b32") == 16 and loop.count("mul.rn.bf16x2") == 64
-    assert loop.count("bar.sync") == _ring_barriers(num_wg)
+    w_copies = re.findall(r"cp\.async\.cg\.shared\.global .*0x10, 0x10;", ptx)
+    x_copies = re.findall(r"cp\.async\.cg\.shared\.global .*0x10, %r\d+;", ptx)  # masked rows
+    assert len(w_copies) == stages + 1
+    assert len(x_copies) == stages * max(1, block_m * 8 // (128 * num_wg))
+    assert ptx.count("shfl.sync.bfly.b32") == 8 and ptx.count("mul.rn.bf16x2") == 32
     for absent in ("ldmatrix", "ld.local", "st.local"):
         assert absent not in ptx, absent
 
@@ -253,11 +204,8 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
     if bias:
         ref = ref + b.float()
     ws = SplitKWorkspace()
-    # (BLOCK_M, warpgroups, programs, max registers, natural K order): one program a tile;
-    # fewer programs than tiles (each several); programs straddling tiles; one K step each
-    configs = (None, (8 if m <= 8 else 64, 1, 0, 0, False), (256, 2, 0, 128, False),
-               (32, 2, 3, 0, False), (16, 1, 7, 128, False), (64, 2, 0, 0, True),
-               (16, 1, 10**6, 0, True), (128, 1, 5, 128, True), (64, 2, 13, 128, True))  # fmt: skip
+    configs = (None, (8 if m <= 8 else 64, 1, 1, 3), (256, 2, 1, 4), (32, 2, 3, 5), (16, 1, 4, 4),
+               (64, 2, 1, 4, True), (16, 1, 3, 6, True))  # fmt: skip
     for config in configs:
         y = wg.wna16_mma_wgmma(
             x, words, pairs, n, group, bias=b.to(dev) if bias else None, zero_pairs=zpairs,
@@ -266,7 +214,7 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         err = (y.float().cpu() - ref).abs().max().item()
         assert err <= 2.0**-7 * ref.abs().max().item(), (config, err)
-    assert all(int(t.count_nonzero()) == 0 for t in ws.all_buffers())  # partials cleaned up
+    assert all(int(t.count_nonzero()) == 0 for t in ws.all_buffers())  # split-K cleaned up
 
 
 @pytest.mark.gpu
@@ -274,7 +222,7 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
 @pytest.mark.parametrize("m", [64, 256])
 @pytest.mark.parametrize("zp", [False, True])
 def test_qwen_shapes_and_graph_replay_gpu(m, zp):
-    """Qwen2.5-7B / 3B layer shapes with the default configs (partial tiles where few),
+    """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few programs),
     then the same call captured in a CUDA graph and replayed on new inputs."""
     dev = torch.device("cuda")
     ws = SplitKWorkspace()
@@ -290,7 +238,7 @@ def test_qwen_shapes_and_graph_replay_gpu(m, zp):
         x.copy_(x2)
         graph.replay()
         ref2 = wg.wna16_mma_wgmma(x2, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
-        # partial tiles add fp32 partials with atomics, in arrival order: equal up to rounding
+        # split-K sums fp32 partials with atomics, in arrival order: equal up to rounding
         tol = 2.0**-7 * ref2.float().abs().max().item()
         assert (yg.float() - ref2.float()).abs().max().item() <= tol, (n, k)
     assert all(int(t.count_nonzero()) == 0 for t in ws.all_buffers())
