@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 13): mwg13 (its kernel deleted) e2e13
+# Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
 # Steps (session 10): serve_ab structured check10
 # Steps (session 9): mistral_gpu shutdown_gpu gpu9 generic_tests tc_sweep no_triton_vl bw edge startup7b generic_e2e structured
@@ -456,6 +456,17 @@ step_e2e13() {
     --throughput-requests 256 --baseline none --timeout 100 --out "$R/compare_7b"
   run w4a16_table 150 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0,1 \
     --ms 1,8,16,32,48,64,96,128,256 --sweep none --out "$R/w4a16_table"
+}
+# session 13, last call: the GPU equality tests with the registry's Hopper dispatch (wgmma GEMM
+# included), then the same engine tests with the generic dispatch forced
+step_gpu13() {
+  run gpu13 220 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/entrypoints/test_gpu_engine.py tests/quant/test_autoawq_load.py \
+    tests/layers/test_wna16_kernels.py tests/kernels/test_gluon_mma_wgmma.py \
+    tests/kernels/test_triton_w4a16_mma.py
+  PAGODA_DISABLED_KERNELS=mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic13 150 \
+    python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/entrypoints/test_gpu_engine.py \
+    tests/quant/test_autoawq_load.py tests/layers/test_wna16_kernels.py
 }
 # the same, shortest: Qwen2.5-3B bf16 vs W4A16 only (little device time left)
 step_e2e12s() {
