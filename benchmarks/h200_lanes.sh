@@ -441,19 +441,17 @@ step_e2e12() {
 # session 13, second call (the kernel of session 12 again: the first call's variant measured
 # slower): end to end bf16 / W4A16 / AWQ on 3B and 7B, the nano-vllm protocol, the per-layer
 # table with zero points, then the GPU tests of the engine against transformers
+# compare3 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: bf16 vs W4A16 (GPTQ sym) vs AWQ (zero points)
+compare3() {
+  run "$1" "$2" python3 -m pagoda.entrypoints.cli compare "config:$3" "config:$3:w4a16" \
+    "config:$3:awq" --labels "$4 bf16,$4 W4A16,$4 AWQ" --dtype bfloat16 --max-model-len 4096 \
+    --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline none --timeout "$5" \
+    --out "$R/$6"
+}
 step_e2e13() {
-  run compare3b_e2e 190 python3 -m pagoda.entrypoints.cli compare \
-    "config:$CFG3" "config:$CFG3:w4a16" "config:$CFG3:awq" \
-    --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16,Qwen2.5-3B AWQ" \
-    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
-    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 \
-    --throughput-requests 256 --baseline none --timeout 110 --out "$R/compare_3b"
-  run compare7b_e2e 170 python3 -m pagoda.entrypoints.cli compare \
-    "config:$CFG7" "config:$CFG7:w4a16" "config:$CFG7:awq" \
-    --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16,Qwen2.5-7B AWQ" \
-    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
-    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 \
-    --throughput-requests 256 --baseline none --timeout 100 --out "$R/compare_7b"
+  compare3 compare3b_e2e 190 "$CFG3" Qwen2.5-3B 110 compare_3b
+  compare3 compare7b_e2e 170 "$CFG7" Qwen2.5-7B 100 compare_7b
   run w4a16_table 150 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0,1 \
     --ms 1,8,16,32,48,64,96,128,256 --sweep none --out "$R/w4a16_table"
 }
