@@ -9,6 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
+# Steps (session 14): mwg14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
 # Steps (session 10): serve_ab structured check10
@@ -437,6 +438,25 @@ step_e2e12() {
   [ -n "$NCU" ] && run ncu_mwg 80 "$NCU" --clock-control none --launch-skip 3 --launch-count 1 \
     -k regex:kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis python3 benchmarks/quant/profile_mwg.py --m 64
+}
+# session 14, first call: the wgmma GEMM's scale-ahead and staged-epilogue variants and a
+# split-K sweep (the tail wave; split-K at 64+ rows lost occupancy to its epilogue's registers),
+# then Nsight Compute on the 7B gate_up / down kernels at M = 64 (stall reasons, occupancy)
+ncu_mwg() {  # NAME ARGS...: one profiled launch of profile_mwg.py
+  local NCU name=$1
+  shift
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$NCU" ] && run "$name" 70 "$NCU" --clock-control none --launch-skip 3 --launch-count 1 \
+    -k regex:kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    python3 benchmarks/quant/profile_mwg.py "$@"
+}
+step_mwg14() {
+  run mwg_x 330 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 16,32,48,64,96,128 --sweep mwgx --sweep-ms 16,32,48,64,96,128 --out "$R/mwg_x"
+  ncu_mwg ncu_gate_up64 --m 64
+  ncu_mwg ncu_gate_up64_staged --m 64 --config 64,2,1,4,1,0,1
+  ncu_mwg ncu_down64_staged --n 3584 --k 18944 --m 64 --config 64,2,9,4,1,0,1
 }
 # session 13, second call (the kernel of session 12 again: the first call's variant measured
 # slower): end to end bf16 / W4A16 / AWQ on 3B and 7B, the nano-vllm protocol, the per-layer

@@ -86,6 +86,23 @@ def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
     return [c for c in out if c != default]
 
 
+def mwgx_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
+    """The default config with the scale pairs a loop trip ahead and / or the staged epilogue,
+    then, staged, split-K 1-12 at the default BLOCK_M, half of it and (past 64 rows) 128."""
+    d = tuple(int(v) for v in mwg.default_wgmma_config(m, n, k, num_sms))
+    out = [d + (1, 0), d + (0, 1), d + (1, 1)]
+    p2 = next((b for b in mwg.BLOCK_MS if b >= m), mwg.MAX_BLOCK_M)
+    bms = {d[0]} | ({p2 // 2} if p2 >= 32 else set()) | ({128} if m > 64 else set())
+    for bm in sorted(bms):
+        natural = int(bm > 32 or d[4])
+        for split in (1, 2, 3, 4, 6, 9, 12):
+            if split <= k // 64:
+                c = (bm, d[1], split, 4, natural, 0, 1)
+                if c not in out:
+                    out.append(c)
+    return out
+
+
 class Layer:
     """`copies` random weight copies of one (N, K) layer in the MMA layout + one dense copy."""
 
@@ -138,8 +155,10 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
     )
     if mwg.gluon_available() and torch.cuda.get_device_capability(x.device) == (9, 0):
         mwg_configs = [None]
-        if "mwg" in sweep and m in SWEEP_MS:
+        if "mwg" in sweep.split(",") and m in SWEEP_MS:
             mwg_configs += mwg_sweep(m, n, k, num_sms)
+        if "mwgx" in sweep.split(",") and m in SWEEP_MS:
+            mwg_configs += mwgx_sweep(m, n, k, num_sms)
         for c in mwg_configs:
 
             def mwgmma(i, c=c):
@@ -151,7 +170,7 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
             label = None if c is None else [int(v) for v in c]
             cands["mwg" if c is None else f"mwg{label}"] = mwgmma
     configs = [None]
-    if "tc" in sweep and m in SWEEP_MS and not zp:
+    if "tc" in sweep.split(",") and m in SWEEP_MS and not zp:
         configs = tc_sweep(m, n, k, num_sms)
     if m >= 8:
         for c in configs:
@@ -221,6 +240,7 @@ def main() -> None:
         const="tc",
         default="",
         help="try these kernels' configs at the sweep's M: tc (default), mwg (the wgmma GEMM), "
+        "mwgx (its scales-ahead / staged-epilogue variants and split-K), "
         "comma-separated; any other word (e.g. none): the default configs only",
     )
     ap.add_argument("--models", default="7b,3b")

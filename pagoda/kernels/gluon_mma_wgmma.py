@@ -43,7 +43,7 @@ BLOCK_K = 64  # K per loop step (one tile of the layout)
 MAX_BLOCK_M = 256  # the largest wgmma N
 BLOCK_MS = (8, 16, 32, 64, 128, 256)
 
-WgmmaConfig = tuple  # (BLOCK_M, warpgroups, split-K, stages[, natural K order])
+WgmmaConfig = tuple  # (BLOCK_M, warpgroups, split-K, stages[, natural K order[, scales ahead]])
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
 
 
@@ -196,6 +196,14 @@ def _kernel():
         )
 
     @gluon.jit
+    def _group(kt, kt_hi, GROUP_TILES: gl.constexpr):
+        """The scale group of K tile kt, clamped to the program's last tile."""
+        if GROUP_TILES > 0:
+            return gl.minimum(kt, kt_hi - 1) // GROUP_TILES
+        else:
+            return kt * 0
+
+    @gluon.jit
     def _dequant_v(w3, sl, sh, zl, zh):
         """One word a thread ([RW, 4 c, 2 half]) -> its A fragment [RW, 4, 2 e, 2 rowhi, 2 khi]."""
         o0, o1, o2, o3 = gl.inline_asm_elementwise(
@@ -216,6 +224,8 @@ def _kernel():
         HAS_ZP: gl.constexpr,
         HAS_BIAS: gl.constexpr,
         ONE_SPLIT: gl.constexpr,  # else the serial split-K reduction through ws / cnt
+        SCALE_AHEAD: gl.constexpr,  # scale / zero pairs loaded a loop trip (2 steps) ahead
+        STAGED: gl.constexpr,  # the epilogue through shared memory
     ):  # fmt: skip
         BN: gl.constexpr = 64 * NUM_WG
         RW: gl.constexpr = 32 * NUM_WG
@@ -298,6 +308,20 @@ def _kernel():
             async_load(w_smem.index(p + 1), w_ptrs + kw * 256)
             async_copy.commit_group()
         pairs = gl.maximum((kt_hi - kt_lo + 1) // 2, 1)
+        if SCALE_AHEAD:  # the raw pairs of steps kt_lo, kt_lo + 1 (clamped to the last step)
+            sa0 = gl.load(sp_ptr + s_off + _group(kt_lo, kt_hi, GROUP_TILES) * 16)
+            sa1 = gl.load(sp_ptr + s_off + _group(kt_lo + 1, kt_hi, GROUP_TILES) * 16)
+            if HAS_ZP:
+                za0 = gl.load(zp_ptr + s_off + _group(kt_lo, kt_hi, GROUP_TILES) * 16)
+                za1 = gl.load(zp_ptr + s_off + _group(kt_lo + 1, kt_hi, GROUP_TILES) * 16)
+            else:
+                za0 = sa0
+                za1 = sa1
+        else:
+            sa0 = gl.zeros([RW, 4, 2], gl.bfloat16, layout=v_l)
+            sa1 = sa0
+            za0 = sa0
+            za1 = sa0
         for pair in range(pairs):
             for u in gl.static_range(2):
                 kt = kt_lo + 2 * pair + u
@@ -316,17 +340,32 @@ def _kernel():
                 async_load(w_smem.index((i + S - 1) % S), w_ptrs + kw * 256)
                 async_copy.commit_group()
 
-                if GROUP_TILES > 0:
-                    grp = gl.minimum(kt, kt_hi - 1) // GROUP_TILES
+                if SCALE_AHEAD:  # this step's pairs, then those of the step a trip ahead
+                    grp_next = _group(kt + 2, kt_hi, GROUP_TILES)
+                    if u == 0:
+                        s_raw = sa0
+                        z_raw = za0
+                        sa0 = gl.load(sp_ptr + s_off + grp_next * 16)
+                        if HAS_ZP:
+                            za0 = gl.load(zp_ptr + s_off + grp_next * 16)
+                    else:
+                        s_raw = sa1
+                        z_raw = za1
+                        sa1 = gl.load(sp_ptr + s_off + grp_next * 16)
+                        if HAS_ZP:
+                            za1 = gl.load(zp_ptr + s_off + grp_next * 16)
                 else:
-                    grp = 0
+                    grp = _group(kt, kt_hi, GROUP_TILES)
+                    s_raw = gl.load(sp_ptr + s_off + grp * 16)
+                    if HAS_ZP:
+                        z_raw = gl.load(zp_ptr + s_off + grp * 16)
                 sl, sh = gl.inline_asm_elementwise(
-                    splat_asm, "=r,=r,r", [gl.load(sp_ptr + s_off + grp * 16)],
+                    splat_asm, "=r,=r,r", [s_raw],
                     dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
                 )  # fmt: skip
                 if HAS_ZP:
                     zl, zh = gl.inline_asm_elementwise(
-                        splat_asm, "=r,=r,r", [gl.load(zp_ptr + s_off + grp * 16)],
+                        splat_asm, "=r,=r,r", [z_raw],
                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
                     )  # fmt: skip
                 else:  # -136 = -(128 + 8)
@@ -361,28 +400,82 @@ def _kernel():
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         async_copy.wait_group(0)
 
-        o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        o_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-        o_mask = gl.expand_dims(o_m < M, 0)
-        o_idx = gl.expand_dims(o_m, 0) * stride_om + gl.expand_dims(o_n, 1)
-        if ONE_SPLIT:
-            if HAS_BIAS:
-                acc = acc + gl.expand_dims(gl.load(b_ptr + o_n).to(gl.float32), 1)
-            gl.store(out_ptr + o_idx, acc.to(gl.bfloat16), mask=o_mask)
-        else:
-            w_idx = gl.expand_dims(o_m, 0) * N + gl.expand_dims(o_n, 1)
-            gl.atomic_add(ws_ptr + w_idx, acc, mask=o_mask, sem="relaxed")
+        if STAGED:
+            # The tile goes through the activation ring (free now) as fp32 [BLOCK_M, BN], then
+            # out in chunks of CH rows, 4 contiguous columns a thread: few live registers in
+            # the epilogue (it sets the kernel's count) and vector accesses along N.
+            CH: gl.constexpr = 16 if BLOCK_M >= 16 else BLOCK_M
+            TN: gl.constexpr = BN // 4 if BN < 128 else 32
+            ep_l: gl.constexpr = gl.BlockedLayout(
+                size_per_thread=[1, 4], threads_per_warp=[32 // TN, TN], warps_per_cta=[NW, 1],
+                order=[1, 0],
+            )  # fmt: skip
+            st_sl: gl.constexpr = gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[1, 0]
+            )
+            barrier()  # every warpgroup's MMAs have read their last activation stage
+            stage = reinterpret(x_smem, gl.float32, [BLOCK_M, BN], st_sl)
+            stage.permute((1, 0)).store(acc)
             barrier()
-            tile = pid_m * gl.num_programs(0) + pid_n
-            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if done == gl.num_programs(2) - 1:
-                zero = gl.zeros([BN, BLOCK_M], gl.int32, layout=mma)
-                bits = gl.atomic_xchg(wsi_ptr + w_idx, zero, mask=o_mask, sem="relaxed")
-                total = bits.to(gl.float32, bitcast=True)
+            e_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, ep_l))
+            e_r = gl.arange(0, CH, layout=gl.SliceLayout(1, ep_l))
+            if HAS_BIAS:
+                e_b = gl.expand_dims(gl.load(b_ptr + e_n).to(gl.float32), 0)
+            if ONE_SPLIT:
+                for c in gl.static_range(BLOCK_M // CH):
+                    e_m = pid_m * BLOCK_M + c * CH + e_r
+                    e_mask = gl.expand_dims(e_m < M, 1)
+                    v = stage.slice(c * CH, CH).load(ep_l)
+                    if HAS_BIAS:
+                        v = v + e_b
+                    e_o = gl.expand_dims(e_m, 1) * stride_om + gl.expand_dims(e_n, 0)
+                    gl.store(out_ptr + e_o, v.to(gl.bfloat16), mask=e_mask)
+            else:
+                for c in gl.static_range(BLOCK_M // CH):
+                    e_m = pid_m * BLOCK_M + c * CH + e_r
+                    e_mask = gl.expand_dims(e_m < M, 1)
+                    v = stage.slice(c * CH, CH).load(ep_l)
+                    e_w = gl.expand_dims(e_m, 1) * N + gl.expand_dims(e_n, 0)
+                    gl.atomic_add(ws_ptr + e_w, v, mask=e_mask, sem="relaxed")
+                barrier()
+                tile = pid_m * gl.num_programs(0) + pid_n
+                done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+                if done == gl.num_programs(2) - 1:
+                    for c in gl.static_range(BLOCK_M // CH):
+                        e_m = pid_m * BLOCK_M + c * CH + e_r
+                        e_mask = gl.expand_dims(e_m < M, 1)
+                        e_w = gl.expand_dims(e_m, 1) * N + gl.expand_dims(e_n, 0)
+                        zero = gl.zeros([CH, BN], gl.int32, layout=ep_l)
+                        bits = gl.atomic_xchg(wsi_ptr + e_w, zero, mask=e_mask, sem="relaxed")
+                        total = bits.to(gl.float32, bitcast=True)
+                        if HAS_BIAS:
+                            total = total + e_b
+                        e_o = gl.expand_dims(e_m, 1) * stride_om + gl.expand_dims(e_n, 0)
+                        gl.store(out_ptr + e_o, total.to(gl.bfloat16), mask=e_mask)
+                    gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+        else:
+            o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+            o_n = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+            o_mask = gl.expand_dims(o_m < M, 0)
+            o_idx = gl.expand_dims(o_m, 0) * stride_om + gl.expand_dims(o_n, 1)
+            if ONE_SPLIT:
                 if HAS_BIAS:
-                    total = total + gl.expand_dims(gl.load(b_ptr + o_n).to(gl.float32), 1)
-                gl.store(out_ptr + o_idx, total.to(gl.bfloat16), mask=o_mask)
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+                    acc = acc + gl.expand_dims(gl.load(b_ptr + o_n).to(gl.float32), 1)
+                gl.store(out_ptr + o_idx, acc.to(gl.bfloat16), mask=o_mask)
+            else:
+                w_idx = gl.expand_dims(o_m, 0) * N + gl.expand_dims(o_n, 1)
+                gl.atomic_add(ws_ptr + w_idx, acc, mask=o_mask, sem="relaxed")
+                barrier()
+                tile = pid_m * gl.num_programs(0) + pid_n
+                done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+                if done == gl.num_programs(2) - 1:
+                    zero = gl.zeros([BN, BLOCK_M], gl.int32, layout=mma)
+                    bits = gl.atomic_xchg(wsi_ptr + w_idx, zero, mask=o_mask, sem="relaxed")
+                    total = bits.to(gl.float32, bitcast=True)
+                    if HAS_BIAS:
+                        total = total + gl.expand_dims(gl.load(b_ptr + o_n).to(gl.float32), 1)
+                    gl.store(out_ptr + o_idx, total.to(gl.bfloat16), mask=o_mask)
+                    gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 
     return kernel
 
@@ -437,6 +530,10 @@ def wna16_mma_wgmma(
     num_sms = platform.num_sms(x.device)
     block_m, wgs, split, stages, *rest = config or default_wgmma_config(m, n, k, num_sms)
     natural = bool(rest[0]) if rest else False
+    scale_ahead = bool(rest[1]) if len(rest) > 1 else False
+    staged = bool(rest[2]) if len(rest) > 2 else False
+    if staged and stages < 2 * wgs:
+        raise ValueError(f"config {config}: the staged epilogue needs >= {2 * wgs} stages")
     if block_m not in BLOCK_MS or n % (BLOCK_N * wgs):
         raise ValueError(f"config {config}: BLOCK_M in {BLOCK_MS}, N % {BLOCK_N * wgs} == 0")
     if stages < 3 or wgmma_smem_bytes(block_m, wgs, stages) > SMEM_BYTES:
@@ -472,6 +569,8 @@ def wna16_mma_wgmma(
         HAS_ZP=zero_pairs is not None,
         HAS_BIAS=bias is not None,
         ONE_SPLIT=split == 1,
+        SCALE_AHEAD=scale_ahead,
+        STAGED=staged,
         num_warps=4 * wgs,
     )  # fmt: skip
     return out

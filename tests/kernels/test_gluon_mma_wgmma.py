@@ -76,7 +76,8 @@ def test_default_configs():
 
 
 def _compile_ptx(
-    block_m: int, num_wg: int, stages: int, zp: bool, one_split: bool, natural: bool = False
+    block_m: int, num_wg: int, stages: int, zp: bool, one_split: bool, natural: bool = False,
+    scale_ahead: bool = False, what: str = "ptx", staged: bool = False,
 ) -> str:
     """The kernel's sm_90 PTX (in a fresh interpreter: see `_compiled`)."""
     import triton
@@ -89,12 +90,13 @@ def _compile_ptx(
            "wsi_ptr": "*i32", "cnt_ptr": "*i32", **dict.fromkeys(ints, "i32")}  # fmt: skip
     consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": num_wg, "NUM_STAGES": stages,
               "NATURAL_X": natural, "HAS_ZP": zp, "HAS_BIAS": False,
-              "ONE_SPLIT": one_split}  # fmt: skip
+              "ONE_SPLIT": one_split, "SCALE_AHEAD": scale_ahead,
+              "STAGED": staged}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(9), 10, 11, 14, 15)}
     src = GluonASTSource(fn=wg._kernel(), signature=sig, constexprs=consts, attrs=attrs)
     opts = {"num_warps": 4 * num_wg}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm[what]
 
 
 def _compiled(*args) -> str:
@@ -205,7 +207,9 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
         ref = ref + b.float()
     ws = SplitKWorkspace()
     configs = (None, (8 if m <= 8 else 64, 1, 1, 3), (256, 2, 1, 4), (32, 2, 3, 5), (16, 1, 4, 4),
-               (64, 2, 1, 4, True), (16, 1, 3, 6, True))  # fmt: skip
+               (64, 2, 1, 4, True), (16, 1, 3, 6, True), (64, 2, 3, 4, True, True, True),
+               (128, 2, 1, 4, True, False, True), (8, 1, 2, 3, False, True, True),
+               (32, 2, 1, 4, False, True, False))  # fmt: skip
     for config in configs:
         y = wg.wna16_mma_wgmma(
             x, words, pairs, n, group, bias=b.to(dev) if bias else None, zero_pairs=zpairs,
