@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 14): mwg14
+# Steps (session 14): mwg14 mwg14b
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
 # Steps (session 10): serve_ab structured check10
@@ -447,8 +447,9 @@ ncu_mwg() {  # NAME ARGS...: one profiled launch of profile_mwg.py
   shift
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$NCU" ] && run "$name" 70 "$NCU" --clock-control none --launch-skip 3 --launch-count 1 \
-    -k regex:kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    -k 'regex:^kernel$' --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
     python3 benchmarks/quant/profile_mwg.py "$@"
 }
 step_mwg14() {
@@ -457,6 +458,19 @@ step_mwg14() {
   ncu_mwg ncu_gate_up64 --m 64
   ncu_mwg ncu_gate_up64_staged --m 64 --config 64,2,1,4,1,0,1
   ncu_mwg ncu_down64_staged --n 3584 --k 18944 --m 64 --config 64,2,9,4,1,0,1
+}
+# session 14, second call (scales ahead in slot order and the staged epilogue from 64 rows are
+# the defaults now): one warpgroup a program and deeper rings, the per-layer table with zero
+# points, Nsight Compute on the right kernel this time (run 1's filter matched torch's own
+# "...kernel" launches), the wgmma GPU tests
+step_mwg14b() {
+  run mwg_w 200 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0,1 \
+    --ms 1,8,16,32,48,64,96,128,256 --sweep mwgw --sweep-ms 16,32,48,64,128 --out "$R/mwg_w"
+  ncu_mwg ncu_gate_up64 --m 64
+  ncu_mwg ncu_down64 --n 3584 --k 18944 --m 64
+  ncu_mwg ncu_gate_up16 --m 16
+  run mwg_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels/test_gluon_mma_wgmma.py -rfE
 }
 # session 13, second call (the kernel of session 12 again: the first call's variant measured
 # slower): end to end bf16 / W4A16 / AWQ on 3B and 7B, the nano-vllm protocol, the per-layer

@@ -89,7 +89,7 @@ def mwg_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
 def mwgx_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
     """The default config with the scale pairs a loop trip ahead and / or the staged epilogue,
     then, staged, split-K 1-12 at the default BLOCK_M, half of it and (past 64 rows) 128."""
-    d = tuple(int(v) for v in mwg.default_wgmma_config(m, n, k, num_sms))
+    d = tuple(int(v) for v in mwg.default_wgmma_config(m, n, k, num_sms))[:5]
     out = [d + (1, 0), d + (0, 1), d + (1, 1)]
     p2 = next((b for b in mwg.BLOCK_MS if b >= m), mwg.MAX_BLOCK_M)
     bms = {d[0]} | ({p2 // 2} if p2 >= 32 else set()) | ({128} if m > 64 else set())
@@ -100,6 +100,25 @@ def mwgx_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
                 c = (bm, d[1], split, 4, natural, 0, 1)
                 if c not in out:
                     out.append(c)
+    return out
+
+
+def mwgw_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
+    """The default config with one warpgroup a program (twice the programs, more of them an
+    SM) at the default rule's split for that count and half of it, and with 6 / 8 stages."""
+    d = tuple(int(v) for v in mwg.default_wgmma_config(m, n, k, num_sms))
+    bm, wgs, split, stages, natural, ahead, staged = d
+    out = []
+    for st in (6, 8):
+        if mwg.wgmma_smem_bytes(bm, wgs, st) <= mwg.SMEM_BYTES // 2:
+            out.append((bm, wgs, split, st, natural, ahead, staged))
+    programs = -(-m // bm) * (n // 64)
+    s1 = max(1, min(16, round(2 * num_sms / programs))) if programs < num_sms else 1
+    for sp in sorted({s1, max(1, s1 // 2)}):
+        for st in (4, 6):
+            c = (bm, 1, sp, st, natural, ahead, staged)
+            if c != d and c not in out:
+                out.append(c)
     return out
 
 
@@ -159,6 +178,8 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
             mwg_configs += mwg_sweep(m, n, k, num_sms)
         if "mwgx" in sweep.split(",") and m in SWEEP_MS:
             mwg_configs += mwgx_sweep(m, n, k, num_sms)
+        if "mwgw" in sweep.split(",") and m in SWEEP_MS:
+            mwg_configs += mwgw_sweep(m, n, k, num_sms)
         for c in mwg_configs:
 
             def mwgmma(i, c=c):
@@ -240,7 +261,8 @@ def main() -> None:
         const="tc",
         default="",
         help="try these kernels' configs at the sweep's M: tc (default), mwg (the wgmma GEMM), "
-        "mwgx (its scales-ahead / staged-epilogue variants and split-K), "
+        "mwgx (its scales-ahead / staged-epilogue variants and split-K), mwgw (one warpgroup "
+        "a program, deeper rings), "
         "comma-separated; any other word (e.g. none): the default configs only",
     )
     ap.add_argument("--models", default="7b,3b")

@@ -63,9 +63,14 @@ def test_bad_inputs_are_refused():
 def test_default_configs():
     for m in (8, 17, 33, 64, 100, 128, 200, 256, 512):
         for n, k in ((4608, 3584), (2048, 11008), (37888, 3584)):
-            block_m, wgs, split, stages, natural = wg.default_wgmma_config(m, n, k, 132)
+            c = wg.default_wgmma_config(m, n, k, 132)
+            block_m, wgs, split, stages, natural, scale_ahead, staged = c
             assert block_m in wg.BLOCK_MS and min(m, 16) <= block_m <= 64
             assert natural == (m > 32) and n % (64 * wgs) == 0 and split >= 1
+            # scales ahead in slot order; the staged epilogue for 64-row tiles (it needs a ring
+            # of at least two stages a warpgroup to hold the fp32 tile)
+            assert scale_ahead == (not natural) and staged == (block_m >= 64)
+            assert not staged or stages >= 2 * wgs
             assert wg.wgmma_smem_bytes(block_m, wgs, stages) <= wg.SMEM_BYTES
     # up to 32 rows one program along M; past that a large layer keeps 64-row programs (its
     # weights read once), a small one takes two programs
@@ -161,6 +166,21 @@ def test_sm90_code_natural_order(block_m, num_wg, stages):
     assert len(x_copies) == stages * max(1, block_m * 8 // (128 * num_wg))
     assert ptx.count("shfl.sync.bfly.b32") == 8 and ptx.count("mul.rn.bf16x2") == 32
     for absent in ("ldmatrix", "ld.local", "st.local"):
+        assert absent not in ptx, absent
+
+
+@pytest.mark.skipif(not wg.gluon_available(), reason="needs Triton with Gluon")
+@pytest.mark.parametrize("one_split", [True, False])
+def test_sm90_code_staged_epilogue(one_split):
+    """STAGED (64-row tiles): the fp32 tile goes through shared memory, then out in chunks of
+    4 contiguous columns a thread: 8-byte bf16 stores and, with split-K, 16-byte vector adds
+    into the workspace (not one scalar atomic per element), and no local memory."""
+    ptx = _compiled(64, 2, 4, False, one_split, True, True, "ptx", True)
+    assert ptx.count("st.global.v2.b32") == 64 * 128 // (256 * 4)  # 4 bf16 a store
+    adds = re.findall(r"red\.global\.\S*add\.v4\.f32", ptx)
+    assert len(adds) == (0 if one_split else 64 * 128 // (256 * 4))
+    assert "atom.global.gpu.relaxed.add.f32" not in ptx  # no scalar adds
+    for absent in ("ld.local", "st.local"):
         assert absent not in ptx, absent
 
 
