@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 14): mwg14 mwg14b
+# Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
 # Steps (session 10): serve_ab structured check10
@@ -471,6 +471,21 @@ step_mwg14b() {
   ncu_mwg ncu_gate_up16 --m 16
   run mwg_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_gluon_mma_wgmma.py -rfE
+}
+# session 14, third call (one warpgroup a program on gate_up and 3B qkv / o, the split cap,
+# the wgmma GEMM to 128 rows on down projections): end to end bf16 / W4A16 / AWQ on 3B and 7B
+# with the nano-vllm protocol, the per-layer table with zero points, and the generic
+# (non-Hopper) dispatch forced on the H200, timed (3B W4A16, batch 1 / 8 / 64)
+step_e2e14() {
+  compare3 compare3b_e2e 185 "$CFG3" Qwen2.5-3B 110 compare_3b
+  compare3 compare7b_e2e 185 "$CFG7" Qwen2.5-7B 100 compare_7b
+  run w4a16_table 100 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0,1 \
+    --ms 1,8,16,32,48,64,96,128,256 --sweep none --out "$R/w4a16_table"
+  PAGODA_DISABLED_KERNELS=mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_e2e 100 python3 -m \
+    pagoda.entrypoints.cli compare "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 generic" \
+    --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
+    --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
+    --baseline none --timeout 90 --out "$R/compare_3b_generic"
 }
 # session 13, second call (the kernel of session 12 again: the first call's variant measured
 # slower): end to end bf16 / W4A16 / AWQ on 3B and 7B, the nano-vllm protocol, the per-layer

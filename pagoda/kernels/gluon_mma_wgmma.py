@@ -493,8 +493,9 @@ def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
     smallest that holds M) with the activations in slot order; from 33 rows BLOCK_M 64 on
     layers of >= 32 Mi weights (two programs would read them twice from HBM) and half the
     rows on smaller ones (more programs, the weights stay in the L2), the activations in
-    natural K order (16-byte copies); two warpgroups where N allows; split-K to about two
-    programs an SM when there are fewer than one; a 4-stage ring. From session 14's sweep: the
+    natural K order (16-byte copies); two warpgroups only on layers with few columns and a long
+    K (below); split-K to about two programs an SM when there are fewer than one; a 4-stage
+    ring. From session 14's sweeps: the
     scale pairs a loop trip ahead in slot order (2-5 % faster at 16-32 rows, mixed or slower in
     natural order) and the epilogue staged through shared memory from 64 rows (its registers
     no longer halve the programs an SM: 7B down at M = 64 43.4 -> 33.8 µs)."""
@@ -504,9 +505,19 @@ def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
     else:
         block_m = 64 if n * k >= SMALL_LAYER else min(128, p2) // 2
         natural = True
-    wgs = 2 if n % (2 * BLOCK_N) == 0 else 1
-    programs = -(-m // block_m) * (n // (BLOCK_N * wgs))
-    split = max(1, min(16, round(2 * num_sms / programs))) if programs < num_sms else 1
+    m_tiles = -(-m // block_m)
+    # two warpgroups a program only where N is too short to fill the GPU with one-warpgroup
+    # programs and K long enough to split: one a program (more programs an SM, no tail wave
+    # of two-warpgroup tiles) won on gate_up (7B, M = 64: 69.7 -> 57.1 µs) and on 3B's
+    # qkv / o (K = 2048), two on 7B qkv / o / down and 3B down (session 14, run 2)
+    two = n % (2 * BLOCK_N) == 0 and m_tiles * (n // (2 * BLOCK_N)) < num_sms and k > 32 * BLOCK_K
+    wgs = 2 if two else 1
+    programs = m_tiles * (n // (BLOCK_N * wgs))
+    split = 1
+    if programs < num_sms:  # and at most ~36 K steps a split (7B down at M = 96-128: split 9
+        # 58.7 µs against 73.0 for the 5 that two programs an SM give; session 14, run 1)
+        split = max(round(2 * num_sms / programs), -(-k // (36 * BLOCK_K)))
+        split = max(1, min(16, split))
     return block_m, wgs, split, 4, natural, not natural, block_m >= 64
 
 

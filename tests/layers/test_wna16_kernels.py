@@ -47,7 +47,8 @@ def test_cpu_layers_dequantize_per_call() -> None:
 
 
 def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
-    # sm_90: the GEMV to 8 rows, the wgmma GEMM 9-64 (to 128 on gate_up-sized N), then the
+    # sm_90: the GEMV to 8 rows, the wgmma GEMM 9-64 (to 128 on gate_up-sized N and on down
+    # projections), then the
     # MMA GEMM (layers of >= 64 Mi weights, to 128) and dequant + cuBLAS
     pytest.importorskip("triton.experimental.gluon")
     assert wk.choose_kernels(_cfg(), frozenset()).describe() == (
@@ -56,9 +57,11 @@ def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None
     assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
     )
-    assert wk.choose_kernels(_cfg(n=3584, k=18944), frozenset()).describe() == (
-        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_gemm M=65..128, mma_dequant M=129.."
-    )
+    # down projections (K >= 4 N) keep the wgmma GEMM to 128 rows
+    for n, k in ((3584, 18944), (2048, 11008)):
+        assert wk.choose_kernels(_cfg(n=n, k=k), frozenset()).describe() == (
+            "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
+        )
     # zero points (AWQ, asymmetric GPTQ) take the same kernels
     assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
