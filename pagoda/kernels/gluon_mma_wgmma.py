@@ -506,11 +506,13 @@ def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
         block_m = 64 if n * k >= SMALL_LAYER else min(128, p2) // 2
         natural = True
     m_tiles = -(-m // block_m)
-    # two warpgroups a program only where N is too short to fill the GPU with one-warpgroup
-    # programs and K long enough to split: one a program (more programs an SM, no tail wave
-    # of two-warpgroup tiles) won on gate_up (7B, M = 64: 69.7 -> 57.1 µs) and on 3B's
-    # qkv / o (K = 2048), two on 7B qkv / o / down and 3B down (session 14, run 2)
-    two = n % (2 * BLOCK_N) == 0 and m_tiles * (n // (2 * BLOCK_N)) < num_sms and k > 32 * BLOCK_K
+    # two warpgroups a program only with a long K, and there where N is too short to fill the
+    # GPU with two-warpgroup programs or the tile is 32 rows: one a program (more programs an
+    # SM) won on gate_up at 16 and 64 rows (7B, M = 64: 69.7 -> 57.1 µs) and on 3B's qkv / o
+    # (K = 2048); two on 7B qkv / o / down, 3B down and 7B gate_up at 32 rows (47.1 against
+    # 52.9 µs; session 14, runs 2 and 3)
+    few = m_tiles * (n // (2 * BLOCK_N)) < num_sms or block_m == 32
+    two = n % (2 * BLOCK_N) == 0 and k > 32 * BLOCK_K and few
     wgs = 2 if two else 1
     programs = m_tiles * (n // (BLOCK_N * wgs))
     split = 1

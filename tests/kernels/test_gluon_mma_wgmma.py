@@ -73,9 +73,11 @@ def test_default_configs():
             assert not staged or stages >= 2 * wgs
             assert wg.wgmma_smem_bytes(block_m, wgs, stages) <= wg.SMEM_BYTES
     # up to 32 rows one program along M; past that a large layer keeps 64-row programs (its
-    # weights read once), a small one takes two programs; one warpgroup a program where the
-    # columns fill the GPU (gate_up) or K is short (3B qkv / o), two on few columns and long K
-    assert wg.default_wgmma_config(32, 37888, 3584, 132)[:3] == (32, 1, 1)
+    # weights read once), a small one takes two programs; one warpgroup a program where K is
+    # short (3B) or the columns fill the GPU (gate_up, but for 32-row tiles), else two
+    assert wg.default_wgmma_config(32, 37888, 3584, 132)[:3] == (32, 2, 1)
+    assert wg.default_wgmma_config(16, 37888, 3584, 132)[:3] == (16, 1, 1)
+    assert wg.default_wgmma_config(32, 22016, 2048, 132)[:3] == (32, 1, 1)
     assert wg.default_wgmma_config(64, 37888, 3584, 132)[:3] == (64, 1, 1)
     assert wg.default_wgmma_config(64, 4608, 3584, 132)[:3] == (32, 2, 4)  # 72 programs
     assert wg.default_wgmma_config(16, 3584, 18944, 132)[:3] == (16, 2, 9)  # 28 programs
