@@ -85,8 +85,15 @@ def test_default_configs():
 
 
 def _compile_ptx(
-    block_m: int, num_wg: int, stages: int, zp: bool, one_split: bool, natural: bool = False,
-    scale_ahead: bool = False, what: str = "ptx", staged: bool = False,
+    block_m: int,
+    num_wg: int,
+    stages: int,
+    zp: bool,
+    one_split: bool,
+    natural: bool = False,
+    scale_ahead: bool = False,
+    what: str = "ptx",
+    staged: bool = False,
 ) -> str:
     """The kernel's sm_90 PTX (in a fresh interpreter: see `_compiled`)."""
     import triton
