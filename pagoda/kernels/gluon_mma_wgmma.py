@@ -23,7 +23,10 @@ activations NUM_STAGES - 2 (one stage is still read by the MMA in flight); the M
 asynchronously with one left in flight over the next step's dequantization; two steps a loop
 trip (consecutive MMAs' A operands must be distinct registers for ptxas to keep one in flight).
 Split-K adds fp32 partials into the runner's `SplitKWorkspace`; the last program of an output
-tile stores it and re-zeroes what it used (one launch, CUDA-graph safe).
+tile stores it and re-zeroes what it used (one launch, CUDA-graph safe). SCALE_AHEAD loads each
+step's scale (zero) pairs a loop trip early; STAGED passes the finished tile through the
+activation ring as fp32 and stores / adds it in 16-row chunks of 4 contiguous columns a thread
+(vector accesses, and an epilogue that does not set the register count).
 
 sm_90 only. The CPU tests check both orders against the layout (`unpack_slots`) and compile the
 kernel for sm_90; the GPU tests compare it with the dequantized matmul.
@@ -495,10 +498,8 @@ def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
     rows on smaller ones (more programs, the weights stay in the L2), the activations in
     natural K order (16-byte copies); two warpgroups only on layers with few columns and a long
     K (below); split-K to about two programs an SM when there are fewer than one; a 4-stage
-    ring. From session 14's sweeps: the
-    scale pairs a loop trip ahead in slot order (2-5 % faster at 16-32 rows, mixed or slower in
-    natural order) and the epilogue staged through shared memory from 64 rows (its registers
-    no longer halve the programs an SM: 7B down at M = 64 43.4 -> 33.8 µs)."""
+    ring; the scale pairs a loop trip ahead in slot order, the epilogue staged through shared
+    memory from 64 rows (sessions 12 and 14's sweeps, BENCHMARKS.md)."""
     p2 = next((b for b in BLOCK_MS if b >= m), MAX_BLOCK_M)
     if p2 <= 32:
         block_m, natural = p2, False
@@ -507,17 +508,13 @@ def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
         natural = True
     m_tiles = -(-m // block_m)
     # two warpgroups a program only with a long K, and there where N is too short to fill the
-    # GPU with two-warpgroup programs or the tile is 32 rows: one a program (more programs an
-    # SM) won on gate_up at 16 and 64 rows (7B, M = 64: 69.7 -> 57.1 µs) and on 3B's qkv / o
-    # (K = 2048); two on 7B qkv / o / down, 3B down and 7B gate_up at 32 rows (47.1 against
-    # 52.9 µs; session 14, runs 2 and 3)
+    # GPU with two-warpgroup programs or the tile is 32 rows; else one (more programs an SM)
     few = m_tiles * (n // (2 * BLOCK_N)) < num_sms or block_m == 32
     two = n % (2 * BLOCK_N) == 0 and k > 32 * BLOCK_K and few
     wgs = 2 if two else 1
     programs = m_tiles * (n // (BLOCK_N * wgs))
     split = 1
-    if programs < num_sms:  # and at most ~36 K steps a split (7B down at M = 96-128: split 9
-        # 58.7 µs against 73.0 for the 5 that two programs an SM give; session 14, run 1)
+    if programs < num_sms:  # about two programs an SM, and at most ~36 K steps a split
         split = max(round(2 * num_sms / programs), -(-k // (36 * BLOCK_K)))
         split = max(1, min(16, split))
     return block_m, wgs, split, 4, natural, not natural, block_m >= 64

@@ -370,10 +370,9 @@ class MmaGemv(_MmaLayout):
 class MmaWgmma(_MmaLayout):
     """Hopper `wgmma` GEMM on the MMA layout (the weight dequantized in registers as the
     register operand, `gluon_mma_wgmma`): best from 9 to 64 rows, to 128 on layers of >= 16 Ki
-    output columns (gate_up; BENCHMARKS.md, session 12) and on down projections (K >= 4 N:
-    3B down at M = 128 24.9 µs against 33.5 for dequant + cuBLAS, 7B down level with the
-    tl.dot GEMM; session 14). First in the priority list, so the GEMV keeps M <= 8 and the
-    larger-M kernels the rest."""
+    output columns (gate_up) and on down projections (K >= 4 N; BENCHMARKS.md, sessions 12
+    and 14). First in the priority list, so the GEMV keeps M <= 8 and the larger-M kernels the
+    rest."""
 
     name = "mma_wgmma"
 
