@@ -9,6 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
+# Steps (session 15): tma15
 # Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
@@ -438,6 +439,18 @@ step_e2e12() {
   [ -n "$NCU" ] && run ncu_mwg 80 "$NCU" --clock-control none --launch-skip 3 --launch-count 1 \
     -k regex:kernel --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis python3 benchmarks/quant/profile_mwg.py --m 64
+}
+# session 15, first call: the TMA-fed warp-specialized wgmma GEMM (`gluon_wgmma_tma`): its GPU
+# tests, then its config sweep per layer at M = 16-256 against the session-14 wgmma GEMM, the
+# GEMV, dequant + cuBLAS and bf16 in the same run (7B and 3B shapes, symmetric), and the
+# defaults with zero points
+step_tma15() {
+  run tma_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_wgmma_tma.py
+  run tma_sweep 300 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 16,32,64,96,128,192,256,512 --sweep tma --sweep-ms 16,32,64,128,256 --out "$R/tma_sweep"
+  run tma_zp 80 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 1 \
+    --ms 16,64,128,256 --sweep none --out "$R/tma_zp"
 }
 # session 14, first call: the wgmma GEMM's scale-ahead and staged-epilogue variants and a
 # split-K sweep (the tail wave; split-K at 64+ rows lost occupancy to its epilogue's registers),

@@ -3,7 +3,8 @@
 Kernels (on the `repack_mma` tensor-core layout, the layer's only weight copy):
 `gemv` (M <= 64: `wna16_mma_gemv`), `tc` (`wna16_mma_gemm`: dequantization in registers,
 `tl.dot`; `--sweep` tries its configs), `mwg` (`wna16_mma_wgmma`, the Gluon wgmma GEMM, sm_90
-only; `--sweep mwg` tries its configs), `dequant+cublas`
+only; `--sweep mwg` tries its configs), `tma` (`wna16_wgmma_tma`, the TMA-fed warp-specialized
+wgmma GEMM, sm_90 only; `--sweep tma` tries its configs), `dequant+cublas`
 (`wna16_mma_dequant` then `F.linear`), and `bf16` (cuBLAS on the dense weight) as the
 denominator of every ratio. Each is timed inside one CUDA graph cycling over enough weight
 copies to stream > 4x the L2 from HBM per replay (`pagoda.bench.common.graph_time_per_call`),
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pagoda.bench.common import copy_bandwidth, environment  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels import gluon_mma_wgmma as mwg  # noqa: E402
+from pagoda.kernels import gluon_wgmma_tma as tk  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 
@@ -122,6 +124,27 @@ def mwgw_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
     return out
 
 
+def tma_sweep(m: int, n: int, k: int, num_sms: int) -> list[tk.TmaConfig]:
+    """The TMA GEMM's tiles: the BLOCK_M that holds M (at most 128) and half of it, one and two
+    consumer warpgroups, no split-K and the split that makes about one and two CTAs an SM
+    (at least 8 K steps a split), 4- and 6-stage rings (where they fit twice an SM, resp. once)."""
+    p2 = next((b for b in tk.BLOCK_MS if b >= m), tk.BLOCK_MS[-1])
+    out = []
+    for bm in sorted({p2, max(tk.BLOCK_MS[0], p2 // 2)}):
+        for wgs in (1, 2):
+            ctas = -(-m // bm) * -(-n // tk.rows_per_cta(wgs))
+            splits = {1}
+            if ctas < 2 * num_sms:
+                for per_sm in (1, 2):
+                    splits.add(max(1, min(16, k // 64 // 8, round(per_sm * num_sms / ctas))))
+            for sp in sorted(splits):
+                for st in (4, 6):
+                    if st >= 2 * wgs and tk.smem_bytes(bm, wgs, st, True) <= tk.SMEM_BYTES:
+                        out.append((bm, wgs, sp, st))
+    default = tuple(tk.default_tma_config(m, n, k, num_sms))
+    return [c for c in out if c != default]
+
+
 class Layer:
     """`copies` random weight copies of one (N, K) layer in the MMA layout + one dense copy."""
 
@@ -190,6 +213,19 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
 
             label = None if c is None else [int(v) for v in c]
             cands["mwg" if c is None else f"mwg{label}"] = mwgmma
+    if tk.gluon_tma_available() and torch.cuda.get_device_capability(x.device) == (9, 0):
+        tma_configs = [None]
+        if "tma" in sweep.split(",") and m in SWEEP_MS:
+            tma_configs += tma_sweep(m, n, k, num_sms)
+        for c in tma_configs:
+
+            def tmagemm(i, c=c):
+                return tk.wna16_wgmma_tma(
+                    x, layer.words[i], layer.pairs[i], n, GROUP, zero_pairs=layer.z(i),
+                    workspace=WS, config=c,
+                )  # fmt: skip
+
+            cands["tma" if c is None else f"tma{[int(v) for v in c]}"] = tmagemm
     configs = [None]
     if "tc" in sweep.split(",") and m in SWEEP_MS and not zp:
         configs = tc_sweep(m, n, k, num_sms)
@@ -223,7 +259,7 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
                 row[key + "_us"] = time_graph(fn, layer.copies) * 1e6
             except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
                 row[key + "_fail"] = repr(e)[:160]
-        for fam in ("tc", "mwg"):
+        for fam in ("tc", "mwg", "tma"):
             times = {kk: v for kk, v in row.items() if kk.startswith(fam) and kk.endswith("_us")}
             if times:
                 best = min(times, key=times.get)
@@ -241,7 +277,7 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
             for kk, v in row.items()
             if kk.endswith("_us") and kk not in ("bf16_us", "w4_best_us") and "[" not in kk
         }
-        best_of = [row.get(f + "_best", "") for f in ("tc", "mwg")]
+        best_of = [row.get(f + "_best", "") for f in ("tc", "mwg", "tma")]
         print(
             f"{model} {name:8s} zp={int(zp)} M={m:4d} bf16 {row['bf16_us']:8.1f}  "
             + "  ".join(f"{kk} {v:7.1f}" for kk, v in shown.items())
@@ -262,7 +298,7 @@ def main() -> None:
         default="",
         help="try these kernels' configs at the sweep's M: tc (default), mwg (the wgmma GEMM), "
         "mwgx (its scales-ahead / staged-epilogue variants and split-K), mwgw (one warpgroup "
-        "a program, deeper rings), "
+        "a program, deeper rings), tma (the TMA GEMM's tiles, splits and rings), "
         "comma-separated; any other word (e.g. none): the default configs only",
     )
     ap.add_argument("--models", default="7b,3b")

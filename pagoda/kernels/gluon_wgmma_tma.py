@@ -1,0 +1,478 @@
+"""W4A16 GEMM on Hopper: a TMA ring feeding warpgroup MMAs, on the tensor-core GEMV's layout.
+
+Swap-AB as in `gluon_mma_wgmma`: out^T [N, M] = W [N, K] x^T [K, M], the weight (dequantized in
+registers) is wgmma's register operand A and the activation tile its shared-memory operand B, so
+the batch (up to 128 rows a tile) is the MMA's N. What differs is where the bytes come from and
+how many weight rows share one activation tile:
+
+- A CTA covers `128 * warpgroups` weight rows: each consumer warpgroup owns two 64-row slabs
+  (two accumulators), so every activation tile read from the L2 feeds 128 or 256 weight rows.
+  With 64 rows a CTA, the activations' re-reads from the L2 (N / rows-per-CTA times the
+  activations) outweigh the int4 weights from M = 16 on and set the time (BENCHMARKS.md,
+  session 15).
+- One producer warp (`gl.warp_specialize`) issues the bulk tensor copies (TMA) of each K step's
+  activation tile [BLOCK_M, 64] (128-byte swizzle, natural K order, rows past M zero-filled),
+  the CTA's packed words [rows / 16 column groups, 128 words] and their scale (and zero) pairs
+  into a ring of NUM_STAGES stages, completing on an mbarrier per stage; the consumers release a
+  stage through a second mbarrier once both MMAs that read it have retired.
+- The consumers turn each lane's 4 words (16 bytes) into its A fragments: the quad transpose
+  (`_QUAD_T`) gives natural K order, then `_DEQUANT` (lop3 to 128 + u, add the zero offset, mul by
+  the scale: the reference's bf16 exactly). Slab 0 of step i is dequantized while slab 1 of step
+  i - 1 is still on the tensor cores and the other way round: one wait for one group before each
+  slab keeps a single MMA in flight over every dequantization, with distinct registers.
+
+Split-K adds fp32 partials into the runner's `SplitKWorkspace` (the last CTA of a tile stores the
+output and re-zeroes what it used); the epilogue passes each slab through the (free) activation
+ring as fp32 and stores or adds 16-row chunks of 4 contiguous columns a thread.
+
+sm_90 only. The CPU tests compile it for sm_90 (bulk tensor copies, wgmma, warp specialization in
+the PTX); the GPU tests compare it with the dequantized matmul.
+"""
+
+# (no `from __future__ import annotations`: the partitions' `gl.constexpr` annotations are
+# evaluated where `_kernel` defines them, as warp specialization needs)
+import functools
+
+import torch
+
+from pagoda import platform
+from pagoda.kernels.workspace import SplitKWorkspace
+
+BLOCK_K = 64  # K per ring stage (one tile of the layout)
+SLAB = 64  # weight rows per warpgroup accumulator (wgmma's M)
+BLOCK_MS = (16, 32, 64, 128)  # batch rows a tile (wgmma's N)
+SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
+
+TmaConfig = tuple  # (BLOCK_M, warpgroups, split-K, stages)
+
+
+def tma_supported(n: int, k: int, group_size: int) -> bool:
+    """Shapes the kernel takes: whole 16-row column groups, whole K tiles, groups of whole tiles."""
+    per_channel = group_size <= 0 or group_size >= k
+    return n % 16 == 0 and k % BLOCK_K == 0 and (per_channel or group_size % BLOCK_K == 0)
+
+
+@functools.cache
+def gluon_tma_available() -> bool:
+    """Gluon with Hopper's bulk tensor copies, mbarriers, warpgroup MMA and warp specialization."""
+    try:
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+            mbarrier,
+            tma,
+            warpgroup_mma,
+        )
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return hasattr(gl, "warp_specialize")
+
+
+def rows_per_cta(warpgroups: int) -> int:
+    return 2 * SLAB * warpgroups
+
+
+def stage_bytes(block_m: int, wgs: int, zp: bool) -> int:
+    """One ring stage: the activation tile, the words and the scale (zero) pairs of the CTA."""
+    rows = rows_per_cta(wgs)
+    return block_m * BLOCK_K * 2 + rows * BLOCK_K // 2 + rows * 2 * (2 if zp else 1)
+
+
+def smem_bytes(block_m: int, wgs: int, stages: int, zp: bool) -> int:
+    return stages * stage_bytes(block_m, wgs, zp) + 2 * stages * 8
+
+
+@functools.cache
+def _kernel():
+    """The Gluon kernel, built on first use (Gluon is imported only here)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.runtime.jit import constexpr_function
+
+    from pagoda.kernels.gluon_mma_wgmma import _DEQUANT, _QUAD_T, _SPLAT
+
+    barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 / 3.6
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.9 / 3.6
+    reinterpret = getattr(gl.shared_memory_descriptor, "reinterpret", None)  # Triton 3.9
+    reinterpret = reinterpret or gl.shared_memory_descriptor._reinterpret  # 3.6
+
+    BK = gl.constexpr(BLOCK_K)
+    SL = gl.constexpr(SLAB)
+    dequant_asm = gl.constexpr(_DEQUANT)
+    splat_asm = gl.constexpr(_SPLAT)
+    quad_t_asm = gl.constexpr(_QUAD_T)
+
+    @constexpr_function
+    def word_layout(num_wg):
+        """A slab's words as bf16 pairs [32 num_wg (warp w, g), 32 (c, v, half)]: lane 4 g + c
+        of warp w holds its 4 words (v) of column group w: 16 contiguous bytes."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4]],
+            lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[8 << i, 0] for i in range(2 + (num_wg - 1).bit_length())],
+            block_bases=[],
+            shape=[32 * num_wg, 32],
+        )
+
+    @constexpr_function
+    def v_layout(num_wg):
+        """One word per thread, as bf16 pairs [32 num_wg (w, g), 4 c, 2 half]."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[8 << i, 0, 0] for i in range(2 + (num_wg - 1).bit_length())],
+            block_bases=[],
+            shape=[32 * num_wg, 4, 2],
+        )
+
+    @gluon.jit
+    def _dequant_v(w3, sl, sh, zl, zh):
+        """One word a thread ([RW, 4 c, 2 half]) -> its A fragment [RW, 4, 2 e, 2 rowhi, 2 khi]."""
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            dequant_asm, "=r,=r,=r,=r,r,r,r,r,r", [w3, sl, sh, zl, zh],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
+        )  # fmt: skip
+        return gl.join(gl.join(o0, o1), gl.join(o2, o3))
+
+    @gluon.jit
+    def _fragment(w_st, s_st, z_st, NUM_WG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  HAS_ZP: gl.constexpr):  # fmt: skip
+        """A slab's register operand [64 NUM_WG, 64] (natural K) from its words and pairs in
+        shared memory (bf16 views [RW, 32] and [RW, 2])."""
+        RW: gl.constexpr = 32 * NUM_WG
+        NW: gl.constexpr = 4 * NUM_WG
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        v_l: gl.constexpr = v_layout(NUM_WG)
+        p_l: gl.constexpr = gl.SliceLayout(1, v_l)  # [RW, 2]: the 4 lanes c of g share a pair
+        s_raw = gl.expand_dims(s_st.load(p_l), 1)  # [RW, 1, 2]
+        sl, sh = gl.inline_asm_elementwise(
+            splat_asm, "=r,=r,r", [s_raw], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
+        )  # fmt: skip
+        if HAS_ZP:
+            z_raw = gl.expand_dims(z_st.load(p_l), 1)
+            zl, zh = gl.inline_asm_elementwise(
+                splat_asm, "=r,=r,r", [z_raw], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                pack=2,
+            )  # fmt: skip
+        else:  # -136 = -(128 + 8)
+            zl = gl.full([RW, 1, 2], -136.0, gl.bfloat16, layout=v_l)
+            zh = zl
+        words = w_st.load(word_layout(NUM_WG))  # [RW, 32 (c, v, half)]
+        # word v of lane c becomes its word for natural K slice v
+        words = gl.inline_asm_elementwise(
+            quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=8,
+        )  # fmt: skip
+        wv = gl.permute(gl.reshape(words, [RW, 4, 2, 2, 2]), [0, 1, 4, 2, 3])  # R, c, half, v1, v0
+        odd0, odd1 = gl.split(wv)
+        w0, w2 = gl.split(odd0)
+        w1, w3 = gl.split(odd1)
+        f0 = _dequant_v(gl.convert_layout(w0, v_l, assert_trivial=True), sl, sh, zl, zh)
+        f1 = _dequant_v(gl.convert_layout(w1, v_l, assert_trivial=True), sl, sh, zl, zh)
+        f2 = _dequant_v(gl.convert_layout(w2, v_l, assert_trivial=True), sl, sh, zl, zh)
+        f3 = _dequant_v(gl.convert_layout(w3, v_l, assert_trivial=True), sl, sh, zl, zh)
+        t = gl.join(gl.join(f0, f1), gl.join(f2, f3))
+        # [RW (w, g), 4 c, 2 e, 2 rowhi, 2 khi, 2 v0, 2 v1] -> rows (w, rowhi, g), K (v, khi, c, e)
+        t = gl.reshape(t, [NW, 8, 4, 2, 2, 2, 2, 2])
+        t = gl.permute(t, [0, 4, 1, 7, 6, 5, 2, 3])
+        return gl.convert_layout(gl.reshape(t, [SL * NUM_WG, 64]), a_l, assert_trivial=True)
+
+    @gluon.jit
+    def _produce(x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs, ready, empty,
+                 off_m, cg0, kt_lo, n_steps, NUM_STAGES: gl.constexpr, GROUP_TILES: gl.constexpr,
+                 HAS_ZP: gl.constexpr):  # fmt: skip
+        """One warp: wait for a free stage, then the step's copies complete on its `ready`."""
+        nbytes: gl.constexpr = (
+            x_desc.block_type.nbytes
+            + w_desc.block_type.nbytes
+            + s_desc.block_type.nbytes * (2 if HAS_ZP else 1)
+        )
+        for i in range(n_steps):
+            s = i % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((i // NUM_STAGES) & 1) ^ 1)
+            kt = kt_lo + i
+            if GROUP_TILES > 0:
+                grp = kt // GROUP_TILES
+            else:
+                grp = kt * 0
+            bar = ready.index(s)
+            mbarrier.expect(bar, nbytes)
+            tma_load(x_desc, [off_m, kt * BK], bar, x_bufs.index(s))
+            tma_load(w_desc, [cg0, kt * 128], bar, w_bufs.index(s))
+            tma_load(s_desc, [cg0, grp * 8], bar, s_bufs.index(s))
+            if HAS_ZP:
+                tma_load(z_desc, [cg0, grp * 8], bar, z_bufs.index(s))
+
+    @gluon.jit
+    def _epilogue_slab(acc, stage, e_r, e_n, n_ok, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                       stride_om, BLOCK_M: gl.constexpr, ep_l: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, ONE_SPLIT: gl.constexpr):  # fmt: skip
+        """One slab's tile through shared memory: stored (one split) or added into ws."""
+        CH: gl.constexpr = 16 if BLOCK_M >= 16 else BLOCK_M
+        barrier()  # the previous user of `stage` is done
+        stage.permute((1, 0)).store(acc)
+        barrier()
+        if HAS_BIAS:
+            e_b = gl.expand_dims(gl.load(b_ptr + e_n, mask=n_ok, other=0.0).to(gl.float32), 0)
+        for c in gl.static_range(BLOCK_M // CH):
+            e_m = off_m + c * CH + e_r
+            e_mask = gl.expand_dims(e_m < M, 1) & gl.expand_dims(n_ok, 0)
+            v = stage.slice(c * CH, CH).load(ep_l)
+            if ONE_SPLIT:
+                if HAS_BIAS:
+                    v = v + e_b
+                e_o = gl.expand_dims(e_m, 1) * stride_om + gl.expand_dims(e_n, 0)
+                gl.store(out_ptr + e_o, v.to(gl.bfloat16), mask=e_mask)
+            else:
+                e_w = gl.expand_dims(e_m, 1) * N + gl.expand_dims(e_n, 0)
+                gl.atomic_add(ws_ptr + e_w, v, mask=e_mask, sem="relaxed")
+
+    @gluon.jit
+    def _finish_slab(e_r, e_n, n_ok, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
+                     BLOCK_M: gl.constexpr, ep_l: gl.constexpr,
+                     HAS_BIAS: gl.constexpr):  # fmt: skip
+        """The last split of a tile: read the sums back (re-zeroing them) and store."""
+        CH: gl.constexpr = 16 if BLOCK_M >= 16 else BLOCK_M
+        TN: gl.constexpr = e_n.shape[0]
+        if HAS_BIAS:
+            e_b = gl.expand_dims(gl.load(b_ptr + e_n, mask=n_ok, other=0.0).to(gl.float32), 0)
+        for c in gl.static_range(BLOCK_M // CH):
+            e_m = off_m + c * CH + e_r
+            e_mask = gl.expand_dims(e_m < M, 1) & gl.expand_dims(n_ok, 0)
+            e_w = gl.expand_dims(e_m, 1) * N + gl.expand_dims(e_n, 0)
+            zero = gl.zeros([CH, TN], gl.int32, layout=ep_l)
+            bits = gl.atomic_xchg(wsi_ptr + e_w, zero, mask=e_mask, sem="relaxed")
+            total = bits.to(gl.float32, bitcast=True)
+            if HAS_BIAS:
+                total = total + e_b
+            e_o = gl.expand_dims(e_m, 1) * stride_om + gl.expand_dims(e_n, 0)
+            gl.store(out_ptr + e_o, total.to(gl.bfloat16), mask=e_mask)
+
+    @gluon.jit
+    def _consume(x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n, tile,
+                 b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om, n_splits,
+                 BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 ONE_SPLIT: gl.constexpr):  # fmt: skip
+        """The consumer warpgroups: dequantize, MMA, release stages; then the epilogue."""
+        RW: gl.constexpr = 32 * NUM_WG
+        NW: gl.constexpr = 4 * NUM_WG
+        BNW: gl.constexpr = SL * NUM_WG  # rows of one slab across the warpgroups
+        S: gl.constexpr = NUM_STAGES
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        acc0 = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
+        acc1 = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
+        for i in range(n_steps):
+            s = i % S
+            mbarrier.wait(ready.index(s), (i // S) & 1)
+            xs = x_bufs.index(s).permute((1, 0))  # [64, BLOCK_M]
+            w_st = reinterpret(w_bufs.index(s), gl.bfloat16, [2 * RW, 32], plain)
+            s_st = reinterpret(s_bufs.index(s), gl.bfloat16, [2 * RW, 2], plain)
+            if HAS_ZP:
+                z_st = reinterpret(z_bufs.index(s), gl.bfloat16, [2 * RW, 2], plain)
+                z0 = z_st.slice(0, RW)
+                z1 = z_st.slice(RW, RW)
+            else:
+                z0 = s_st
+                z1 = s_st
+            # One MMA in flight over each dequantization: slab 0 of step i is dequantized while
+            # slab 1 of step i - 1 runs, slab 1 while slab 0 of step i runs (each wait retires
+            # the group before the one just issued).
+            a0 = _fragment(w_st.slice(0, RW), s_st.slice(0, RW), z0, NUM_WG, BLOCK_M, HAS_ZP)
+            acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
+            acc0, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, a0, xs])
+            # both MMAs of step i - 1 have retired: its stage goes back to the producer
+            mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
+            a1 = _fragment(w_st.slice(RW, RW), s_st.slice(RW, RW), z1, NUM_WG, BLOCK_M, HAS_ZP)
+            acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
+            acc1, a1, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, a1, xs])
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
+
+        # epilogue: each slab through the activation ring (free now) as fp32 [BLOCK_M, BNW]
+        TN: gl.constexpr = BNW // 4 if BNW < 128 else 32
+        ep_l: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 4], threads_per_warp=[32 // TN, TN], warps_per_cta=[NW, 1],
+            order=[1, 0],
+        )  # fmt: skip
+        stage = reinterpret(x_bufs, gl.float32, [BLOCK_M, BNW], plain)
+        CH: gl.constexpr = 16 if BLOCK_M >= 16 else BLOCK_M
+        e_r = gl.arange(0, CH, layout=gl.SliceLayout(1, ep_l))
+        e_n0 = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(0, ep_l))
+        e_n1 = e_n0 + BNW
+        n_ok0 = e_n0 < N
+        n_ok1 = e_n1 < N
+        _epilogue_slab(acc0, stage, e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                       stride_om, BLOCK_M, ep_l, HAS_BIAS, ONE_SPLIT)  # fmt: skip
+        _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                       stride_om, BLOCK_M, ep_l, HAS_BIAS, ONE_SPLIT)  # fmt: skip
+        if not ONE_SPLIT:
+            barrier()
+            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if done == n_splits - 1:
+                _finish_slab(e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
+                             BLOCK_M, ep_l, HAS_BIAS)  # fmt: skip
+                _finish_slab(e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
+                             BLOCK_M, ep_l, HAS_BIAS)  # fmt: skip
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+
+    @gluon.jit
+    def kernel(
+        x_desc, w_desc, s_desc, z_desc, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+        M, N, kt_per_split, kt_total, stride_om,
+        GROUP_TILES: gl.constexpr,  # K tiles per scale group (0: one scale per column)
+        BLOCK_M: gl.constexpr,
+        NUM_WG: gl.constexpr,  # consumer warpgroups, each two 64-row slabs
+        NUM_STAGES: gl.constexpr,
+        HAS_ZP: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        ONE_SPLIT: gl.constexpr,  # else the serial split-K reduction through ws / cnt
+    ):  # fmt: skip
+        S: gl.constexpr = NUM_STAGES
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        kt_lo = pid_k * kt_per_split
+        n_steps = gl.minimum(kt_lo + kt_per_split, kt_total) - kt_lo
+        off_m = pid_m * BLOCK_M
+        cg0 = pid_n * (8 * NUM_WG)  # 16-row column groups: 2 slabs x 4 NUM_WG warps
+        off_n = pid_n * (2 * SL * NUM_WG)
+        tile = pid_m * gl.num_programs(0) + pid_n
+
+        x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_M, BK], x_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.int32, [S, 8 * NUM_WG, 128], w_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.int32, [S, 8 * NUM_WG, 8], s_desc.layout)
+        if HAS_ZP:
+            z_bufs = gl.allocate_shared_memory(gl.int32, [S, 8 * NUM_WG, 8], z_desc.layout)
+        else:
+            z_bufs = s_bufs
+        ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(S):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+
+        gl.warp_specialize(
+            [
+                (_consume, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n,
+                            tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om,
+                            gl.num_programs(2), BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
+                            ONE_SPLIT)),
+                (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
+                            ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES, HAS_ZP)),
+            ],
+            [1],
+            [40],
+        )  # fmt: skip
+
+    return kernel
+
+
+def max_regs(warpgroups: int) -> int:
+    """The kernel's register cap (`maxnreg`) over its consumer warpgroups and the producer's
+    warpgroup: two CTAs an SM with one consumer warpgroup, one with two (64 Ki registers an SM);
+    the producer gives back all but 40 a thread to the consumers (`setmaxnreg`)."""
+    threads = 128 * (warpgroups + 1) * (2 if warpgroups == 1 else 1)
+    return min(255, (65536 // threads) // 8 * 8)
+
+
+def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
+    """BLOCK_M: the smallest tile that holds M (up to 128; larger M takes several); two
+    consumer warpgroups (256 weight rows a CTA) where the columns still give one CTA an SM,
+    else one; split-K to about one CTA an SM, at least 8 K steps a split; a 4-stage ring."""
+    block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
+    m_tiles = -(-m // block_m)
+    wgs = 2 if m_tiles * (n // rows_per_cta(2)) >= num_sms else 1
+    ctas = m_tiles * -(-n // rows_per_cta(wgs))
+    kt = k // BLOCK_K
+    split = 1
+    if ctas < num_sms:
+        split = max(1, min(round(num_sms / ctas), kt // 8, 16))
+    return block_m, wgs, split, 4
+
+
+def wna16_wgmma_tma(
+    x: torch.Tensor,  # [M, K] bf16, CUDA, sm_90
+    words: torch.Tensor,  # `repack_mma`
+    scale_pairs: torch.Tensor,  # `repack_mma_scales` [N / 16, groups, 8] int32
+    n: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    zero_pairs: torch.Tensor | None = None,  # `repack_mma_zeros` (None: symmetric, z = 8)
+    workspace: SplitKWorkspace | None = None,  # split-K scratch (None: no split-K)
+    config: TmaConfig | None = None,
+) -> torch.Tensor:  # [M, N] bf16
+    """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, W = (u - z) * s per group."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, k = x.shape
+    if x.dtype != torch.bfloat16 or not x.is_cuda or not tma_supported(n, k, group_size):
+        raise ValueError(
+            f"wna16_wgmma_tma takes CUDA bf16 x, N % 16 == 0, K % 64 == 0 and groups of whole "
+            f"64-K tiles, got {x.dtype} on {x.device}, N={n} K={k} group={group_size}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
+    num_sms = platform.num_sms(x.device)
+    block_m, wgs, split, stages = config or default_tma_config(m, n, k, num_sms)
+    zp = zero_pairs is not None
+    if block_m not in BLOCK_MS or wgs not in (1, 2):
+        raise ValueError(f"config {config}: BLOCK_M in {BLOCK_MS}, 1 or 2 warpgroups")
+    if stages < 2 * wgs or smem_bytes(block_m, wgs, stages, zp) > SMEM_BYTES:
+        raise ValueError(
+            f"config {config}: at least {2 * wgs} stages (the epilogue's staging) and within "
+            f"{SMEM_BYTES} bytes of shared memory"
+        )
+    kt_total = k // BLOCK_K
+    per = -(-kt_total // split)
+    split = -(-kt_total // per)
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
+    rows = rows_per_cta(wgs)
+    grid = (-(-n // rows), -(-m // block_m), split)
+    ws, cnt = out.view(-1)[:0].float(), words
+    if split > 1:
+        bufs = workspace.buffers(x.device, m * n, grid[0] * grid[1]) if workspace else None
+        if bufs is None:  # no workspace, or capturing with one too small to grow
+            per, split = kt_total, 1
+            grid = (grid[0], grid[1], 1)
+        else:
+            ws, cnt = bufs
+    ncg, groups = n // 16, scale_pairs.shape[1]
+    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K], x_layout)
+    w_desc = TensorDescriptor.from_tensor(words.view(ncg, kt_total * 128), [rows // 16, 128], flat)
+    s_desc = TensorDescriptor.from_tensor(scale_pairs.view(ncg, groups * 8), [rows // 16, 8], flat)
+    z_desc = s_desc
+    if zp:
+        z_flat = zero_pairs.view(ncg, groups * 8)
+        z_desc = TensorDescriptor.from_tensor(z_flat, [rows // 16, 8], flat)
+    per_channel = group_size <= 0 or group_size >= k
+    _kernel()[grid](
+        x_desc, w_desc, s_desc, z_desc, bias if bias is not None else out, out, ws,
+        ws.view(torch.int32), cnt, m, n, per, kt_total, out.stride(0),
+        GROUP_TILES=0 if per_channel else group_size // BLOCK_K,
+        BLOCK_M=block_m,
+        NUM_WG=wgs,
+        NUM_STAGES=stages,
+        HAS_ZP=zp,
+        HAS_BIAS=bias is not None,
+        ONE_SPLIT=split == 1,
+        num_warps=4 * wgs,
+        maxnreg=max_regs(wgs),
+    )  # fmt: skip
+    return out

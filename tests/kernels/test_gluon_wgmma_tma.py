@@ -1,0 +1,202 @@
+"""The TMA-fed, warp-specialized wgmma W4A16 GEMM: its configs and sm_90 code compiled here
+without a GPU, and the kernel against the dequantized matmul on an H100 / H200 (`gpu`). Its
+unpacking (quad transpose, then the dequantization asm) is the one `test_gluon_mma_wgmma`
+checks against `repack_mma` on the CPU (`unpack_slots(..., natural=True)`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagoda.kernels import gluon_wgmma_tma as tk
+from pagoda.kernels.workspace import SplitKWorkspace
+
+pytest.importorskip("triton")  # the layout (`repack_mma`) lives with the Triton GEMV
+from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+
+
+def test_supported_shapes_and_bad_inputs():
+    assert tk.tma_supported(2560, 2048, 128) and tk.tma_supported(16, 64, -1)
+    assert not tk.tma_supported(2560, 2048, 32)  # groups must be whole 64-K tiles
+    assert not tk.tma_supported(2568, 2048, 128) and not tk.tma_supported(2560, 2000, 128)
+    words = torch.zeros(64 * 64 // 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="wna16_wgmma_tma"):
+        tk.wna16_wgmma_tma(torch.zeros(2, 64), words, torch.zeros(4, 1, 8, dtype=torch.int32),
+                           64, -1)  # fmt: skip
+
+
+def test_default_configs_fit_and_fill_the_gpu():
+    for m in (1, 9, 16, 33, 64, 100, 128, 200, 256, 512):
+        for n, k in ((4608, 3584), (3584, 18944), (37888, 3584), (2560, 2048), (22016, 2048)):
+            block_m, wgs, split, stages = tk.default_tma_config(m, n, k, 132)
+            assert block_m in tk.BLOCK_MS and block_m >= min(m, 128)
+            assert block_m < 2 * max(m, 16) or block_m == tk.BLOCK_MS[0]
+            assert stages >= 2 * wgs  # the epilogue stages a slab in the ring
+            assert tk.smem_bytes(block_m, wgs, stages, True) <= tk.SMEM_BYTES
+            ctas = -(-m // block_m) * -(-n // tk.rows_per_cta(wgs))
+            assert split == 1 or ctas < 132
+            assert k // 64 // split >= 8 or split == 1  # at least 8 K steps a split
+    # 7B gate_up at M = 64: 148 CTAs of 256 rows, no split; 7B down: 28 CTAs of 128 rows, split
+    assert tk.default_tma_config(64, 37888, 3584, 132) == (64, 2, 1, 4)
+    assert tk.default_tma_config(64, 3584, 18944, 132)[:3] == (64, 1, 5)
+
+
+def _compile_ptx(block_m: int, wgs: int, stages: int, zp: bool, one_split: bool) -> str:
+    """The kernel's sm_90 PTX (in a fresh interpreter: see `_compiled`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    xl = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    fl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    cgs = tk.rows_per_cta(wgs) // 16
+    sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>",
+           "w_desc": f"tensordesc<i32[{cgs}, 128],{fl!r}>",
+           "s_desc": f"tensordesc<i32[{cgs}, 8],{fl!r}>",
+           "z_desc": f"tensordesc<i32[{cgs}, 8],{fl!r}>",
+           "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "wsi_ptr": "*i32",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "kt_per_split": "i32", "kt_total": "i32",
+           "stride_om": "i32"}  # fmt: skip
+    consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": wgs, "NUM_STAGES": stages,
+              "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split}  # fmt: skip
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7, 8, 10, 13)}
+    src = GluonASTSource(fn=tk._kernel(), signature=sig, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": 4 * wgs, "maxnreg": tk.max_regs(wgs)}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+
+
+def _compiled(*args) -> str:
+    """`_compile_ptx` in a child process without TRITON_INTERPRET (the interpreter patches
+    triton.language in place while the suite runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import sys; sys.path[:0] = sys.argv[1:3]; import test_gluon_wgmma_tma as t; "
+        f"sys.stdout.write(t._compile_ptx{args!r})"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    done = subprocess.run(
+        [sys.executable, "-c", code, here, root], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.skipif(not tk.gluon_tma_available(), reason="needs Triton with Gluon's TMA")
+@pytest.mark.parametrize(
+    "block_m,wgs,stages,zp,one_split", [(64, 2, 4, False, True), (128, 1, 6, True, False)]
+)
+def test_sm90_code(block_m, wgs, stages, zp, one_split):
+    """Compiled for sm_90 here: one bulk tensor copy per operand and stage (activations, words,
+    scale pairs, zero pairs) issued by the producer warp on the stage's mbarrier; registers
+    handed from the producer to the consumers; per step two slabs x 4 register-operand wgmma,
+    each followed by a wait for all but one group; the words through the quad transpose and
+    the dequantization asm; no local memory."""
+    ptx = _compiled(block_m, wgs, stages, zp, one_split)
+    copies = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.mbarrier", ptx)
+    assert len(copies) == (4 if zp else 3)
+    assert "cp.async.ca" not in ptx and "cp.async.cg" not in ptx  # no per-thread copies
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    mmas = re.findall(
+        r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx
+    )  # the A operand a register list, not a descriptor
+    assert len(mmas) == 8 and {int(v) for v in mmas} == {block_m}
+    waits = [int(v) for v in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
+    assert waits.count(1) == 2 and waits.count(0) == 1
+    # per step: 2 slabs x 4 words x (4 lop3, 4 add, 4 mul); the quad transpose's 4 shuffles
+    assert ptx.count("mul.rn.bf16x2") == 32 and ptx.count("shfl.sync.bfly.b32") == 8
+    adds = re.findall(r"red\.global\.\S*add\.v4\.f32", ptx)
+    assert (len(adds) > 0) == (not one_split)
+    for absent in ("ld.local", "st.local"):
+        assert absent not in ptx, absent
+
+
+def _case(m: int, n: int, k: int, group: int, zp: bool, seed: int, dev):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int16)
+    groups = 1 if group <= 0 or group >= k else k // group
+    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).bfloat16()
+    zeros = torch.randint(0, 16, (groups, n), generator=g) if zp else None
+    z = zeros.float() if zp else torch.full((groups, n), 8.0)
+    per = k // groups
+    w = (codes.float() - z.t().repeat_interleave(per, 1)) * scales.float().t().repeat_interleave(
+        per, 1
+    )
+    x = torch.randn(m, k, generator=g).bfloat16()
+    ref = x.float() @ w.bfloat16().float().t()
+    words = mma.repack_mma(codes.to(dev))
+    pairs = mma.repack_mma_scales(scales.to(dev))
+    zpairs = mma.repack_mma_zeros(zeros.to(dev)) if zp else None
+    return x.to(dev), words, pairs, zpairs, ref
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(
+    not (_hopper() and tk.gluon_tma_available()), reason="needs an sm_90 GPU and Gluon's TMA"
+)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 33, 64, 100, 128, 200, 300])
+@pytest.mark.parametrize(
+    "group,zp,bias", [(128, False, False), (64, True, True), (-1, True, False)]
+)
+def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
+    """N = 400: a partial last CTA (zero-filled words, masked stores); K = 576: an odd count
+    of K steps; every tile size, one and two warpgroups, split-K, ring depths."""
+    n, k = 400, 512 if group == 128 else 576
+    dev = torch.device("cuda")
+    x, words, pairs, zpairs, ref = _case(m, n, k, group, zp, seed=m, dev=dev)
+    b = torch.randn(n).bfloat16() if bias else None
+    if bias:
+        ref = ref + b.float()
+    ws = SplitKWorkspace()
+    configs = (None, (16, 1, 1, 2), (32, 2, 1, 4), (64, 1, 3, 4), (64, 2, 2, 6),
+               (128, 1, 1, 3), (128, 2, 4, 4))  # fmt: skip
+    for config in configs:
+        y = tk.wna16_wgmma_tma(
+            x, words, pairs, n, group, bias=b.to(dev) if bias else None, zero_pairs=zpairs,
+            workspace=ws, config=config,
+        )  # fmt: skip
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        err = (y.float().cpu() - ref).abs().max().item()
+        assert err <= 2.0**-7 * ref.abs().max().item(), (config, err)
+    assert all(int(t.count_nonzero()) == 0 for t in ws.all_buffers())  # split-K cleaned up
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("m", [16, 64, 256])
+@pytest.mark.parametrize("zp", [False, True])
+def test_qwen_shapes_and_graph_replay_gpu(m, zp):
+    """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few CTAs), then the
+    same call captured in a CUDA graph and replayed on new inputs."""
+    dev = torch.device("cuda")
+    ws = SplitKWorkspace()
+    for n, k in ((4608, 3584), (3584, 18944), (22016, 2048), (2048, 11008)):
+        x, words, pairs, zpairs, ref = _case(m, n, k, 128, zp, seed=n + k, dev=dev)
+        y = tk.wna16_wgmma_tma(x, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
+        err = (y.float().cpu() - ref).abs().max().item()
+        assert err <= 2.0**-7 * ref.abs().max().item(), (n, k, err)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            yg = tk.wna16_wgmma_tma(x, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
+        x2 = torch.randn_like(x)
+        x.copy_(x2)
+        graph.replay()
+        ref2 = tk.wna16_wgmma_tma(x2, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
+        # split-K sums fp32 partials with atomics, in arrival order: equal up to rounding
+        tol = 2.0**-7 * ref2.float().abs().max().item()
+        assert (yg.float() - ref2.float()).abs().max().item() <= tol, (n, k)
+    assert all(int(t.count_nonzero()) == 0 for t in ws.all_buffers())
