@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 15): tma15
+# Steps (session 15): tma15 tma15b
 # Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
@@ -451,6 +451,18 @@ step_tma15() {
     --ms 16,32,64,96,128,192,256,512 --sweep tma --sweep-ms 16,32,64,128,256 --out "$R/tma_sweep"
   run tma_zp 80 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 1 \
     --ms 16,64,128,256 --sweep none --out "$R/tma_zp"
+}
+# session 15, second call (run 1 found every wgmma of the TMA kernel serialized by ptxas,
+# C7515: the loop's zero-trip path re-defined the accumulators; fixed): the sweep again, without
+# the tl.dot GEMM and the GEMV, then the defaults with zero points
+step_tma15b() {
+  run tma_sweep 300 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 16,32,64,128,256 --skip tc,gemv \
+    --out "$R/tma_sweep"
+  run tma_zp 80 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 1 \
+    --ms 16,64,128,256 --sweep none --skip tc,gemv --out "$R/tma_zp"
+  run tma_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_wgmma_tma.py -k "qwen"
 }
 # session 14, first call: the wgmma GEMM's scale-ahead and staged-epilogue variants and a
 # split-K sweep (the tail wave; split-K at 64+ rows lost occupancy to its epilogue's registers),

@@ -185,7 +185,9 @@ def check(y: torch.Tensor, x: torch.Tensor, layer: Layer) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int) -> dict:
+def candidates(
+    x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int, skip: frozenset = frozenset()
+) -> dict:
     m, n, k = x.shape[0], layer.n, layer.k
     cands = {}
     if m <= mma.MAX_ROWS:
@@ -238,10 +240,10 @@ def candidates(x: torch.Tensor, layer: Layer, zp: bool, sweep: str, num_sms: int
                 )
 
             cands["tc" if c is None else f"tc{list(c)}"] = fn
-    return cands
+    return {key: fn for key, fn in cands.items() if key.split("[")[0] not in skip}
 
 
-def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
+def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS, skip=frozenset()):
     layer = Layer(n, k, l2, zp, dev)
     rows = []
     for m in ms:
@@ -250,7 +252,7 @@ def bench(model, name, n, k, zp: bool, sweep: str, bw, l2, num_sms, dev, ms=MS):
         t = time_graph(lambda i, x=x: F.linear(x, layer.dense[i]), layer.dense_copies)
         row["bf16_us"] = t * 1e6
         row["bf16_bw_frac"] = n * k * 2 / t / bw
-        for key, fn in candidates(x, layer, zp, sweep, num_sms).items():
+        for key, fn in candidates(x, layer, zp, sweep, num_sms, skip).items():
             try:
                 err = check(fn(0), x, layer)
                 if err > 2e-2:
@@ -308,7 +310,11 @@ def main() -> None:
     ap.add_argument(
         "--sweep-ms", default=None, help=f"sweep configs at these M (default {SWEEP_MS})"
     )
+    ap.add_argument(
+        "--skip", default="", help="kernels not to time, e.g. tc,gemv (bf16 is always timed)"
+    )
     ns = ap.parse_args()
+    skip = frozenset(v for v in ns.skip.split(",") if v)
     ms = [int(v) for v in ns.ms.split(",")] if ns.ms else MS
     if ns.sweep_ms:
         SWEEP_MS = tuple(int(v) for v in ns.sweep_ms.split(","))
@@ -326,7 +332,7 @@ def main() -> None:
                 continue
             for zp in (int(z) for z in ns.zp.split(",")):
                 rows += bench(model, name, n, k, bool(zp), ns.sweep, bw, l2,
-                              props.multi_processor_count, dev, ms)  # fmt: skip
+                              props.multi_processor_count, dev, ms, skip)  # fmt: skip
                 result = {"env": environment(dev), "copy_bw": bw, "seconds": time.time() - t0}
                 result["rows"] = rows  # written after every layer: a cut-off run keeps its rows
                 (out / "w4a16_tc.json").write_text(json.dumps(result, indent=1))
