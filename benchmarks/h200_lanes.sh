@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 15): tma15 tma15b
+# Steps (session 15): tma15 tma15b e2e15
 # Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
@@ -463,6 +463,30 @@ step_tma15b() {
     --ms 16,64,128,256 --sweep none --skip tc,gemv --out "$R/tma_zp"
   run tma_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_wgmma_tma.py -k "qwen"
+}
+# session 15, last call (the TMA GEMM in the registry for 65-512 / 65-256 rows on the MLP
+# layers): end to end bf16 / W4A16 / AWQ on 3B and 7B at batch 1-128 and the nano-vllm
+# protocol, the GPU equality tests (an AWQ checkpoint through the engine against transformers,
+# every band of the registry's tables), then the sm_80-89 dispatch (capability 8.9 emulated)
+step_e2e15() {
+  compare15 compare3b_e2e 215 "$CFG3" Qwen2.5-3B 120 compare_3b
+  compare15 compare7b_e2e 215 "$CFG7" Qwen2.5-7B 120 compare_7b
+  run gpu15 130 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/entrypoints/test_gpu_engine_w4a16.py tests/layers/test_wna16_kernels.py \
+    tests/kernels/test_gluon_wgmma_tma.py -k "qwen or engine or cuda_path"
+  PAGODA_EMULATE_CAPABILITY=8.9 run sm89_e2e 70 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 sm_89 dispatch" --dtype bfloat16 \
+    --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
+    --out "$R/compare_3b_sm89"
+}
+# compare15 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: compare3 at batch 1-128
+compare15() {
+  run "$1" "$2" python3 -m pagoda.entrypoints.cli compare "config:$3" "config:$3:w4a16" \
+    "config:$3:awq" --labels "$4 bf16,$4 W4A16,$4 AWQ" --dtype bfloat16 --max-model-len 4096 \
+    --prompt-len 512 --output-len 256 --batch-sizes 1,8,64,128 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline none --timeout "$5" \
+    --out "$R/$6"
 }
 # session 14, first call: the wgmma GEMM's scale-ahead and staged-epilogue variants and a
 # split-K sweep (the tail wave; split-K at 64+ rows lost occupancy to its epilogue's registers),

@@ -29,6 +29,7 @@ def _flag(name: str, default: bool) -> bool:
 # in priority order), the dense bf16 GEMV at M = 1 (`layers/linear.py`) and the fused decode
 # attention (`layers/attention.py`).
 KERNEL_NAMES = (
+    "mma_wgmma_tma",
     "mma_gemv",
     "mma_wgmma",
     "mma_gemm",

@@ -391,18 +391,16 @@ def max_regs(warpgroups: int) -> int:
 
 
 def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
-    """BLOCK_M: the smallest tile that holds M (up to 128; larger M takes several); two
-    consumer warpgroups (256 weight rows a CTA) where the columns still give one CTA an SM,
-    else one; split-K to about one CTA an SM, at least 8 K steps a split; a 4-stage ring."""
+    """From session 15's sweep (BENCHMARKS.md): BLOCK_M the smallest tile that holds M (up to
+    128; larger M takes several), one consumer warpgroup (two CTAs an SM; two warpgroups a CTA
+    measured level or slower but for one shape), split-K to about two CTAs an SM where there
+    are fewer, at least 8 K steps a split, a 4-stage ring."""
     block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
-    m_tiles = -(-m // block_m)
-    wgs = 2 if m_tiles * (n // rows_per_cta(2)) >= num_sms else 1
-    ctas = m_tiles * -(-n // rows_per_cta(wgs))
-    kt = k // BLOCK_K
+    ctas = -(-m // block_m) * -(-n // rows_per_cta(1))
     split = 1
-    if ctas < num_sms:
-        split = max(1, min(round(num_sms / ctas), kt // 8, 16))
-    return block_m, wgs, split, 4
+    if ctas < 2 * num_sms:
+        split = max(1, min(round(2 * num_sms / ctas), k // BLOCK_K // 8, 16))
+    return block_m, 1, split, 4
 
 
 def wna16_wgmma_tma(

@@ -349,6 +349,48 @@ def _mma_apply(kernel, layer: nn.Module, x: torch.Tensor, bias, **kw):
     return out, fused
 
 
+class MmaWgmmaTma(_MmaLayout):
+    """Hopper `wgmma` GEMM fed by bulk tensor copies (TMA) from a producer warp, 128 weight rows
+    a CTA (`gluon_wgmma_tma`): the best kernel past 64 rows on the large MLP layers, to 512
+    rows on gate_up-sized N and 256 on down projections (K >= 4 N), where dequant + cuBLAS
+    takes over; on qkv / o dequant + cuBLAS beats it from 65 rows (BENCHMARKS.md, session
+    15). First in the priority list: the session-14 wgmma GEMM keeps 9-64 rows."""
+
+    name = "mma_wgmma_tma"
+
+    @classmethod
+    def best_min_m(cls, cfg):
+        return 65
+
+    @classmethod
+    def best_max_m(cls, cfg):
+        if cfg.n >= 16384:
+            return 512
+        return 256 if cfg.k >= 4 * cfg.n else 0
+
+    @classmethod
+    def supports(cls, cfg):
+        if cfg.capability != (9, 0):
+            return False, "needs sm_90 (wgmma, TMA)"
+        ok, why = super().supports(cfg)
+        if not ok:
+            return ok, why
+        from pagoda.kernels import gluon_wgmma_tma as tk
+
+        if not tk.gluon_tma_available():
+            return False, "Triton without Gluon's TMA and warp specialization"
+        if not tk.tma_supported(cfg.n, cfg.k, cfg.group_size):
+            return False, "N % 16, K % 64 and whole 64-K groups needed"
+        return True, ""
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        from pagoda.kernels.gluon_wgmma_tma import wna16_wgmma_tma
+
+        workspace = getattr(layer, "split_k_workspace", None)
+        return _mma_apply(wna16_wgmma_tma, layer, x, bias, workspace=workspace)
+
+
 class MmaGemv(_MmaLayout):
     """Tensor-core GEMV (mma.sync, blocks of 8 rows): best up to 32 rows, runs up to 64."""
 
@@ -369,10 +411,10 @@ class MmaGemv(_MmaLayout):
 
 class MmaWgmma(_MmaLayout):
     """Hopper `wgmma` GEMM on the MMA layout (the weight dequantized in registers as the
-    register operand, `gluon_mma_wgmma`): best from 9 to 64 rows, to 128 on layers of >= 16 Ki
-    output columns (gate_up) and on down projections (K >= 4 N; BENCHMARKS.md, sessions 12
-    and 14). First in the priority list, so the GEMV keeps M <= 8 and the larger-M kernels the
-    rest."""
+    register operand, cp.async into shared memory, `gluon_mma_wgmma`): best from 9 to 64 rows,
+    to 128 on layers of >= 16 Ki output columns (gate_up) and on down projections (K >= 4 N)
+    where the TMA GEMM, earlier in the priority list, is not there (BENCHMARKS.md, sessions 12,
+    14 and 15). The GEMV keeps M <= 8."""
 
     name = "mma_wgmma"
 
@@ -444,7 +486,7 @@ class MmaDequantCublas(_MmaLayout):
 
 # Priority order: layouts first to last, kernels within a layout first to last.
 KERNELS: tuple[tuple[type[WNA16Kernel], ...], ...] = (
-    (MmaWgmma, MmaGemv, MmaGemm, MmaDequantCublas),
+    (MmaWgmmaTma, MmaWgmma, MmaGemv, MmaGemm, MmaDequantCublas),
     (TritonGemv, TritonGemm, TritonDequantCublas),
     (TorchDequant,),
 )

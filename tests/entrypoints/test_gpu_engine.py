@@ -52,19 +52,7 @@ def test_engine_greedy_equals_transformers_gpu(tmp_path, name, eager):
     prompts += [shared + [1, 2, 3], shared + [4, 5]]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     hf.generation_config.eos_token_id = None
-    ref, ref_logits = [], []
-    for p in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p], device="cuda"),
-                max_new_tokens=16,
-                do_sample=False,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        ref.append(out.sequences[0, len(p) :].tolist())
-        ref_logits.append([s[0].float() for s in out.logits])
+    ref, ref_logits = hf_greedy(hf, prompts, 16)
     del hf
     torch.cuda.empty_cache()
     llm = LLM(
@@ -80,9 +68,30 @@ def test_engine_greedy_equals_transformers_gpu(tmp_path, name, eager):
     outs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
     )
-    got = [o.outputs[0].token_ids for o in outs]
+    assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, ref_logits)
+
+
+def hf_greedy(hf, prompts: list[list[int]], new: int) -> tuple[list, list]:
+    """transformers' greedy tokens and per-step logits for each prompt, one at a time."""
+    ref, ref_logits = [], []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([p], device="cuda"),
+                max_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        ref.append(out.sequences[0, len(p) :].tolist())
+        ref_logits.append([s[0].float() for s in out.logits])
+    return ref, ref_logits
+
+
+def assert_greedy_matches(got: list, ref: list, ref_logits: list) -> None:
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
-        if g == r:
+        if list(g) == r:
             continue
         # Sequences may only part at an exact bf16 tie in transformers' own logits: the token we
         # chose must score within one bf16 rounding step of transformers' choice.

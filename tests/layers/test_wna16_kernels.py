@@ -12,7 +12,7 @@ from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref
 from pagoda.layers import wna16_kernels as wk
 from pagoda.quant.scheme import UnpackedWeight
 
-MMA = frozenset({"mma_wgmma", "mma_gemv", "mma_gemm", "mma_dequant"})
+MMA = frozenset({"mma_wgmma_tma", "mma_wgmma", "mma_gemv", "mma_gemm", "mma_dequant"})
 
 
 def _cfg(n=4608, k=3584, bits=4, zp=False, group=128, dtype=torch.bfloat16, cuda=True, **kw):
@@ -47,28 +47,32 @@ def test_cpu_layers_dequantize_per_call() -> None:
 
 
 def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
-    # sm_90: the GEMV to 8 rows, the wgmma GEMM 9-64 (to 128 on gate_up-sized N and on down
-    # projections), then the
-    # MMA GEMM (layers of >= 64 Mi weights, to 128) and dequant + cuBLAS
+    # sm_90: the GEMV to 8 rows, the wgmma GEMM 9-64, then on the MLP layers the TMA GEMM (to
+    # 512 rows on gate_up-sized N, 256 on down projections) and dequant + cuBLAS; qkv / o go
+    # from the wgmma GEMM to dequant + cuBLAS
     pytest.importorskip("triton.experimental.gluon")
     assert wk.choose_kernels(_cfg(), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..64, mma_dequant M=65.."
     )
     assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
-        "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
+        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_wgmma_tma M=65..512, mma_dequant M=513.."
     )
-    # down projections (K >= 4 N) keep the wgmma GEMM to 128 rows
     for n, k in ((3584, 18944), (2048, 11008)):
         assert wk.choose_kernels(_cfg(n=n, k=k), frozenset()).describe() == (
-            "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
+            "mma_gemv M=1..8, mma_wgmma M=9..64, mma_wgmma_tma M=65..256, mma_dequant M=257.."
         )
     # zero points (AWQ, asymmetric GPTQ) take the same kernels
     assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
+        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_wgmma_tma M=65..512, mma_dequant M=513.."
+    )
+    # without the TMA GEMM the session-14 wgmma GEMM keeps gate_up / down to 128 rows
+    no_tma = frozenset({"mma_wgmma_tma"})
+    assert wk.choose_kernels(_cfg(n=37888), no_tma).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
     )
-    # without the wgmma GEMM (or before sm_90): the GEMV to 32 rows, the MMA GEMM to 64 on
+    # without either wgmma GEMM (or before sm_90): the GEMV to 32 rows, the MMA GEMM to 64 on
     # layers of >= 12 Mi weights (qkv), to 128 on >= 64 Mi (gate_up); small layers no GEMM
-    no_wg = frozenset({"mma_wgmma"})
+    no_wg = frozenset({"mma_wgmma", "mma_wgmma_tma"})
     for cfg, disabled in ((_cfg(), no_wg), (_cfg(capability=(8, 9)), frozenset())):
         assert wk.choose_kernels(cfg, disabled).describe() == (
             "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
@@ -84,11 +88,16 @@ def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None
 def test_wgmma_needs_hopper_and_whole_tiles(mma_passes) -> None:
     pytest.importorskip("triton.experimental.gluon")
     assert wk.MmaWgmma.can_implement(_cfg(capability=(8, 9))) == (False, "needs sm_90 (wgmma)")
+    assert wk.MmaWgmmaTma.can_implement(_cfg(capability=(8, 9)))[0] is False
     ok, why = wk.MmaWgmma.can_implement(_cfg(n=4608 + 16))  # N % 64 != 0: the GEMV still runs
     assert not ok and "N % 64" in why
+    # the TMA GEMM takes any N % 16 (a partial last CTA), so it covers gate_up-sized N here
+    assert wk.MmaWgmmaTma.can_implement(_cfg(n=37888 + 16))[0]
     assert wk.choose_kernels(_cfg(n=4608 + 16), frozenset()).describe() == (
         "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
     )
+    ok, why = wk.MmaWgmmaTma.can_implement(_cfg(group=32))
+    assert not ok
 
 
 def test_packed_layout_follows_the_large_m_rule(mma_passes) -> None:
@@ -107,7 +116,7 @@ def test_packed_layout_follows_the_large_m_rule(mma_passes) -> None:
         "triton_gemm M=1..139, triton_dequant M=140.."
     )
     # the MMA GEMV alone still covers what it can; the rest falls to the next layout
-    only_gemv = frozenset({"mma_wgmma", "mma_gemm", "mma_dequant"})
+    only_gemv = frozenset({"mma_wgmma_tma", "mma_wgmma", "mma_gemm", "mma_dequant"})
     assert wk.choose_kernels(_cfg(), only_gemv).layout == "triton"
 
 
@@ -151,7 +160,8 @@ def test_disabled_kernels_env(monkeypatch) -> None:
     assert envs.disabled_kernels() == {"mma_gemv", "triton_gemm"}
     assert not envs.kernel_enabled("mma_gemv") and envs.kernel_enabled("dense_gemv")
     monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "mma_gemv,tinygemm")
-    with pytest.raises(ValueError, match="unknown kernel.* tinygemm; known: mma_gemv"):
+    known = "known: mma_wgmma_tma, mma_gemv"
+    with pytest.raises(ValueError, match=f"unknown kernel.* tinygemm; {known}"):
         envs.disabled_kernels()
     monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "torch_dequant")
     with pytest.raises(ValueError, match="no quantized-linear kernel can run N=48 K=64"):
@@ -233,21 +243,26 @@ def test_mma_layout_kernels_interpreter(zp) -> None:
 
 
 @pytest.mark.gpu
-def test_every_cuda_path_of_a_layer_gpu(monkeypatch) -> None:
-    """On the GPU: the default table and the packed layout (MMA disabled) give the reference
-    at every M band of their tables (commands: BENCHMARKS.md / the report)."""
+@pytest.mark.parametrize("inp,out", [(1024, 512), (1024, 16384)])
+def test_every_cuda_path_of_a_layer_gpu(monkeypatch, inp, out) -> None:
+    """On the GPU: the default table (on an H200 with both wgmma GEMMs; 16384 output columns
+    take the TMA GEMM at 65-512 rows), the sm_80-89 dispatch (the wgmma GEMMs disabled) and the
+    packed layout (MMA disabled) give the reference at every M band of their tables."""
     from pagoda.layers.linear import ReplicatedLinear
     from pagoda.layers.quantized_linear import WNA16LinearMethod
     from pagoda.quant.packing import pack_to_int32
     from pagoda.quant.scheme import WeightQuantArgs
 
-    inp, out = 1024, 512
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
     scale = torch.rand(out, inp // 128, generator=g) * 0.02 + 0.001
-    x = torch.randn(100, inp, generator=g)
+    x = torch.randn(600, inp, generator=g)
     ref = wna16_linear_ref(x, q, scale.bfloat16().float(), None, 128)
-    for disabled, layout in (("", "mma"), ("mma_wgmma,mma_gemv,mma_gemm,mma_dequant", "triton")):
+    for disabled, layout in (
+        ("", "mma"),
+        ("mma_wgmma_tma,mma_wgmma", "mma"),
+        ("mma_wgmma_tma,mma_wgmma,mma_gemv,mma_gemm,mma_dequant", "triton"),
+    ):
         monkeypatch.setenv("PAGODA_DISABLED_KERNELS", disabled)
         method = WNA16LinearMethod(WeightQuantArgs(4, True, 128))
         with torch.device("cuda"):
@@ -255,7 +270,13 @@ def test_every_cuda_path_of_a_layer_gpu(monkeypatch) -> None:
         layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
         layer.weight_scale.data.copy_(scale)
         method.process_weights_after_loading(layer)
-        assert layer.wna16_backend == layout, layer.wna16_kernels.describe()
-        for m in (1, 7, 16, 17, 32, 33, 64, 65, 100):
+        table = layer.wna16_kernels.describe()
+        assert layer.wna16_backend == layout, table
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert ("mma_wgmma_tma M=65..512" in table) == (hopper and not disabled and out > 8192)
+        for m in (1, 7, 16, 17, 32, 33, 64, 65, 100, 300, 512, 513, 600):
             y = layer(x[:m].cuda().bfloat16())
-            torch.testing.assert_close(y.float().cpu(), ref[:m], rtol=2e-2, atol=3e-2)
+            where = f"{table} M={m}"
+            torch.testing.assert_close(
+                y.float().cpu(), ref[:m], rtol=2e-2, atol=3e-2, msg=lambda e, w=where: f"{w}: {e}"
+            )

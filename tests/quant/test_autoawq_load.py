@@ -23,10 +23,13 @@ PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pr
 ARCHS = ["llama", "qwen2", "qwen3"]
 
 
-def _awq_checkpoint(src: Path, dst: Path, group: int = 32, **qc_overrides) -> dict:
+def _awq_checkpoint(
+    src: Path, dst: Path, group: int = 32, bf16_scales: bool = False, **qc_overrides
+) -> dict:
     """Quantize every decoder projection of `src` (asymmetric 4-bit min-max, `group`) into the
     AutoAWQ GEMM layout at `dst`, as AutoAWQ does (decoder layers only, never a vision tower);
-    returns the dense state dict of the dequantized weights."""
+    returns the dense state dict of the dequantized weights. `bf16_scales`: scales rounded to
+    bf16 first (stored exactly as fp16), so that a bf16 model dequantizes them exactly."""
     state = load_file(src / "model.safetensors")
     dense = dict(state)
     for name in list(state):
@@ -37,7 +40,8 @@ def _awq_checkpoint(src: Path, dst: Path, group: int = 32, **qc_overrides) -> di
         wg = w.view(out, inp // group, group)
         lo = wg.amin(-1).clamp(max=0)
         hi = wg.amax(-1).clamp(min=0)
-        scale = ((hi - lo) / 15).clamp(min=1e-4).half()  # [out, groups], stored fp16
+        scale = ((hi - lo) / 15).clamp(min=1e-4)  # [out, groups], stored fp16
+        scale = (scale.bfloat16() if bf16_scales else scale).half()
         s = scale.float()
         zero = torch.round(-lo / s).clamp(0, 15)  # unsigned zero point
         u = torch.round(wg / s.unsqueeze(-1) + zero.unsqueeze(-1)).clamp(0, 15)  # [out, g, G]
