@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 15): tma15 tma15b e2e15
+# Steps (session 15): tma15 tma15b e2e15 chk15
 # Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
 # Steps (session 12): mwg12 mwg12b e2e12 e2e12s
@@ -479,6 +479,19 @@ step_e2e15() {
     --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
     --out "$R/compare_3b_sm89"
+}
+# session 15, check: 3B W4A16 ran 0.68x bf16 at batch 128 in e2e15, where the per-layer table
+# says ~0.8x; the one default config the sweep never timed there was 3B down's split-K 16 on
+# 128-row tiles (now capped by the partials' bytes). Its layers' configs at 96-256 rows, then 3B
+# bf16 vs W4A16 at batch 64-256 with the capped split
+step_chk15() {
+  run chk_layers 60 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b --zp 0 \
+    --ms 96,128,192,256 --sweep tma --sweep-ms 128,256 --skip tc,gemv --out "$R/chk_layers"
+  run chk_e2e 150 python3 -m pagoda.entrypoints.cli compare "config:$CFG3" "config:$CFG3:w4a16" \
+    --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" --dtype bfloat16 --max-model-len 4096 \
+    --prompt-len 512 --output-len 256 --batch-sizes 64,128,256 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 70 \
+    --out "$R/chk_e2e"
 }
 # compare15 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: compare3 at batch 1-128
 compare15() {

@@ -393,13 +393,16 @@ def max_regs(warpgroups: int) -> int:
 def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
     """From session 15's sweep (BENCHMARKS.md): BLOCK_M the smallest tile that holds M (up to
     128; larger M takes several), one consumer warpgroup (two CTAs an SM; two warpgroups a CTA
-    measured level or slower but for one shape), split-K to about two CTAs an SM where there
-    are fewer, at least 8 K steps a split, a 4-stage ring."""
+    measured level or slower but for one shape), split-K only where the CTAs do not fill the
+    GPU once (3B gate_up's 172 CTAs at 128 rows: split 2 took 53 against 30 us), to about two
+    CTAs an SM, at least 8 K steps a split and no more fp32 partials (split x M x N x 4 bytes
+    of atomic adds) than int4 weight bytes, a 4-stage ring."""
     block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
     ctas = -(-m // block_m) * -(-n // rows_per_cta(1))
     split = 1
-    if ctas < 2 * num_sms:
-        split = max(1, min(round(2 * num_sms / ctas), k // BLOCK_K // 8, 16))
+    if ctas < num_sms:
+        split = min(round(2 * num_sms / ctas), k // BLOCK_K // 8, 16, k // (8 * m))
+        split = max(1, split)
     return block_m, 1, split, 4
 
 

@@ -39,14 +39,17 @@ def test_default_configs_fit_and_fill_the_gpu():
             assert stages >= 2 * wgs  # the epilogue stages a slab in the ring
             assert tk.smem_bytes(block_m, wgs, stages, True) <= tk.SMEM_BYTES
             ctas = -(-m // block_m) * -(-n // tk.rows_per_cta(wgs))
-            assert split == 1 or ctas < 2 * 132
+            assert split == 1 or ctas < 132
             assert k // 64 // split >= 8 or split == 1  # at least 8 K steps a split
+            assert split * m * n * 4 <= n * k // 2 or split == 1  # partials <= int4 weights
     # the sweep's best at M = 128 / 256: gate_up one CTA a 128-row column tile; down split-K to
     # about two CTAs an SM
     assert tk.default_tma_config(128, 37888, 3584, 132) == (128, 1, 1, 4)
     assert tk.default_tma_config(256, 22016, 2048, 132) == (128, 1, 1, 4)
     assert tk.default_tma_config(128, 3584, 18944, 132) == (128, 1, 9, 4)
     assert tk.default_tma_config(64, 2048, 11008, 132) == (64, 1, 16, 4)
+    assert tk.default_tma_config(128, 2048, 11008, 132) == (128, 1, 10, 4)  # not 16: partials
+    assert tk.default_tma_config(128, 22016, 2048, 132) == (128, 1, 1, 4)  # 172 CTAs: no split
 
 
 def _compile_ptx(block_m: int, wgs: int, stages: int, zp: bool, one_split: bool) -> str:
