@@ -482,15 +482,16 @@ step_e2e15() {
 }
 # session 15, check: 3B W4A16 ran 0.68x bf16 at batch 128 in e2e15, where the per-layer table
 # says ~0.8x; the one default config the sweep never timed there was 3B down's split-K 16 on
-# 128-row tiles (now capped by the partials' bytes). Its layers' configs at 96-256 rows, then 3B
-# bf16 vs W4A16 at batch 64-256 with the capped split
+# 128-row tiles (now capped by the partials' bytes) — and run 2 had timed 3B gate_up's split 2
+# (the rule's pick at 65-128 rows): 53 against 30 us. Its layers' configs at 96-256 rows, then
+# 3B bf16 vs W4A16 at batch 64 / 128 and the nano-vllm protocol with the new rule
 step_chk15() {
   run chk_layers 60 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b --zp 0 \
     --ms 96,128,192,256 --sweep tma --sweep-ms 128,256 --skip tc,gemv --out "$R/chk_layers"
-  run chk_e2e 150 python3 -m pagoda.entrypoints.cli compare "config:$CFG3" "config:$CFG3:w4a16" \
+  run chk_e2e 200 python3 -m pagoda.entrypoints.cli compare "config:$CFG3" "config:$CFG3:w4a16" \
     --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" --dtype bfloat16 --max-model-len 4096 \
-    --prompt-len 512 --output-len 256 --batch-sizes 64,128,256 --iters 2 \
-    --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 70 \
+    --prompt-len 512 --output-len 256 --batch-sizes 64,128 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline none --timeout 90 \
     --out "$R/chk_e2e"
 }
 # compare15 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: compare3 at batch 1-128
