@@ -278,7 +278,7 @@ step_shutdown_gpu() {
   run shutdown_gpu 90 python3 -m pytest -v -p no:cacheprovider -m gpu -rfE tests/worker
 }
 step_generic_tests() {
-  PAGODA_DISABLED_KERNELS=mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_tests 120 python3 -m pytest \
+  PAGODA_DISABLED_KERNELS=mma_wgmma_tma,mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_tests 120 python3 -m pytest \
     -q -p no:cacheprovider -m gpu -rfE tests/entrypoints/test_gpu_engine.py \
     tests/quant/test_autoawq_load.py tests/models/test_models.py
 }
@@ -307,7 +307,7 @@ step_startup7b() {
 }
 # the generic (non-Hopper) dispatch forced on the H200: a table row (issue 16, acc. 4)
 step_generic_e2e() {
-  PAGODA_DISABLED_KERNELS=mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_e2e 150 python3 -m \
+  PAGODA_DISABLED_KERNELS=mma_wgmma_tma,mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_e2e 150 python3 -m \
     pagoda.entrypoints.cli compare "config:$CFG7:w4a16" --labels "Qwen2.5-7B W4A16 generic" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
@@ -544,7 +544,7 @@ step_e2e14() {
   compare3 compare7b_e2e 185 "$CFG7" Qwen2.5-7B 100 compare_7b
   run w4a16_table 100 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0,1 \
     --ms 1,8,16,32,48,64,96,128,256 --sweep none --out "$R/w4a16_table"
-  PAGODA_DISABLED_KERNELS=mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_e2e 100 python3 -m \
+  PAGODA_DISABLED_KERNELS=mma_wgmma_tma,mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_e2e 100 python3 -m \
     pagoda.entrypoints.cli compare "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 generic" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
@@ -574,7 +574,7 @@ step_gpu13() {
     tests/entrypoints/test_gpu_engine.py tests/quant/test_autoawq_load.py \
     tests/layers/test_wna16_kernels.py tests/kernels/test_gluon_mma_wgmma.py \
     tests/kernels/test_triton_w4a16_mma.py
-  PAGODA_DISABLED_KERNELS=mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic13 150 \
+  PAGODA_DISABLED_KERNELS=mma_wgmma_tma,mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic13 150 \
     python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/entrypoints/test_gpu_engine.py \
     tests/quant/test_autoawq_load.py tests/layers/test_wna16_kernels.py
 }

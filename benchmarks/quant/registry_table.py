@@ -3,7 +3,8 @@
 For each model and M, every linear of a decoder layer takes the kernel `choose_kernels` picks
 on an H200 (sm_90, 132 SMs) with the config its default rule picks; the table sums the four
 linears' measured times (bf16 cuBLAS is the denominator) and marks an M where the run did not
-time that kernel and config ("n/m").
+time that kernel and config ("n/m"). The TMA GEMM's config is looked up among the run's swept
+ones (`tma[...]`), or its plain `tma` key where it is the rule session 15's run 2 timed.
 
     python benchmarks/quant/registry_table.py RUN/w4a16_tc.json [--zp 0] [--current]
 """
@@ -20,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagoda.kernels import gluon_mma_wgmma as mwg  # noqa: E402
+from pagoda.kernels import gluon_wgmma_tma as tk  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.layers import wna16_kernels as wk  # noqa: E402
 
@@ -39,6 +41,18 @@ def _old_default(m: int, n: int) -> tuple:
     return (block_m, wgs, split, 4, False)
 
 
+def _run2_tma_default(m: int, n: int, k: int) -> tuple:
+    """The TMA GEMM's default rule when session 15's run 2 timed it (its rows' plain `tma`)."""
+    block_m = next((b for b in tk.BLOCK_MS if b >= m), tk.BLOCK_MS[-1])
+    m_tiles = -(-m // block_m)
+    wgs = 2 if m_tiles * (n // tk.rows_per_cta(2)) >= NUM_SMS else 1
+    ctas = m_tiles * -(-n // tk.rows_per_cta(wgs))
+    split = 1
+    if ctas < NUM_SMS:
+        split = max(1, min(round(NUM_SMS / ctas), k // 64 // 8, 16))
+    return (block_m, wgs, split, 4)
+
+
 def kernel_key(row: dict, zp: bool, current: bool) -> tuple[str, str]:
     """(kernel name, the row's key of its time) for the registry's choice at this row's M;
     `current`: the run timed the default config of this code (its plain `mwg` key)."""
@@ -46,6 +60,12 @@ def kernel_key(row: dict, zp: bool, current: bool) -> tuple[str, str]:
     cfg = wk.KernelConfig("cuda", 0, (9, 0), NUM_SMS, "NVIDIA H200", n, k, 4, zp, 128,
                           torch.bfloat16)  # fmt: skip
     kernel = wk.choose_kernels(cfg, frozenset()).pick(m)
+    if kernel.name == "mma_wgmma_tma":
+        c = tuple(int(v) for v in tk.default_tma_config(m, n, k, NUM_SMS))
+        key = f"tma{list(c)}_us"
+        if key not in row and c == _run2_tma_default(m, n, k):
+            key = "tma_us"
+        return kernel.name, key
     if kernel.name == "mma_wgmma":
         if current:
             return kernel.name, "mwg_us"
@@ -67,6 +87,11 @@ def main() -> None:
         help="the run timed this code's default wgmma configs (else: session 12's second sweep, "
         "whose plain `mwg` rows are the first default rule)",
     )  # fmt: skip
+    ap.add_argument(
+        "--best-timed", action="store_true",
+        help="where the run did not time the default config, take the kernel's best timed one "
+        "(marked *) instead of n/m",
+    )  # fmt: skip
     ns = ap.parse_args()
     rows = [r for r in json.loads(Path(ns.json).read_text())["rows"] if r["zp"] == bool(ns.zp)]
     for model in sorted({r["model"] for r in rows}):
@@ -78,9 +103,13 @@ def main() -> None:
             for r in layer_rows:
                 name, key = kernel_key(r, bool(ns.zp), ns.current)
                 bf16 += r["bf16_us"]
-                names.append(name.replace("mma_", ""))
+                names.append(name.removeprefix("mma_"))
+                family = {"mma_wgmma_tma": "tma", "mma_wgmma": "mwg"}.get(name)
                 if key in r:
                     w4 += r[key]
+                elif ns.best_timed and family and f"{family}_best_us" in r:
+                    w4 += r[f"{family}_best_us"]
+                    names[-1] += "*"
                 else:
                     missing.append(f"{r['layer']}:{key}")
             ratio = "n/m" if missing else f"{bf16 / w4:.2f}"
