@@ -197,37 +197,26 @@ def candidates(
     cands["dequant+cublas"] = lambda i: F.linear(
         x, mma.wna16_mma_dequant(layer.words[i], layer.pairs[i], n, k, GROUP, layer.z(i))
     )
-    if mwg.gluon_available() and torch.cuda.get_device_capability(x.device) == (9, 0):
-        mwg_configs = [None]
-        if "mwg" in sweep.split(",") and m in SWEEP_MS:
-            mwg_configs += mwg_sweep(m, n, k, num_sms)
-        if "mwgx" in sweep.split(",") and m in SWEEP_MS:
-            mwg_configs += mwgx_sweep(m, n, k, num_sms)
-        if "mwgw" in sweep.split(",") and m in SWEEP_MS:
-            mwg_configs += mwgw_sweep(m, n, k, num_sms)
-        for c in mwg_configs:
+    hopper = torch.cuda.get_device_capability(x.device) == (9, 0)
+    swept = sweep.split(",") if m in SWEEP_MS else []
+    hopper_gemms = (
+        ("mwg", mwg.wna16_mma_wgmma, mwg.gluon_available(),
+         {"mwg": mwg_sweep, "mwgx": mwgx_sweep, "mwgw": mwgw_sweep}),
+        ("tma", tk.wna16_wgmma_tma, tk.gluon_tma_available(), {"tma": tma_sweep}),
+    )  # fmt: skip
+    for label, kernel, available, sweeps in hopper_gemms:
+        if not (hopper and available):
+            continue
+        configs = [None] + [c for s_ in swept if s_ in sweeps for c in sweeps[s_](m, n, k, num_sms)]
+        for c in configs:
 
-            def mwgmma(i, c=c):
-                return mwg.wna16_mma_wgmma(
+            def gemm(i, c=c, kernel=kernel):
+                return kernel(
                     x, layer.words[i], layer.pairs[i], n, GROUP, zero_pairs=layer.z(i),
                     workspace=WS, config=c,
                 )  # fmt: skip
 
-            label = None if c is None else [int(v) for v in c]
-            cands["mwg" if c is None else f"mwg{label}"] = mwgmma
-    if tk.gluon_tma_available() and torch.cuda.get_device_capability(x.device) == (9, 0):
-        tma_configs = [None]
-        if "tma" in sweep.split(",") and m in SWEEP_MS:
-            tma_configs += tma_sweep(m, n, k, num_sms)
-        for c in tma_configs:
-
-            def tmagemm(i, c=c):
-                return tk.wna16_wgmma_tma(
-                    x, layer.words[i], layer.pairs[i], n, GROUP, zero_pairs=layer.z(i),
-                    workspace=WS, config=c,
-                )  # fmt: skip
-
-            cands["tma" if c is None else f"tma{[int(v) for v in c]}"] = tmagemm
+            cands[label if c is None else f"{label}{[int(v) for v in c]}"] = gemm
     configs = [None]
     if "tc" in sweep.split(",") and m in SWEEP_MS and not zp:
         configs = tc_sweep(m, n, k, num_sms)

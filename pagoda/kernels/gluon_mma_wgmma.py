@@ -35,6 +35,7 @@ kernel for sm_90; the GPU tests compare it with the dequantized matmul.
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 
@@ -137,6 +138,77 @@ _SPLAT = "prmt.b32 $0, $2, $2, 0x1010;\nprmt.b32 $1, $2, $2, 0x3232;"
 
 
 @functools.cache
+def fragment_parts() -> SimpleNamespace:
+    """The Gluon pieces both wgmma GEMMs share (this one and `gluon_wgmma_tma`), built on first
+    use: the words' and one-word-a-thread layouts and the dequantization of a word into its A
+    fragment (Gluon is imported only here)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.runtime.jit import constexpr_function
+
+    dequant_asm = gl.constexpr(_DEQUANT)
+
+    @constexpr_function
+    def word_layout(num_wg):
+        """Words as bf16 pairs [32 num_wg (warp w, g), 32 (c, v, half)]: lane 4 g + c of warp w
+        holds its 4 words (v) of column group w: 16 contiguous bytes."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4]],
+            lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[8 << i, 0] for i in range(2 + (num_wg - 1).bit_length())],
+            block_bases=[],
+            shape=[32 * num_wg, 32],
+        )
+
+    @constexpr_function
+    def v_layout(num_wg):
+        """One word per thread, as bf16 pairs [32 num_wg (w, g), 4 c, 2 half]."""
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[8 << i, 0, 0] for i in range(2 + (num_wg - 1).bit_length())],
+            block_bases=[],
+            shape=[32 * num_wg, 4, 2],
+        )
+
+    @gluon.jit
+    def dequant_v(w3, sl, sh, zl, zh):
+        """One word a thread ([RW, 4 c, 2 half]) -> its A fragment [RW, 4, 2 e, 2 rowhi, 2 khi]."""
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            dequant_asm, "=r,=r,=r,=r,r,r,r,r,r", [w3, sl, sh, zl, zh],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
+        )  # fmt: skip
+        return gl.join(gl.join(o0, o1), gl.join(o2, o3))
+
+    @gluon.jit
+    def a_operand(words, sl, sh, zl, zh, NUM_WG: gl.constexpr, a_l: gl.constexpr):
+        """A warpgroup slab's register operand [64 NUM_WG, 64] from its words [RW, 32 (c, v,
+        half)] (K in the order the words give: slot order, or natural after `_QUAD_T`) and the
+        splatted scale / zero pairs."""
+        RW: gl.constexpr = 32 * NUM_WG
+        NW: gl.constexpr = 4 * NUM_WG
+        v_l: gl.constexpr = v_layout(NUM_WG)
+        # one tensor per v: [RW, 4 c, 2 half]
+        wv = gl.permute(gl.reshape(words, [RW, 4, 2, 2, 2]), [0, 1, 4, 2, 3])
+        odd0, odd1 = gl.split(wv)  # v % 2 = 0, 1
+        w0, w2 = gl.split(odd0)
+        w1, w3 = gl.split(odd1)
+        f0 = dequant_v(gl.convert_layout(w0, v_l, assert_trivial=True), sl, sh, zl, zh)
+        f1 = dequant_v(gl.convert_layout(w1, v_l, assert_trivial=True), sl, sh, zl, zh)
+        f2 = dequant_v(gl.convert_layout(w2, v_l, assert_trivial=True), sl, sh, zl, zh)
+        f3 = dequant_v(gl.convert_layout(w3, v_l, assert_trivial=True), sl, sh, zl, zh)
+        t = gl.join(gl.join(f0, f1), gl.join(f2, f3))
+        # [RW (w, g), 4 c, 2 e, 2 rowhi, 2 khi, 2 v0, 2 v1]
+        t = gl.reshape(t, [NW, 8, 4, 2, 2, 2, 2, 2])
+        t = gl.permute(t, [0, 4, 1, 7, 6, 5, 2, 3])  # w, rowhi, g, v1, v0, khi, c, e
+        return gl.convert_layout(gl.reshape(t, [16 * NW, 64]), a_l, assert_trivial=True)
+
+    return SimpleNamespace(
+        word_layout=word_layout, v_layout=v_layout, dequant_v=dequant_v, a_operand=a_operand
+    )
+
+
+@functools.cache
 def _kernel():
     """The Gluon kernel, built on first use (Gluon is imported only here)."""
     from triton.experimental import gluon
@@ -158,21 +230,10 @@ def _kernel():
     def _as_bf16(smem, shape: gl.constexpr, layout: gl.constexpr):
         return reinterpret(smem, gl.bfloat16, shape, layout)
 
-    dequant_asm = gl.constexpr(_DEQUANT)
+    parts = fragment_parts()
+    word_layout, v_layout, a_operand = parts.word_layout, parts.v_layout, parts.a_operand
     splat_asm = gl.constexpr(_SPLAT)
     quad_t_asm = gl.constexpr(_QUAD_T)
-
-    @constexpr_function
-    def word_layout(num_wg):
-        """Words as bf16 pairs [32 num_wg (warp w, g), 32 (c, v, half)]: lane 4 g + c of warp w
-        holds its 4 words (v) of column group w: 16 contiguous bytes."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4]],
-            lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[8 << i, 0] for i in range(2 + (num_wg - 1).bit_length())],
-            block_bases=[],
-            shape=[32 * num_wg, 32],
-        )
 
     @constexpr_function
     def copy_layout(block_m, nw):
@@ -187,17 +248,6 @@ def _kernel():
             order=[1, 0],
         )
 
-    @constexpr_function
-    def v_layout(num_wg):
-        """One word per thread, as bf16 pairs [32 num_wg (w, g), 4 c, 2 half]."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[8 << i, 0, 0] for i in range(2 + (num_wg - 1).bit_length())],
-            block_bases=[],
-            shape=[32 * num_wg, 4, 2],
-        )
-
     @gluon.jit
     def _group(kt, kt_hi, GROUP_TILES: gl.constexpr):
         """The scale group of K tile kt, clamped to the program's last tile."""
@@ -205,15 +255,6 @@ def _kernel():
             return gl.minimum(kt, kt_hi - 1) // GROUP_TILES
         else:
             return kt * 0
-
-    @gluon.jit
-    def _dequant_v(w3, sl, sh, zl, zh):
-        """One word a thread ([RW, 4 c, 2 half]) -> its A fragment [RW, 4, 2 e, 2 rowhi, 2 khi]."""
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(
-            dequant_asm, "=r,=r,=r,=r,r,r,r,r,r", [w3, sl, sh, zl, zh],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
-        )  # fmt: skip
-        return gl.join(gl.join(o0, o1), gl.join(o2, o3))
 
     @gluon.jit
     def kernel(
@@ -380,20 +421,7 @@ def _kernel():
                         quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16,
                         is_pure=True, pack=8,
                     )  # fmt: skip
-                # one tensor per v: [RW, 4 c, 2 half]
-                wv = gl.permute(gl.reshape(words, [RW, 4, 2, 2, 2]), [0, 1, 4, 2, 3])
-                odd0, odd1 = gl.split(wv)  # v % 2 = 0, 1
-                w0, w2 = gl.split(odd0)
-                w1, w3 = gl.split(odd1)
-                f0 = _dequant_v(gl.convert_layout(w0, v_l, assert_trivial=True), sl, sh, zl, zh)
-                f1 = _dequant_v(gl.convert_layout(w1, v_l, assert_trivial=True), sl, sh, zl, zh)
-                f2 = _dequant_v(gl.convert_layout(w2, v_l, assert_trivial=True), sl, sh, zl, zh)
-                f3 = _dequant_v(gl.convert_layout(w3, v_l, assert_trivial=True), sl, sh, zl, zh)
-                t = gl.join(gl.join(f0, f1), gl.join(f2, f3))
-                # [RW (w, g), 4 c, 2 e, 2 rowhi, 2 khi, 2 v0, 2 v1]
-                t = gl.reshape(t, [NW, 8, 4, 2, 2, 2, 2, 2])
-                t = gl.permute(t, [0, 4, 1, 7, 6, 5, 2, 3])  # w, rowhi, g, v1, v0, khi, c, e
-                a = gl.convert_layout(gl.reshape(t, [BN, 64]), a_l, assert_trivial=True)
+                a = a_operand(words, sl, sh, zl, zh, NUM_WG, a_l)
                 if NATURAL_X:
                     xs = x_smem.index(i % S)
                 else:
@@ -520,6 +548,42 @@ def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
     return block_m, wgs, split, 4, natural, not natural, block_m >= 64
 
 
+def check_inputs(
+    name: str, x: torch.Tensor, n: int, group_size: int, bias, supported: bool, shapes: str
+) -> None:
+    """The ValueErrors both wgmma GEMMs raise for inputs they do not take."""
+    k = x.shape[1]
+    if x.dtype != torch.bfloat16 or not x.is_cuda or not supported:
+        raise ValueError(
+            f"{name} takes CUDA bf16 x, {shapes}, K % 64 == 0 and groups of whole 64-K tiles, "
+            f"got {x.dtype} on {x.device}, N={n} K={k} group={group_size}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
+
+
+def split_k_scratch(
+    workspace: SplitKWorkspace | None,
+    out: torch.Tensor,
+    words: torch.Tensor,
+    grid: tuple[int, int, int],
+    per: int,
+    kt_total: int,
+) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int, int]]:
+    """(fp32 partials, int32 counters, K tiles a split, grid) of a launch with grid[2] splits:
+    the workspace's buffers, or one split where there is none (or a CUDA graph is being
+    captured with one too small to grow). Without split-K the kernel reads neither buffer
+    (placeholders: an empty view of `out`, `words`)."""
+    ws, cnt = out.view(-1)[:0].float(), words
+    if grid[2] > 1:
+        m, n = out.shape
+        bufs = workspace.buffers(out.device, m * n, grid[0] * grid[1]) if workspace else None
+        if bufs is None:
+            return ws, cnt, kt_total, (grid[0], grid[1], 1)
+        ws, cnt = bufs
+    return ws, cnt, per, grid
+
+
 def wna16_mma_wgmma(
     x: torch.Tensor,  # [M, K] bf16, CUDA, sm_90
     words: torch.Tensor,  # `repack_mma`
@@ -533,13 +597,8 @@ def wna16_mma_wgmma(
 ) -> torch.Tensor:  # [M, N] bf16
     """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, W = (u - z) * s per group."""
     m, k = x.shape
-    if x.dtype != torch.bfloat16 or not x.is_cuda or not wgmma_supported(n, k, group_size):
-        raise ValueError(
-            f"wna16_mma_wgmma takes CUDA bf16 x, N % 64 == 0, K % 64 == 0 and groups of whole "
-            f"64-K tiles, got {x.dtype} on {x.device}, N={n} K={k} group={group_size}"
-        )
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
+    supported = wgmma_supported(n, k, group_size)
+    check_inputs("wna16_mma_wgmma", x, n, group_size, bias, supported, "N % 64 == 0")
     num_sms = platform.num_sms(x.device)
     block_m, wgs, split, stages, *rest = config or default_wgmma_config(m, n, k, num_sms)
     natural = bool(rest[0]) if rest else False
@@ -559,14 +618,8 @@ def wna16_mma_wgmma(
     xi = x.view(torch.int32)
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     grid = (n // (BLOCK_N * wgs), -(-m // block_m), split)
-    ws, cnt = out.view(-1)[:0].float(), words
-    if split > 1:
-        bufs = workspace.buffers(x.device, m * n, grid[0] * grid[1]) if workspace else None
-        if bufs is None:  # no workspace, or capturing with one too small to grow
-            per, split = kt_total, 1
-            grid = (grid[0], grid[1], 1)
-        else:
-            ws, cnt = bufs
+    ws, cnt, per, grid = split_k_scratch(workspace, out, words, grid, per, kt_total)
+    split = grid[2]
     per_channel = group_size <= 0 or group_size >= k
     sp = scale_pairs.view(torch.bfloat16)
     _kernel()[grid](

@@ -94,9 +94,8 @@ def _kernel():
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.runtime.jit import constexpr_function
 
-    from pagoda.kernels.gluon_mma_wgmma import _DEQUANT, _QUAD_T, _SPLAT
+    from pagoda.kernels.gluon_mma_wgmma import _QUAD_T, _SPLAT, fragment_parts
 
     barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 / 3.6
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.9 / 3.6
@@ -105,41 +104,10 @@ def _kernel():
 
     BK = gl.constexpr(BLOCK_K)
     SL = gl.constexpr(SLAB)
-    dequant_asm = gl.constexpr(_DEQUANT)
     splat_asm = gl.constexpr(_SPLAT)
     quad_t_asm = gl.constexpr(_QUAD_T)
-
-    @constexpr_function
-    def word_layout(num_wg):
-        """A slab's words as bf16 pairs [32 num_wg (warp w, g), 32 (c, v, half)]: lane 4 g + c
-        of warp w holds its 4 words (v) of column group w: 16 contiguous bytes."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4]],
-            lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[8 << i, 0] for i in range(2 + (num_wg - 1).bit_length())],
-            block_bases=[],
-            shape=[32 * num_wg, 32],
-        )
-
-    @constexpr_function
-    def v_layout(num_wg):
-        """One word per thread, as bf16 pairs [32 num_wg (w, g), 4 c, 2 half]."""
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[8 << i, 0, 0] for i in range(2 + (num_wg - 1).bit_length())],
-            block_bases=[],
-            shape=[32 * num_wg, 4, 2],
-        )
-
-    @gluon.jit
-    def _dequant_v(w3, sl, sh, zl, zh):
-        """One word a thread ([RW, 4 c, 2 half]) -> its A fragment [RW, 4, 2 e, 2 rowhi, 2 khi]."""
-        o0, o1, o2, o3 = gl.inline_asm_elementwise(
-            dequant_asm, "=r,=r,=r,=r,r,r,r,r,r", [w3, sl, sh, zl, zh],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2,
-        )  # fmt: skip
-        return gl.join(gl.join(o0, o1), gl.join(o2, o3))
+    parts = fragment_parts()
+    word_layout, v_layout, a_operand = parts.word_layout, parts.v_layout, parts.a_operand
 
     @gluon.jit
     def _fragment(w_st, s_st, z_st, NUM_WG: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -172,19 +140,7 @@ def _kernel():
         words = gl.inline_asm_elementwise(
             quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=8,
         )  # fmt: skip
-        wv = gl.permute(gl.reshape(words, [RW, 4, 2, 2, 2]), [0, 1, 4, 2, 3])  # R, c, half, v1, v0
-        odd0, odd1 = gl.split(wv)
-        w0, w2 = gl.split(odd0)
-        w1, w3 = gl.split(odd1)
-        f0 = _dequant_v(gl.convert_layout(w0, v_l, assert_trivial=True), sl, sh, zl, zh)
-        f1 = _dequant_v(gl.convert_layout(w1, v_l, assert_trivial=True), sl, sh, zl, zh)
-        f2 = _dequant_v(gl.convert_layout(w2, v_l, assert_trivial=True), sl, sh, zl, zh)
-        f3 = _dequant_v(gl.convert_layout(w3, v_l, assert_trivial=True), sl, sh, zl, zh)
-        t = gl.join(gl.join(f0, f1), gl.join(f2, f3))
-        # [RW (w, g), 4 c, 2 e, 2 rowhi, 2 khi, 2 v0, 2 v1] -> rows (w, rowhi, g), K (v, khi, c, e)
-        t = gl.reshape(t, [NW, 8, 4, 2, 2, 2, 2, 2])
-        t = gl.permute(t, [0, 4, 1, 7, 6, 5, 2, 3])
-        return gl.convert_layout(gl.reshape(t, [SL * NUM_WG, 64]), a_l, assert_trivial=True)
+        return a_operand(words, sl, sh, zl, zh, NUM_WG, a_l)
 
     @gluon.jit
     def _produce(x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs, ready, empty,
@@ -421,14 +377,11 @@ def wna16_wgmma_tma(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from pagoda.kernels.gluon_mma_wgmma import check_inputs, split_k_scratch
+
     m, k = x.shape
-    if x.dtype != torch.bfloat16 or not x.is_cuda or not tma_supported(n, k, group_size):
-        raise ValueError(
-            f"wna16_wgmma_tma takes CUDA bf16 x, N % 16 == 0, K % 64 == 0 and groups of whole "
-            f"64-K tiles, got {x.dtype} on {x.device}, N={n} K={k} group={group_size}"
-        )
-    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
+    supported = tma_supported(n, k, group_size)
+    check_inputs("wna16_wgmma_tma", x, n, group_size, bias, supported, "N % 16 == 0")
     num_sms = platform.num_sms(x.device)
     block_m, wgs, split, stages = config or default_tma_config(m, n, k, num_sms)
     zp = zero_pairs is not None
@@ -447,14 +400,8 @@ def wna16_wgmma_tma(
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     rows = rows_per_cta(wgs)
     grid = (-(-n // rows), -(-m // block_m), split)
-    ws, cnt = out.view(-1)[:0].float(), words
-    if split > 1:
-        bufs = workspace.buffers(x.device, m * n, grid[0] * grid[1]) if workspace else None
-        if bufs is None:  # no workspace, or capturing with one too small to grow
-            per, split = kt_total, 1
-            grid = (grid[0], grid[1], 1)
-        else:
-            ws, cnt = bufs
+    ws, cnt, per, grid = split_k_scratch(workspace, out, words, grid, per, kt_total)
+    split = grid[2]
     ncg, groups = n // 16, scale_pairs.shape[1]
     x_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)

@@ -349,7 +349,44 @@ def _mma_apply(kernel, layer: nn.Module, x: torch.Tensor, bias, **kw):
     return out, fused
 
 
-class MmaWgmmaTma(_MmaLayout):
+class _HopperGemm(_MmaLayout):
+    """A Gluon wgmma GEMM on the MMA layout (sm_90): `module` holds `entry` (the kernel's
+    call, taking the runner's split-K workspace), `available()` (the Gluon features it needs)
+    and `shape_ok(n, k, group)`; `needs` / `shapes` say what a refusal lacks."""
+
+    module: ClassVar[str]
+    entry: ClassVar[str]
+    available: ClassVar[str]
+    shape_ok: ClassVar[str]
+    needs: ClassVar[str]
+    shapes: ClassVar[str]
+
+    @classmethod
+    def supports(cls, cfg):
+        if cfg.capability != (9, 0):
+            return False, f"needs sm_90 ({cls.needs})"
+        ok, why = super().supports(cfg)
+        if not ok:
+            return ok, why
+        import importlib
+
+        mod = importlib.import_module(cls.module)
+        if not getattr(mod, cls.available)():
+            return False, f"Triton without Gluon's {cls.needs}"
+        if not getattr(mod, cls.shape_ok)(cfg.n, cfg.k, cfg.group_size):
+            return False, f"{cls.shapes}, K % 64 and whole 64-K groups needed"
+        return True, ""
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        import importlib
+
+        kernel = getattr(importlib.import_module(cls.module), cls.entry)
+        workspace = getattr(layer, "split_k_workspace", None)
+        return _mma_apply(kernel, layer, x, bias, workspace=workspace)
+
+
+class MmaWgmmaTma(_HopperGemm):
     """Hopper `wgmma` GEMM fed by bulk tensor copies (TMA) from a producer warp, 128 weight rows
     a CTA (`gluon_wgmma_tma`): the best kernel past 64 rows on the large MLP layers, to 512
     rows on gate_up-sized N and 256 on down projections (K >= 4 N), where dequant + cuBLAS
@@ -357,6 +394,12 @@ class MmaWgmmaTma(_MmaLayout):
     15). First in the priority list: the session-14 wgmma GEMM keeps 9-64 rows."""
 
     name = "mma_wgmma_tma"
+    module = "pagoda.kernels.gluon_wgmma_tma"
+    entry = "wna16_wgmma_tma"
+    available = "gluon_tma_available"
+    shape_ok = "tma_supported"
+    needs = "wgmma, TMA and warp specialization"
+    shapes = "N % 16"
 
     @classmethod
     def best_min_m(cls, cfg):
@@ -367,28 +410,6 @@ class MmaWgmmaTma(_MmaLayout):
         if cfg.n >= 16384:
             return 512
         return 256 if cfg.k >= 4 * cfg.n else 0
-
-    @classmethod
-    def supports(cls, cfg):
-        if cfg.capability != (9, 0):
-            return False, "needs sm_90 (wgmma, TMA)"
-        ok, why = super().supports(cfg)
-        if not ok:
-            return ok, why
-        from pagoda.kernels import gluon_wgmma_tma as tk
-
-        if not tk.gluon_tma_available():
-            return False, "Triton without Gluon's TMA and warp specialization"
-        if not tk.tma_supported(cfg.n, cfg.k, cfg.group_size):
-            return False, "N % 16, K % 64 and whole 64-K groups needed"
-        return True, ""
-
-    @classmethod
-    def apply(cls, layer, x, bias):
-        from pagoda.kernels.gluon_wgmma_tma import wna16_wgmma_tma
-
-        workspace = getattr(layer, "split_k_workspace", None)
-        return _mma_apply(wna16_wgmma_tma, layer, x, bias, workspace=workspace)
 
 
 class MmaGemv(_MmaLayout):
@@ -409,7 +430,7 @@ class MmaGemv(_MmaLayout):
         return _mma_apply(wna16_mma_gemv, layer, x, bias, workspace=workspace)
 
 
-class MmaWgmma(_MmaLayout):
+class MmaWgmma(_HopperGemm):
     """Hopper `wgmma` GEMM on the MMA layout (the weight dequantized in registers as the
     register operand, cp.async into shared memory, `gluon_mma_wgmma`): best from 9 to 64 rows,
     to 128 on layers of >= 16 Ki output columns (gate_up) and on down projections (K >= 4 N)
@@ -417,6 +438,12 @@ class MmaWgmma(_MmaLayout):
     14 and 15). The GEMV keeps M <= 8."""
 
     name = "mma_wgmma"
+    module = "pagoda.kernels.gluon_mma_wgmma"
+    entry = "wna16_mma_wgmma"
+    available = "gluon_available"
+    shape_ok = "wgmma_supported"
+    needs = "wgmma"
+    shapes = "N % 64"
 
     @classmethod
     def best_min_m(cls, cfg):
@@ -425,28 +452,6 @@ class MmaWgmma(_MmaLayout):
     @classmethod
     def best_max_m(cls, cfg):
         return 128 if cfg.n >= 16384 or cfg.k >= 4 * cfg.n else 64
-
-    @classmethod
-    def supports(cls, cfg):
-        if cfg.capability != (9, 0):
-            return False, "needs sm_90 (wgmma)"
-        ok, why = super().supports(cfg)
-        if not ok:
-            return ok, why
-        from pagoda.kernels import gluon_mma_wgmma as mwg
-
-        if not mwg.gluon_available():
-            return False, "Triton without Gluon's Hopper MMA"
-        if not mwg.wgmma_supported(cfg.n, cfg.k, cfg.group_size):
-            return False, "N % 64, K % 64 and whole 64-K groups needed"
-        return True, ""
-
-    @classmethod
-    def apply(cls, layer, x, bias):
-        from pagoda.kernels.gluon_mma_wgmma import wna16_mma_wgmma
-
-        workspace = getattr(layer, "split_k_workspace", None)
-        return _mma_apply(wna16_mma_wgmma, layer, x, bias, workspace=workspace)
 
 
 class MmaGemm(_MmaLayout):

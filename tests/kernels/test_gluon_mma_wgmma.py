@@ -116,11 +116,15 @@ def _compile_ptx(
 
 
 def _compiled(*args) -> str:
-    """`_compile_ptx` in a child process without TRITON_INTERPRET (the interpreter patches
-    triton.language in place while the suite runs)."""
+    return compiled_in_child("test_gluon_mma_wgmma", *args)
+
+
+def compiled_in_child(module: str, *args) -> str:
+    """`module._compile_ptx(*args)` (a test module beside this one) in a child process without
+    TRITON_INTERPRET (the interpreter patches triton.language in place while the suite runs)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = (
-        "import sys; sys.path[:0] = sys.argv[1:3]; import test_gluon_mma_wgmma as t; "
+        f"import sys; sys.path[:0] = sys.argv[1:3]; import {module} as t; "
         f"sys.stdout.write(t._compile_ptx{args!r})"
     )
     here = os.path.dirname(os.path.abspath(__file__))
@@ -231,18 +235,24 @@ needs_hopper = pytest.mark.skipif(
 )
 def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
     n, k = 256, 512 if group == 128 else 576  # 9 K steps: an odd count, a padded last pair
+    configs = (None, (8 if m <= 8 else 64, 1, 1, 3), (256, 2, 1, 4), (32, 2, 3, 5), (16, 1, 4, 4),
+               (64, 2, 1, 4, True), (16, 1, 3, 6, True), (64, 2, 3, 4, True, True, True),
+               (128, 2, 1, 4, True, False, True), (8, 1, 2, 3, False, True, True),
+               (32, 2, 1, 4, False, True, False))  # fmt: skip
+    check_configs(wg.wna16_mma_wgmma, configs, m, n, k, group, zp, bias)
+
+
+def check_configs(kernel, configs, m: int, n: int, k: int, group: int, zp: bool, bias: bool):
+    """`kernel` (a wgmma GEMM's entry) with each config against the fp32 matmul of the
+    dequantized weight (within bf16 rounding of the output); the workspace ends zeroed."""
     dev = torch.device("cuda")
     x, words, pairs, zpairs, ref = _case(m, n, k, group, zp, seed=m, dev=dev)
     b = torch.randn(n).bfloat16() if bias else None
     if bias:
         ref = ref + b.float()
     ws = SplitKWorkspace()
-    configs = (None, (8 if m <= 8 else 64, 1, 1, 3), (256, 2, 1, 4), (32, 2, 3, 5), (16, 1, 4, 4),
-               (64, 2, 1, 4, True), (16, 1, 3, 6, True), (64, 2, 3, 4, True, True, True),
-               (128, 2, 1, 4, True, False, True), (8, 1, 2, 3, False, True, True),
-               (32, 2, 1, 4, False, True, False))  # fmt: skip
     for config in configs:
-        y = wg.wna16_mma_wgmma(
+        y = kernel(
             x, words, pairs, n, group, bias=b.to(dev) if bias else None, zero_pairs=zpairs,
             workspace=ws, config=config,
         )  # fmt: skip
@@ -259,20 +269,28 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
 def test_qwen_shapes_and_graph_replay_gpu(m, zp):
     """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few programs),
     then the same call captured in a CUDA graph and replayed on new inputs."""
+    shapes = ((4608, 3584), (3584, 18944), (2048, 2048), (2048, 11008))
+    check_shapes_and_graph_replay(wg.wna16_mma_wgmma, m, zp, shapes)
+
+
+def check_shapes_and_graph_replay(kernel, m: int, zp: bool, shapes) -> None:
+    """`kernel` (a wgmma GEMM's entry) at each (N, K) of `shapes` with its default config
+    against the reference, then captured in a CUDA graph and replayed on new inputs (equal to
+    a fresh call up to the rounding of split-K's atomic order); the workspace ends zeroed."""
     dev = torch.device("cuda")
     ws = SplitKWorkspace()
-    for n, k in ((4608, 3584), (3584, 18944), (2048, 2048), (2048, 11008)):
+    for n, k in shapes:
         x, words, pairs, zpairs, ref = _case(m, n, k, 128, zp, seed=n + k, dev=dev)
-        y = wg.wna16_mma_wgmma(x, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
+        y = kernel(x, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
         err = (y.float().cpu() - ref).abs().max().item()
         assert err <= 2.0**-7 * ref.abs().max().item(), (n, k, err)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            yg = wg.wna16_mma_wgmma(x, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
+            yg = kernel(x, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
         x2 = torch.randn_like(x)
         x.copy_(x2)
         graph.replay()
-        ref2 = wg.wna16_mma_wgmma(x2, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
+        ref2 = kernel(x2, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
         # split-K sums fp32 partials with atomics, in arrival order: equal up to rounding
         tol = 2.0**-7 * ref2.float().abs().max().item()
         assert (yg.float() - ref2.float()).abs().max().item() <= tol, (n, k)

@@ -5,19 +5,19 @@ checks against `repack_mma` on the CPU (`unpack_slots(..., natural=True)`)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from pagoda.kernels import gluon_wgmma_tma as tk
-from pagoda.kernels.workspace import SplitKWorkspace
 
 pytest.importorskip("triton")  # the layout (`repack_mma`) lives with the Triton GEMV
-from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+from tests.kernels.test_gluon_mma_wgmma import (  # noqa: E402
+    check_configs,
+    check_shapes_and_graph_replay,
+    compiled_in_child,
+)
 
 
 def test_supported_shapes_and_bad_inputs():
@@ -79,20 +79,7 @@ def _compile_ptx(block_m: int, wgs: int, stages: int, zp: bool, one_split: bool)
 
 
 def _compiled(*args) -> str:
-    """`_compile_ptx` in a child process without TRITON_INTERPRET (the interpreter patches
-    triton.language in place while the suite runs)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (
-        "import sys; sys.path[:0] = sys.argv[1:3]; import test_gluon_wgmma_tma as t; "
-        f"sys.stdout.write(t._compile_ptx{args!r})"
-    )
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    done = subprocess.run(
-        [sys.executable, "-c", code, here, root], capture_output=True, text=True, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    return compiled_in_child("test_gluon_wgmma_tma", *args)
 
 
 @pytest.mark.skipif(not tk.gluon_tma_available(), reason="needs Triton with Gluon's TMA")
@@ -124,25 +111,6 @@ def test_sm90_code(block_m, wgs, stages, zp, one_split):
         assert absent not in ptx, absent
 
 
-def _case(m: int, n: int, k: int, group: int, zp: bool, seed: int, dev):
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int16)
-    groups = 1 if group <= 0 or group >= k else k // group
-    scales = (torch.rand(groups, n, generator=g) * 0.02 + 0.002).bfloat16()
-    zeros = torch.randint(0, 16, (groups, n), generator=g) if zp else None
-    z = zeros.float() if zp else torch.full((groups, n), 8.0)
-    per = k // groups
-    w = (codes.float() - z.t().repeat_interleave(per, 1)) * scales.float().t().repeat_interleave(
-        per, 1
-    )
-    x = torch.randn(m, k, generator=g).bfloat16()
-    ref = x.float() @ w.bfloat16().float().t()
-    words = mma.repack_mma(codes.to(dev))
-    pairs = mma.repack_mma_scales(scales.to(dev))
-    zpairs = mma.repack_mma_zeros(zeros.to(dev)) if zp else None
-    return x.to(dev), words, pairs, zpairs, ref
-
-
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -162,23 +130,9 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
     """N = 400: a partial last CTA (zero-filled words, masked stores); K = 576: an odd count
     of K steps; every tile size, one and two warpgroups, split-K, ring depths."""
     n, k = 400, 512 if group == 128 else 576
-    dev = torch.device("cuda")
-    x, words, pairs, zpairs, ref = _case(m, n, k, group, zp, seed=m, dev=dev)
-    b = torch.randn(n).bfloat16() if bias else None
-    if bias:
-        ref = ref + b.float()
-    ws = SplitKWorkspace()
     configs = (None, (16, 1, 1, 2), (32, 2, 1, 4), (64, 1, 3, 4), (64, 2, 2, 6),
                (128, 1, 1, 3), (128, 2, 4, 4))  # fmt: skip
-    for config in configs:
-        y = tk.wna16_wgmma_tma(
-            x, words, pairs, n, group, bias=b.to(dev) if bias else None, zero_pairs=zpairs,
-            workspace=ws, config=config,
-        )  # fmt: skip
-        assert y.shape == (m, n) and y.dtype == torch.bfloat16
-        err = (y.float().cpu() - ref).abs().max().item()
-        assert err <= 2.0**-7 * ref.abs().max().item(), (config, err)
-    assert all(int(t.count_nonzero()) == 0 for t in ws.all_buffers())  # split-K cleaned up
+    check_configs(tk.wna16_wgmma_tma, configs, m, n, k, group, zp, bias)
 
 
 @pytest.mark.gpu
@@ -188,21 +142,5 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
 def test_qwen_shapes_and_graph_replay_gpu(m, zp):
     """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few CTAs), then the
     same call captured in a CUDA graph and replayed on new inputs."""
-    dev = torch.device("cuda")
-    ws = SplitKWorkspace()
-    for n, k in ((4608, 3584), (3584, 18944), (22016, 2048), (2048, 11008)):
-        x, words, pairs, zpairs, ref = _case(m, n, k, 128, zp, seed=n + k, dev=dev)
-        y = tk.wna16_wgmma_tma(x, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
-        err = (y.float().cpu() - ref).abs().max().item()
-        assert err <= 2.0**-7 * ref.abs().max().item(), (n, k, err)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            yg = tk.wna16_wgmma_tma(x, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
-        x2 = torch.randn_like(x)
-        x.copy_(x2)
-        graph.replay()
-        ref2 = tk.wna16_wgmma_tma(x2, words, pairs, n, 128, zero_pairs=zpairs, workspace=ws)
-        # split-K sums fp32 partials with atomics, in arrival order: equal up to rounding
-        tol = 2.0**-7 * ref2.float().abs().max().item()
-        assert (yg.float() - ref2.float()).abs().max().item() <= tol, (n, k)
-    assert all(int(t.count_nonzero()) == 0 for t in ws.all_buffers())
+    shapes = ((4608, 3584), (3584, 18944), (22016, 2048), (2048, 11008))
+    check_shapes_and_graph_replay(tk.wna16_wgmma_tma, m, zp, shapes)
