@@ -6,10 +6,8 @@ the batch (up to 128 rows a tile) is the MMA's N. What differs is where the byte
 how many weight rows share one activation tile:
 
 - A CTA covers `128 * warpgroups` weight rows: each consumer warpgroup owns two 64-row slabs
-  (two accumulators), so every activation tile read from the L2 feeds 128 or 256 weight rows.
-  With 64 rows a CTA, the activations' re-reads from the L2 (N / rows-per-CTA times the
-  activations) outweigh the int4 weights from M = 16 on and set the time (BENCHMARKS.md,
-  session 15).
+  (two accumulators), so every activation tile read from the L2 feeds 128 or 256 weight rows
+  (the activations are re-read N / rows-per-CTA times).
 - One producer warp (`gl.warp_specialize`) issues the bulk tensor copies (TMA) of each K step's
   activation tile [BLOCK_M, 64] (128-byte swizzle, natural K order, rows past M zero-filled),
   the CTA's packed words [rows / 16 column groups, 128 words] and their scale (and zero) pairs
@@ -348,11 +346,10 @@ def max_regs(warpgroups: int) -> int:
 
 def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
     """From session 15's sweep (BENCHMARKS.md): BLOCK_M the smallest tile that holds M (up to
-    128; larger M takes several), one consumer warpgroup (two CTAs an SM; two warpgroups a CTA
-    measured level or slower but for one shape), split-K only where the CTAs do not fill the
-    GPU once (3B gate_up's 172 CTAs at 128 rows: split 2 took 53 against 30 us), to about two
-    CTAs an SM, at least 8 K steps a split and no more fp32 partials (split x M x N x 4 bytes
-    of atomic adds) than int4 weight bytes, a 4-stage ring."""
+    128; larger M takes several), one consumer warpgroup (two CTAs an SM), split-K only where
+    the CTAs do not fill the GPU once, to about two CTAs an SM, at least 8 K steps a split and
+    no more fp32 partials (split x M x N x 4 bytes of atomic adds) than int4 weight bytes, a
+    4-stage ring."""
     block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
     ctas = -(-m // block_m) * -(-n // rows_per_cta(1))
     split = 1
@@ -360,6 +357,18 @@ def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
         split = min(round(2 * num_sms / ctas), k // BLOCK_K // 8, 16, k // (8 * m))
         split = max(1, split)
     return block_m, 1, split, 4
+
+
+@functools.cache
+def _smem_layouts():
+    """The TMA tiles' shared layouts: activations (128-byte swizzle, bf16), words and pairs
+    (no swizzle, 32-bit)."""
+    from triton.experimental.gluon import language as gl
+
+    return (
+        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+    )
 
 
 def wna16_wgmma_tma(
@@ -374,7 +383,6 @@ def wna16_wgmma_tma(
     config: TmaConfig | None = None,
 ) -> torch.Tensor:  # [M, N] bf16
     """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, W = (u - z) * s per group."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from pagoda.kernels.gluon_mma_wgmma import check_inputs, split_k_scratch
@@ -395,16 +403,17 @@ def wna16_wgmma_tma(
     kt_total = k // BLOCK_K
     per = -(-kt_total // split)
     split = -(-kt_total // per)
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+    if x.stride(1) != 1 or x.stride(0) % 8:
         x = x.contiguous()
+    if x.data_ptr() % 16:  # a view at an odd offset: TMA needs a 16-byte aligned base
+        x = x.clone(memory_format=torch.contiguous_format)
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     rows = rows_per_cta(wgs)
     grid = (-(-n // rows), -(-m // block_m), split)
     ws, cnt, per, grid = split_k_scratch(workspace, out, words, grid, per, kt_total)
     split = grid[2]
     ncg, groups = n // 16, scale_pairs.shape[1]
-    x_layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x_layout, flat = _smem_layouts()
     x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K], x_layout)
     w_desc = TensorDescriptor.from_tensor(words.view(ncg, kt_total * 128), [rows // 16, 128], flat)
     s_desc = TensorDescriptor.from_tensor(scale_pairs.view(ncg, groups * 8), [rows // 16, 8], flat)
