@@ -9,6 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
+# Steps (session 16): tma16
 # Steps (session 15): tma15 tma15b e2e15 chk15
 # Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
@@ -588,6 +589,20 @@ step_e2e12s() {
 }
 step_structured() {
   OUT=$R/structured run structured 150 bash benchmarks/structured/run_h200.sh
+}
+
+# session 16, first call: the TMA GEMM schedules whole waves of tiles, then splits the last
+# wave's tiles over K (a wave model picks the split), M-tiles of a column tile adjacent: its GPU
+# tests (7B gate_up added: whole and split tiles in one launch), the per-layer sweep of the
+# split (bf16, the wgmma GEMM and dequant + cuBLAS timed beside it), zero points
+step_tma16() {
+  run tma_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_wgmma_tma.py
+  run tma_sweep 300 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
+    --out "$R/tma_sweep"
+  run tma_zp 70 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 1 \
+    --ms 16,64,128,256 --sweep none --skip tc,gemv --out "$R/tma_zp"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

@@ -125,24 +125,15 @@ def mwgw_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
 
 
 def tma_sweep(m: int, n: int, k: int, num_sms: int) -> list[tk.TmaConfig]:
-    """The TMA GEMM's tiles: the BLOCK_M that holds M (at most 128) and half of it, one and two
-    consumer warpgroups, no split-K and the split that makes about one and two CTAs an SM
-    (at least 8 K steps a split), 4- and 6-stage rings (where they fit twice an SM, resp. once)."""
-    p2 = next((b for b in tk.BLOCK_MS if b >= m), tk.BLOCK_MS[-1])
-    out = []
-    for bm in sorted({p2, max(tk.BLOCK_MS[0], p2 // 2)}):
-        for wgs in (1, 2):
-            ctas = -(-m // bm) * -(-n // tk.rows_per_cta(wgs))
-            splits = {1}
-            if ctas < 2 * num_sms:
-                for per_sm in (1, 2):
-                    splits.add(max(1, min(16, k // 64 // 8, round(per_sm * num_sms / ctas))))
-            for sp in sorted(splits):
-                for st in (4, 6):
-                    if st >= 2 * wgs and tk.smem_bytes(bm, wgs, st, True) <= tk.SMEM_BYTES:
-                        out.append((bm, wgs, sp, st))
-    default = tuple(tk.default_tma_config(m, n, k, num_sms))
-    return [c for c in out if c != default]
+    """The TMA GEMM around its default: the last wave's tiles split 1-16 ways (at least 4 K
+    steps a split), half the BLOCK_M, two consumer warpgroups and a 6-stage ring at the
+    default split."""
+    d = tuple(int(v) for v in tk.default_tma_config(m, n, k, num_sms))
+    bm, _, split, _ = d
+    out = [(bm, 1, sp, 4) for sp in (1, 2, 3, 4, 6, 8, 12, 16) if sp <= max(1, k // 64 // 4)]
+    out += [(max(tk.BLOCK_MS[0], bm // 2), 1, split, 4), (bm, 2, split, 4), (bm, 1, split, 6)]
+    fits = [c for c in out if tk.smem_bytes(c[0], c[1], c[3], True) <= tk.SMEM_BYTES]
+    return [c for c in dict.fromkeys(fits) if c != d]
 
 
 class Layer:

@@ -61,6 +61,8 @@ def kernel_key(row: dict, zp: bool, current: bool) -> tuple[str, str]:
                           torch.bfloat16)  # fmt: skip
     kernel = wk.choose_kernels(cfg, frozenset()).pick(m)
     if kernel.name == "mma_wgmma_tma":
+        if current:
+            return kernel.name, "tma_us"
         c = tuple(int(v) for v in tk.default_tma_config(m, n, k, NUM_SMS))
         key = f"tma{list(c)}_us"
         if key not in row and c == _run2_tma_default(m, n, k):

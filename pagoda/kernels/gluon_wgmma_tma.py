@@ -40,8 +40,9 @@ BLOCK_K = 64  # K per ring stage (one tile of the layout)
 SLAB = 64  # weight rows per warpgroup accumulator (wgmma's M)
 BLOCK_MS = (16, 32, 64, 128)  # batch rows a tile (wgmma's N)
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
+SM_SMEM_BYTES = 228 * 1024  # and per SM
 
-TmaConfig = tuple  # (BLOCK_M, warpgroups, split-K, stages)
+TmaConfig = tuple  # (BLOCK_M, warpgroups, split-K of the last wave's tiles, stages)
 
 
 def tma_supported(n: int, k: int, group_size: int) -> bool:
@@ -270,11 +271,21 @@ def _kernel():
         e_n1 = e_n0 + BNW
         n_ok0 = e_n0 < N
         n_ok1 = e_n1 < N
-        _epilogue_slab(acc0, stage, e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, ws_ptr, M, N,
-                       stride_om, BLOCK_M, ep_l, HAS_BIAS, ONE_SPLIT)  # fmt: skip
-        _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M, N,
-                       stride_om, BLOCK_M, ep_l, HAS_BIAS, ONE_SPLIT)  # fmt: skip
-        if not ONE_SPLIT:
+        if ONE_SPLIT:  # noqa: SIM114 - a constexpr: the split path is not compiled in
+            _epilogue_slab(acc0, stage, e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+            _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+        elif n_splits == 1:  # a whole tile of a launch that splits its last ones
+            _epilogue_slab(acc0, stage, e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+            _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+        else:
+            _epilogue_slab(acc0, stage, e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, False)  # fmt: skip
+            _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, False)  # fmt: skip
             barrier()
             done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if done == n_splits - 1:
@@ -287,7 +298,7 @@ def _kernel():
     @gluon.jit
     def kernel(
         x_desc, w_desc, s_desc, z_desc, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-        M, N, kt_per_split, kt_total, stride_om,
+        M, N, kt_per_split, kt_total, stride_om, m_tiles, whole_tiles, tail_splits,
         GROUP_TILES: gl.constexpr,  # K tiles per scale group (0: one scale per column)
         BLOCK_M: gl.constexpr,
         NUM_WG: gl.constexpr,  # consumer warpgroups, each two 64-row slabs
@@ -297,15 +308,21 @@ def _kernel():
         ONE_SPLIT: gl.constexpr,  # else the serial split-K reduction through ws / cnt
     ):  # fmt: skip
         S: gl.constexpr = NUM_STAGES
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        pid_k = gl.program_id(2)
-        kt_lo = pid_k * kt_per_split
-        n_steps = gl.minimum(kt_lo + kt_per_split, kt_total) - kt_lo
-        off_m = pid_m * BLOCK_M
+        # CTAs [0, whole_tiles) take tiles whole; each later group of tail_splits CTAs splits
+        # one of the remaining tiles over K. Tiles go M-tile first, so the CTAs that share a
+        # column tile's weights run together and read them from DRAM once.
+        pid = gl.program_id(0)
+        is_tail = (pid >= whole_tiles).to(gl.int32)
+        j = gl.maximum(pid - whole_tiles, 0)
+        tile = pid + is_tail * (whole_tiles + j // tail_splits - pid)
+        kt_lo = is_tail * (j % tail_splits) * kt_per_split
+        kt_len = kt_total + is_tail * (kt_per_split - kt_total)
+        n_steps = gl.minimum(kt_lo + kt_len, kt_total) - kt_lo
+        n_splits = 1 + is_tail * (tail_splits - 1)
+        pid_n = tile // m_tiles
+        off_m = (tile % m_tiles) * BLOCK_M
         cg0 = pid_n * (8 * NUM_WG)  # 16-row column groups: 2 slabs x 4 NUM_WG warps
         off_n = pid_n * (2 * SL * NUM_WG)
-        tile = pid_m * gl.num_programs(0) + pid_n
 
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_M, BK], x_desc.layout)
         w_bufs = gl.allocate_shared_memory(gl.int32, [S, 8 * NUM_WG, 128], w_desc.layout)
@@ -324,7 +341,7 @@ def _kernel():
             [
                 (_consume, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n,
                             tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om,
-                            gl.num_programs(2), BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
+                            n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
                             ONE_SPLIT)),
                 (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
                             ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES, HAS_ZP)),
@@ -344,19 +361,56 @@ def max_regs(warpgroups: int) -> int:
     return min(255, (65536 // threads) // 8 * 8)
 
 
-def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
-    """From session 15's sweep (BENCHMARKS.md): BLOCK_M the smallest tile that holds M (up to
-    128; larger M takes several), one consumer warpgroup (two CTAs an SM), split-K only where
-    the CTAs do not fill the GPU once, to about two CTAs an SM, at least 8 K steps a split and
-    no more fp32 partials (split x M x N x 4 bytes of atomic adds) than int4 weight bytes, a
-    4-stage ring."""
+def ctas_per_sm(block_m: int, wgs: int, stages: int, zp: bool) -> int:
+    """CTAs an SM holds at once: by shared memory (228 KiB an SM, 1 KiB reserved a CTA) and by
+    registers (`max_regs` for every thread of the consumer warpgroups and of the producer's,
+    which warp specialization launches whole)."""
+    by_smem = SM_SMEM_BYTES // (smem_bytes(block_m, wgs, stages, zp) + 1024)
+    by_regs = 65536 // (max_regs(wgs) * 128 * (wgs + 1))
+    return max(1, min(by_smem, by_regs))
+
+
+def tile_count(m: int, n: int, block_m: int, wgs: int) -> int:
+    return -(-m // block_m) * -(-n // rows_per_cta(wgs))
+
+
+def tail_schedule(tiles: int, kt: int, slots: int, split: int) -> tuple[int, int, int]:
+    """(whole tiles, CTAs a split tile, K tiles a split CTA) for `split` applied to the tiles
+    left after the full waves: `tiles // slots` waves of whole tiles, then the rest split over
+    K so that the last wave is full instead of a few CTAs long. Every split CTA has a step."""
+    rest = tiles % slots if tiles >= slots else tiles
+    if split <= 1 or rest == 0:
+        return tiles, 1, kt
+    per = -(-kt // min(split, kt))
+    return tiles - rest, -(-kt // per), per
+
+
+def default_tma_config(m: int, n: int, k: int, num_sms: int, zp: bool = False) -> TmaConfig:
+    """BLOCK_M the smallest tile that holds M (up to 128; larger M takes several), one
+    consumer warpgroup, a 4-stage ring (two CTAs an SM), and the split of the last wave's
+    tiles that minimizes a wave model of the time, in K steps: whole waves of `kt + 3` (the
+    ring's fill and the epilogue), then the split wave(s) of `per + 3 + 2` (the fp32 partials),
+    with at least 4 K steps a split, at most 16 splits and no more partial bytes than int4
+    weight bytes (BENCHMARKS.md, session 16)."""
     block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
-    ctas = -(-m // block_m) * -(-n // rows_per_cta(1))
-    split = 1
-    if ctas < num_sms:
-        split = min(round(2 * num_sms / ctas), k // BLOCK_K // 8, 16, k // (8 * m))
-        split = max(1, split)
-    return block_m, 1, split, 4
+    wgs, stages = 1, 4
+    kt = k // BLOCK_K
+    slots = num_sms * ctas_per_sm(block_m, wgs, stages, zp)
+    tiles = tile_count(m, n, block_m, wgs)
+    waves, rest = divmod(tiles, slots)
+    if rest == 0:
+        return block_m, wgs, 1, stages
+    best, best_split = (waves + 1) * (kt + 3), 1
+    piece_bytes = rows_per_cta(wgs) * block_m * 4
+    for split in range(2, min(16, kt // 4) + 1):
+        per = -(-kt // split)
+        used = -(-kt // per)
+        if rest * used * piece_bytes > n * k // 2:
+            break
+        cost = waves * (kt + 3) + -(-rest * used // slots) * (per + 5)
+        if cost < best:
+            best, best_split = cost, used
+    return block_m, wgs, best_split, stages
 
 
 @functools.cache
@@ -391,8 +445,8 @@ def wna16_wgmma_tma(
     supported = tma_supported(n, k, group_size)
     check_inputs("wna16_wgmma_tma", x, n, group_size, bias, supported, "N % 16 == 0")
     num_sms = platform.num_sms(x.device)
-    block_m, wgs, split, stages = config or default_tma_config(m, n, k, num_sms)
     zp = zero_pairs is not None
+    block_m, wgs, split, stages = config or default_tma_config(m, n, k, num_sms, zp)
     if block_m not in BLOCK_MS or wgs not in (1, 2):
         raise ValueError(f"config {config}: BLOCK_M in {BLOCK_MS}, 1 or 2 warpgroups")
     if stages < 2 * wgs or smem_bytes(block_m, wgs, stages, zp) > SMEM_BYTES:
@@ -401,17 +455,18 @@ def wna16_wgmma_tma(
             f"{SMEM_BYTES} bytes of shared memory"
         )
     kt_total = k // BLOCK_K
-    per = -(-kt_total // split)
-    split = -(-kt_total // per)
+    out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     if x.stride(1) != 1 or x.stride(0) % 8:
         x = x.contiguous()
     if x.data_ptr() % 16:  # a view at an odd offset: TMA needs a 16-byte aligned base
         x = x.clone(memory_format=torch.contiguous_format)
-    out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     rows = rows_per_cta(wgs)
-    grid = (-(-n // rows), -(-m // block_m), split)
-    ws, cnt, per, grid = split_k_scratch(workspace, out, words, grid, per, kt_total)
-    split = grid[2]
+    tiles = tile_count(m, n, block_m, wgs)
+    slots = num_sms * ctas_per_sm(block_m, wgs, stages, zp)
+    whole, split, per = tail_schedule(tiles, kt_total, slots, split)
+    ws, cnt, per, grid = split_k_scratch(workspace, out, words, (tiles, 1, split), per, kt_total)
+    if grid[2] == 1:  # no workspace to split with
+        whole, split = tiles, 1
     ncg, groups = n // 16, scale_pairs.shape[1]
     x_layout, flat = _smem_layouts()
     x_desc = TensorDescriptor.from_tensor(x, [block_m, BLOCK_K], x_layout)
@@ -422,9 +477,10 @@ def wna16_wgmma_tma(
         z_flat = zero_pairs.view(ncg, groups * 8)
         z_desc = TensorDescriptor.from_tensor(z_flat, [rows // 16, 8], flat)
     per_channel = group_size <= 0 or group_size >= k
-    _kernel()[grid](
+    _kernel()[(whole + (tiles - whole) * split,)](
         x_desc, w_desc, s_desc, z_desc, bias if bias is not None else out, out, ws,
-        ws.view(torch.int32), cnt, m, n, per, kt_total, out.stride(0),
+        ws.view(torch.int32), cnt, m, n, per, kt_total, out.stride(0), -(-m // block_m), whole,
+        split,
         GROUP_TILES=0 if per_channel else group_size // BLOCK_K,
         BLOCK_M=block_m,
         NUM_WG=wgs,

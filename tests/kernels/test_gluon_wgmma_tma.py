@@ -38,18 +38,25 @@ def test_default_configs_fit_and_fill_the_gpu():
             assert block_m < 2 * max(m, 16) or block_m == tk.BLOCK_MS[0]
             assert stages >= 2 * wgs  # the epilogue stages a slab in the ring
             assert tk.smem_bytes(block_m, wgs, stages, True) <= tk.SMEM_BYTES
-            ctas = -(-m // block_m) * -(-n // tk.rows_per_cta(wgs))
-            assert split == 1 or ctas < 132
-            assert k // 64 // split >= 8 or split == 1  # at least 8 K steps a split
-            assert split * m * n * 4 <= n * k // 2 or split == 1  # partials <= int4 weights
-    # the sweep's best at M = 128 / 256: gate_up one CTA a 128-row column tile; down split-K to
-    # about two CTAs an SM
-    assert tk.default_tma_config(128, 37888, 3584, 132) == (128, 1, 1, 4)
-    assert tk.default_tma_config(256, 22016, 2048, 132) == (128, 1, 1, 4)
+            tiles = tk.tile_count(m, n, block_m, wgs)
+            slots = 132 * tk.ctas_per_sm(block_m, wgs, stages, False)
+            whole, used, per = tk.tail_schedule(tiles, k // 64, slots, split)
+            assert used == split and whole == tiles - (tiles % slots if split > 1 else 0)
+            assert per >= 4 and (used - 1) * per < k // 64 <= used * per  # each split a step
+            partials = split * (tiles - whole) * tk.rows_per_cta(wgs) * block_m * 4
+            assert partials <= n * k // 2 or split == 1
+    assert tk.ctas_per_sm(128, 1, 4, False) == 2 and tk.ctas_per_sm(64, 2, 4, True) == 1
+    # 7B gate_up at 128 rows: 296 tiles = a wave of 264 whole, the 32 left split 8 ways (one
+    # more wave of 7-step CTAs instead of a second wave of 56-step ones)
+    assert tk.default_tma_config(128, 37888, 3584, 132) == (128, 1, 8, 4)
+    assert tk.tail_schedule(296, 56, 264, 8) == (264, 8, 7)
+    assert tk.tail_schedule(592, 56, 264, 4) == (528, 4, 14)
+    assert tk.tail_schedule(100, 56, 264, 3) == (0, 3, 19)  # fewer tiles than slots: all split
+    assert tk.tail_schedule(528, 56, 264, 4) == (528, 1, 56)  # whole waves: no split
+    assert tk.tail_schedule(10, 6, 264, 4) == (0, 3, 2)  # 4 splits of 6 steps: 3 of 2
     assert tk.default_tma_config(128, 3584, 18944, 132) == (128, 1, 9, 4)
     assert tk.default_tma_config(64, 2048, 11008, 132) == (64, 1, 16, 4)
     assert tk.default_tma_config(128, 2048, 11008, 132) == (128, 1, 10, 4)  # not 16: partials
-    assert tk.default_tma_config(128, 22016, 2048, 132) == (128, 1, 1, 4)  # 172 CTAs: no split
 
 
 def _compile_ptx(block_m: int, wgs: int, stages: int, zp: bool, one_split: bool) -> str:
@@ -68,7 +75,8 @@ def _compile_ptx(block_m: int, wgs: int, stages: int, zp: bool, one_split: bool)
            "z_desc": f"tensordesc<i32[{cgs}, 8],{fl!r}>",
            "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "wsi_ptr": "*i32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "kt_per_split": "i32", "kt_total": "i32",
-           "stride_om": "i32"}  # fmt: skip
+           "stride_om": "i32", "m_tiles": "i32", "whole_tiles": "i32",
+           "tail_splits": "i32"}  # fmt: skip
     consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": wgs, "NUM_STAGES": stages,
               "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
@@ -140,7 +148,8 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
 @pytest.mark.parametrize("m", [16, 64, 256])
 @pytest.mark.parametrize("zp", [False, True])
 def test_qwen_shapes_and_graph_replay_gpu(m, zp):
-    """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few CTAs), then the
-    same call captured in a CUDA graph and replayed on new inputs."""
-    shapes = ((4608, 3584), (3584, 18944), (22016, 2048), (2048, 11008))
+    """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few CTAs; whole
+    waves of tiles, then split ones, on 7B gate_up and 3B gate_up at 256 rows), then the same
+    call captured in a CUDA graph and replayed on new inputs."""
+    shapes = ((4608, 3584), (3584, 18944), (37888, 3584), (22016, 2048), (2048, 11008))
     check_shapes_and_graph_replay(tk.wna16_wgmma_tma, m, zp, shapes)
