@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 16): tma16
+# Steps (session 16): tma16 tma16b
 # Steps (session 15): tma15 tma15b e2e15 chk15
 # Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
@@ -603,6 +603,28 @@ step_tma16() {
     --out "$R/tma_sweep"
   run tma_zp 70 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 1 \
     --ms 16,64,128,256 --sweep none --skip tc,gemv --out "$R/tma_zp"
+}
+
+# session 16, second call (run 1: co-resident CTAs add little, so the schedule counts waves of
+# one CTA an SM; the registry bands from run 1's sweep): the TMA GEMM's GPU tests, the
+# per-layer table with the new defaults (split swept at 64 / 128 rows), then bf16 vs W4A16 end
+# to end on 3B and 7B at batch 1-128 and the nano-vllm protocol
+step_tma16b() {
+  run tma_tests 130 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_wgmma_tma.py
+  run tma_sweep 110 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 64,128 --skip tc,gemv \
+    --out "$R/tma_sweep"
+  compare16 compare3b_e2e 150 "$CFG3" Qwen2.5-3B 100 compare_3b
+  compare16 compare7b_e2e 150 "$CFG7" Qwen2.5-7B 100 compare_7b
+}
+# compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: bf16 vs W4A16 at batch 1-128 + protocol
+compare16() {
+  run "$1" "$2" python3 -m pagoda.entrypoints.cli compare "config:$3" "config:$3:w4a16" \
+    --labels "$4 bf16,$4 W4A16" --dtype bfloat16 --max-model-len 4096 \
+    --prompt-len 512 --output-len 256 --batch-sizes 1,8,64,128 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline none --timeout "$5" \
+    --out "$R/$6"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1

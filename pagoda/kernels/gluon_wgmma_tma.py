@@ -40,7 +40,6 @@ BLOCK_K = 64  # K per ring stage (one tile of the layout)
 SLAB = 64  # weight rows per warpgroup accumulator (wgmma's M)
 BLOCK_MS = (16, 32, 64, 128)  # batch rows a tile (wgmma's N)
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
-SM_SMEM_BYTES = 228 * 1024  # and per SM
 
 TmaConfig = tuple  # (BLOCK_M, warpgroups, split-K of the last wave's tiles, stages)
 
@@ -361,23 +360,15 @@ def max_regs(warpgroups: int) -> int:
     return min(255, (65536 // threads) // 8 * 8)
 
 
-def ctas_per_sm(block_m: int, wgs: int, stages: int, zp: bool) -> int:
-    """CTAs an SM holds at once: by shared memory (228 KiB an SM, 1 KiB reserved a CTA) and by
-    registers (`max_regs` for every thread of the consumer warpgroups and of the producer's,
-    which warp specialization launches whole)."""
-    by_smem = SM_SMEM_BYTES // (smem_bytes(block_m, wgs, stages, zp) + 1024)
-    by_regs = 65536 // (max_regs(wgs) * 128 * (wgs + 1))
-    return max(1, min(by_smem, by_regs))
-
-
 def tile_count(m: int, n: int, block_m: int, wgs: int) -> int:
     return -(-m // block_m) * -(-n // rows_per_cta(wgs))
 
 
 def tail_schedule(tiles: int, kt: int, slots: int, split: int) -> tuple[int, int, int]:
     """(whole tiles, CTAs a split tile, K tiles a split CTA) for `split` applied to the tiles
-    left after the full waves: `tiles // slots` waves of whole tiles, then the rest split over
-    K so that the last wave is full instead of a few CTAs long. Every split CTA has a step."""
+    left after whole waves of `slots` (the SMs): those waves take whole tiles, the rest are
+    split over K so that the last wave is full instead of a few CTAs long. Every split CTA
+    has a step."""
     rest = tiles % slots if tiles >= slots else tiles
     if split <= 1 or rest == 0:
         return tiles, 1, kt
@@ -387,29 +378,30 @@ def tail_schedule(tiles: int, kt: int, slots: int, split: int) -> tuple[int, int
 
 def default_tma_config(m: int, n: int, k: int, num_sms: int, zp: bool = False) -> TmaConfig:
     """BLOCK_M the smallest tile that holds M (up to 128; larger M takes several), one
-    consumer warpgroup, a 4-stage ring (two CTAs an SM), and the split of the last wave's
-    tiles that minimizes a wave model of the time, in K steps: whole waves of `kt + 3` (the
-    ring's fill and the epilogue), then the split wave(s) of `per + 3 + 2` (the fp32 partials),
-    with at least 4 K steps a split, at most 16 splits and no more partial bytes than int4
-    weight bytes (BENCHMARKS.md, session 16)."""
+    consumer warpgroup, a 4-stage ring, and the split of the tiles left after whole waves that
+    minimizes a wave model of the time in K steps, taken where it saves at least 15 %: waves
+    of one CTA an SM (a second resident CTA measured to add little), whole tiles `kt + 3` (the
+    ring's fill, the epilogue), split ones `per + 5` (their fp32 partials); at least 4 K steps
+    a split, at most 16 splits, no more partial bytes than int4 weight bytes (BENCHMARKS.md,
+    session 16)."""
     block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
     wgs, stages = 1, 4
     kt = k // BLOCK_K
-    slots = num_sms * ctas_per_sm(block_m, wgs, stages, zp)
     tiles = tile_count(m, n, block_m, wgs)
-    waves, rest = divmod(tiles, slots)
-    if rest == 0:
-        return block_m, wgs, 1, stages
-    best, best_split = (waves + 1) * (kt + 3), 1
+    waves, rest = divmod(tiles, num_sms)
+    unsplit = (waves + (rest > 0)) * (kt + 3)
+    best, best_split = unsplit, 1
     piece_bytes = rows_per_cta(wgs) * block_m * 4
     for split in range(2, min(16, kt // 4) + 1):
         per = -(-kt // split)
         used = -(-kt // per)
         if rest * used * piece_bytes > n * k // 2:
             break
-        cost = waves * (kt + 3) + -(-rest * used // slots) * (per + 5)
+        cost = waves * (kt + 3) + -(-rest * used // num_sms) * (per + 5)
         if cost < best:
             best, best_split = cost, used
+    if best > 0.85 * unsplit:
+        best_split = 1
     return block_m, wgs, best_split, stages
 
 
@@ -462,8 +454,7 @@ def wna16_wgmma_tma(
         x = x.clone(memory_format=torch.contiguous_format)
     rows = rows_per_cta(wgs)
     tiles = tile_count(m, n, block_m, wgs)
-    slots = num_sms * ctas_per_sm(block_m, wgs, stages, zp)
-    whole, split, per = tail_schedule(tiles, kt_total, slots, split)
+    whole, split, per = tail_schedule(tiles, kt_total, num_sms, split)
     ws, cnt, per, grid = split_k_scratch(workspace, out, words, (tiles, 1, split), per, kt_total)
     if grid[2] == 1:  # no workspace to split with
         whole, split = tiles, 1

@@ -388,10 +388,11 @@ class _HopperGemm(_MmaLayout):
 
 class MmaWgmmaTma(_HopperGemm):
     """Hopper `wgmma` GEMM fed by bulk tensor copies (TMA) from a producer warp, 128 weight rows
-    a CTA (`gluon_wgmma_tma`): the best kernel past 64 rows on the large MLP layers, to 512
-    rows on gate_up-sized N and 256 on down projections (K >= 4 N), where dequant + cuBLAS
-    takes over; on qkv / o dequant + cuBLAS beats it from 65 rows (BENCHMARKS.md, session
-    15). First in the priority list: the session-14 wgmma GEMM keeps 9-64 rows."""
+    a CTA (`gluon_wgmma_tma`). First in the priority list; its band, where it is the best
+    kernel (BENCHMARKS.md, sessions 15 and 16): gate_up-sized layers (N >= 16 Ki) to 512 rows,
+    from 17 at K >= 3 Ki (7B), 65 below (3B); down projections (K >= 4 N) 33-512 at N >= 3 Ki
+    (7B), 129-256 below (3B); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the
+    session-14 wgmma GEMM (to 64 / 128 rows), then dequant + cuBLAS."""
 
     name = "mma_wgmma_tma"
     module = "pagoda.kernels.gluon_wgmma_tma"
@@ -402,14 +403,20 @@ class MmaWgmmaTma(_HopperGemm):
     shapes = "N % 16"
 
     @classmethod
+    def _band(cls, cfg) -> tuple[int, int]:
+        if cfg.n >= 16384:
+            return (17 if cfg.k >= 3072 else 65), 512
+        if cfg.k >= 4 * cfg.n:
+            return (33, 512) if cfg.n >= 3072 else (129, 256)
+        return (33, 64) if cfg.n >= 4096 else (1, 0)
+
+    @classmethod
     def best_min_m(cls, cfg):
-        return 65
+        return cls._band(cfg)[0]
 
     @classmethod
     def best_max_m(cls, cfg):
-        if cfg.n >= 16384:
-            return 512
-        return 256 if cfg.k >= 4 * cfg.n else 0
+        return cls._band(cfg)[1]
 
 
 class MmaGemv(_MmaLayout):

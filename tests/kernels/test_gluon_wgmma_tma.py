@@ -39,24 +39,25 @@ def test_default_configs_fit_and_fill_the_gpu():
             assert stages >= 2 * wgs  # the epilogue stages a slab in the ring
             assert tk.smem_bytes(block_m, wgs, stages, True) <= tk.SMEM_BYTES
             tiles = tk.tile_count(m, n, block_m, wgs)
-            slots = 132 * tk.ctas_per_sm(block_m, wgs, stages, False)
-            whole, used, per = tk.tail_schedule(tiles, k // 64, slots, split)
-            assert used == split and whole == tiles - (tiles % slots if split > 1 else 0)
+            whole, used, per = tk.tail_schedule(tiles, k // 64, 132, split)
+            assert used == split and whole == tiles - (tiles % 132 if split > 1 else 0)
             assert per >= 4 and (used - 1) * per < k // 64 <= used * per  # each split a step
             partials = split * (tiles - whole) * tk.rows_per_cta(wgs) * block_m * 4
             assert partials <= n * k // 2 or split == 1
-    assert tk.ctas_per_sm(128, 1, 4, False) == 2 and tk.ctas_per_sm(64, 2, 4, True) == 1
-    # 7B gate_up at 128 rows: 296 tiles = a wave of 264 whole, the 32 left split 8 ways (one
-    # more wave of 7-step CTAs instead of a second wave of 56-step ones)
-    assert tk.default_tma_config(128, 37888, 3584, 132) == (128, 1, 8, 4)
-    assert tk.tail_schedule(296, 56, 264, 8) == (264, 8, 7)
-    assert tk.tail_schedule(592, 56, 264, 4) == (528, 4, 14)
-    assert tk.tail_schedule(100, 56, 264, 3) == (0, 3, 19)  # fewer tiles than slots: all split
-    assert tk.tail_schedule(528, 56, 264, 4) == (528, 1, 56)  # whole waves: no split
-    assert tk.tail_schedule(10, 6, 264, 4) == (0, 3, 2)  # 4 splits of 6 steps: 3 of 2
+    # 7B gate_up at 128 rows: 296 tiles = two waves of 132 whole, the 32 left split 4 ways
+    # (a last wave of 14-step CTAs instead of one of 56-step ones)
+    assert tk.default_tma_config(128, 37888, 3584, 132) == (128, 1, 4, 4)
+    assert tk.tail_schedule(296, 56, 132, 4) == (264, 4, 14)
+    assert tk.default_tma_config(256, 37888, 3584, 132) == (128, 1, 1, 4)  # saves < 15 %
+    assert tk.tail_schedule(100, 56, 132, 3) == (0, 3, 19)  # fewer tiles than SMs: all split
+    assert tk.tail_schedule(264, 56, 132, 4) == (264, 1, 56)  # whole waves: no split
+    assert tk.tail_schedule(10, 6, 132, 4) == (0, 3, 2)  # 4 splits of 6 steps: 3 of 2
+    # run 1 of session 16's best splits: 7B down 9, 3B down 8 (128 CTAs, not 10: 160 > 132
+    # SMs), 7B qkv 3 at 64 rows; 3B qkv 4, not 6: its partials would pass its weight bytes
     assert tk.default_tma_config(128, 3584, 18944, 132) == (128, 1, 9, 4)
-    assert tk.default_tma_config(64, 2048, 11008, 132) == (64, 1, 16, 4)
-    assert tk.default_tma_config(128, 2048, 11008, 132) == (128, 1, 10, 4)  # not 16: partials
+    assert tk.default_tma_config(128, 2048, 11008, 132) == (128, 1, 8, 4)
+    assert tk.default_tma_config(64, 4608, 3584, 132) == (64, 1, 3, 4)
+    assert tk.default_tma_config(64, 2560, 2048, 132) == (64, 1, 4, 4)
 
 
 def _compile_ptx(block_m: int, wgs: int, stages: int, zp: bool, one_split: bool) -> str:
@@ -148,8 +149,8 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
 @pytest.mark.parametrize("m", [16, 64, 256])
 @pytest.mark.parametrize("zp", [False, True])
 def test_qwen_shapes_and_graph_replay_gpu(m, zp):
-    """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few CTAs; whole
-    waves of tiles, then split ones, on 7B gate_up and 3B gate_up at 256 rows), then the same
-    call captured in a CUDA graph and replayed on new inputs."""
-    shapes = ((4608, 3584), (3584, 18944), (37888, 3584), (22016, 2048), (2048, 11008))
+    """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few CTAs; a wave
+    of whole tiles, then split ones, on 3B gate_up at 16 and 64 rows), then the same call
+    captured in a CUDA graph and replayed on new inputs."""
+    shapes = ((4608, 3584), (3584, 18944), (22016, 2048), (2048, 11008))
     check_shapes_and_graph_replay(tk.wna16_wgmma_tma, m, zp, shapes)

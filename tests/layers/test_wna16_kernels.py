@@ -47,23 +47,32 @@ def test_cpu_layers_dequantize_per_call() -> None:
 
 
 def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
-    # sm_90: the GEMV to 8 rows, the wgmma GEMM 9-64, then on the MLP layers the TMA GEMM (to
-    # 512 rows on gate_up-sized N, 256 on down projections) and dequant + cuBLAS; qkv / o go
-    # from the wgmma GEMM to dequant + cuBLAS
+    # sm_90: the GEMV to 8 rows, then the wgmma GEMM, the TMA GEMM in its band, dequant +
+    # cuBLAS: qkv / o of 3B and 7B o no TMA GEMM; 7B qkv 33-64; gate_up to 512 from 17 rows at
+    # K = 3584 (7B), from 65 at K = 2048 (3B); down 33-512 at N = 3584 (7B), 129-256 at 2048
     pytest.importorskip("triton.experimental.gluon")
-    assert wk.choose_kernels(_cfg(), frozenset()).describe() == (
-        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_dequant M=65.."
+    for n in (2560, 2048):
+        assert wk.choose_kernels(_cfg(n=n, k=2048), frozenset()).describe() == (
+            "mma_gemv M=1..8, mma_wgmma M=9..64, mma_dequant M=65.."
+        )
+    assert wk.choose_kernels(_cfg(n=4608, k=3584), frozenset()).describe() == (
+        "mma_gemv M=1..8, mma_wgmma M=9..32, mma_wgmma_tma M=33..64, mma_dequant M=65.."
     )
-    assert wk.choose_kernels(_cfg(n=37888), frozenset()).describe() == (
+    assert wk.choose_kernels(_cfg(n=37888, k=3584), frozenset()).describe() == (
+        "mma_gemv M=1..8, mma_wgmma M=9..16, mma_wgmma_tma M=17..512, mma_dequant M=513.."
+    )
+    assert wk.choose_kernels(_cfg(n=22016, k=2048), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..64, mma_wgmma_tma M=65..512, mma_dequant M=513.."
     )
-    for n, k in ((3584, 18944), (2048, 11008)):
-        assert wk.choose_kernels(_cfg(n=n, k=k), frozenset()).describe() == (
-            "mma_gemv M=1..8, mma_wgmma M=9..64, mma_wgmma_tma M=65..256, mma_dequant M=257.."
-        )
+    assert wk.choose_kernels(_cfg(n=3584, k=18944), frozenset()).describe() == (
+        "mma_gemv M=1..8, mma_wgmma M=9..32, mma_wgmma_tma M=33..512, mma_dequant M=513.."
+    )
+    assert wk.choose_kernels(_cfg(n=2048, k=11008), frozenset()).describe() == (
+        "mma_gemv M=1..8, mma_wgmma M=9..128, mma_wgmma_tma M=129..256, mma_dequant M=257.."
+    )
     # zero points (AWQ, asymmetric GPTQ) take the same kernels
     assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
-        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_wgmma_tma M=65..512, mma_dequant M=513.."
+        "mma_gemv M=1..8, mma_wgmma M=9..16, mma_wgmma_tma M=17..512, mma_dequant M=513.."
     )
     # without the TMA GEMM the session-14 wgmma GEMM keeps gate_up / down to 128 rows
     no_tma = frozenset({"mma_wgmma_tma"})
@@ -93,8 +102,9 @@ def test_wgmma_needs_hopper_and_whole_tiles(mma_passes) -> None:
     assert not ok and "N % 64" in why
     # the TMA GEMM takes any N % 16 (a partial last CTA), so it covers gate_up-sized N here
     assert wk.MmaWgmmaTma.can_implement(_cfg(n=37888 + 16))[0]
+    # (a 7B-qkv-sized N % 64 != 0: the TMA GEMM keeps its band, the GEMV runs to 32 rows)
     assert wk.choose_kernels(_cfg(n=4608 + 16), frozenset()).describe() == (
-        "mma_gemv M=1..32, mma_gemm M=33..64, mma_dequant M=65.."
+        "mma_gemv M=1..32, mma_wgmma_tma M=33..64, mma_dequant M=65.."
     )
     ok, why = wk.MmaWgmmaTma.can_implement(_cfg(group=32))
     assert not ok
