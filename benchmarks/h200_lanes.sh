@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 16): tma16 tma16b tma16c
+# Steps (session 16): tma16 tma16b tma16c tma16d
 # Steps (session 15): tma15 tma15b e2e15 chk15
 # Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
@@ -610,7 +610,7 @@ step_tma16() {
 # per-layer table with the new defaults (split swept at 64 / 128 rows), then bf16 vs W4A16 end
 # to end on 3B and 7B at batch 1-128 and the nano-vllm protocol
 step_tma16b() {
-  run tma_tests 130 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  run tma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_wgmma_tma.py
   run tma_sweep 110 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
     --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 64,128 --skip tc,gemv \
@@ -629,6 +629,20 @@ step_tma16c() {
     tests/entrypoints/test_gpu_engine_w4a16.py tests/layers/test_wna16_kernels.py
   run gate_up 60 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b --layers gate_up \
     --zp 0 --ms 128,256 --sweep tma --sweep-ms 128,256 --skip tc,gemv --out "$R/gate_up"
+}
+# session 16, fourth call (run 4, typed as one command; these are its steps): AWQ (zero
+# points) against symmetric W4A16 on 3B at batch 1 / 8 / 64, and the sm_80-89 dispatch
+step_tma16d() {
+  run awq 150 python3 -m pagoda.entrypoints.cli compare "config:$CFG3:w4a16" "config:$CFG3:awq" \
+    --labels "Qwen2.5-3B W4A16,Qwen2.5-3B AWQ" --dtype bfloat16 --max-model-len 4096 \
+    --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
+    --out "$R/compare_3b_awq"
+  PAGODA_EMULATE_CAPABILITY=8.9 run sm89 80 python3 -m pagoda.entrypoints.cli compare \
+    "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 sm_89 dispatch" --dtype bfloat16 \
+    --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
+    --out "$R/compare_3b_sm89"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: bf16 vs W4A16 at batch 1-128 + protocol
 compare16() {

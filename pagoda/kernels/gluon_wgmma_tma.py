@@ -19,9 +19,12 @@ how many weight rows share one activation tile:
   i - 1 is still on the tensor cores and the other way round: one wait for one group before each
   slab keeps a single MMA in flight over every dequantization, with distinct registers.
 
-Split-K adds fp32 partials into the runner's `SplitKWorkspace` (the last CTA of a tile stores the
-output and re-zeroes what it used); the epilogue passes each slab through the (free) activation
-ring as fp32 and stores or adds 16-row chunks of 4 contiguous columns a thread.
+The grid is one-dimensional, tiles numbered M-tile first (a column tile's weights read from DRAM
+once). `tail_schedule`: whole waves of tiles (one CTA a tile), then the tiles left are split over
+K so the last wave is full; a split tile's CTAs add fp32 partials into the runner's
+`SplitKWorkspace` (the last CTA of a tile stores the output and re-zeroes what it used). The
+epilogue passes each slab through the (free) activation ring as fp32 and stores or adds 16-row
+chunks of 4 contiguous columns a thread.
 
 sm_90 only. The CPU tests compile it for sm_90 (bulk tensor copies, wgmma, warp specialization in
 the PTX); the GPU tests compare it with the dequantized matmul.
