@@ -389,8 +389,8 @@ class _HopperGemm(_MmaLayout):
 class MmaWgmmaTma(_HopperGemm):
     """Hopper `wgmma` GEMM fed by bulk tensor copies (TMA) from a producer warp, 128 weight rows
     a CTA (`gluon_wgmma_tma`). First in the priority list; its band, where it is the best
-    kernel (BENCHMARKS.md, sessions 15 and 16): gate_up-sized layers (N >= 16 Ki) to 512 rows,
-    from 17 at K >= 3 Ki (7B), 65 below (3B); down projections (K >= 4 N) 33-512 at N >= 3 Ki
+    kernel (BENCHMARKS.md, sessions 15 and 16): gate_up-sized layers (N >= 16 Ki) 17-512 rows;
+    down projections (K >= 4 N) 33-512 at N >= 3 Ki
     (7B), 129-256 below (3B); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the
     session-14 wgmma GEMM (to 64 / 128 rows), then dequant + cuBLAS."""
 
@@ -405,7 +405,7 @@ class MmaWgmmaTma(_HopperGemm):
     @classmethod
     def _band(cls, cfg) -> tuple[int, int]:
         if cfg.n >= 16384:
-            return (17 if cfg.k >= 3072 else 65), 512
+            return 17, 512
         if cfg.k >= 4 * cfg.n:
             return (33, 512) if cfg.n >= 3072 else (129, 256)
         return (33, 64) if cfg.n >= 4096 else (1, 0)

@@ -48,8 +48,8 @@ def test_cpu_layers_dequantize_per_call() -> None:
 
 def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
     # sm_90: the GEMV to 8 rows, then the wgmma GEMM, the TMA GEMM in its band, dequant +
-    # cuBLAS: qkv / o of 3B and 7B o no TMA GEMM; 7B qkv 33-64; gate_up to 512 from 17 rows at
-    # K = 3584 (7B), from 65 at K = 2048 (3B); down 33-512 at N = 3584 (7B), 129-256 at 2048
+    # cuBLAS: qkv / o of 3B and 7B o no TMA GEMM; 7B qkv 33-64; gate_up 17-512; down 33-512 at
+    # N = 3584 (7B), 129-256 at 2048 (3B)
     pytest.importorskip("triton.experimental.gluon")
     for n in (2560, 2048):
         assert wk.choose_kernels(_cfg(n=n, k=2048), frozenset()).describe() == (
@@ -62,7 +62,7 @@ def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None
         "mma_gemv M=1..8, mma_wgmma M=9..16, mma_wgmma_tma M=17..512, mma_dequant M=513.."
     )
     assert wk.choose_kernels(_cfg(n=22016, k=2048), frozenset()).describe() == (
-        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_wgmma_tma M=65..512, mma_dequant M=513.."
+        "mma_gemv M=1..8, mma_wgmma M=9..16, mma_wgmma_tma M=17..512, mma_dequant M=513.."
     )
     assert wk.choose_kernels(_cfg(n=3584, k=18944), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..32, mma_wgmma_tma M=33..512, mma_dequant M=513.."
@@ -256,7 +256,7 @@ def test_mma_layout_kernels_interpreter(zp) -> None:
 @pytest.mark.parametrize("inp,out", [(1024, 512), (1024, 16384)])
 def test_every_cuda_path_of_a_layer_gpu(monkeypatch, inp, out) -> None:
     """On the GPU: the default table (on an H200 with both wgmma GEMMs; 16384 output columns
-    take the TMA GEMM at 65-512 rows), the sm_80-89 dispatch (the wgmma GEMMs disabled) and the
+    take the TMA GEMM at 17-512 rows), the sm_80-89 dispatch (the wgmma GEMMs disabled) and the
     packed layout (MMA disabled) give the reference at every M band of their tables."""
     from pagoda.layers.linear import ReplicatedLinear
     from pagoda.layers.quantized_linear import WNA16LinearMethod
@@ -283,7 +283,7 @@ def test_every_cuda_path_of_a_layer_gpu(monkeypatch, inp, out) -> None:
         table = layer.wna16_kernels.describe()
         assert layer.wna16_backend == layout, table
         hopper = torch.cuda.get_device_capability() == (9, 0)
-        assert ("mma_wgmma_tma M=65..512" in table) == (hopper and not disabled and out > 8192)
+        assert ("mma_wgmma_tma M=17..512" in table) == (hopper and not disabled and out > 8192)
         for m in (1, 7, 16, 17, 32, 33, 64, 65, 100, 300, 512, 513, 600):
             y = layer(x[:m].cuda().bfloat16())
             where = f"{table} M={m}"
