@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 16): tma16 tma16b tma16c tma16d
+# Steps (session 16): tma16 tma16b tma16c tma16d tma16e
 # Steps (session 15): tma15 tma15b e2e15 chk15
 # Steps (session 14): mwg14 mwg14b e2e14
 # Steps (session 13): mwg13 (its kernel deleted) e2e13 gpu13
@@ -643,6 +643,15 @@ step_tma16d() {
     --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
     --out "$R/compare_3b_sm89"
+}
+# session 16, fifth call (run 5, typed as one command): 3B bf16 vs W4A16 at batch 32 / 64 after
+# the TMA GEMM's gate_up band moved to 17 rows on 3B
+step_tma16e() {
+  run band 170 python3 -m pagoda.entrypoints.cli compare "config:$CFG3" "config:$CFG3:w4a16" \
+    --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" --dtype bfloat16 --max-model-len 4096 \
+    --prompt-len 512 --output-len 256 --batch-sizes 32,64 --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
+    --out "$R/compare_3b_band"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: bf16 vs W4A16 at batch 1-128 + protocol
 compare16() {
