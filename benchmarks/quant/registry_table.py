@@ -26,6 +26,7 @@ from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.layers import wna16_kernels as wk  # noqa: E402
 
 NUM_SMS = 132
+LAYERS = ("qkv", "o", "gate_up", "down")
 # The dispatch is computed here, maybe without a GPU: take the tensor-core layout's self-test
 # as passed (the run whose times this reads checked every kernel against the reference).
 mma.mma_self_test = lambda device_index: True
@@ -101,7 +102,11 @@ def main() -> None:
         print(f"\n{model}: M | bf16 us | W4A16 us | bf16 / W4A16 | kernels (qkv, o, gate_up, down)")
         for m in ms:
             layer_rows = [r for r in rows if r["model"] == model and r["m"] == m]
-            bf16, w4, names, missing = 0.0, 0.0, [], []
+            bf16, w4, names = 0.0, 0.0, []
+            # a layer the run has no row for (a step cut at its time limit) is no sum either
+            missing = [
+                f"{lay}:no row" for lay in LAYERS if lay not in {r["layer"] for r in layer_rows}
+            ]
             for r in layer_rows:
                 name, key = kernel_key(r, bool(ns.zp), ns.current)
                 bf16 += r["bf16_us"]
