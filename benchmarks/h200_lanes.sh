@@ -475,7 +475,11 @@ step_e2e15() {
   run gpu15 130 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/entrypoints/test_gpu_engine_w4a16.py tests/layers/test_wna16_kernels.py \
     tests/kernels/test_gluon_wgmma_tma.py -k "qwen or engine or cuda_path"
-  PAGODA_EMULATE_CAPABILITY=8.9 run sm89_e2e 70 python3 -m pagoda.entrypoints.cli compare \
+  sm89_3b sm89_e2e 70
+}
+# sm89_3b NAME LIMIT: 3B W4A16 at batch 1 / 8 / 64 with the sm_80-89 table (capability 8.9)
+sm89_3b() {
+  PAGODA_EMULATE_CAPABILITY=8.9 run "$1" "$2" python3 -m pagoda.entrypoints.cli compare \
     "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 sm_89 dispatch" --dtype bfloat16 \
     --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
@@ -638,28 +642,21 @@ step_tma16d() {
     --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
     --out "$R/compare_3b_awq"
-  PAGODA_EMULATE_CAPABILITY=8.9 run sm89 80 python3 -m pagoda.entrypoints.cli compare \
-    "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 sm_89 dispatch" --dtype bfloat16 \
-    --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
-    --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
-    --out "$R/compare_3b_sm89"
+  sm89_3b sm89 80
 }
 # session 16, fifth call (run 5, typed as one command): 3B bf16 vs W4A16 at batch 32 / 64 after
 # the TMA GEMM's gate_up band moved to 17 rows on 3B
 step_tma16e() {
-  run band 170 python3 -m pagoda.entrypoints.cli compare "config:$CFG3" "config:$CFG3:w4a16" \
-    --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" --dtype bfloat16 --max-model-len 4096 \
-    --prompt-len 512 --output-len 256 --batch-sizes 32,64 --iters 2 \
-    --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
-    --out "$R/compare_3b_band"
+  compare16 band 170 "$CFG3" Qwen2.5-3B 60 compare_3b_band 32,64 0
 }
-# compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: bf16 vs W4A16 at batch 1-128 + protocol
+# compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at
+# batch 1-128 (or BATCHES) + the protocol's 256 requests (or REQUESTS)
 compare16() {
   run "$1" "$2" python3 -m pagoda.entrypoints.cli compare "config:$3" "config:$3:w4a16" \
     --labels "$4 bf16,$4 W4A16" --dtype bfloat16 --max-model-len 4096 \
-    --prompt-len 512 --output-len 256 --batch-sizes 1,8,64,128 --iters 2 \
-    --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline none --timeout "$5" \
-    --out "$R/$6"
+    --prompt-len 512 --output-len 256 --batch-sizes "${7:-1,8,64,128}" --iters 2 \
+    --gpu-memory-utilization 0.85 --throughput-requests "${8:-256}" --baseline none \
+    --timeout "$5" --out "$R/$6"
 }
 
 nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv >"$R/gpu.txt" 2>&1
