@@ -379,7 +379,8 @@ def tail_schedule(tiles: int, kt: int, slots: int, split: int) -> tuple[int, int
     return tiles - rest, -(-kt // per), per
 
 
-def default_tma_config(m: int, n: int, k: int, num_sms: int, zp: bool = False) -> TmaConfig:
+@functools.lru_cache(maxsize=4096)  # per call of every layer: a pure function of its shape
+def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
     """BLOCK_M the smallest tile that holds M (up to 128; larger M takes several), one
     consumer warpgroup, a 4-stage ring, and the split of the tiles left after whole waves that
     minimizes a wave model of the time in K steps, taken where it saves at least 15 %: waves
@@ -440,8 +441,8 @@ def wna16_wgmma_tma(
     supported = tma_supported(n, k, group_size)
     check_inputs("wna16_wgmma_tma", x, n, group_size, bias, supported, "N % 16 == 0")
     num_sms = platform.num_sms(x.device)
+    block_m, wgs, split, stages = config or default_tma_config(m, n, k, num_sms)
     zp = zero_pairs is not None
-    block_m, wgs, split, stages = config or default_tma_config(m, n, k, num_sms, zp)
     if block_m not in BLOCK_MS or wgs not in (1, 2):
         raise ValueError(f"config {config}: BLOCK_M in {BLOCK_MS}, 1 or 2 warpgroups")
     if stages < 2 * wgs or smem_bytes(block_m, wgs, stages, zp) > SMEM_BYTES:
