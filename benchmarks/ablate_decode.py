@@ -10,9 +10,12 @@ neighbours and says little.
     python benchmarks/ablate_decode.py config:benchmarks/configs/qwen2.5-7b.json:w4a16 --out F
 
 Ablations (cumulative names are joined with '+'):
-    norm  RMSNorm returns its input (and the residual unchanged): no norm kernels
-    silu  SiluAndMul returns the gate half as a strided view: no activation kernel
-    attn  attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
+    norm     no norm kernels and no norm prologues (the layers' projections read their input
+             as it is; the residual is unchanged)
+    silu     no activation (kernel or prologue): down_proj reads the gate half
+    attn     attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
+    unfused  the norm and SiLU-and-mul run as their own kernels, not as the GEMVs' prologues
+             (the graph of before the prologues; `PAGODA_DISABLED_KERNELS=gemv_prologue`)
 """
 
 from __future__ import annotations
@@ -43,29 +46,43 @@ def timed(fn, iters: int) -> float:
 
 @contextlib.contextmanager
 def ablated(parts: set[str]) -> Iterator[None]:
-    from pagoda.layers.activation import SiluAndMul
+    from pagoda.layers.linear import LinearBase, UnquantizedLinearMethod
     from pagoda.layers.norm import RMSNorm
     from pagoda.models.llama import DecoderAttention
 
-    saved = (RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward)
+    patched = [
+        (RMSNorm, "forward"),
+        (LinearBase, "forward_rms_norm_first"),
+        (LinearBase, "forward_silu_and_mul_first"),
+        (DecoderAttention, "attend"),
+        (UnquantizedLinearMethod, "apply_rms_norm_first"),
+        (UnquantizedLinearMethod, "apply_silu_and_mul_first"),
+    ]
+    saved = [(cls, name, cls.__dict__[name]) for cls, name in patched]
     if "norm" in parts:
 
         def norm_forward(self, x, residual=None):
             return x if residual is None else (x, residual)
 
         RMSNorm.forward = norm_forward
+        LinearBase.forward_rms_norm_first = lambda self, norm, x, residual: (
+            self(x), x if residual is None else residual)  # fmt: skip
     if "silu" in parts:
-        SiluAndMul.forward = lambda self, x: x[:, : x.shape[1] // 2]
+        LinearBase.forward_silu_and_mul_first = lambda self, act, x: self(x[:, : x.shape[1] // 2])
     if "attn" in parts:
 
-        def attn_forward(self, positions, hidden, attn_metadata):
-            return self.o_proj(self.qkv_proj(hidden)[:, : self.q_size])
+        def attend(self, positions, qkv, attn_metadata):
+            return self.o_proj(qkv[:, : self.q_size])
 
-        DecoderAttention.forward = attn_forward
+        DecoderAttention.attend = attend
+    if "unfused" in parts:
+        UnquantizedLinearMethod.apply_rms_norm_first = lambda self, *args: None
+        UnquantizedLinearMethod.apply_silu_and_mul_first = lambda self, *args: None
     try:
         yield
     finally:
-        RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward = saved
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
 
 
 def main() -> int:
@@ -76,7 +93,7 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument(
-        "--ablations", default="none,norm,silu,attn,norm+silu,norm+silu+attn",
+        "--ablations", default="none,unfused,none,unfused,norm,silu,attn,norm+silu,norm+silu+attn",
         help="comma-separated; 'none' is the real graph",
     )  # fmt: skip
     ns = p.parse_args()

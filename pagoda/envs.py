@@ -26,8 +26,8 @@ def _flag(name: str, default: bool) -> bool:
 
 
 # Every kernel a registry may pick, by name: the quantized linears' (`layers/wna16_kernels.py`,
-# in priority order), the dense bf16 GEMV at M = 1 (`layers/linear.py`) and the fused decode
-# attention (`layers/attention.py`).
+# in priority order), the dense bf16 GEMV at M = 1 and its norm / activation prologues
+# (`layers/linear.py`) and the fused decode attention (`layers/attention.py`).
 KERNEL_NAMES = (
     "mma_wgmma_tma",
     "mma_gemv",
@@ -39,6 +39,7 @@ KERNEL_NAMES = (
     "triton_dequant",
     "torch_dequant",
     "dense_gemv",
+    "gemv_prologue",
     "fused_decode_attn",
 )
 
