@@ -48,15 +48,17 @@ def timed(fn, iters: int) -> float:
 def ablated(parts: set[str]) -> Iterator[None]:
     from pagoda.layers.linear import LinearBase, UnquantizedLinearMethod
     from pagoda.layers.norm import RMSNorm
+    from pagoda.layers.quantized_linear import WNA16LinearMethod
     from pagoda.models.llama import DecoderAttention
 
+    methods = (UnquantizedLinearMethod, WNA16LinearMethod)
     patched = [
         (RMSNorm, "forward"),
         (LinearBase, "forward_rms_norm_first"),
         (LinearBase, "forward_silu_and_mul_first"),
         (DecoderAttention, "attend"),
-        (UnquantizedLinearMethod, "apply_rms_norm_first"),
-        (UnquantizedLinearMethod, "apply_silu_and_mul_first"),
+        *((m, "apply_rms_norm_first") for m in methods),
+        *((m, "apply_silu_and_mul_first") for m in methods),
     ]
     saved = [(cls, name, cls.__dict__[name]) for cls, name in patched]
     if "norm" in parts:
@@ -76,8 +78,9 @@ def ablated(parts: set[str]) -> Iterator[None]:
 
         DecoderAttention.attend = attend
     if "unfused" in parts:
-        UnquantizedLinearMethod.apply_rms_norm_first = lambda self, *args: None
-        UnquantizedLinearMethod.apply_silu_and_mul_first = lambda self, *args: None
+        for m in methods:
+            m.apply_rms_norm_first = lambda self, *args: None
+            m.apply_silu_and_mul_first = lambda self, *args: None
     try:
         yield
     finally:

@@ -9,6 +9,8 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
+# Steps (session 17): pro17 pro17b (built without a GPU: first measure, then keep or delete),
+#   ncu17 (Nsight Compute on the TMA GEMM; ncu reads counters on Firecracker machines only)
 # Steps (session 16): tma16 tma16b tma16c tma16d tma16e
 # Steps (session 15): tma15 tma15b e2e15 chk15
 # Steps (session 14): mwg14 mwg14b e2e14
@@ -648,6 +650,56 @@ step_tma16d() {
 # the TMA GEMM's gate_up band moved to 17 rows on 3B
 step_tma16e() {
   compare16 band 170 "$CFG3" Qwen2.5-3B 60 compare_3b_band 32,64 0
+}
+# session 17 (the norm and SiLU-and-mul as the batch-1 GEMVs' prologues, dense and W4A16;
+# written on the CPU, never run on a GPU): their GPU tests and greedy against transformers
+# (bf16 and W4A16 engines, CUDA graphs at batch 1), the decode graph of 3B bf16 / W4A16
+# re-captured with and without the prologues in one process (alternating), batch-1 latency
+# with MBU (acceptance 3) with and without them in separate processes, then 3B bf16 vs W4A16
+step_pro17() {
+  run pro_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_triton_gemv.py tests/kernels/test_triton_w4a16_mma.py \
+    tests/entrypoints/test_gpu_engine.py tests/entrypoints/test_gpu_engine_w4a16.py \
+    -k "prologue or chained or engine"
+  run ablate3b 70 python3 benchmarks/ablate_decode.py "config:$CFG3" \
+    --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate3b.json"
+  run ablate3bw 70 python3 benchmarks/ablate_decode.py "config:$CFG3:w4a16" \
+    --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate3bw.json"
+  latrun3 lat3b "config:$CFG3"
+  latrun3 lat3b_unfused "config:$CFG3" PAGODA_DISABLED_KERNELS=gemv_prologue
+  compare16 compare3b 120 "$CFG3" Qwen2.5-3B 60 compare_3b 1,8 0
+}
+# session 17, second call: the same on 7B (acceptance 3 keeps 7B bf16 >= 86 % MBU)
+step_pro17b() {
+  run ablate7b 80 python3 benchmarks/ablate_decode.py "config:$CFG7" \
+    --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate7b.json"
+  run ablate7bw 80 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
+    --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate7bw.json"
+  latrun3 lat7b "config:$CFG7"
+  latrun3 lat7b_unfused "config:$CFG7" PAGODA_DISABLED_KERNELS=gemv_prologue
+  compare16 compare7b 150 "$CFG7" Qwen2.5-7B 60 compare_7b 1,8 0
+}
+# session 17: why the TMA GEMM runs 7B gate_up at M = 128 at ~57 % of the bf16 tensor rate:
+# Nsight Compute on it and on cuBLAS bf16 of the same shape (speed of light, warp stalls,
+# compute and memory workloads), then the same at M = 64 where it beats bf16
+step_ncu17() {
+  run ncu_check 30 ncu --version
+  for m in 128 64; do
+    run "ncu_gate_up_$m" 150 ncu --clock-control none \
+      --kernel-name regex:'^kernel$|nvjet|xmma|cutlass' --launch-count 6 \
+      --section SpeedOfLight --section WarpStateStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+      --section LaunchStats python3 benchmarks/quant/ncu_layer.py --model 7b --layer gate_up \
+      --m "$m" --kernel tma
+  done
+}
+# latrun3 NAME SPEC [VAR=VALUE ...]: batch-1 latency + MBU of SPEC -> $R/NAME.json
+latrun3() {
+  local name=$1 spec=$2
+  shift 2
+  run "$name" 90 env "$@" python3 -m pagoda.entrypoints.cli bench latency "$spec" \
+    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
+    --out "$R/$name.json"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at
 # batch 1-128 (or BATCHES) + the protocol's 256 requests (or REQUESTS)

@@ -23,36 +23,38 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from pagoda.kernels import triton_w4a16_mma as mm  # noqa: E402
 
-_PTRS = ("x_ptr", "w_ptr", "sp_ptr", "b_ptr", "out_ptr", "ws_ptr", "wsi_ptr", "cnt_ptr")
 _TYPES = {
     "x_ptr": "*i32",
     "w_ptr": "*i32",
     "sp_ptr": "*i8",
+    "zp_ptr": "*i8",
     "b_ptr": "*bf16",
     "out_ptr": "*bf16",
     "ws_ptr": "*fp32",
     "wsi_ptr": "*i32",
     "cnt_ptr": "*i32",
+    "r_ptr": "*i32",
+    "nw_ptr": "*i32",
+    "h_ptr": "*i32",
+    "eps": "fp32",
 }
+_CONSTEXPRS = (
+    "GROUP_TILES", "KT", "NB", "HAS_BIAS", "HAS_ZP", "ONE_SPLIT", "INTERPRET", "USE_PDL",
+    "PROLOGUE", "HAS_RESIDUAL", "BLOCK_H2", "CHUNK",
+)  # fmt: skip
 
 
-def gemv_variant(arch: int, **const) -> dict:
+def gemv_variant(arch: int, warps: int = 1, **const) -> dict:
     fn = mm._w4_mma_gemv_kernel
     base = dict(
-        GROUP_TILES=2, KT=2, NB=1, HAS_BIAS=False, ONE_SPLIT=True, GATED=False, INTERPRET=False,
-        DRY=False, PF_FIRST=0, PF_LOOP=False, USE_PDL=arch >= 90,
+        GROUP_TILES=2, KT=2, NB=1, HAS_BIAS=False, HAS_ZP=False, ONE_SPLIT=True, INTERPRET=False,
+        USE_PDL=arch >= 90, PROLOGUE=0, HAS_RESIDUAL=False, BLOCK_H2=1, CHUNK=1,
     )  # fmt: skip
     base.update(const)
-    sig = {}
-    for name in fn.arg_names:
-        if name in base:
-            sig[name] = "constexpr"
-        elif name in _TYPES:
-            sig[name] = _TYPES[name]
-        else:
-            sig[name] = "i32"
-    src = ASTSource(fn, sig, constexprs={k: v for k, v in base.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+    sig = {name: "constexpr" if name in _CONSTEXPRS else _TYPES.get(name, "i32")
+           for name in fn.arg_names}  # fmt: skip
+    src = ASTSource(fn, sig, constexprs=base)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     return {"shared": k.metadata.shared, **_ptxas_usage(k.asm["ptx"], arch)}
 
 
@@ -83,17 +85,29 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", type=int, default=90)
     ns = p.parse_args()
+    # The M = 1 configs of the Qwen2.5-3B / 7B layers (`default_mma_config`), each with the
+    # prologue its layer takes in the decoder (norm: QKV, gate_up; SiLU-and-mul: down).
+    norm7b = dict(PROLOGUE=1, HAS_RESIDUAL=True, BLOCK_H2=2048, CHUNK=512)
+    norm3b = dict(PROLOGUE=1, HAS_RESIDUAL=True, BLOCK_H2=1024, CHUNK=512)
     variants = {
-        "plain KT=2": {},
-        "plain KT=4 split": dict(KT=4, ONE_SPLIT=False, HAS_BIAS=True),
-        "gated KT=1": dict(KT=1, GATED=True),
-        "gated KT=2 split bias": dict(KT=2, GATED=True, ONE_SPLIT=False, HAS_BIAS=True),
-        "gated NB=1 per-channel": dict(KT=1, GATED=True, GROUP_TILES=0),
+        "qkv/o/down (4, 16, 1)": dict(KT=4, ONE_SPLIT=False, HAS_BIAS=True),
+        "gate_up (2, 1, 1)": {},
+        "3B gate_up (2, 2, 1)": dict(ONE_SPLIT=False),
+        "7B down (4, 16, 2)": dict(KT=4, ONE_SPLIT=False, warps=2),
+        "zp (4, 16, 1)": dict(KT=4, ONE_SPLIT=False, HAS_ZP=True),
+        "qkv + norm, 7B": dict(KT=4, ONE_SPLIT=False, HAS_BIAS=True, **norm7b),
+        "qkv + norm, 3B": dict(KT=4, ONE_SPLIT=False, HAS_BIAS=True, **norm3b),
+        "gate_up + norm, 7B": dict(**norm7b),
+        "gate_up + norm, 3B": dict(ONE_SPLIT=False, **norm3b),
+        "gate_up + norm, zp": dict(HAS_ZP=True, **norm7b),
+        "layer 0 qkv + norm": dict(KT=4, ONE_SPLIT=False, **{**norm7b, "HAS_RESIDUAL": False}),
+        "down + silu, 3B": dict(KT=4, ONE_SPLIT=False, PROLOGUE=2),
+        "down + silu, 7B": dict(KT=4, ONE_SPLIT=False, PROLOGUE=2, warps=2),
     }
     for name, const in variants.items():
         try:
             info = gemv_variant(ns.arch, **const)
-            print(f"sm_{ns.arch} {name:28s} ok  {info}")
+            print(f"sm_{ns.arch} {name:28s} ok  {info}", flush=True)
         except Exception as e:  # noqa: BLE001
             print(f"sm_{ns.arch} {name:28s} FAILED {type(e).__name__}: {str(e)[:2000]}")
             return 1

@@ -27,8 +27,9 @@ output is the same up to the order of one fp32 sum (the norm's sum of squares).
 `gemv_bf16` is used by `UnquantizedLinearMethod` for every M = 1 layer on sm_90+ unless
 `PAGODA_DISABLED_KERNELS` lists "dense_gemv", the prologues by the decoder layer's QKV, gate_up
 and down projections unless it lists "gemv_prologue" (`pagoda/layers/linear.py`); `gemv_ref`,
-`gemv_add_rms_norm_ref` and `gemv_silu_and_mul_ref` are the torch references. In the H200 sweep the winning shape was the opposite of the W4A16 GEMV's: 8 rows x
-512 columns per program and no split-K at all (see `default_dense_gemv_config`).
+`gemv_add_rms_norm_ref` and `gemv_silu_and_mul_ref` are the torch references. In the H200 sweep
+the winning shape was the opposite of the W4A16 GEMV's: 8 rows x 512 columns per program and no
+split-K at all (see `default_dense_gemv_config`).
 """
 
 from __future__ import annotations

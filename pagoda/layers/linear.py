@@ -124,13 +124,15 @@ class UnquantizedLinearMethod(LinearMethod):
         w = layer.weight
         if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dtype == x.dtype):
             return None
-        if w.dtype not in _GEMV_DTYPES or not _prologue_enabled():
+        if w.dtype not in _GEMV_DTYPES or not prologue_enabled():
             return None
         return dense_gemv_kernel(x.device)
 
 
 @functools.cache
-def _prologue_enabled() -> bool:
+def prologue_enabled() -> bool:
+    """Whether "gemv_prologue" (the norm / activation in the M = 1 GEMVs' prologues, dense and
+    W4A16) is not in PAGODA_DISABLED_KERNELS; read once per process."""
     return envs.kernel_enabled("gemv_prologue")
 
 

@@ -378,10 +378,10 @@ def test_prologue_rule(monkeypatch) -> None:
     assert method.apply_silu_and_mul_first(layer, torch.cat([x, x], 1), None) is None
     try:
         monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "gemv_prologue")
-        linear._prologue_enabled.cache_clear()
-        assert not linear._prologue_enabled()
+        linear.prologue_enabled.cache_clear()
+        assert not linear.prologue_enabled()
         monkeypatch.delenv("PAGODA_DISABLED_KERNELS")
-        linear._prologue_enabled.cache_clear()
-        assert linear._prologue_enabled()
+        linear.prologue_enabled.cache_clear()
+        assert linear.prologue_enabled()
     finally:
-        linear._prologue_enabled.cache_clear()
+        linear.prologue_enabled.cache_clear()

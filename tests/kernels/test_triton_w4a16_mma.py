@@ -457,3 +457,184 @@ def test_mma_gemm_qwen7b_gpu(m, n, k, zp) -> None:
     y = mm.wna16_mma_gemm(x, words, pairs, n, 128, zero_pairs=zeros)
     tol = 2e-2 * ref.abs().max().item()
     torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=tol)
+
+
+# ------------------------------------------------------- the norm / activation prologues (M = 1)
+
+
+def _prologue_inputs(k, residual, seed=5, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(1, k, generator=g).to(torch.bfloat16).to(device) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, generator=g)).to(torch.bfloat16).to(device)
+    gate_up = (2 * torch.randn(1, 2 * k, generator=g)).to(torch.bfloat16).to(device)
+    return r, nw, gate_up
+
+
+def _separate(x, r, nw, gate_up, words, pairs, n, group, bias, zeros, config, ws):
+    """What the prologues replace: the norm / activation kernel, then the plain GEMV."""
+    from pagoda.kernels.triton_fused_ops import (
+        fused_add_rms_norm_triton,
+        rms_norm_triton,
+        silu_and_mul_triton,
+    )
+
+    normed, h = fused_add_rms_norm_triton(x, r, nw, 1e-6) if r is not None else (
+        rms_norm_triton(x, nw, 1e-6), x)  # fmt: skip
+    kw = dict(zero_pairs=zeros, workspace=ws)
+    return (
+        mm.wna16_mma_gemv(normed, words, pairs, n, group, bias, config, **kw),
+        h,
+        mm.wna16_mma_gemv(silu_and_mul_triton(gate_up), words, pairs, n, group, bias, config, **kw),
+    )
+
+
+# (N, K, group, config, residual, zero points, bias): split-K over 16 slices, odd step counts,
+# the first layer (no residual), K not a multiple of the 512-word chunk of the norm's sum.
+PROLOGUE_CASES = [
+    (32, 512, 128, (2, 1, 1), True, False, True),
+    (48, 576, 64, (1, 3, 1), True, True, False),
+    (32, 2048, 128, (2, 16, 1), False, False, True),
+    (16, 3200, 128, (2, 5, 2), True, True, True),
+]
+
+
+@pytest.mark.parametrize("n,k,group,config,residual,zp,bias", PROLOGUE_CASES)
+def test_mma_gemv_prologues_interpreter(n, k, group, config, residual, zp, bias) -> None:
+    """The norm and SiLU-and-mul prologues give exactly what the separate kernel + the GEMV give
+    (same roundings, same accumulation), and x + residual bit for bit."""
+    if zp:
+        x, words, pairs, zeros, _, _ = _zp_case(1, n, k, group)
+    else:
+        (x, words, pairs, *_), zeros = _case(1, n, k, group), None
+    r, nw, gate_up = _prologue_inputs(k, residual)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16() if bias else None
+    ws = SplitKWorkspace()
+    for _ in range(2):  # split-K: the workspace is clean for the next call
+        out, h = mm.wna16_mma_gemv_add_rms_norm(
+            x, r, nw, 1e-6, words, pairs, n, group, b, zeros, ws, config
+        )
+        act = mm.wna16_mma_gemv_silu_and_mul(gate_up, words, pairs, n, group, b, zeros, ws, config)
+        want, want_h, want_act = _separate(x, r, nw, gate_up, words, pairs, n, group, b, zeros,
+                                           config, ws)  # fmt: skip
+        assert torch.equal(out, want) and torch.equal(h, want_h) and torch.equal(act, want_act)
+    assert (h is x) == (r is None)
+    if r is not None:
+        assert torch.equal(h, x + r)
+
+
+def test_mma_gemv_prologues_reject_bad_input() -> None:
+    x, words, pairs, *_ = _case(1, 32, 128, 64)
+    r, nw, gate_up = _prologue_inputs(128, True)
+    with pytest.raises(ValueError, match=r"x must be a \[1, 128\] bf16"):
+        mm.wna16_mma_gemv_add_rms_norm(x.repeat(2, 1), r, nw, 1e-6, words, pairs, 32, 64)
+    with pytest.raises(ValueError, match=r"residual must be a \[1, 128\] bf16"):
+        mm.wna16_mma_gemv_add_rms_norm(x, r.float(), nw, 1e-6, words, pairs, 32, 64)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        mm.wna16_mma_gemv_add_rms_norm(x, r, nw[:64], 1e-6, words, pairs, 32, 64)
+    with pytest.raises(ValueError, match="4096 int4 values, not N x K = 32 x 64"):
+        mm.wna16_mma_gemv_silu_and_mul(x, words, pairs, 32, 64)  # x is [gate | up] of K = 64
+    with pytest.raises(ValueError, match="one row"):
+        mm.wna16_mma_gemv(x.repeat(2, 1), words, pairs, 32, 64, prologue="silu_and_mul")
+
+
+def test_mma_gemv_kernel_class_applies_the_prologues_interpreter() -> None:
+    """`MmaGemv.apply_rms_norm_first` / `apply_silu_and_mul_first` on a layer in the MMA
+    layout: the norm's and the activation's results through the layer's GEMV."""
+    from pagoda.layers import wna16_kernels as wk
+    from pagoda.layers.norm import RMSNorm
+    from pagoda.quant.scheme import UnpackedWeight
+    from tests.layers.test_wna16_kernels import _layer, _weights
+
+    n, k, group = 32, 256, 64
+    q, scale, z = _weights(n, k, group, True, seed=2)
+    layer = _layer(n, k, group, torch.bfloat16)
+    wk.MmaGemv.prepare(layer, UnpackedWeight(q, scale.bfloat16(), z, None))
+    norm = RMSNorm(k, eps=1e-5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(k))
+    x = torch.randn(1, k).bfloat16()
+    r, _, gate_up = _prologue_inputs(k, True)
+    bias = torch.randn(n).bfloat16()
+    out, h = wk.MmaGemv.apply_rms_norm_first(layer, x, r, norm, bias)
+    normed, want_h = norm(x, r)  # the torch path on the CPU
+    want, _ = wk.MmaGemv.apply(layer, normed, bias)
+    assert torch.equal(h, want_h)
+    tol = 2.0**-7 * want.float().abs().max().item()  # the norms' sums differ in order only
+    assert (out.float() - want.float()).abs().max().item() <= tol
+    act = wk.MmaGemv.apply_silu_and_mul_first(layer, gate_up, bias)
+    want_act, _ = wk.MmaGemv.apply(
+        layer, torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:], bias
+    )
+    assert torch.equal(act, want_act)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 3584), (37888, 3584), (2560, 2048), (22016, 2048)])
+@pytest.mark.parametrize("zp", [False, True])
+def test_mma_gemv_norm_prologue_qwen_shapes_gpu(n, k, zp) -> None:
+    """The QKV / gate_up shapes of Qwen2.5-7B and -3B at their default configs: x + residual bit
+    for bit, the output within one bf16 ulp of the separate kernels (the norm's sum of squares is
+    taken in another order)."""
+    if zp:
+        x, words, pairs, zeros, _, _ = _zp_case(1, n, k, 128, device="cuda")
+    else:
+        (x, words, pairs, *_), zeros = _case(1, n, k, 128, device="cuda"), None
+    r, nw, gate_up = _prologue_inputs(k, True, device="cuda")
+    out, h = mm.wna16_mma_gemv_add_rms_norm(x, r, nw, 1e-6, words, pairs, n, 128, None, zeros, WS)
+    want, want_h, _ = _separate(x, r, nw, gate_up, words, pairs, n, 128, None, zeros, None, WS)
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2.0**-7, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(3584, 18944), (2048, 11008)])
+def test_mma_gemv_silu_prologue_qwen_shapes_gpu(n, k) -> None:
+    x, words, pairs, *_ = _case(1, n, k, 128, device="cuda")
+    r, nw, gate_up = _prologue_inputs(k, True, device="cuda")
+    act = mm.wna16_mma_gemv_silu_and_mul(gate_up, words, pairs, n, 128, workspace=WS)
+    *_, want = _separate(x, r, nw, gate_up, words, pairs, n, 128, None, None, None, WS)
+    assert torch.equal(act, want)
+
+
+@pytest.mark.gpu
+def test_quantized_layer_takes_the_prologues_gpu(monkeypatch) -> None:
+    """A W4A16 layer on CUDA: one row goes through the prologue GEMV (counted), two rows through
+    the norm kernel and the layer's table; "gemv_prologue" disabled turns the prologue off."""
+    from pagoda.layers import linear
+    from pagoda.layers.linear import ReplicatedLinear
+    from pagoda.layers.norm import RMSNorm
+    from pagoda.layers.quantized_linear import WeightQuantArgs, WNA16LinearMethod
+    from pagoda.quant.packing import pack_to_int32
+
+    inp, out = 2048, 2560
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)
+    scale = torch.rand(out, inp // 128, generator=g) * 0.02 + 0.001
+    method = WNA16LinearMethod(WeightQuantArgs(4, True, 128))
+    with torch.device("cuda"):
+        layer = ReplicatedLinear(inp, out, bias=True, linear_method=method, dtype=torch.bfloat16)
+        norm = RMSNorm(inp, dtype=torch.bfloat16)
+    layer.weight_packed.data.copy_(pack_to_int32(q, 4, 1))
+    layer.weight_scale.data.copy_(scale)
+    layer.bias.data.normal_()
+    norm.weight.data.normal_(1.0, 0.1)
+    method.process_weights_after_loading(layer)
+    calls = []
+    real = mm.wna16_mma_gemv_add_rms_norm
+    monkeypatch.setattr(
+        mm, "wna16_mma_gemv_add_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    x = torch.randn(2, inp, generator=g).to("cuda", torch.bfloat16)
+    r = torch.randn(2, inp, generator=g).to("cuda", torch.bfloat16)
+    for rows in (1, 2):
+        y, h = layer.forward_rms_norm_first(norm, x[:rows], r[:rows])
+        normed, want_h = norm(x[:rows], r[:rows])
+        assert torch.equal(h, want_h) and len(calls) == 1
+        torch.testing.assert_close(y, layer(normed), rtol=2.0**-7, atol=1e-3)
+    try:
+        monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "gemv_prologue")
+        linear.prologue_enabled.cache_clear()
+        layer.forward_rms_norm_first(norm, x[:1], r[:1])
+        assert len(calls) == 1
+    finally:
+        linear.prologue_enabled.cache_clear()
