@@ -653,23 +653,25 @@ step_tma16e() {
 }
 # session 17 (the norm and SiLU-and-mul as the batch-1 GEMVs' prologues, dense and W4A16;
 # written on the CPU, never run on a GPU): their GPU tests and greedy against transformers
-# (bf16 and W4A16 engines, CUDA graphs at batch 1), the decode graph of 3B bf16 / W4A16
-# re-captured with and without the prologues in one process (alternating), batch-1 latency
-# with MBU (acceptance 3) with and without them in separate processes, then 3B bf16 vs W4A16
+# (bf16 and W4A16 engines, CUDA graphs at batch 1), each layer's prologue GEMV against the
+# separate kernel + GEMV (with the W4A16 prologue's split-K swept), the decode graph of 3B bf16
+# / W4A16 re-captured with and without the prologues in one process (alternating), and
+# batch-1 latency with MBU (acceptance 3) with and without them in separate processes
 step_pro17() {
   run pro_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_triton_gemv.py tests/kernels/test_triton_w4a16_mma.py \
     tests/entrypoints/test_gpu_engine.py tests/entrypoints/test_gpu_engine_w4a16.py \
     -k "prologue or chained or engine"
+  run prologue_bench 90 python3 benchmarks/bench_prologue.py --sweep --out "$R/prologue.json"
   run ablate3b 70 python3 benchmarks/ablate_decode.py "config:$CFG3" \
     --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate3b.json"
   run ablate3bw 70 python3 benchmarks/ablate_decode.py "config:$CFG3:w4a16" \
     --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate3bw.json"
   latrun3 lat3b "config:$CFG3"
   latrun3 lat3b_unfused "config:$CFG3" PAGODA_DISABLED_KERNELS=gemv_prologue
-  compare16 compare3b 120 "$CFG3" Qwen2.5-3B 60 compare_3b 1,8 0
 }
-# session 17, second call: the same on 7B (acceptance 3 keeps 7B bf16 >= 86 % MBU)
+# session 17, second call: the same on 7B (acceptance 3 keeps 7B bf16 >= 86 % MBU), then 3B
+# bf16 vs W4A16 at batch 1 / 8 through `LLM` (each engine in its own process)
 step_pro17b() {
   run ablate7b 80 python3 benchmarks/ablate_decode.py "config:$CFG7" \
     --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate7b.json"
@@ -677,7 +679,7 @@ step_pro17b() {
     --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate7bw.json"
   latrun3 lat7b "config:$CFG7"
   latrun3 lat7b_unfused "config:$CFG7" PAGODA_DISABLED_KERNELS=gemv_prologue
-  compare16 compare7b 150 "$CFG7" Qwen2.5-7B 60 compare_7b 1,8 0
+  compare16 compare3b 120 "$CFG3" Qwen2.5-3B 60 compare_3b 1,8 0
 }
 # session 17: why the TMA GEMM runs 7B gate_up at M = 128 at ~57 % of the bf16 tensor rate:
 # Nsight Compute on it and on cuBLAS bf16 of the same shape (speed of light, warp stalls,
