@@ -99,3 +99,45 @@ def assert_greedy_matches(got: list, ref: list, ref_logits: list) -> None:
         logits = ref_logits[i][k]
         gap = (logits[r[k]] - logits[g[k]]).item()
         assert gap <= 2**-7 * abs(logits[r[k]].item()) + 1e-3, (i, k, gap, g, r)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_batch_one_decode_takes_the_prologues_gpu(tmp_path, monkeypatch, eager):
+    """One request at a time (M = 1 decodes): the QKV / gate_up GEMVs take the RMSNorm
+    prologue and down_proj the SiLU-and-mul one (counted; with CUDA graphs at capture), and the
+    greedy tokens still equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.kernels import triton_gemv
+
+    calls = {"norm": 0, "silu": 0}
+    for name, fn in (("norm", "gemv_add_rms_norm"), ("silu", "gemv_silu_and_mul")):
+        real = getattr(triton_gemv, fn)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(triton_gemv, fn, counted)
+    path = _save(tmp_path, "qwen2.5-3b.json", layers=3)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(0, 150000) for _ in range(n)] for n in (100, 9)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    ref, ref_logits = hf_greedy(hf, prompts, 24)
+    del hf
+    torch.cuda.empty_cache()
+    llm = LLM(
+        str(path),
+        dtype="bfloat16",
+        max_model_len=1024,
+        gpu_memory_utilization=0.3,
+        enforce_eager=eager,
+        skip_tokenizer_init=True,
+        max_num_seqs=1,
+        print_memory_report=False,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert calls["norm"] >= 2 * 3 and calls["silu"] >= 3, calls
+    assert_greedy_matches(got, ref, ref_logits)
