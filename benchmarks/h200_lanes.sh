@@ -10,7 +10,8 @@
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
 # Steps (session 17): pro17 pro17b (built without a GPU: first measure, then keep or delete),
-#   ncu17 (Nsight Compute on the TMA GEMM; ncu reads counters on Firecracker machines only)
+#   tma17 (the TMA GEMM's one-round-trip split finish), ncu17 (Nsight Compute on the TMA GEMM;
+#   ncu reads counters on Firecracker machines only)
 # Steps (session 16): tma16 tma16b tma16c tma16d tma16e
 # Steps (session 15): tma15 tma15b e2e15 chk15
 # Steps (session 14): mwg14 mwg14b e2e14
@@ -680,6 +681,17 @@ step_pro17b() {
   latrun3 lat7b "config:$CFG7"
   latrun3 lat7b_unfused "config:$CFG7" PAGODA_DISABLED_KERNELS=gemv_prologue
   compare16 compare3b 120 "$CFG3" Qwen2.5-3B 60 compare_3b 1,8 0
+}
+# session 17: the TMA GEMM's last split of a tile reads its sums back in one round trip a
+# slab (it took 8 on 128-row tiles, one per 16-row chunk, each waiting for the last): its GPU
+# tests, then the per-layer sweep of the split (the wave model's `per + 5` for a split CTA
+# was fitted with the old finish) and zero points
+step_tma17() {
+  run tma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_wgmma_tma.py
+  run tma_sweep 300 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
+    --out "$R/tma_sweep"
 }
 # session 17: why the TMA GEMM runs 7B gate_up at M = 128 at ~57 % of the bf16 tensor rate:
 # Nsight Compute on it and on cuBLAS bf16 of the same shape (speed of light, warp stalls,

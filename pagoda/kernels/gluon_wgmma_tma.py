@@ -194,25 +194,25 @@ def _kernel():
                 gl.atomic_add(ws_ptr + e_w, v, mask=e_mask, sem="relaxed")
 
     @gluon.jit
-    def _finish_slab(e_r, e_n, n_ok, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
+    def _finish_slab(e_n, n_ok, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
                      BLOCK_M: gl.constexpr, ep_l: gl.constexpr,
                      HAS_BIAS: gl.constexpr):  # fmt: skip
-        """The last split of a tile: read the sums back (re-zeroing them) and store."""
-        CH: gl.constexpr = 16 if BLOCK_M >= 16 else BLOCK_M
+        """The last split of a tile: read the slab's sums back (re-zeroing them) and store.
+        All of the slab's exchanges are issued before the first store (one round trip to the
+        L2, not one per row chunk: a store between two exchanges keeps them in order)."""
         TN: gl.constexpr = e_n.shape[0]
+        e_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ep_l))
+        e_mask = gl.expand_dims(e_m < M, 1) & gl.expand_dims(n_ok, 0)
+        e_w = gl.expand_dims(e_m, 1) * N + gl.expand_dims(e_n, 0)
+        zero = gl.zeros([BLOCK_M, TN], gl.int32, layout=ep_l)
+        bits = gl.atomic_xchg(wsi_ptr + e_w, zero, mask=e_mask, sem="relaxed")
+        total = bits.to(gl.float32, bitcast=True)
         if HAS_BIAS:
-            e_b = gl.expand_dims(gl.load(b_ptr + e_n, mask=n_ok, other=0.0).to(gl.float32), 0)
-        for c in gl.static_range(BLOCK_M // CH):
-            e_m = off_m + c * CH + e_r
-            e_mask = gl.expand_dims(e_m < M, 1) & gl.expand_dims(n_ok, 0)
-            e_w = gl.expand_dims(e_m, 1) * N + gl.expand_dims(e_n, 0)
-            zero = gl.zeros([CH, TN], gl.int32, layout=ep_l)
-            bits = gl.atomic_xchg(wsi_ptr + e_w, zero, mask=e_mask, sem="relaxed")
-            total = bits.to(gl.float32, bitcast=True)
-            if HAS_BIAS:
-                total = total + e_b
-            e_o = gl.expand_dims(e_m, 1) * stride_om + gl.expand_dims(e_n, 0)
-            gl.store(out_ptr + e_o, total.to(gl.bfloat16), mask=e_mask)
+            total = total + gl.expand_dims(
+                gl.load(b_ptr + e_n, mask=n_ok, other=0.0).to(gl.float32), 0
+            )
+        e_o = gl.expand_dims(e_m, 1) * stride_om + gl.expand_dims(e_n, 0)
+        gl.store(out_ptr + e_o, total.to(gl.bfloat16), mask=e_mask)
 
     @gluon.jit
     def _consume(x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n, tile,
@@ -291,9 +291,9 @@ def _kernel():
             barrier()
             done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if done == n_splits - 1:
-                _finish_slab(e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
+                _finish_slab(e_n0, n_ok0, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
                              BLOCK_M, ep_l, HAS_BIAS)  # fmt: skip
-                _finish_slab(e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
+                _finish_slab(e_n1, n_ok1, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
                              BLOCK_M, ep_l, HAS_BIAS)  # fmt: skip
                 gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 

@@ -100,7 +100,7 @@ def test_sm90_code(block_m, wgs, stages, zp, one_split):
     scale pairs, zero pairs) issued by the producer warp on the stage's mbarrier; registers
     handed from the producer to the consumers; per step two slabs x 4 register-operand wgmma,
     each followed by a wait for all but one group; the words through the quad transpose and
-    the dequantization asm; no local memory."""
+    the dequantization asm; the split-K finish in one round trip a slab; no local memory."""
     ptx = _compiled(block_m, wgs, stages, zp, one_split)
     copies = re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.mbarrier", ptx)
     assert len(copies) == (4 if zp else 3)
@@ -116,6 +116,11 @@ def test_sm90_code(block_m, wgs, stages, zp, one_split):
     assert ptx.count("mul.rn.bf16x2") == 32 and ptx.count("shfl.sync.bfly.b32") == 8
     adds = re.findall(r"red\.global\.\S*add\.v4\.f32", ptx)
     assert (len(adds) > 0) == (not one_split)
+    # the last split of a tile issues all of a slab's exchanges before the slab's stores (one
+    # round trip a slab): two runs of exchanges, then the counter's reset
+    ops = re.findall(r"atom\.global\.\S*exch|st\.global", ptx)
+    runs = re.findall(r"X+", "".join("X" if op.startswith("atom") else "S" for op in ops))
+    assert len(runs) == (0 if one_split else 3), runs
     for absent in ("ld.local", "st.local"):
         assert absent not in ptx, absent
 
