@@ -472,17 +472,18 @@ def _kernel():
                 tile = pid_m * gl.num_programs(0) + pid_n
                 done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
                 if done == gl.num_programs(2) - 1:
-                    for c in gl.static_range(BLOCK_M // CH):
-                        e_m = pid_m * BLOCK_M + c * CH + e_r
-                        e_mask = gl.expand_dims(e_m < M, 1)
-                        e_w = gl.expand_dims(e_m, 1) * N + gl.expand_dims(e_n, 0)
-                        zero = gl.zeros([CH, BN], gl.int32, layout=ep_l)
-                        bits = gl.atomic_xchg(wsi_ptr + e_w, zero, mask=e_mask, sem="relaxed")
-                        total = bits.to(gl.float32, bitcast=True)
-                        if HAS_BIAS:
-                            total = total + e_b
-                        e_o = gl.expand_dims(e_m, 1) * stride_om + gl.expand_dims(e_n, 0)
-                        gl.store(out_ptr + e_o, total.to(gl.bfloat16), mask=e_mask)
+                    # The whole tile's exchanges before any store: one round trip to the L2
+                    # (a store between two exchanges would keep them in order).
+                    f_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ep_l))
+                    f_mask = gl.expand_dims(f_m < M, 1)
+                    f_w = gl.expand_dims(f_m, 1) * N + gl.expand_dims(e_n, 0)
+                    zero = gl.zeros([BLOCK_M, BN], gl.int32, layout=ep_l)
+                    bits = gl.atomic_xchg(wsi_ptr + f_w, zero, mask=f_mask, sem="relaxed")
+                    total = bits.to(gl.float32, bitcast=True)
+                    if HAS_BIAS:
+                        total = total + e_b
+                    f_o = gl.expand_dims(f_m, 1) * stride_om + gl.expand_dims(e_n, 0)
+                    gl.store(out_ptr + f_o, total.to(gl.bfloat16), mask=f_mask)
                     gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
         else:
             o_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))

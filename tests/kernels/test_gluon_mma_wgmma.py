@@ -189,12 +189,18 @@ def test_sm90_code_natural_order(block_m, num_wg, stages):
 def test_sm90_code_staged_epilogue(one_split):
     """STAGED (64-row tiles): the fp32 tile goes through shared memory, then out in chunks of
     4 contiguous columns a thread: 8-byte bf16 stores and, with split-K, 16-byte vector adds
-    into the workspace (not one scalar atomic per element), and no local memory."""
+    into the workspace (not one scalar atomic per element), the last split's read-back in one
+    round trip, and no local memory."""
     ptx = _compiled(64, 2, 4, False, one_split, True, True, "ptx", True)
     assert ptx.count("st.global.v2.b32") == 64 * 128 // (256 * 4)  # 4 bf16 a store
     adds = re.findall(r"red\.global\.\S*add\.v4\.f32", ptx)
     assert len(adds) == (0 if one_split else 64 * 128 // (256 * 4))
     assert "atom.global.gpu.relaxed.add.f32" not in ptx  # no scalar adds
+    # the last split reads the tile's sums back in one round trip: every exchange before the
+    # first store, then the counter's reset
+    ops = re.findall(r"atom\.global\.\S*exch|st\.global", ptx)
+    runs = re.findall(r"X+", "".join("X" if op.startswith("atom") else "S" for op in ops))
+    assert len(runs) == (0 if one_split else 2), runs
     for absent in ("ld.local", "st.local"):
         assert absent not in ptx, absent
 
