@@ -44,13 +44,15 @@ _CONSTEXPRS = (
 )  # fmt: skip
 
 
-def gemv_variant(arch: int, warps: int = 1, **const) -> dict:
-    fn = mm._w4_mma_gemv_kernel
+def gemv_variant(arch: int, warps: int = 1, shared: bool = False, **const) -> dict:
+    """`_w4_mma_gemv_kernel` (or, `shared`, `_w4_mma_gemv_shared_kernel`) with `const`."""
+    fn = mm._w4_mma_gemv_shared_kernel if shared else mm._w4_mma_gemv_kernel
     base = dict(
         GROUP_TILES=2, KT=2, NB=1, HAS_BIAS=False, HAS_ZP=False, ONE_SPLIT=True, INTERPRET=False,
         USE_PDL=arch >= 90, PROLOGUE=0, HAS_RESIDUAL=False, BLOCK_H2=1, CHUNK=1,
     )  # fmt: skip
     base.update(const)
+    base = {k: v for k, v in base.items() if k in fn.arg_names}
     sig = {name: "constexpr" if name in _CONSTEXPRS else _TYPES.get(name, "i32")
            for name in fn.arg_names}  # fmt: skip
     src = ASTSource(fn, sig, constexprs=base)
@@ -103,6 +105,11 @@ def main() -> int:
         "layer 0 qkv + norm": dict(KT=4, ONE_SPLIT=False, **{**norm7b, "HAS_RESIDUAL": False}),
         "down + silu, 3B": dict(KT=4, ONE_SPLIT=False, PROLOGUE=2),
         "down + silu, 7B": dict(KT=4, ONE_SPLIT=False, PROLOGUE=2, warps=2),
+        # M = 9-32 (sm_80-89: the Hopper GEMMs take these rows on sm_90)
+        "shared 2 blocks split": dict(shared=True, NB=2, KT=2, ONE_SPLIT=False, warps=2),
+        "shared 4 blocks split bias": dict(
+            shared=True, NB=4, KT=4, ONE_SPLIT=False, HAS_BIAS=True, warps=2
+        ),
     }
     for name, const in variants.items():
         try:

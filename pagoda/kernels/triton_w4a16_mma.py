@@ -644,13 +644,19 @@ def _store_block(acc, b: tl.constexpr, ng, M, N, b_ptr, out_ptr, ws_ptr, stride_
 
 
 @triton.jit
-def _final_block(b: tl.constexpr, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om,
-                 HAS_BIAS: tl.constexpr):  # fmt: skip
-    """The last program of a column group: read and re-zero block b's sums, store them."""
+def _take_block(b: tl.constexpr, ng, M, N, wsi_ptr):
+    """The last program of a column group: block b's sums, re-zeroed in the same exchange."""
     m, col = _block_rows(b, ng)
     okm = m < M
     bits = tl.atomic_xchg(wsi_ptr + m * N + col, tl.zeros_like(m), mask=okm, sem="relaxed")
-    total = bits.to(tl.float32, bitcast=True)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _put_block(total, b: tl.constexpr, ng, M, b_ptr, out_ptr, stride_om,
+               HAS_BIAS: tl.constexpr):  # fmt: skip
+    m, col = _block_rows(b, ng)
+    okm = m < M
     if HAS_BIAS:
         total += tl.load(b_ptr + col, mask=okm, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=okm)
@@ -754,11 +760,18 @@ def _w4_mma_gemv_shared_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + ng, 1, sem="acq_rel")
         if done == tl.num_programs(1) - 1:
-            _final_block(0, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om, HAS_BIAS)
-            _final_block(1, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om, HAS_BIAS)
+            # every block's exchange before the first store: one round trip to the L2 (a store
+            # between two exchanges would keep them in order)
+            t0 = _take_block(0, ng, M, N, wsi_ptr)
+            t1 = _take_block(1, ng, M, N, wsi_ptr)
             if NB == 4:
-                _final_block(2, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om, HAS_BIAS)
-                _final_block(3, ng, M, N, b_ptr, out_ptr, wsi_ptr, stride_om, HAS_BIAS)
+                t2 = _take_block(2, ng, M, N, wsi_ptr)
+                t3 = _take_block(3, ng, M, N, wsi_ptr)
+            _put_block(t0, 0, ng, M, b_ptr, out_ptr, stride_om, HAS_BIAS)
+            _put_block(t1, 1, ng, M, b_ptr, out_ptr, stride_om, HAS_BIAS)
+            if NB == 4:
+                _put_block(t2, 2, ng, M, b_ptr, out_ptr, stride_om, HAS_BIAS)
+                _put_block(t3, 3, ng, M, b_ptr, out_ptr, stride_om, HAS_BIAS)
             tl.atomic_xchg(cnt_ptr + ng, 0, sem="relaxed")
 
 
