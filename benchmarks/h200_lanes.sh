@@ -684,12 +684,14 @@ step_pro17b() {
 }
 # session 17: the last split of a tile reads its sums back in one round trip a slab in the TMA
 # GEMM (it took 8 on 128-row tiles, one per 16-row chunk, each waiting for the last) and in
-# one a tile in the cp.async wgmma GEMM (4 on 64-row tiles): both GEMMs' GPU tests, then the
+# one a tile in the cp.async wgmma GEMM (4 on 64-row tiles) and in the shared-dequantization GEMV
+# (one per block of 8 rows): their GPU tests, then the
 # per-layer sweep of the split (the wave model's `per + 5` for a split CTA was fitted with the
 # old finish)
 step_tma17() {
   run tma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_gluon_wgmma_tma.py tests/kernels/test_gluon_mma_wgmma.py
+    tests/kernels/test_gluon_wgmma_tma.py tests/kernels/test_gluon_mma_wgmma.py \
+    tests/kernels/test_triton_w4a16_mma.py -k "not qwen7b"
   run tma_sweep 300 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
     --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
     --out "$R/tma_sweep"
