@@ -664,30 +664,31 @@ step_pro17() {
     tests/entrypoints/test_gpu_engine.py tests/entrypoints/test_gpu_engine_w4a16.py \
     -k "prologue or chained or engine"
   run prologue_bench 90 python3 benchmarks/bench_prologue.py --sweep --out "$R/prologue.json"
-  run ablate3b 70 python3 benchmarks/ablate_decode.py "config:$CFG3" \
-    --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate3b.json"
-  run ablate3bw 70 python3 benchmarks/ablate_decode.py "config:$CFG3:w4a16" \
-    --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate3bw.json"
-  latrun3 lat3b "config:$CFG3"
-  latrun3 lat3b_unfused "config:$CFG3" PAGODA_DISABLED_KERNELS=gemv_prologue
+  prologue_ab 3b "$CFG3" 70
 }
 # session 17, second call: the same on 7B (acceptance 3 keeps 7B bf16 >= 86 % MBU), then 3B
 # bf16 vs W4A16 at batch 1 / 8 through `LLM` (each engine in its own process)
 step_pro17b() {
-  run ablate7b 80 python3 benchmarks/ablate_decode.py "config:$CFG7" \
-    --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate7b.json"
-  run ablate7bw 80 python3 benchmarks/ablate_decode.py "config:$CFG7:w4a16" \
-    --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate7bw.json"
-  latrun3 lat7b "config:$CFG7"
-  latrun3 lat7b_unfused "config:$CFG7" PAGODA_DISABLED_KERNELS=gemv_prologue
+  prologue_ab 7b "$CFG7" 80
   compare16 compare3b 120 "$CFG3" Qwen2.5-3B 60 compare_3b 1,8 0
 }
+# prologue_ab TAG CONFIG LIMIT: the decode graph of CONFIG bf16 and W4A16 re-captured with and
+# without the prologues, alternating, in one process each; then bf16 batch-1 latency + MBU with
+# and without them, each in its own process
+prologue_ab() {
+  local tag=$1 cfg=$2 limit=$3 kind
+  for kind in "" w4a16; do
+    run "ablate$tag$kind" "$limit" python3 benchmarks/ablate_decode.py "config:$cfg${kind:+:$kind}" \
+      --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate$tag$kind.json"
+  done
+  latrun3 "lat$tag" "config:$cfg"
+  latrun3 "lat${tag}_unfused" "config:$cfg" PAGODA_DISABLED_KERNELS=gemv_prologue
+}
 # session 17: the last split of a tile reads its sums back in one round trip a slab in the TMA
-# GEMM (it took 8 on 128-row tiles, one per 16-row chunk, each waiting for the last) and in
-# one a tile in the cp.async wgmma GEMM (4 on 64-row tiles) and in the shared-dequantization GEMV
-# (one per block of 8 rows): their GPU tests, then the
-# per-layer sweep of the split (the wave model's `per + 5` for a split CTA was fitted with the
-# old finish)
+# GEMM (it took 8 on 128-row tiles, one per 16-row chunk, each waiting for the last), in one a
+# tile in the cp.async wgmma GEMM (4 on 64-row tiles) and in the shared-dequantization GEMV
+# (one per block of 8 rows): their GPU tests, then the per-layer sweep of the split (the wave
+# model's `per + 5` for a split CTA was fitted with the old finish)
 step_tma17() {
   run tma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_wgmma_tma.py tests/kernels/test_gluon_mma_wgmma.py \

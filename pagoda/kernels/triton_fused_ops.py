@@ -12,9 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.fused_ops import MAX_HIDDEN
 from pagoda.kernels.pdl import pdl_launch_args
-
-MAX_HIDDEN = 8192  # RMSNorm keeps a whole row in registers; wider rows use the reference
 
 # float32 mantissa bits dropped when rounding to each model dtype (see `_round`).
 _DROP_BITS = {torch.float32: 0, torch.bfloat16: 16, torch.float16: 13}

@@ -42,8 +42,9 @@ import triton
 import triton.language as tl
 
 from pagoda import platform
+from pagoda.kernels.fused_ops import norm_prologue_operands
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_fused_ops import MAX_HIDDEN, _drop_bits, _round
+from pagoda.kernels.triton_fused_ops import _drop_bits, _round
 from pagoda.kernels.workspace import SplitKWorkspace
 
 
@@ -225,22 +226,7 @@ def gemv_add_rms_norm(
     """`gemv_bf16(rms_norm(x + residual, norm_weight, eps), w, bias)` and `x + residual` in one
     kernel: the RMSNorm is the GEMV's prologue, with the same roundings as the separate
     `fused_add_rms_norm` kernel, so the normalized row is never stored."""
-    k = w.shape[1] if w.dim() == 2 else -1
-    _check_x(x, k, "x")
-    if residual is not None:
-        _check_x(residual, k, "residual")
-        if residual.dtype != x.dtype:
-            raise ValueError(f"residual must be {x.dtype}, got {residual.dtype}")
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
-        raise ValueError(
-            f"norm_weight must be a contiguous [{k}] {x.dtype} tensor, got "
-            f"{list(norm_weight.shape)} {norm_weight.dtype}"
-        )
-    if k > MAX_HIDDEN:
-        raise ValueError(f"hidden size {k} exceeds the prologue's maximum of {MAX_HIDDEN}")
-    x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    h = torch.empty_like(x) if residual is not None else x
+    x, residual, norm_weight, h = norm_prologue_operands(x, residual, norm_weight, w.shape[-1])
     out = _launch(x, w, bias, config, None, workspace, prologue=(residual, norm_weight, eps, h))
     return out, h
 

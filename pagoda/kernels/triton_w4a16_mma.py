@@ -52,8 +52,9 @@ import triton
 import triton.language as tl
 
 from pagoda import envs, platform
+from pagoda.kernels.fused_ops import norm_prologue_operands
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_fused_ops import MAX_HIDDEN, _round
+from pagoda.kernels.triton_fused_ops import _round
 from pagoda.kernels.workspace import SplitKWorkspace
 
 TILE_N = 16  # output columns per tile (the MMA's M)
@@ -944,23 +945,12 @@ def wna16_mma_gemv_add_rms_norm(
     """`wna16_mma_gemv(rms_norm(x + residual), ...)` and x + residual in one kernel: the
     RMSNorm runs in the GEMV's prologue (every program reads the row for its sum of squares,
     program 0 stores the sum), rounded at every step as the separate norm kernel rounds."""
-    k = x.shape[-1]
-    _check_row(x, k, "x")
-    if residual is not None:
-        _check_row(residual, k, "residual")
-    if norm_weight.shape != (k,) or norm_weight.dtype != torch.bfloat16:
-        raise ValueError(
-            f"norm_weight must be a [{k}] bf16 tensor, got {list(norm_weight.shape)} "
-            f"{norm_weight.dtype}"
-        )
-    if k > MAX_HIDDEN:
-        raise ValueError(f"hidden size {k} exceeds the prologue's maximum of {MAX_HIDDEN}")
-    x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    h = torch.empty_like(x) if residual is not None else x
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16, got {x.dtype}")
+    x, residual, norm_weight, h = norm_prologue_operands(x, residual, norm_weight, x.shape[-1])
     out = wna16_mma_gemv(
         x, words, scale_pairs, n, group_size, bias, config, zero_pairs=zero_pairs,
-        workspace=workspace, prologue=(residual, norm_weight.contiguous(), eps, h),
+        workspace=workspace, prologue=(residual, norm_weight, eps, h),
     )  # fmt: skip
     return out, h
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda import envs, platform
+from pagoda.kernels import fused_ops
 
 
 class LinearMethod:
@@ -101,9 +102,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply_rms_norm_first(self, layer, x, residual, norm, bias):
         gemv = self._prologue_gemv(layer, x)
-        if gemv is None or norm.weight.dtype != x.dtype:
-            return None
-        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        if gemv is None or not fused_ops.norm_prologue_fits(x, residual, norm.weight):
             return None
         workspace = getattr(layer, "split_k_workspace", None)
         return gemv.gemv_add_rms_norm(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.kernels import fused_ops
 from pagoda.layers import linear
 from pagoda.layers.linear import LinearMethod, LinearMethodFactory, UnquantizedLinearMethod
 from pagoda.layers.wna16_kernels import choose_kernels, dense_weight, kernel_config
@@ -195,9 +196,7 @@ class WNA16LinearMethod(LinearMethod):
 
     def apply_rms_norm_first(self, layer, x, residual, norm, bias):
         kernel = _prologue_kernel(layer, x)
-        if kernel is None or norm.weight.dtype != x.dtype:
-            return None
-        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        if kernel is None or not fused_ops.norm_prologue_fits(x, residual, norm.weight):
             return None
         return kernel.apply_rms_norm_first(layer, x, residual, norm, bias)
 

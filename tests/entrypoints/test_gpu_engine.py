@@ -55,16 +55,7 @@ def test_engine_greedy_equals_transformers_gpu(tmp_path, name, eager):
     ref, ref_logits = hf_greedy(hf, prompts, 16)
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(
-        str(path),
-        dtype="bfloat16",
-        max_model_len=1024,
-        gpu_memory_utilization=0.3,
-        enforce_eager=eager,
-        skip_tokenizer_init=True,
-        max_num_batched_tokens=256,
-        print_memory_report=False,
-    )
+    llm = engine(path, eager, max_num_batched_tokens=256)
     outs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False
     )
@@ -89,6 +80,40 @@ def hf_greedy(hf, prompts: list[list[int]], new: int) -> tuple[list, list]:
     return ref, ref_logits
 
 
+def engine(path: Path, eager: bool, **kwargs) -> LLM:
+    """The engine of these tests: bf16, 1024 tokens, 30 % of the GPU, no tokenizer."""
+    return LLM(
+        str(path),
+        dtype="bfloat16",
+        max_model_len=1024,
+        gpu_memory_utilization=0.3,
+        enforce_eager=eager,
+        skip_tokenizer_init=True,
+        print_memory_report=False,
+        **kwargs,
+    )
+
+
+def one_at_a_time(llm: LLM, prompts: list[list[int]], new: int) -> list:
+    """Greedy tokens of each prompt generated alone (every decode at M = 1)."""
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    return [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def count_calls(monkeypatch, module, names: dict[str, str]) -> dict[str, int]:
+    """Counts of calls to `module`'s functions (label -> function name), wrapped in place."""
+    calls = dict.fromkeys(names, 0)
+    for label, fn in names.items():
+        real = getattr(module, fn)
+
+        def counted(*a, _real=real, _label=label, **kw):
+            calls[_label] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(module, fn, counted)
+    return calls
+
+
 def assert_greedy_matches(got: list, ref: list, ref_logits: list) -> None:
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         if list(g) == r:
@@ -110,15 +135,8 @@ def test_batch_one_decode_takes_the_prologues_gpu(tmp_path, monkeypatch, eager):
 
     from pagoda.kernels import triton_gemv
 
-    calls = {"norm": 0, "silu": 0}
-    for name, fn in (("norm", "gemv_add_rms_norm"), ("silu", "gemv_silu_and_mul")):
-        real = getattr(triton_gemv, fn)
-
-        def counted(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(triton_gemv, fn, counted)
+    names = {"norm": "gemv_add_rms_norm", "silu": "gemv_silu_and_mul"}
+    calls = count_calls(monkeypatch, triton_gemv, names)
     path = _save(tmp_path, "qwen2.5-3b.json", layers=3)
     rng = random.Random(2)
     prompts = [[rng.randrange(0, 150000) for _ in range(n)] for n in (100, 9)]
@@ -127,17 +145,6 @@ def test_batch_one_decode_takes_the_prologues_gpu(tmp_path, monkeypatch, eager):
     ref, ref_logits = hf_greedy(hf, prompts, 24)
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(
-        str(path),
-        dtype="bfloat16",
-        max_model_len=1024,
-        gpu_memory_utilization=0.3,
-        enforce_eager=eager,
-        skip_tokenizer_init=True,
-        max_num_seqs=1,
-        print_memory_report=False,
-    )
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    got = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    got = one_at_a_time(engine(path, eager, max_num_seqs=1), prompts, 24)
     assert calls["norm"] >= 2 * 3 and calls["silu"] >= 3, calls
     assert_greedy_matches(got, ref, ref_logits)

@@ -10,8 +10,15 @@ import random
 import pytest
 import torch
 
-from pagoda import LLM, SamplingParams
-from tests.entrypoints.test_gpu_engine import _save, assert_greedy_matches, hf_greedy
+from pagoda import SamplingParams
+from tests.entrypoints.test_gpu_engine import (
+    _save,
+    assert_greedy_matches,
+    count_calls,
+    engine,
+    hf_greedy,
+    one_at_a_time,
+)
 from tests.quant.test_autoawq_load import _awq_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -19,35 +26,16 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("eager", [True, False])
 def test_awq_engine_greedy_equals_transformers_gpu(tmp_path, eager):
-    from transformers import AutoModelForCausalLM
-
     from pagoda.layers import wna16_kernels as wk
 
-    (tmp_path / "dense").mkdir()
-    src = _save(tmp_path / "dense", "qwen2.5-3b.json", layers=2)
-    dense = _awq_checkpoint(src, tmp_path / "awq", group=128, bf16_scales=True)
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).cuda().eval()
-    missing, unexpected = hf.load_state_dict(dense, strict=False)
-    assert not unexpected
-    hf.generation_config.eos_token_id = None
+    hf, awq = _awq_pair(tmp_path)
     rng = random.Random(1)
     prompts = [[rng.randrange(0, 150000) for _ in range(n)] for n in (300, 700, 100, 33)]
     prompts += [[rng.randrange(0, 150000) for _ in range(rng.randrange(4, 24))] for _ in range(76)]
     ref, ref_logits = hf_greedy(hf, prompts, 8)
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(
-        str(tmp_path / "awq"),
-        quantization="AWQ",
-        dtype="bfloat16",
-        max_model_len=1024,
-        gpu_memory_utilization=0.3,
-        enforce_eager=eager,
-        skip_tokenizer_init=True,
-        max_num_seqs=128,
-        max_num_batched_tokens=512,
-        print_memory_report=False,
-    )
+    llm = engine(awq, eager, quantization="AWQ", max_num_seqs=128, max_num_batched_tokens=512)
     outs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
     )
@@ -66,22 +54,26 @@ def test_awq_engine_greedy_equals_transformers_gpu(tmp_path, eager):
 def test_awq_batch_one_decode_takes_the_prologues_gpu(tmp_path, monkeypatch, eager):
     """AWQ at M = 1: the tensor-core GEMV takes the norm and SiLU-and-mul prologues (counted)
     and greedy tokens equal transformers' on the dequantized weights."""
-    from transformers import AutoModelForCausalLM
-
     from pagoda.kernels import triton_w4a16_mma as mm
 
-    calls = {"norm": 0, "silu": 0}
-    for name, fn in (
-        ("norm", "wna16_mma_gemv_add_rms_norm"),
-        ("silu", "wna16_mma_gemv_silu_and_mul"),
-    ):
-        real = getattr(mm, fn)
+    names = {"norm": "wna16_mma_gemv_add_rms_norm", "silu": "wna16_mma_gemv_silu_and_mul"}
+    calls = count_calls(monkeypatch, mm, names)
+    hf, awq = _awq_pair(tmp_path)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(0, 150000) for _ in range(n)] for n in (120, 11)]
+    ref, ref_logits = hf_greedy(hf, prompts, 16)
+    del hf
+    torch.cuda.empty_cache()
+    got = one_at_a_time(engine(awq, eager, quantization="AWQ", max_num_seqs=1), prompts, 16)
+    assert calls["norm"] >= 2 * 2 and calls["silu"] >= 2, calls
+    assert_greedy_matches(got, ref, ref_logits)
 
-        def counted(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
 
-        monkeypatch.setattr(mm, fn, counted)
+def _awq_pair(tmp_path):
+    """(transformers on the dequantized weights, the AutoAWQ checkpoint's directory) of
+    Qwen2.5-3B's shapes with two layers."""
+    from transformers import AutoModelForCausalLM
+
     (tmp_path / "dense").mkdir()
     src = _save(tmp_path / "dense", "qwen2.5-3b.json", layers=2)
     dense = _awq_checkpoint(src, tmp_path / "awq", group=128, bf16_scales=True)
@@ -89,23 +81,4 @@ def test_awq_batch_one_decode_takes_the_prologues_gpu(tmp_path, monkeypatch, eag
     _, unexpected = hf.load_state_dict(dense, strict=False)
     assert not unexpected
     hf.generation_config.eos_token_id = None
-    rng = random.Random(3)
-    prompts = [[rng.randrange(0, 150000) for _ in range(n)] for n in (120, 11)]
-    ref, ref_logits = hf_greedy(hf, prompts, 16)
-    del hf
-    torch.cuda.empty_cache()
-    llm = LLM(
-        str(tmp_path / "awq"),
-        quantization="AWQ",
-        dtype="bfloat16",
-        max_model_len=1024,
-        gpu_memory_utilization=0.3,
-        enforce_eager=eager,
-        skip_tokenizer_init=True,
-        max_num_seqs=1,
-        print_memory_report=False,
-    )
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    got = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert calls["norm"] >= 2 * 2 and calls["silu"] >= 2, calls
-    assert_greedy_matches(got, ref, ref_logits)
+    return hf, tmp_path / "awq"

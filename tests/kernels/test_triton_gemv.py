@@ -162,11 +162,11 @@ def test_gemv_prologue_errors() -> None:
     x, r, nw, w, b = _norm_case(16, 64, torch.bfloat16, True, True, 0)
     with pytest.raises(ValueError, match="M == 1"):
         gemv_add_rms_norm(torch.cat([x, x]), r, nw, 1e-6, w, b)
-    with pytest.raises(ValueError, match=r"residual must be \[1, 64\]"):
+    with pytest.raises(ValueError, match=r"residual must be a \[1, 64\] torch.bfloat16 tensor"):
         gemv_add_rms_norm(x, r[:, :32], nw, 1e-6, w, b)
-    with pytest.raises(ValueError, match="residual must be torch.bfloat16"):
+    with pytest.raises(ValueError, match="got \\[1, 64\\] torch.float16"):
         gemv_add_rms_norm(x, r.half(), nw, 1e-6, w, b)
-    with pytest.raises(ValueError, match="norm_weight must be a contiguous"):
+    with pytest.raises(ValueError, match=r"norm_weight must be a \[64\] torch.bfloat16"):
         gemv_add_rms_norm(x, r, nw.float(), 1e-6, w, b)
     with pytest.raises(ValueError, match=r"x \(gate \| up\) must be \[1, 128\]"):
         gemv_silu_and_mul(x, w, b)

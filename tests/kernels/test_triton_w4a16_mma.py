@@ -525,9 +525,11 @@ def test_mma_gemv_prologues_interpreter(n, k, group, config, residual, zp, bias)
 def test_mma_gemv_prologues_reject_bad_input() -> None:
     x, words, pairs, *_ = _case(1, 32, 128, 64)
     r, nw, gate_up = _prologue_inputs(128, True)
-    with pytest.raises(ValueError, match=r"x must be a \[1, 128\] bf16"):
+    with pytest.raises(ValueError, match=r"M == 1: x must be \[1, 128\]"):
         mm.wna16_mma_gemv_add_rms_norm(x.repeat(2, 1), r, nw, 1e-6, words, pairs, 32, 64)
-    with pytest.raises(ValueError, match=r"residual must be a \[1, 128\] bf16"):
+    with pytest.raises(ValueError, match="x must be bf16"):
+        mm.wna16_mma_gemv_add_rms_norm(x.half(), r, nw, 1e-6, words, pairs, 32, 64)
+    with pytest.raises(ValueError, match=r"residual must be a \[1, 128\] torch.bfloat16"):
         mm.wna16_mma_gemv_add_rms_norm(x, r.float(), nw, 1e-6, words, pairs, 32, 64)
     with pytest.raises(ValueError, match="norm_weight must be"):
         mm.wna16_mma_gemv_add_rms_norm(x, r, nw[:64], 1e-6, words, pairs, 32, 64)
