@@ -71,7 +71,7 @@ step_new_kernels() {
 step_dense_gemv() {
   run dense_gemv 120 python3 benchmarks/bench_dense_gemv.py --out "$R/dense_gemv_h200.json"
 }
-# one batch-1 latency run of Qwen2.5-7B, env overrides after the spec:
+# one batch-1 latency run (with MBU) of SPEC, env overrides after the spec:
 #   latrun NAME SPEC [VAR=VALUE ...]  ->  $R/lat_NAME.json, $R/ab_NAME.log
 latrun() {
   local name=$1 spec=$2
@@ -681,8 +681,8 @@ prologue_ab() {
     run "ablate$tag$kind" "$limit" python3 benchmarks/ablate_decode.py "config:$cfg${kind:+:$kind}" \
       --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate$tag$kind.json"
   done
-  latrun3 "lat$tag" "config:$cfg"
-  latrun3 "lat${tag}_unfused" "config:$cfg" PAGODA_DISABLED_KERNELS=gemv_prologue
+  latrun "$tag" "config:$cfg"
+  latrun "${tag}_unfused" "config:$cfg" PAGODA_DISABLED_KERNELS=gemv_prologue
 }
 # session 17: the last split of a tile reads its sums back in one round trip a slab in the TMA
 # GEMM (it took 8 on 128-row tiles, one per 16-row chunk, each waiting for the last), in one a
@@ -710,14 +710,6 @@ step_ncu17() {
       --section LaunchStats python3 benchmarks/quant/ncu_layer.py --model 7b --layer gate_up \
       --m "$m" --kernel tma
   done
-}
-# latrun3 NAME SPEC [VAR=VALUE ...]: batch-1 latency + MBU of SPEC -> $R/NAME.json
-latrun3() {
-  local name=$1 spec=$2
-  shift 2
-  run "$name" 90 env "$@" python3 -m pagoda.entrypoints.cli bench latency "$spec" \
-    --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
-    --out "$R/$name.json"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at
 # batch 1-128 (or BATCHES) + the protocol's 256 requests (or REQUESTS)

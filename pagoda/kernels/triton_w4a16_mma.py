@@ -937,10 +937,7 @@ def wna16_mma_gemv_add_rms_norm(
     scale_pairs: torch.Tensor,
     n: int,
     group_size: int,
-    bias: torch.Tensor | None = None,
-    zero_pairs: torch.Tensor | None = None,
-    workspace: SplitKWorkspace | None = None,
-    config: MmaConfig | None = None,
+    **kw,  # bias, config, zero_pairs, workspace: as for `wna16_mma_gemv`
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([1, N], [1, K]: x + residual)
     """`wna16_mma_gemv(rms_norm(x + residual), ...)` and x + residual in one kernel: the
     RMSNorm runs in the GEMV's prologue (every program reads the row for its sum of squares,
@@ -948,11 +945,8 @@ def wna16_mma_gemv_add_rms_norm(
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16, got {x.dtype}")
     x, residual, norm_weight, h = norm_prologue_operands(x, residual, norm_weight, x.shape[-1])
-    out = wna16_mma_gemv(
-        x, words, scale_pairs, n, group_size, bias, config, zero_pairs=zero_pairs,
-        workspace=workspace, prologue=(residual, norm_weight, eps, h),
-    )  # fmt: skip
-    return out, h
+    prologue = (residual, norm_weight, eps, h)
+    return wna16_mma_gemv(x, words, scale_pairs, n, group_size, prologue=prologue, **kw), h
 
 
 def wna16_mma_gemv_silu_and_mul(
@@ -961,18 +955,14 @@ def wna16_mma_gemv_silu_and_mul(
     scale_pairs: torch.Tensor,
     n: int,
     group_size: int,
-    bias: torch.Tensor | None = None,
-    zero_pairs: torch.Tensor | None = None,
-    workspace: SplitKWorkspace | None = None,
-    config: MmaConfig | None = None,
+    **kw,  # bias, config, zero_pairs, workspace: as for `wna16_mma_gemv`
 ) -> torch.Tensor:  # [1, N]
     """`wna16_mma_gemv(silu(x[:, :K]) * x[:, K:], ...)` in one kernel (the activation in the
     GEMV's prologue, rounded as the separate kernel rounds it)."""
     _check_row(x, x.shape[-1], "x (gate | up)")
     return wna16_mma_gemv(
-        x.contiguous(), words, scale_pairs, n, group_size, bias, config, zero_pairs=zero_pairs,
-        workspace=workspace, prologue="silu_and_mul",
-    )  # fmt: skip
+        x.contiguous(), words, scale_pairs, n, group_size, prologue="silu_and_mul", **kw
+    )
 
 
 def _check_row(x: torch.Tensor, k: int, name: str) -> None:

@@ -510,10 +510,9 @@ def test_mma_gemv_prologues_interpreter(n, k, group, config, residual, zp, bias)
     b = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16() if bias else None
     ws = SplitKWorkspace()
     for _ in range(2):  # split-K: the workspace is clean for the next call
-        out, h = mm.wna16_mma_gemv_add_rms_norm(
-            x, r, nw, 1e-6, words, pairs, n, group, b, zeros, ws, config
-        )
-        act = mm.wna16_mma_gemv_silu_and_mul(gate_up, words, pairs, n, group, b, zeros, ws, config)
+        kw = dict(bias=b, zero_pairs=zeros, workspace=ws, config=config)
+        out, h = mm.wna16_mma_gemv_add_rms_norm(x, r, nw, 1e-6, words, pairs, n, group, **kw)
+        act = mm.wna16_mma_gemv_silu_and_mul(gate_up, words, pairs, n, group, **kw)
         want, want_h, want_act = _separate(x, r, nw, gate_up, words, pairs, n, group, b, zeros,
                                            config, ws)  # fmt: skip
         assert torch.equal(out, want) and torch.equal(h, want_h) and torch.equal(act, want_act)
@@ -582,7 +581,9 @@ def test_mma_gemv_norm_prologue_qwen_shapes_gpu(n, k, zp) -> None:
     else:
         (x, words, pairs, *_), zeros = _case(1, n, k, 128, device="cuda"), None
     r, nw, gate_up = _prologue_inputs(k, True, device="cuda")
-    out, h = mm.wna16_mma_gemv_add_rms_norm(x, r, nw, 1e-6, words, pairs, n, 128, None, zeros, WS)
+    out, h = mm.wna16_mma_gemv_add_rms_norm(
+        x, r, nw, 1e-6, words, pairs, n, 128, zero_pairs=zeros, workspace=WS
+    )
     want, want_h, _ = _separate(x, r, nw, gate_up, words, pairs, n, 128, None, zeros, None, WS)
     assert torch.equal(h, want_h)
     torch.testing.assert_close(out.float(), want.float(), rtol=2.0**-7, atol=1e-3)
