@@ -666,10 +666,13 @@ step_pro17() {
   run prologue_bench 90 python3 benchmarks/bench_prologue.py --sweep --out "$R/prologue.json"
   prologue_ab 3b "$CFG3" 70
 }
-# session 17, second call: the same on 7B (acceptance 3 keeps 7B bf16 >= 86 % MBU), then 3B
-# bf16 vs W4A16 at batch 1 / 8 through `LLM` (each engine in its own process)
+# session 17, second call: the same on 7B (acceptance 3 keeps 7B bf16 >= 86 % MBU), the batch-1
+# decode attention against its split-KV factor (the graph takes the pick for max_model_len at
+# every context), then 3B bf16 vs W4A16 at batch 1 / 8 through `LLM` (each in its own process)
 step_pro17b() {
   prologue_ab 7b "$CFG7" 80
+  run decode_splits 100 python3 benchmarks/kernels/bench_decode_splits.py \
+    --out "$R/decode_splits.json"
   compare16 compare3b 120 "$CFG3" Qwen2.5-3B 60 compare_3b 1,8 0
 }
 # prologue_ab TAG CONFIG LIMIT: the decode graph of CONFIG bf16 and W4A16 re-captured with and
