@@ -15,7 +15,6 @@ cycled so every call streams from HBM). Columns, µs per call:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagoda.bench.common import environment  # noqa: E402
+from pagoda.bench.common import cuda_device, environment, write_result  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels import fused_ops  # noqa: E402
 from pagoda.kernels import triton_gemv as dg  # noqa: E402
@@ -135,18 +134,13 @@ def main() -> int:
     ap.add_argument("--models", default="3b,7b")
     ap.add_argument("--sweep", action="store_true", help="W4A16 prologue split-K variants")
     ns = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_prologue.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    dev = torch.device("cuda")
+    dev = cuda_device("bench_prologue.py")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows = []
     for model in ns.models.split(","):
         for layer, (n, k, op) in SHAPES[model].items():
             rows += bench_layer(model, layer, n, k, op, ns.sweep, dev, l2)
-    out = {"env": environment(dev), "rows": rows}
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.out).write_text(json.dumps(out, indent=2))
+    write_result(ns.out, {"env": environment(dev), "rows": rows})
     return 0
 
 

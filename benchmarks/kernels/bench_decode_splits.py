@@ -14,7 +14,6 @@ call per decoder layer chained in one CUDA graph (distinct caches, as a decode s
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagoda.bench.common import environment  # noqa: E402
+from pagoda.bench.common import cuda_device, environment, write_result  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
 from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton  # noqa: E402
 from pagoda.kernels.triton_paged_attention import choose_num_splits  # noqa: E402
@@ -72,10 +71,7 @@ def main() -> int:
     ap.add_argument("--splits", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-model-len", type=int, default=4096, help="for the graph's own pick")
     ns = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_decode_splits.py needs a CUDA GPU", file=sys.stderr)
-        return 2
-    dev = torch.device("cuda")
+    dev = cuda_device("bench_decode_splits.py")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -103,9 +99,7 @@ def main() -> int:
                 f"best {best})",
                 flush=True,
             )
-    out = {"env": environment(dev), "rows": rows}
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.out).write_text(json.dumps(out, indent=2))
+    write_result(ns.out, {"env": environment(dev), "rows": rows})
     return 0
 
 

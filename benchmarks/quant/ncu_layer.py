@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.quant.bench_w4a16_tc import GROUP, SHAPES, WS, Layer  # noqa: E402
+from pagoda.bench.common import cuda_device  # noqa: E402
 from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
 
 
@@ -37,11 +38,8 @@ def main() -> int:
     ns = ap.parse_args()
     if ns.layer not in SHAPES[ns.model]:
         ap.error(f"--layer must be one of {', '.join(SHAPES[ns.model])}")
-    if not torch.cuda.is_available():
-        print("ncu_layer.py needs a CUDA GPU", file=sys.stderr)
-        return 2
+    dev = cuda_device("ncu_layer.py")
     n, k = SHAPES[ns.model][ns.layer]
-    dev = torch.device("cuda")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     layer = Layer(n, k, l2, ns.zp, dev)
     x = torch.randn(ns.m, k, device=dev).bfloat16()

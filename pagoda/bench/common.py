@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import platform
 import random
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -148,6 +149,14 @@ def free_device_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def cuda_device(script: str) -> torch.device:
+    """The CUDA device a GPU-only benchmark runs on; without one, exit with a message (2)."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        raise SystemExit(2)
+    return torch.device("cuda")
 
 
 def write_result(out: str | None, result: dict[str, Any]) -> None:
