@@ -134,6 +134,9 @@ def main() -> int:
     ap.add_argument("--models", default="3b,7b")
     ap.add_argument("--sweep", action="store_true", help="W4A16 prologue split-K variants")
     ns = ap.parse_args()
+    unknown = sorted(set(ns.models.split(",")) - set(SHAPES))
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(unknown)}; known: {', '.join(SHAPES)}")
     dev = cuda_device("bench_prologue.py")
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     rows = []

@@ -71,6 +71,15 @@ def main() -> int:
     ap.add_argument("--splits", default="1,2,4,8,16,32,64")
     ap.add_argument("--max-model-len", type=int, default=4096, help="for the graph's own pick")
     ns = ap.parse_args()
+    unknown = sorted(set(ns.models.split(",")) - set(MODELS))
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    for name in ("contexts", "splits"):
+        values = getattr(ns, name).split(",")
+        if not all(v.strip().isdigit() and int(v) > 0 for v in values):
+            ap.error(
+                f"--{name} takes positive integers separated by commas, got {getattr(ns, name)!r}"
+            )
     dev = cuda_device("bench_decode_splits.py")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     g = torch.Generator(device=dev).manual_seed(0)

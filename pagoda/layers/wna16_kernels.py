@@ -462,11 +462,8 @@ class MmaGemv(_MmaLayout):
     def apply_silu_and_mul_first(cls, layer, x, bias):
         from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemv_silu_and_mul
 
-        fused = _fusable(bias, x)
-        out = wna16_mma_gemv_silu_and_mul(
-            x, *_mma_operands(layer), bias=bias if fused else None, zero_pairs=layer.mma_zeros,
-            workspace=getattr(layer, "split_k_workspace", None),
-        )  # fmt: skip
+        workspace = getattr(layer, "split_k_workspace", None)
+        out, fused = _mma_apply(wna16_mma_gemv_silu_and_mul, layer, x, bias, workspace=workspace)
         return out + bias if bias is not None and not fused else out
 
 
