@@ -16,6 +16,8 @@ Ablations (cumulative names are joined with '+'):
     attn     attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
     unfused  the norm and SiLU-and-mul run as their own kernels, not as the GEMVs' prologues
              (the graph of before the prologues; `PAGODA_DISABLED_KERNELS=gemv_prologue`)
+    pfN      the decode attention prefetches N MiB of the following weights into the L2 per
+             layer instead of the default budget (pf0: none; `worker/l2_prefetch.py`)
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from pathlib import Path
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.worker.l2_prefetch import bind_l2_prefetch, default_budget
+from pagoda.worker.offload import decoder_layers
 
 
 def timed(fn, iters: int) -> float:
@@ -88,6 +92,14 @@ def ablated(parts: set[str]) -> Iterator[None]:
             setattr(cls, name, fn)
 
 
+def _budget_part(part: str) -> bool:
+    """'pfN' with N a MiB count >= 0."""
+    try:
+        return part.startswith("pf") and float(part[2:]) >= 0
+    except ValueError:
+        return False
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -100,6 +112,11 @@ def main() -> int:
         help="comma-separated; 'none' is the real graph",
     )  # fmt: skip
     ns = p.parse_args()
+    names = ns.ablations.split(",")
+    for name in names:
+        for part in [] if name == "none" else name.split("+"):
+            if part not in ("norm", "silu", "attn", "unfused") and not _budget_part(part):
+                p.error(f"--ablations: unknown part {part!r} in {name!r}")
     llm = LLM(
         ns.model,
         dtype="bfloat16",
@@ -123,9 +140,14 @@ def main() -> int:
     }
     hid = gr.outputs[1]
     res["logits_argmax_s"] = timed(lambda: model.compute_logits(hid).argmax(-1), ns.iters)
-    for name in ns.ablations.split(","):
+    layers = decoder_layers(model)
+    default = default_budget(runner.device)
+    res["l2_prefetch_default_mib"] = default / 2**20
+    for name in names:
         parts = set() if name == "none" else set(name.split("+"))
-        with ablated(parts):
+        pf = [x for x in parts if x.startswith("pf")]
+        bind_l2_prefetch(layers, int(float(pf[0][2:]) * 2**20) if pf else default)
+        with ablated(parts - set(pf)):
             gr.graphs.clear()
             gr.capture()
         t = timed(gr.graphs[1].replay, ns.iters)

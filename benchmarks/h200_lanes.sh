@@ -9,6 +9,8 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
+# Steps (session 18): pf18 pf18b (the decode attention prefetches the next weights into the L2;
+#   built without a GPU: measure, then keep or delete), then session 17's
 # Steps (session 17): pro17 pro17b (built without a GPU: first measure, then keep or delete),
 #   tma17 (the TMA GEMM's one-round-trip split finish), ncu17 (Nsight Compute on the TMA GEMM;
 #   ncu reads counters on Firecracker machines only)
@@ -713,6 +715,34 @@ step_ncu17() {
       --section LaunchStats python3 benchmarks/quant/ncu_layer.py --model 7b --layer gate_up \
       --m "$m" --kernel tma
   done
+}
+# session 18 (written on the CPU, never run on a GPU): the decode attention hands the copy
+# engine the weights read after it (o_proj, gate_up, down, next qkv) to stream into the L2 while
+# it runs. Its GPU tests (bit-identical outputs, graph replay, engine tokens with / without);
+# the batch-1 decode graph of 3B W4A16 / bf16 and 7B W4A16 re-captured per budget (MiB per
+# layer; 'none' = the default, 60 % of the L2), alternating; batch-1 latency with MBU with and
+# without the prefetch, each in its own process
+step_pf18() {
+  run pf_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_fused_decode_attention.py tests/worker/test_l2_prefetch.py \
+    -k "prefetch or graph_replay"
+  pf_ablate 3b_w4a16 "config:$CFG3:w4a16"
+  pf_ablate 3b_bf16 "config:$CFG3"
+  latrun 3b_w4a16_pf "config:$CFG3:w4a16"
+  latrun 3b_w4a16_nopf "config:$CFG3:w4a16" PAGODA_DISABLED_KERNELS=l2_prefetch
+}
+# session 18, second call: 7B W4A16's graph per budget, 3B / 7B bf16 batch-1 latency and MBU
+# with and without (acceptance 3)
+step_pf18b() {
+  pf_ablate 7b_w4a16 "config:$CFG7:w4a16"
+  latrun 3b_pf "config:$CFG3"
+  latrun 3b_nopf "config:$CFG3" PAGODA_DISABLED_KERNELS=l2_prefetch
+  latrun 7b_pf "config:$CFG7"
+  latrun 7b_nopf "config:$CFG7" PAGODA_DISABLED_KERNELS=l2_prefetch
+}
+pf_ablate() {
+  run "ablate_pf_$1" 100 python3 benchmarks/ablate_decode.py "$2" \
+    --ablations none,pf0,pf8,pf16,pf24,pf40,none,pf0,pf30,pf12 --out "$R/ablate_pf_$1.json"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at
 # batch 1-128 (or BATCHES) + the protocol's 256 requests (or REQUESTS)

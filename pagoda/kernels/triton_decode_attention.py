@@ -29,9 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda import platform
 from pagoda.kernels.paged_attention import check_sliding_window
 from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_fused_ops import _drop_bits, _round
+from pagoda.kernels.triton_l2_prefetch import prefetch_ranges
 from pagoda.kernels.triton_paged_attention import (
     _LOG2E,
     _attn_range,
@@ -41,6 +43,8 @@ from pagoda.kernels.triton_paged_attention import (
     choose_num_splits,
     effective_kv_len,
 )
+
+PF_CHUNK = tl.constexpr(32 * 1024)  # bytes per bulk prefetch instruction
 
 
 @triton.jit
@@ -70,6 +74,7 @@ def _fused_decode_attention_kernel(
     seq_lens_ptr,  # [B = T] int32, including the new token
     block_tables_ptr,  # [B, max_blocks] int32
     out_ptr,  # [T, H, D] view of the [T, H*D] output
+    pf_ptr,  # [NUM_PF, 2] int64 (address, bytes) to prefetch into the L2, only when NUM_PF > 0
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32, only when NUM_SPLITS > 1
     part_m_ptr,  # [T, H, NUM_SPLITS] fp32
     part_l_ptr,  # [T, H, NUM_SPLITS] fp32
@@ -108,9 +113,14 @@ def _fused_decode_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
     PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
+    NUM_PF: tl.constexpr = 0,  # ranges of weights to prefetch (worker/l2_prefetch.py)
 ):
     if USE_PDL and PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
+    if NUM_PF > 0:  # static weights: no need to wait for the previous kernel
+        n1, n2 = tl.num_programs(1), tl.num_programs(2)
+        pid = (tl.program_id(0) * n1 + tl.program_id(1)) * n2 + tl.program_id(2)
+        prefetch_ranges(pf_ptr, pid, tl.num_programs(0) * n1 * n2, NUM_PF, PF_CHUNK)
     if USE_PDL:  # qkv comes from the projection still running: wait before any load
         tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
@@ -247,6 +257,22 @@ def _heads_view(x: torch.Tensor, name: str, num_tokens: int, head_dim: int) -> t
         raise ValueError(f"{name} must be viewable as [T, heads, head_dim]: {e}") from e
 
 
+def _prefetch_ranges(table: torch.Tensor | None, device: torch.device) -> int:
+    """How many prefetch ranges the kernel issues: the rows of `table` (checked), 0 without one
+    or in the interpreter (which runs no PTX: the table is checked, then ignored)."""
+    if table is None:
+        return 0
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 2:
+        raise ValueError(f"l2_prefetch must be [R, 2] int64, got {table.dtype} {list(table.shape)}")
+    if table.device != device or not table.is_contiguous():
+        raise ValueError("l2_prefetch must be a contiguous table on the attention's device")
+    if _INTERPRETED:
+        return 0
+    if platform.capability(device) < (9, 0):
+        raise ValueError("l2_prefetch needs sm_90+ (cp.async.bulk.prefetch.L2)")
+    return table.shape[0]
+
+
 def fused_decode_attention_triton(
     positions: torch.Tensor,  # [T] int, rotary positions of the new tokens
     q: torch.Tensor,  # [T, H*D] (or [T, H, D]), un-rotated; may be a strided view of qkv
@@ -264,8 +290,13 @@ def fused_decode_attention_triton(
     num_splits: int | None = None,  # None = automatic (as paged attention); > 1 forces split-KV
     out: torch.Tensor | None = None,  # [T, H*D] with unit last stride
     sliding_window: int | None = None,  # None = full causal attention
+    l2_prefetch: torch.Tensor | None = None,  # [R, 2] int64 (address, bytes), sm_90+ only
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
+
+    `l2_prefetch` (`worker/l2_prefetch.PrefetchPlan`): byte ranges (16-byte multiples) the
+    programs hand to the copy engine first thing, to sit in the L2 for the kernels after this
+    one; it changes no result. Needs sm_90 (the interpreter ignores it).
 
     Equivalent to `apply_rotary` + `write_kv_cache` + `paged_attention` (max_query_len 1) on a
     batch whose sequence b is token b. q, k and v are left unmodified (rotation happens in
@@ -307,6 +338,7 @@ def fused_decode_attention_triton(
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
     check_sliding_window(sliding_window)
+    num_pf = _prefetch_ranges(l2_prefetch, q.device)
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (num_tokens, num_heads * head_dim) or out.stride(-1) != 1:
@@ -341,7 +373,8 @@ def fused_decode_attention_triton(
 
     _fused_decode_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         q3, k3, v3, positions, cos_cache, sin_cache, k_cache, v_cache,
-        slot_mapping, seq_lens, block_tables, out3, part_acc, part_m, part_l,
+        slot_mapping, seq_lens, block_tables, out3, l2_prefetch if num_pf else seq_lens,
+        part_acc, part_m, part_l,
         scale * _LOG2E, sliding_window or 0, num_heads,
         *q3.stride(), *k3.stride(), *v3.stride(), cos_cache.stride(0), sin_cache.stride(0),
         *k_cache.stride(), block_tables.stride(0), *out3.stride(),
@@ -349,7 +382,8 @@ def fused_decode_attention_triton(
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch_args(q, early=True),
+        NUM_PF=num_pf, num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch_args(q, early=True),
     )  # fmt: skip
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_tokens, num_heads)](

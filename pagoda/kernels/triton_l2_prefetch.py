@@ -1,0 +1,49 @@
+"""Bulk L2 prefetch of byte ranges from inside a latency-bound kernel (sm_90+).
+
+`prefetch_ranges` is called at the top of a short kernel (the fused decode attention) with a
+[R, 2] int64 table of (address, bytes) — the weights the next kernels of the chain will read
+(`l2_prefetch.PrefetchPlan`). Thread 0 of every program issues its share of
+`cp.async.bulk.prefetch.L2.global` over CHUNK-byte pieces (program p takes pieces p, p + P, ...
+of each range in turn, so the pieces leave roughly in range order) and goes on without waiting:
+the copy engine streams the bytes into the L2 while the kernel runs, and nothing in the kernel
+depends on them. A prefetch is only a hint — results never change, only where later loads hit.
+
+Weights are never written by the chain, so the prefetch needs no ordering against the previous
+kernel: it is issued before `gdc_wait`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 16-byte aligned address ($1), a size in bytes, a multiple of 16 ($2); only thread 0 of the
+# program issues, and only a positive size. The output is unused (`is_pure=False` keeps it).
+_PREFETCH_ASM = tl.constexpr(
+    """{
+.reg .pred p;
+.reg .u32 t;
+mov.u32 t, %tid.x;
+setp.eq.u32 p, t, 0;
+setp.gt.and.s32 p, $2, 0, p;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}"""
+)
+
+
+@triton.jit
+def prefetch_ranges(ranges_ptr, pid, num_programs, NUM_RANGES: tl.constexpr, CHUNK: tl.constexpr):
+    """Program `pid` of `num_programs` issues its pieces of the NUM_RANGES (address, bytes)
+    rows at `ranges_ptr` (int64; addresses and sizes multiples of 16)."""
+    for r in tl.static_range(NUM_RANGES):
+        base = tl.load(ranges_ptr + 2 * r)
+        nbytes = tl.load(ranges_ptr + 2 * r + 1)
+        for c in range(pid, tl.cdiv(nbytes, CHUNK), num_programs):
+            off = c.to(tl.int64) * CHUNK
+            size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)
+            addr = tl.zeros([], dtype=tl.int64) + (base + off)  # 0-d tensors for the asm
+            size = tl.zeros([], dtype=tl.int32) + size
+            tl.inline_asm_elementwise(
+                _PREFETCH_ASM, "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1
+            )
