@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 18): pf18 pf18b (the decode attention prefetches the next weights into the L2;
+# Steps (session 18): pf18 pf18b vl18 (the decode attention prefetches the next weights into the L2;
 #   built without a GPU: measure, then keep or delete), then session 17's
 # Steps (session 17): pro17 pro17b (built without a GPU: first measure, then keep or delete),
 #   tma17 (the TMA GEMM's one-round-trip split finish), ncu17 (Nsight Compute on the TMA GEMM;
@@ -725,7 +725,7 @@ step_ncu17() {
 step_pf18() {
   run pf_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_fused_decode_attention.py tests/worker/test_l2_prefetch.py \
-    -k "prefetch or graph_replay"
+    tests/models/test_qwen2_5_vl.py -k "prefetch or graph or decoder_attention"
   pf_ablate 3b_w4a16 "config:$CFG3:w4a16"
   pf_ablate 3b_bf16 "config:$CFG3"
   latrun 3b_w4a16_pf "config:$CFG3:w4a16"
@@ -739,6 +739,15 @@ step_pf18b() {
   latrun 3b_nopf "config:$CFG3" PAGODA_DISABLED_KERNELS=l2_prefetch
   latrun 7b_pf "config:$CFG7"
   latrun 7b_nopf "config:$CFG7" PAGODA_DISABLED_KERNELS=l2_prefetch
+}
+# session 18: Qwen2.5-VL-3B's decode steps take the fused decode attention (M-RoPE with [T]
+# positions is plain RoPE) and so the L2 prefetch: bf16 / W4A16 with one image, against both off
+step_vl18() {
+  run vl_fused 200 python3 benchmarks/vl/bench_vl.py --iters 3 --warmup 1 --output-len 128 \
+    --skip-transformers --out "$R/vl_fused.json"
+  run vl_unfused 200 env PAGODA_DISABLED_KERNELS=fused_decode_attn python3 \
+    benchmarks/vl/bench_vl.py --iters 3 --warmup 1 --output-len 128 --skip-transformers \
+    --out "$R/vl_unfused.json"
 }
 pf_ablate() {
   run "ablate_pf_$1" 100 python3 benchmarks/ablate_decode.py "$2" \

@@ -31,7 +31,7 @@ from pagoda.kernels.paged_attention import (
     paged_attention_ref,
     write_kv_cache_ref,
 )
-from pagoda.layers.rotary import RotaryEmbedding
+from pagoda.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from pagoda.platform import triton_available
 
 if TYPE_CHECKING:
@@ -172,8 +172,10 @@ class Attention(nn.Module):
 
         Needs a decode-only batch (one token per sequence, no padding rows beyond the
         sequences: CUDA-graph padding comes as 1-token sequences with slot -1), CUDA tensors, a
-        bound cache of q's dtype, Triton, and a plain cos/sin-table RoPE with [T] positions
-        (not M-RoPE, whose subclass is excluded by the exact type check).
+        bound cache of q's dtype, Triton, and a cos/sin-table RoPE with [T] positions: plain
+        RoPE, or M-RoPE (Qwen2-VL / Qwen2.5-VL) given [T] positions — the encoder runner's
+        decode steps, where every axis holds the same position and M-RoPE is plain RoPE on the
+        same table. [3, T] positions (image tokens in the step) never take this path.
         """
         return (
             attn_metadata is not None
@@ -181,7 +183,7 @@ class Attention(nn.Module):
             and q.is_cuda
             and self.kv_cache is not None
             and self.kv_cache.dtype == q.dtype
-            and type(rotary_emb) is RotaryEmbedding
+            and type(rotary_emb) in (RotaryEmbedding, MRotaryEmbedding)
             and positions.dim() == 1
             and q.shape[0] == attn_metadata.num_actual_tokens == attn_metadata.seq_lens.shape[0]
             and _fused_decode_kernel() is not None

@@ -364,12 +364,14 @@ def _run_layer(layer, case: Case, hidden: torch.Tensor, md: AttentionMetadata):
     return out, layer.attn.kv_cache
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["qwen2", "qwen3"])
-def test_decoder_attention_fused_path_matches_unfused(monkeypatch, qk_norm):
+@pytest.mark.parametrize("rope", ["qwen2", "qwen3", "qwen2_5_vl"])
+def test_decoder_attention_fused_path_matches_unfused(monkeypatch, rope):
     """The wiring in DecoderAttention / Attention: forcing the fused path on the CPU gives the
-    unfused path's output (real rows) and exactly its cache."""
+    unfused path's output (real rows) and exactly its cache — with M-RoPE too (Qwen2.5-VL's
+    decode steps: [T] positions, the fused kernel reading M-RoPE's own cos/sin table)."""
     dtype = torch.bfloat16
-    layer = _layer(qk_norm, dtype, "cpu")
+    mrope = MRotaryEmbedding(64, 8192, 10000.0, [8, 12, 12]) if rope == "qwen2_5_vl" else None
+    layer = _layer(rope == "qwen3", dtype, "cpu", rope=mrope)
     case = make_case([5, 20, 33], 4, 2, 64, dtype, seed=12, device="cpu")
     md = _decode_metadata(case)
     hidden = torch.randn(case.q.shape[0], 128, generator=torch.Generator().manual_seed(13))
@@ -517,8 +519,11 @@ def test_gpu_decoder_attention_fused_vs_unfused(monkeypatch, qk_norm):
     assert layer.attn.use_fused_decode(case.positions, case.q, layer.rotary_emb, md)
     prefill = AttentionMetadata(**{**md.__dict__, "max_query_len": 2})
     assert not layer.attn.use_fused_decode(case.positions, case.q, layer.rotary_emb, prefill)
-    mrope = MRotaryEmbedding(128, 512, 10000.0, [16, 24, 24]).to(DEVICE)
-    assert not layer.attn.use_fused_decode(case.positions, case.q, mrope, md)
+    # M-RoPE: fused with [T] positions (decode steps), not with [3, T] (image tokens)
+    mrope = MRotaryEmbedding(128, 8192, 10000.0, [16, 24, 24]).to(DEVICE)
+    assert layer.attn.use_fused_decode(case.positions, case.q, mrope, md)
+    positions3 = case.positions.expand(3, -1)
+    assert not layer.attn.use_fused_decode(positions3, case.q, mrope, md)
     got, got_cache = _run_layer(layer, case, hidden, md)
     try:
         monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "fused_decode_attn")
