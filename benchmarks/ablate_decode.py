@@ -18,6 +18,8 @@ Ablations (cumulative names are joined with '+'):
              (the graph of before the prologues; `PAGODA_DISABLED_KERNELS=gemv_prologue`)
     pfN      the decode attention prefetches N MiB of the following weights into the L2 per
              layer instead of the default budget (pf0: none; `worker/l2_prefetch.py`)
+    nokv     the decode attention does not prefetch its first cache blocks before its wait
+             (`PAGODA_DISABLED_KERNELS=kv_prefetch`)
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def timed(fn, iters: int) -> float:
 
 @contextlib.contextmanager
 def ablated(parts: set[str]) -> Iterator[None]:
+    from pagoda.layers import attention
     from pagoda.layers.linear import LinearBase, UnquantizedLinearMethod
     from pagoda.layers.norm import RMSNorm
     from pagoda.layers.quantized_linear import WNA16LinearMethod
@@ -65,6 +68,9 @@ def ablated(parts: set[str]) -> Iterator[None]:
         *((m, "apply_silu_and_mul_first") for m in methods),
     ]
     saved = [(cls, name, cls.__dict__[name]) for cls, name in patched]
+    kv_prefetch = attention._kv_prefetch
+    if "nokv" in parts:
+        attention._kv_prefetch = lambda: False
     if "norm" in parts:
 
         def norm_forward(self, x, residual=None):
@@ -90,6 +96,7 @@ def ablated(parts: set[str]) -> Iterator[None]:
     finally:
         for cls, name, fn in saved:
             setattr(cls, name, fn)
+        attention._kv_prefetch = kv_prefetch
 
 
 def _budget_part(part: str) -> bool:
@@ -115,7 +122,7 @@ def main() -> int:
     names = ns.ablations.split(",")
     for name in names:
         for part in [] if name == "none" else name.split("+"):
-            if part not in ("norm", "silu", "attn", "unfused") and not _budget_part(part):
+            if part not in ("norm", "silu", "attn", "unfused", "nokv") and not _budget_part(part):
                 p.error(f"--ablations: unknown part {part!r} in {name!r}")
     llm = LLM(
         ns.model,

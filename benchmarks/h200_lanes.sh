@@ -718,27 +718,27 @@ step_ncu17() {
 }
 # session 18 (written on the CPU, never run on a GPU): the decode attention hands the copy
 # engine the weights read after it (o_proj, gate_up, down, next qkv) to stream into the L2 while
-# it runs. Its GPU tests (bit-identical outputs, graph replay, engine tokens with / without);
+# it runs, and its first cache blocks before it waits for the QKV projection ('nokv': not). Its GPU tests (bit-identical outputs, graph replay, engine tokens with / without);
 # the batch-1 decode graph of 3B W4A16 / bf16 and 7B W4A16 re-captured per budget (MiB per
 # layer; 'none' = the default, 60 % of the L2), alternating; batch-1 latency with MBU with and
 # without the prefetch, each in its own process
 step_pf18() {
-  run pf_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  run pf_tests 110 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_fused_decode_attention.py tests/worker/test_l2_prefetch.py \
     tests/models/test_qwen2_5_vl.py -k "prefetch or graph or decoder_attention"
   pf_ablate 3b_w4a16 "config:$CFG3:w4a16"
   pf_ablate 3b_bf16 "config:$CFG3"
   latrun 3b_w4a16_pf "config:$CFG3:w4a16"
-  latrun 3b_w4a16_nopf "config:$CFG3:w4a16" PAGODA_DISABLED_KERNELS=l2_prefetch
+  latrun 3b_w4a16_nopf "config:$CFG3:w4a16" PAGODA_DISABLED_KERNELS=l2_prefetch,kv_prefetch
 }
 # session 18, second call: 7B W4A16's graph per budget, 3B / 7B bf16 batch-1 latency and MBU
 # with and without (acceptance 3)
 step_pf18b() {
   pf_ablate 7b_w4a16 "config:$CFG7:w4a16"
   latrun 3b_pf "config:$CFG3"
-  latrun 3b_nopf "config:$CFG3" PAGODA_DISABLED_KERNELS=l2_prefetch
+  latrun 3b_nopf "config:$CFG3" PAGODA_DISABLED_KERNELS=l2_prefetch,kv_prefetch
   latrun 7b_pf "config:$CFG7"
-  latrun 7b_nopf "config:$CFG7" PAGODA_DISABLED_KERNELS=l2_prefetch
+  latrun 7b_nopf "config:$CFG7" PAGODA_DISABLED_KERNELS=l2_prefetch,kv_prefetch
 }
 # session 18: Qwen2.5-VL-3B's decode steps take the fused decode attention (M-RoPE with [T]
 # positions is plain RoPE) and so the L2 prefetch: bf16 / W4A16 with one image, against both off
@@ -750,8 +750,9 @@ step_vl18() {
     --out "$R/vl_unfused.json"
 }
 pf_ablate() {
-  run "ablate_pf_$1" 100 python3 benchmarks/ablate_decode.py "$2" \
-    --ablations none,pf0,pf8,pf16,pf24,pf40,none,pf0,pf30,pf12 --out "$R/ablate_pf_$1.json"
+  run "ablate_pf_$1" 120 python3 benchmarks/ablate_decode.py "$2" \
+    --ablations none,pf0,pf8,pf16,pf24,pf40,none,pf0,pf30,pf12,nokv,pf0+nokv,none,nokv \
+    --out "$R/ablate_pf_$1.json"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at
 # batch 1-128 (or BATCHES) + the protocol's 256 requests (or REQUESTS)

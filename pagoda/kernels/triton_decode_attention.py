@@ -20,6 +20,13 @@ Here one program per (sequence, KV head, split) does all of it:
 
 The new key never goes through memory within the launch: see the comment in the kernel. The
 grid and every allocation depend only on shapes and host ints, so the call is CUDA-graph safe.
+
+On sm_90 a program does two things before `gdc_wait` (while the QKV projection drains): the
+first program of each split reads its key range and hands the copy engine its first
+KV_PF_BLOCKS cache blocks (`cp.async.bulk.prefetch.L2`, all KV heads of a block at once), so
+its key loads after the wait hit the L2 instead of waiting a DRAM round trip after the block
+table's; and, given `l2_prefetch`, every program issues its share of the weight ranges of the
+kernels after this one (`worker/l2_prefetch.py`). Neither changes a result.
 Torch reference: `paged_attention.fused_decode_attention_ref`.
 """
 
@@ -33,7 +40,7 @@ from pagoda import platform
 from pagoda.kernels.paged_attention import check_sliding_window
 from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_fused_ops import _drop_bits, _round
-from pagoda.kernels.triton_l2_prefetch import prefetch_ranges
+from pagoda.kernels.triton_l2_prefetch import prefetch_l2, prefetch_ranges
 from pagoda.kernels.triton_paged_attention import (
     _LOG2E,
     _attn_range,
@@ -45,6 +52,7 @@ from pagoda.kernels.triton_paged_attention import (
 )
 
 PF_CHUNK = tl.constexpr(32 * 1024)  # bytes per bulk prefetch instruction
+KV_PF_BLOCKS = tl.constexpr(4)  # cache blocks a split prefetches before the wait (sm_90)
 
 
 @triton.jit
@@ -114,21 +122,48 @@ def _fused_decode_attention_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
     PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
     NUM_PF: tl.constexpr = 0,  # ranges of weights to prefetch (worker/l2_prefetch.py)
+    KV_PF_BYTES: tl.constexpr = 0,  # bytes of one cache block (all KV heads) to prefetch; 0: off
 ):
     if USE_PDL and PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
-    if NUM_PF > 0:  # static weights: no need to wait for the previous kernel
-        n1, n2 = tl.num_programs(1), tl.num_programs(2)
-        pid = (tl.program_id(0) * n1 + tl.program_id(1)) * n2 + tl.program_id(2)
-        prefetch_ranges(pf_ptr, pid, tl.num_programs(0) * n1 * n2, NUM_PF, PF_CHUNK)
-    if USE_PDL:  # qkv comes from the projection still running: wait before any load
-        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     tok = seq.to(tl.int64)  # decode-only batch: one token per sequence, in sequence order
+    # Before the wait only what no kernel of this step writes: the step's inputs (lengths,
+    # block table, copied in before the chain started), cache blocks of earlier steps (this
+    # launch writes only the new token's slot, never read back) and the weights.
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - 1  # cached keys before this step's token, which sits at position ctx
+    # The one query at position ctx sees cached keys [kv_start, ctx): with a window W those from
+    # ctx - W + 1 on, so the range starts there and no key in it needs a window mask.
+    if SLIDING:
+        kv_start = tl.maximum(ctx + 1 - window, 0)
+    else:
+        kv_start = 0
+    if NUM_SPLITS == 1:
+        lo = kv_start
+        hi = ctx
+    else:
+        # Per-sequence chunks (multiples of BLOCK_N) as in `_paged_attention_kernel`; trailing
+        # splits of a short sequence are empty (lo >= hi) and store m = -inf, l = 0.
+        chunk = tl.cdiv(tl.cdiv(ctx - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_start + split * chunk
+        hi = tl.minimum(lo + chunk, ctx)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if KV_PF_BYTES > 0:  # noqa: SIM102 (a constexpr: the block is pruned when 0)
+        if kv_head == 0:  # the split's first cache blocks, every KV head, into the L2
+            b_lo = lo // BLOCK_SIZE
+            for b in range(b_lo, tl.minimum(tl.cdiv(hi, BLOCK_SIZE), b_lo + KV_PF_BLOCKS)):
+                blk = tl.load(block_table_row + b).to(tl.int64)
+                prefetch_l2(k_cache_ptr + blk * stride_cb, KV_PF_BYTES)
+                prefetch_l2(v_cache_ptr + blk * stride_cb, KV_PF_BYTES)
+    if NUM_PF > 0:  # the weights of the kernels after this one
+        n1, n2 = tl.num_programs(1), tl.num_programs(2)
+        pid = (tl.program_id(0) * n1 + tl.program_id(1)) * n2 + tl.program_id(2)
+        prefetch_ranges(pf_ptr, pid, tl.num_programs(0) * n1 * n2, NUM_PF, PF_CHUNK)
+    if USE_PDL:  # qkv comes from the projection still running: wait before reading it
+        tl.extra.cuda.gdc_wait()
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
 
@@ -195,25 +230,9 @@ def _fused_decode_attention_kernel(
         q = q_rot
     else:
         q = q_rot.to(q_ptr.dtype.element_ty)
-    # The one query at position ctx sees cached keys [kv_start, ctx): with a window W those from
-    # ctx - W + 1 on, so the range starts there and no key in it needs a window mask.
-    if SLIDING:
-        kv_start = tl.maximum(ctx + 1 - window, 0)
-    else:
-        kv_start = 0
-    if NUM_SPLITS == 1:
-        lo = kv_start
-        hi = ctx
-    else:
-        # Per-sequence chunks (multiples of BLOCK_N) as in `_paged_attention_kernel`; trailing
-        # splits of a short sequence are empty (lo >= hi) and store m = -inf, l = 0.
-        chunk = tl.cdiv(tl.cdiv(ctx - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = kv_start + split * chunk
-        hi = tl.minimum(lo + chunk, ctx)
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
     # The causal limit of `_attn_tile` is just ctx.
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + ctx
-    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
     acc, l_i, m_i = _attn_range(
@@ -273,6 +292,16 @@ def _prefetch_ranges(table: torch.Tensor | None, device: torch.device) -> int:
     return table.shape[0]
 
 
+def _kv_block_bytes(kv_cache: torch.Tensor) -> int:
+    """Bytes of one cache block (every KV head) where the kernel may bulk-prefetch blocks: a
+    contiguous cache on sm_90+, compiled (0 elsewhere: no prefetch)."""
+    if _INTERPRETED or not kv_cache.is_cuda or not kv_cache.is_contiguous():
+        return 0
+    if platform.capability(kv_cache.device) < (9, 0):
+        return 0
+    return kv_cache.stride(1) * kv_cache.element_size()
+
+
 def fused_decode_attention_triton(
     positions: torch.Tensor,  # [T] int, rotary positions of the new tokens
     q: torch.Tensor,  # [T, H*D] (or [T, H, D]), un-rotated; may be a strided view of qkv
@@ -291,6 +320,7 @@ def fused_decode_attention_triton(
     out: torch.Tensor | None = None,  # [T, H*D] with unit last stride
     sliding_window: int | None = None,  # None = full causal attention
     l2_prefetch: torch.Tensor | None = None,  # [R, 2] int64 (address, bytes), sm_90+ only
+    kv_prefetch: bool = True,  # sm_90: the splits' first cache blocks into the L2 pre-wait
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
 
@@ -339,6 +369,7 @@ def fused_decode_attention_triton(
         raise ValueError("kv_cache must be contiguous in head_dim")
     check_sliding_window(sliding_window)
     num_pf = _prefetch_ranges(l2_prefetch, q.device)
+    kv_pf_bytes = _kv_block_bytes(kv_cache) if kv_prefetch else 0
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (num_tokens, num_heads * head_dim) or out.stride(-1) != 1:
@@ -382,7 +413,7 @@ def fused_decode_attention_triton(
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
-        NUM_PF=num_pf, num_warps=num_warps, num_stages=num_stages,
+        NUM_PF=num_pf, KV_PF_BYTES=kv_pf_bytes, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q, early=True),
     )  # fmt: skip
     if num_splits > 1:

@@ -33,6 +33,17 @@ mov.u32 $0, 0;
 
 
 @triton.jit
+def prefetch_l2(addr, nbytes):
+    """One bulk prefetch (thread 0 of the program) of `nbytes` (a multiple of 16) at `addr` (a
+    16-byte aligned pointer or int64 address)."""
+    a = tl.zeros([1], dtype=tl.int64) + addr.to(tl.int64, bitcast=addr.dtype.is_ptr())
+    size = tl.zeros([1], dtype=tl.int32) + nbytes
+    tl.inline_asm_elementwise(
+        _PREFETCH_ASM, "=r,l,r", [a, size], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def prefetch_ranges(ranges_ptr, pid, num_programs, NUM_RANGES: tl.constexpr, CHUNK: tl.constexpr):
     """Program `pid` of `num_programs` issues its pieces of the NUM_RANGES (address, bytes)
     rows at `ranges_ptr` (int64; addresses and sizes multiples of 16)."""
@@ -41,9 +52,4 @@ def prefetch_ranges(ranges_ptr, pid, num_programs, NUM_RANGES: tl.constexpr, CHU
         nbytes = tl.load(ranges_ptr + 2 * r + 1)
         for c in range(pid, tl.cdiv(nbytes, CHUNK), num_programs):
             off = c.to(tl.int64) * CHUNK
-            size = tl.minimum(nbytes - off, CHUNK).to(tl.int32)
-            addr = tl.zeros([], dtype=tl.int64) + (base + off)  # 0-d tensors for the asm
-            size = tl.zeros([], dtype=tl.int32) + size
-            tl.inline_asm_elementwise(
-                _PREFETCH_ASM, "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1
-            )
+            prefetch_l2(base + off, tl.minimum(nbytes - off, CHUNK).to(tl.int32))

@@ -11,7 +11,8 @@ Decode-only CUDA batches can instead take `forward_fused_decode`, which also app
 kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
 (`triton_decode_attention.py`). `use_fused_decode` says when;
 `PAGODA_DISABLED_KERNELS=fused_decode_attn` (read once per process) turns it off for A/B runs.
-That kernel also starts the L2 prefetch of the weights read after it (`worker/l2_prefetch.py`).
+That kernel also starts the L2 prefetch of its first cache blocks ("kv_prefetch") and of the
+weights read after it (`worker/l2_prefetch.py`, "l2_prefetch").
 """
 
 from __future__ import annotations
@@ -80,6 +81,13 @@ def _fused_decode_kernel() -> Callable | None:
     from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
 
     return fused_decode_attention_triton
+
+
+@functools.cache
+def _kv_prefetch() -> bool:
+    """Whether the fused decode attention prefetches its first cache blocks before waiting for
+    the QKV projection (sm_90; "kv_prefetch" in PAGODA_DISABLED_KERNELS: off; read once)."""
+    return envs.kernel_enabled("kv_prefetch")
 
 
 class Attention(nn.Module):
@@ -224,6 +232,7 @@ class Attention(nn.Module):
             num_splits=attn_metadata.num_splits,
             sliding_window=self.sliding_window,
             l2_prefetch=None if plan is None else plan.for_tokens(q.shape[0]),
+            kv_prefetch=_kv_prefetch(),
         )
 
     def _forward_no_cache(

@@ -20,7 +20,7 @@ _PTRS = {
 }  # fmt: skip
 
 
-def _compile_ptx(num_pf: int) -> str:
+def _compile_ptx(num_pf: int, kv_pf_bytes: int = 0) -> str:
     """The kernel's sm_90 PTX for Qwen2.5-3B heads (16 q / 2 kv, D = 128), 32 splits, PDL
     (in a fresh interpreter: see `compiled_in_child`)."""
     from triton.backends.compiler import GPUTarget
@@ -31,7 +31,7 @@ def _compile_ptx(num_pf: int) -> str:
     consts = dict(
         NUM_QUERIES_PER_KV=8, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16,
         BLOCK_N=16, NUM_SPLITS=32, SLIDING=False, DROP=16, DOT_PRECISION="tf32",
-        UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, NUM_PF=num_pf,
+        UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, NUM_PF=num_pf, KV_PF_BYTES=kv_pf_bytes,
     )  # fmt: skip
     sig = {n: "constexpr" if n in consts else _PTRS.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=consts)
@@ -40,20 +40,28 @@ def _compile_ptx(num_pf: int) -> str:
     ]
 
 
-@pytest.mark.parametrize("num_pf", [0, 3])
-def test_prefetch_before_the_wait(num_pf):
-    """One predicated `cp.async.bulk.prefetch.L2` per range, inside a loop over its pieces, all
-    after the early PDL trigger and before `griddepcontrol.wait` (the weights need no ordering
-    against the previous kernel); with no ranges, none at all."""
-    ptx = compiled_in_child("test_decode_attention_code", num_pf)
+@pytest.mark.parametrize("num_pf,kv_pf_bytes", [(0, 0), (3, 0), (0, 8192), (2, 8192)])
+def test_prefetches_before_the_wait(num_pf, kv_pf_bytes):
+    """Everything prefetched sits after the early PDL trigger and before `griddepcontrol.wait`
+    (nothing it reads is written by a kernel of the step): one predicated
+    `cp.async.bulk.prefetch.L2` per weight range (in a loop over its pieces) and, with the cache
+    block size given, one for K and one for V in the loop over the split's first blocks; the
+    block-table load feeding them before the wait too, q / k / v loads after it. With neither,
+    no prefetch at all."""
+    ptx = compiled_in_child("test_decode_attention_code", num_pf, kv_pf_bytes)
     lines = ptx.splitlines()
     pf = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
     wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
     trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
     assert len(wait) == 1 and len(trigger) == 1
-    assert len(pf) == num_pf
+    assert len(pf) == num_pf + (2 if kv_pf_bytes else 0)
     assert all(trigger[0] < i < wait[0] for i in pf)
     for i in pf:
         assert re.match(
             r"\s*@\S+ cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", lines[i]
         )
+    if kv_pf_bytes:  # its size: the constexpr block size, moved into the size register
+        assert re.search(rf"mov\.b32 \s*%r\d+, {kv_pf_bytes};", ptx) or f", {kv_pf_bytes};" in ptx
+    # the bf16 q / k / v loads of the new token come after the wait
+    loads16 = [i for i, line in enumerate(lines) if re.search(r"ld\.global\S*\.b16", line)]
+    assert loads16 and min(loads16) > wait[0]

@@ -433,6 +433,24 @@ def test_gpu_short_contexts(dtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("window", [None, 100])
+def test_gpu_kv_prefetch_changes_no_result(window):
+    """The splits' first cache blocks prefetched before the wait (on by default on sm_90):
+    output and cache bit-identical to kv_prefetch=False, contexts from 1 to 9k keys (splits
+    with more blocks than the prefetched 4, empty splits), with and without a window."""
+    case = make_case([9000, 1, 40, 700, 64], 28, 4, 128, torch.bfloat16, num_padding=2, seed=9)
+    outs, caches = [], []
+    for kv_prefetch in (True, False):
+        cache = case.kv_cache.clone()
+        outs.append(run_fused(case, cache, num_splits=8, sliding_window=window,
+                              kv_prefetch=kv_prefetch))  # fmt: skip
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_l2_prefetch_in_a_cuda_graph():
     """Qwen2.5-7B heads at batch 1, a 700-token context and 96 MiB of ranges to prefetch
     (more than the L2), captured in a graph and replayed: output and cache equal the run
