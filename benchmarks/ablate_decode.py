@@ -18,6 +18,7 @@ Ablations (cumulative names are joined with '+'):
              (the graph of before the prologues; `PAGODA_DISABLED_KERNELS=gemv_prologue`)
     pfN      the decode attention prefetches N MiB of the following weights into the L2 per
              layer instead of the default budget (pf0: none; `worker/l2_prefetch.py`)
+    pflN     the same, issued after the attention's own work instead of before its wait
     nokv     the decode attention does not prefetch its first cache blocks before its wait
              (`PAGODA_DISABLED_KERNELS=kv_prefetch`)
 """
@@ -100,9 +101,9 @@ def ablated(parts: set[str]) -> Iterator[None]:
 
 
 def _budget_part(part: str) -> bool:
-    """'pfN' with N a MiB count >= 0."""
+    """'pfN' or 'pflN' with N a MiB count >= 0."""
     try:
-        return part.startswith("pf") and float(part[2:]) >= 0
+        return part.startswith("pf") and float(part[3:] if part[2:3] == "l" else part[2:]) >= 0
     except ValueError:
         return False
 
@@ -153,7 +154,9 @@ def main() -> int:
     for name in names:
         parts = set() if name == "none" else set(name.split("+"))
         pf = [x for x in parts if x.startswith("pf")]
-        bind_l2_prefetch(layers, int(float(pf[0][2:]) * 2**20) if pf else default)
+        late = bool(pf) and pf[0].startswith("pfl")
+        mib = (pf[0][3:] if late else pf[0][2:]) if pf else None
+        bind_l2_prefetch(layers, int(float(mib) * 2**20) if pf else default, late=late)
         with ablated(parts - set(pf)):
             gr.graphs.clear()
             gr.capture()

@@ -751,7 +751,7 @@ step_vl18() {
 }
 pf_ablate() {
   run "ablate_pf_$1" 120 python3 benchmarks/ablate_decode.py "$2" \
-    --ablations none,pf0,pf8,pf16,pf24,pf40,none,pf0,pf30,pf12,nokv,pf0+nokv,none,nokv \
+    --ablations none,pf0,pf8,pf16,pf24,pf40,none,pf0,pf30,pf12,nokv,pf0+nokv,none,nokv,pfl16,pfl30 \
     --out "$R/ablate_pf_$1.json"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at

@@ -123,6 +123,7 @@ def _fused_decode_attention_kernel(
     PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
     NUM_PF: tl.constexpr = 0,  # ranges of weights to prefetch (worker/l2_prefetch.py)
     KV_PF_BYTES: tl.constexpr = 0,  # bytes of one cache block (all KV heads) to prefetch; 0: off
+    PF_LATE: tl.constexpr = False,  # the weight prefetch at the end instead of before the wait
 ):
     if USE_PDL and PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
@@ -158,9 +159,9 @@ def _fused_decode_attention_kernel(
                 blk = tl.load(block_table_row + b).to(tl.int64)
                 prefetch_l2(k_cache_ptr + blk * stride_cb, KV_PF_BYTES)
                 prefetch_l2(v_cache_ptr + blk * stride_cb, KV_PF_BYTES)
-    if NUM_PF > 0:  # the weights of the kernels after this one
-        n1, n2 = tl.num_programs(1), tl.num_programs(2)
-        pid = (tl.program_id(0) * n1 + tl.program_id(1)) * n2 + tl.program_id(2)
+    n1, n2 = tl.num_programs(1), tl.num_programs(2)
+    pid = (seq * n1 + kv_head) * n2 + split
+    if NUM_PF > 0 and not PF_LATE:  # the weights of the kernels after this one
         prefetch_ranges(pf_ptr, pid, tl.num_programs(0) * n1 * n2, NUM_PF, PF_CHUNK)
     if USE_PDL:  # qkv comes from the projection still running: wait before reading it
         tl.extra.cuda.gdc_wait()
@@ -258,6 +259,8 @@ def _fused_decode_attention_kernel(
         )
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
+    if NUM_PF > 0 and PF_LATE:  # after this program's own loads: they never queue behind it
+        prefetch_ranges(pf_ptr, pid, tl.num_programs(0) * n1 * n2, NUM_PF, PF_CHUNK)
 
 
 # TRITON_INTERPRET=1 at import time turns the kernels into interpreted (CPU numpy) functions.
@@ -321,6 +324,7 @@ def fused_decode_attention_triton(
     sliding_window: int | None = None,  # None = full causal attention
     l2_prefetch: torch.Tensor | None = None,  # [R, 2] int64 (address, bytes), sm_90+ only
     kv_prefetch: bool = True,  # sm_90: the splits' first cache blocks into the L2 pre-wait
+    l2_prefetch_late: bool = False,  # issue l2_prefetch after the attention, not before it
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
 
@@ -413,7 +417,8 @@ def fused_decode_attention_triton(
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
-        NUM_PF=num_pf, KV_PF_BYTES=kv_pf_bytes, num_warps=num_warps, num_stages=num_stages,
+        NUM_PF=num_pf, KV_PF_BYTES=kv_pf_bytes, PF_LATE=l2_prefetch_late,
+        num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q, early=True),
     )  # fmt: skip
     if num_splits > 1:

@@ -233,6 +233,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             l2_prefetch=None if plan is None else plan.for_tokens(q.shape[0]),
             kv_prefetch=_kv_prefetch(),
+            l2_prefetch_late=plan is not None and plan.late,
         )
 
     def _forward_no_cache(

@@ -36,6 +36,7 @@ class PrefetchPlan:
     ranges: torch.Tensor
     nbytes: int
     max_tokens: int
+    late: bool = False  # issued after the attention's own work instead of before its wait
 
     @property
     def num_ranges(self) -> int:
@@ -99,7 +100,9 @@ def _after_attention(layers: Sequence[nn.Module], i: int) -> list[nn.Module]:
     return order
 
 
-def bind_l2_prefetch(layers: Sequence[nn.Module], budget: int, max_tokens: int = MAX_TOKENS) -> int:
+def bind_l2_prefetch(
+    layers: Sequence[nn.Module], budget: int, max_tokens: int = MAX_TOKENS, late: bool = False
+) -> int:
     """Give every decoder layer's attention its plan (`attn.l2_prefetch`; None where `budget`
     is 0 or the layer is not a plain decoder layer). Returns the bytes one step prefetches."""
     total = 0
@@ -114,7 +117,7 @@ def bind_l2_prefetch(layers: Sequence[nn.Module], budget: int, max_tokens: int =
             if ranges:
                 device = tensors[0].device
                 table = torch.tensor(ranges, dtype=torch.int64).to(device)
-                plan = PrefetchPlan(table, sum(n for _, n in ranges), max_tokens)
+                plan = PrefetchPlan(table, sum(n for _, n in ranges), max_tokens, late)
                 total += plan.nbytes
         attn.l2_prefetch = plan
     return total

@@ -20,7 +20,7 @@ _PTRS = {
 }  # fmt: skip
 
 
-def _compile_ptx(num_pf: int, kv_pf_bytes: int = 0) -> str:
+def _compile_ptx(num_pf: int, kv_pf_bytes: int = 0, late: bool = False) -> str:
     """The kernel's sm_90 PTX for Qwen2.5-3B heads (16 q / 2 kv, D = 128), 32 splits, PDL
     (in a fresh interpreter: see `compiled_in_child`)."""
     from triton.backends.compiler import GPUTarget
@@ -32,6 +32,7 @@ def _compile_ptx(num_pf: int, kv_pf_bytes: int = 0) -> str:
         NUM_QUERIES_PER_KV=8, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16,
         BLOCK_N=16, NUM_SPLITS=32, SLIDING=False, DROP=16, DOT_PRECISION="tf32",
         UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, NUM_PF=num_pf, KV_PF_BYTES=kv_pf_bytes,
+        PF_LATE=late,
     )  # fmt: skip
     sig = {n: "constexpr" if n in consts else _PTRS.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=consts)
@@ -65,3 +66,17 @@ def test_prefetches_before_the_wait(num_pf, kv_pf_bytes):
     # the bf16 q / k / v loads of the new token come after the wait
     loads16 = [i for i, line in enumerate(lines) if re.search(r"ld\.global\S*\.b16", line)]
     assert loads16 and min(loads16) > wait[0]
+
+
+def test_late_weight_prefetch_after_the_stores():
+    """PF_LATE: the weight ranges' prefetches follow the program's last partial store (its own
+    loads never queue behind them); the cache blocks' stay before the wait."""
+    ptx = compiled_in_child("test_decode_attention_code", 2, 8192, True)
+    lines = ptx.splitlines()
+    pf = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    stores = [i for i, line in enumerate(lines) if line.strip().startswith(("st.global", "@"))
+              and "st.global" in line]  # fmt: skip
+    assert len(pf) == 4
+    assert all(i < wait for i in pf[:2])
+    assert all(i > max(stores) for i in pf[2:])

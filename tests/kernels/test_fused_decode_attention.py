@@ -294,8 +294,9 @@ def test_l2_prefetch_table_is_checked():
             run_fused(case, case.kv_cache.clone(), l2_prefetch=table)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["early", "late"])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_l2_prefetch_changes_no_result(num_splits):
+def test_l2_prefetch_changes_no_result(num_splits, late):
     """With a table of weight ranges (several, one not a multiple of the 32 KiB piece) the
     output and the cache are bit-identical to the run without (compiled on a GPU: the bulk
     prefetches are issued; in the interpreter the table is checked and ignored)."""
@@ -305,7 +306,9 @@ def test_l2_prefetch_changes_no_result(num_splits):
     assert table.shape == (3, 2)
     plain_cache, pf_cache = case.kv_cache.clone(), case.kv_cache.clone()
     plain = run_fused(case, plain_cache, num_splits=num_splits)
-    fetched = run_fused(case, pf_cache, num_splits=num_splits, l2_prefetch=table)
+    fetched = run_fused(
+        case, pf_cache, num_splits=num_splits, l2_prefetch=table, l2_prefetch_late=late
+    )
     assert torch.equal(plain, fetched)
     torch.testing.assert_close(pf_cache, plain_cache, rtol=0, atol=0, equal_nan=True)
 
