@@ -118,8 +118,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @gpu
 def test_gpu_engine_prefetches_on_hopper_and_changes_no_token(tmp_path, monkeypatch):
     """On sm_90+ the runner binds a plan to every layer (60 % of the L2 at most each) and greedy
-    tokens and logprobs are identical with `l2_prefetch` disabled; elsewhere nothing is bound."""
+    tokens and logprobs are identical with `l2_prefetch` and `kv_prefetch` disabled; elsewhere
+    nothing is bound."""
     from pagoda import LLM, SamplingParams
+    from pagoda.layers import attention
 
     path = save_tiny_model(
         "qwen2", tmp_path / "m", hidden_size=512, intermediate_size=1536, num_attention_heads=8,
@@ -146,8 +148,13 @@ def test_gpu_engine_prefetches_on_hopper_and_changes_no_token(tmp_path, monkeypa
         assert nbytes > 0 and all(p is not None and 0 < p.nbytes <= 0.6 * l2 for p in plans)
     else:
         assert nbytes == 0 and all(p is None for p in plans)
-    monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "l2_prefetch")
-    off_bytes, off_plans, off_outs = run()
+    monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "l2_prefetch,kv_prefetch")
+    attention._kv_prefetch.cache_clear()  # read once per process
+    try:
+        assert not attention._kv_prefetch()
+        off_bytes, off_plans, off_outs = run()
+    finally:
+        attention._kv_prefetch.cache_clear()
     assert off_bytes == 0 and all(p is None for p in off_plans)
     for a, b in zip(outs, off_outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
