@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -101,11 +102,12 @@ def ablated(parts: set[str]) -> Iterator[None]:
 
 
 def _budget_part(part: str) -> bool:
-    """'pfN' or 'pflN' with N a MiB count >= 0."""
+    """'pfN' or 'pflN' with N a finite MiB count >= 0."""
     try:
-        return part.startswith("pf") and float(part[3:] if part[2:3] == "l" else part[2:]) >= 0
+        mib = float(part[3:] if part[2:3] == "l" else part[2:])
     except ValueError:
         return False
+    return part.startswith("pf") and math.isfinite(mib) and mib >= 0
 
 
 def main() -> int:
@@ -125,6 +127,8 @@ def main() -> int:
         for part in [] if name == "none" else name.split("+"):
             if part not in ("norm", "silu", "attn", "unfused", "nokv") and not _budget_part(part):
                 p.error(f"--ablations: unknown part {part!r} in {name!r}")
+        if sum(part.startswith("pf") for part in name.split("+")) > 1:
+            p.error(f"--ablations: {name!r} gives more than one prefetch budget")
     llm = LLM(
         ns.model,
         dtype="bfloat16",

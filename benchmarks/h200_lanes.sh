@@ -741,7 +741,8 @@ step_pf18b() {
   latrun 7b_nopf "config:$CFG7" PAGODA_DISABLED_KERNELS=l2_prefetch,kv_prefetch
 }
 # session 18: Qwen2.5-VL-3B's decode steps take the fused decode attention (M-RoPE with [T]
-# positions is plain RoPE) and so the L2 prefetch: bf16 / W4A16 with one image, against both off
+# positions is plain RoPE) and with it both prefetches: bf16 / W4A16 with one image, against
+# `fused_decode_attn` disabled (the separate kernels, no prefetch)
 step_vl18() {
   run vl_fused 200 python3 benchmarks/vl/bench_vl.py --iters 3 --warmup 1 --output-len 128 \
     --skip-transformers --out "$R/vl_fused.json"

@@ -74,6 +74,16 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def l2_bytes(device: torch.device | int | None = None) -> int:
+    """The L2 cache of a CUDA device in bytes (0 where torch does not report it)."""
+    return _l2_bytes(_index(device))
+
+
+@functools.cache
+def _l2_bytes(index: int) -> int:
+    return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0) or 0)
+
+
 def is_integrated_gpu(device: torch.device) -> bool:
     """Jetson-class GPUs share system RAM with the CPU (unified memory)."""
     return device.type == "cuda" and bool(

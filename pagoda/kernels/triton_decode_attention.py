@@ -21,12 +21,14 @@ Here one program per (sequence, KV head, split) does all of it:
 The new key never goes through memory within the launch: see the comment in the kernel. The
 grid and every allocation depend only on shapes and host ints, so the call is CUDA-graph safe.
 
-On sm_90 a program does two things before `gdc_wait` (while the QKV projection drains): the
-first program of each split reads its key range and hands the copy engine its first
-KV_PF_BLOCKS cache blocks (`cp.async.bulk.prefetch.L2`, all KV heads of a block at once), so
-its key loads after the wait hit the L2 instead of waiting a DRAM round trip after the block
-table's; and, given `l2_prefetch`, every program issues its share of the weight ranges of the
-kernels after this one (`worker/l2_prefetch.py`). Neither changes a result.
+On sm_90 a program does two things before `gdc_wait` (while the QKV projection drains): every
+program reads its key range (sequence length, block table), and the KV-head-0 program of each
+(sequence, split) hands the copy engine the split's first KV_PF_BLOCKS cache blocks
+(`cp.async.bulk.prefetch.L2`, all KV heads of a block at once), so the key loads after the wait
+hit the L2 instead of waiting a DRAM round trip after the block table's (where those blocks of
+the whole launch fit in a quarter of the L2); and, given `l2_prefetch`, every program issues its
+share of the weight ranges of the kernels after this one (`worker/l2_prefetch.py`; with
+`l2_prefetch_late` after its own work instead). None of it changes a result.
 Torch reference: `paged_attention.fused_decode_attention_ref`.
 """
 
@@ -52,7 +54,16 @@ from pagoda.kernels.triton_paged_attention import (
 )
 
 PF_CHUNK = tl.constexpr(32 * 1024)  # bytes per bulk prefetch instruction
-KV_PF_BLOCKS = tl.constexpr(4)  # cache blocks a split prefetches before the wait (sm_90)
+_KV_PF_BLOCKS = 4  # cache blocks a split prefetches before the wait (sm_90)
+KV_PF_BLOCKS = tl.constexpr(_KV_PF_BLOCKS)
+
+
+@triton.jit
+def _prefetch_weights(pf_ptr, num_pf, seq, kv_head, split):
+    """This program's share of the weight ranges (programs numbered over the whole grid)."""
+    n1, n2 = tl.num_programs(1), tl.num_programs(2)
+    pid = (seq * n1 + kv_head) * n2 + split
+    prefetch_ranges(pf_ptr, num_pf, pid, tl.num_programs(0) * n1 * n2, PF_CHUNK)
 
 
 @triton.jit
@@ -68,7 +79,7 @@ def _rotate_neox(x, x_partner, cos, sin, sign, DROP: tl.constexpr):
 
 
 # The block-table width changes per eager step: one compile for all (no mid-serving compile).
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_pf"])
 def _fused_decode_attention_kernel(
     q_ptr,  # [T, H, D] view (e.g. of the QKV output), not yet rotated
     k_ptr,  # [T, Hkv, D] view, not yet rotated
@@ -82,13 +93,14 @@ def _fused_decode_attention_kernel(
     seq_lens_ptr,  # [B = T] int32, including the new token
     block_tables_ptr,  # [B, max_blocks] int32
     out_ptr,  # [T, H, D] view of the [T, H*D] output
-    pf_ptr,  # [NUM_PF, 2] int64 (address, bytes) to prefetch into the L2, only when NUM_PF > 0
+    pf_ptr,  # [num_pf, 2] int64 (address, bytes) to prefetch into the L2, only with HAS_PF
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32, only when NUM_SPLITS > 1
     part_m_ptr,  # [T, H, NUM_SPLITS] fp32
     part_l_ptr,  # [T, H, NUM_SPLITS] fp32
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window W (only read with SLIDING)
     num_heads,
+    num_pf,  # rows of pf_ptr
     stride_qt,
     stride_qh,
     stride_qd,
@@ -121,7 +133,7 @@ def _fused_decode_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
     PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
-    NUM_PF: tl.constexpr = 0,  # ranges of weights to prefetch (worker/l2_prefetch.py)
+    HAS_PF: tl.constexpr = False,  # weights to prefetch (worker/l2_prefetch.py)
     KV_PF_BYTES: tl.constexpr = 0,  # bytes of one cache block (all KV heads) to prefetch; 0: off
     PF_LATE: tl.constexpr = False,  # the weight prefetch at the end instead of before the wait
 ):
@@ -132,8 +144,10 @@ def _fused_decode_attention_kernel(
     split = tl.program_id(2)
     tok = seq.to(tl.int64)  # decode-only batch: one token per sequence, in sequence order
     # Before the wait only what no kernel of this step writes: the step's inputs (lengths,
-    # block table, copied in before the chain started), cache blocks of earlier steps (this
-    # launch writes only the new token's slot, never read back) and the weights.
+    # block table, copied in by the stream before the chain started), this layer's cache (only
+    # this launch writes it, at the new token's slot, which it never reads back: a prefetched
+    # block may hold that slot, harmlessly) and the weights. (A pre-wait part may overlap any
+    # earlier kernel of the chain still running, not just the previous one.)
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - 1  # cached keys before this step's token, which sits at position ctx
     # The one query at position ctx sees cached keys [kv_start, ctx): with a window W those from
@@ -159,10 +173,8 @@ def _fused_decode_attention_kernel(
                 blk = tl.load(block_table_row + b).to(tl.int64)
                 prefetch_l2(k_cache_ptr + blk * stride_cb, KV_PF_BYTES)
                 prefetch_l2(v_cache_ptr + blk * stride_cb, KV_PF_BYTES)
-    n1, n2 = tl.num_programs(1), tl.num_programs(2)
-    pid = (seq * n1 + kv_head) * n2 + split
-    if NUM_PF > 0 and not PF_LATE:  # the weights of the kernels after this one
-        prefetch_ranges(pf_ptr, pid, tl.num_programs(0) * n1 * n2, NUM_PF, PF_CHUNK)
+    if HAS_PF and not PF_LATE:  # the weights of the kernels after this one
+        _prefetch_weights(pf_ptr, num_pf, seq, kv_head, split)
     if USE_PDL:  # qkv comes from the projection still running: wait before reading it
         tl.extra.cuda.gdc_wait()
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -259,8 +271,8 @@ def _fused_decode_attention_kernel(
         )
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
-    if NUM_PF > 0 and PF_LATE:  # after this program's own loads: they never queue behind it
-        prefetch_ranges(pf_ptr, pid, tl.num_programs(0) * n1 * n2, NUM_PF, PF_CHUNK)
+    if HAS_PF and PF_LATE:  # after this program's own loads: they never queue behind it
+        _prefetch_weights(pf_ptr, num_pf, seq, kv_head, split)
 
 
 # TRITON_INTERPRET=1 at import time turns the kernels into interpreted (CPU numpy) functions.
@@ -295,14 +307,22 @@ def _prefetch_ranges(table: torch.Tensor | None, device: torch.device) -> int:
     return table.shape[0]
 
 
-def _kv_block_bytes(kv_cache: torch.Tensor) -> int:
+def _kv_block_bytes(kv_cache: torch.Tensor, num_programs: int) -> int:
     """Bytes of one cache block (every KV head) where the kernel may bulk-prefetch blocks: a
-    contiguous cache on sm_90+, compiled (0 elsewhere: no prefetch)."""
+    contiguous, 16-byte aligned cache on sm_90+, compiled, and at most a quarter of the L2 for
+    KV_PF_BLOCKS K and V blocks of every (sequence, split) program (so what is fetched early is
+    still there when read: batch-1 7B at 32 splits fetches 4 MiB); 0 elsewhere: no prefetch."""
     if _INTERPRETED or not kv_cache.is_cuda or not kv_cache.is_contiguous():
         return 0
-    if platform.capability(kv_cache.device) < (9, 0):
+    if platform.capability(kv_cache.device) < (9, 0) or kv_cache.data_ptr() % 16:
         return 0
-    return kv_cache.stride(1) * kv_cache.element_size()
+    block = kv_cache.stride(1) * kv_cache.element_size()
+    if (
+        block % 16
+        or num_programs * _KV_PF_BLOCKS * 2 * block > platform.l2_bytes(kv_cache.device) // 4
+    ):
+        return 0
+    return block
 
 
 def fused_decode_attention_triton(
@@ -373,7 +393,6 @@ def fused_decode_attention_triton(
         raise ValueError("kv_cache must be contiguous in head_dim")
     check_sliding_window(sliding_window)
     num_pf = _prefetch_ranges(l2_prefetch, q.device)
-    kv_pf_bytes = _kv_block_bytes(kv_cache) if kv_prefetch else 0
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (num_tokens, num_heads * head_dim) or out.stride(-1) != 1:
@@ -389,6 +408,7 @@ def fused_decode_attention_triton(
         num_splits = choose_num_splits(num_tokens, num_kv_heads, 1, kv_len, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    kv_pf_bytes = _kv_block_bytes(kv_cache, num_tokens * num_splits) if kv_prefetch else 0
     qpk = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_m, block_n, num_warps, num_stages = _launch_config(1, kv_len, qpk, num_splits)
@@ -410,14 +430,14 @@ def fused_decode_attention_triton(
         q3, k3, v3, positions, cos_cache, sin_cache, k_cache, v_cache,
         slot_mapping, seq_lens, block_tables, out3, l2_prefetch if num_pf else seq_lens,
         part_acc, part_m, part_l,
-        scale * _LOG2E, sliding_window or 0, num_heads,
+        scale * _LOG2E, sliding_window or 0, num_heads, num_pf,
         *q3.stride(), *k3.stride(), *v3.stride(), cos_cache.stride(0), sin_cache.stride(0),
         *k_cache.stride(), block_tables.stride(0), *out3.stride(),
         NUM_QUERIES_PER_KV=qpk, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
-        NUM_PF=num_pf, KV_PF_BYTES=kv_pf_bytes, PF_LATE=l2_prefetch_late,
+        HAS_PF=num_pf > 0, KV_PF_BYTES=kv_pf_bytes, PF_LATE=num_pf > 0 and l2_prefetch_late,
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q, early=True),
     )  # fmt: skip

@@ -1,15 +1,17 @@
 """Bulk L2 prefetch of byte ranges from inside a latency-bound kernel (sm_90+).
 
-`prefetch_ranges` is called at the top of a short kernel (the fused decode attention) with a
-[R, 2] int64 table of (address, bytes) — the weights the next kernels of the chain will read
-(`l2_prefetch.PrefetchPlan`). Thread 0 of every program issues its share of
-`cp.async.bulk.prefetch.L2.global` over CHUNK-byte pieces (program p takes pieces p, p + P, ...
-of each range in turn, so the pieces leave roughly in range order) and goes on without waiting:
-the copy engine streams the bytes into the L2 while the kernel runs, and nothing in the kernel
-depends on them. A prefetch is only a hint — results never change, only where later loads hit.
+`prefetch_ranges` is called by a short kernel (the fused decode attention, before its wait or
+after its own work) with a [R, 2] int64 table of (address, bytes) — the weights the next kernels
+of the chain will read (`worker/l2_prefetch.PrefetchPlan`). Thread 0 of every program issues its
+share of `cp.async.bulk.prefetch.L2.global` over CHUNK-byte pieces: the pieces of all ranges are
+numbered in range order and piece i goes to program i mod P, so they leave roughly in range
+order and every program gets about as many. The thread goes on without waiting: the copy engine
+streams the bytes into the L2 while the kernel runs, and nothing in the kernel depends on them.
+A prefetch is only a hint — results never change, only where later loads hit. R is a run-time
+value (one compiled kernel for every plan).
 
-Weights are never written by the chain, so the prefetch needs no ordering against the previous
-kernel: it is issued before `gdc_wait`.
+Weights are never written by the chain, so the prefetch needs no ordering against earlier
+kernels: it may be issued before `gdc_wait`.
 """
 
 from __future__ import annotations
@@ -44,12 +46,17 @@ def prefetch_l2(addr, nbytes):
 
 
 @triton.jit
-def prefetch_ranges(ranges_ptr, pid, num_programs, NUM_RANGES: tl.constexpr, CHUNK: tl.constexpr):
-    """Program `pid` of `num_programs` issues its pieces of the NUM_RANGES (address, bytes)
+def prefetch_ranges(ranges_ptr, num_ranges, pid, num_programs, CHUNK: tl.constexpr):
+    """Program `pid` of `num_programs` issues its pieces of the `num_ranges` (address, bytes)
     rows at `ranges_ptr` (int64; addresses and sizes multiples of 16)."""
-    for r in tl.static_range(NUM_RANGES):
+    first = pid.to(tl.int64)  # this program's first piece number in the current range
+    for r in range(num_ranges):
         base = tl.load(ranges_ptr + 2 * r)
         nbytes = tl.load(ranges_ptr + 2 * r + 1)
-        for c in range(pid, tl.cdiv(nbytes, CHUNK), num_programs):
-            off = c.to(tl.int64) * CHUNK
+        pieces = tl.cdiv(nbytes, CHUNK)
+        for c in range(first, pieces, num_programs):
+            off = c * CHUNK
             prefetch_l2(base + off, tl.minimum(nbytes - off, CHUNK).to(tl.int32))
+        # pieces numbered on across ranges: continue where this program's turn falls
+        first = (first - pieces) % num_programs
+        first = tl.where(first < 0, first + num_programs, first)

@@ -29,14 +29,16 @@ L2_FRACTION = 0.6  # of the L2 a layer's plan may fill (the rest: KV, activation
 MAX_TOKENS = 16  # decode batches up to this many sequences prefetch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PrefetchPlan:
-    """One layer's ranges: `ranges` [R, 2] int64 (address, bytes) on the weights' device."""
+    """One layer's ranges: `ranges` [R, 2] int64 (address, bytes) on the weights' device, and
+    the tensors they lie in (held, so the addresses stay valid as long as the plan)."""
 
     ranges: torch.Tensor
     nbytes: int
     max_tokens: int
     late: bool = False  # issued after the attention's own work instead of before its wait
+    tensors: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_ranges(self) -> int:
@@ -82,13 +84,14 @@ def linear_tensors(linear: nn.Module) -> list[torch.Tensor]:
 
 def default_budget(device: torch.device) -> int:
     """Bytes a layer's plan may prefetch on `device`: L2_FRACTION of its L2 on sm_90+ (the bulk
-    prefetch) with Triton; 0 elsewhere or with `l2_prefetch` disabled."""
+    prefetch) with Triton; 0 elsewhere or with `l2_prefetch` or `fused_decode_attn` disabled."""
     if device.type != "cuda" or platform.capability(device) < (9, 0):
         return 0
     if not platform.triton_available() or not envs.kernel_enabled("l2_prefetch"):
         return 0
-    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
-    return int(l2 * L2_FRACTION)
+    if not envs.kernel_enabled("fused_decode_attn"):  # the kernel that would issue it
+        return 0
+    return int(platform.l2_bytes(device) * L2_FRACTION)
 
 
 def _after_attention(layers: Sequence[nn.Module], i: int) -> list[nn.Module]:
@@ -113,11 +116,13 @@ def bind_l2_prefetch(
         plan = None
         if budget > 0 and hasattr(layer, "mlp"):
             tensors = [t for lin in _after_attention(layers, i) for t in linear_tensors(lin)]
+            device = tensors[0].device if tensors else None
+            tensors = [t for t in tensors if t.device == device]  # (all of them in practice)
             ranges = byte_ranges(tensors, budget)
             if ranges:
-                device = tensors[0].device
                 table = torch.tensor(ranges, dtype=torch.int64).to(device)
-                plan = PrefetchPlan(table, sum(n for _, n in ranges), max_tokens, late)
+                nbytes = sum(n for _, n in ranges)
+                plan = PrefetchPlan(table, nbytes, max_tokens, late, tuple(tensors))
                 total += plan.nbytes
         attn.l2_prefetch = plan
     return total

@@ -20,7 +20,7 @@ _PTRS = {
 }  # fmt: skip
 
 
-def _compile_ptx(num_pf: int, kv_pf_bytes: int = 0, late: bool = False) -> str:
+def _compile_ptx(has_pf: bool, kv_pf_bytes: int = 0, late: bool = False) -> str:
     """The kernel's sm_90 PTX for Qwen2.5-3B heads (16 q / 2 kv, D = 128), 32 splits, PDL
     (in a fresh interpreter: see `compiled_in_child`)."""
     from triton.backends.compiler import GPUTarget
@@ -31,7 +31,7 @@ def _compile_ptx(num_pf: int, kv_pf_bytes: int = 0, late: bool = False) -> str:
     consts = dict(
         NUM_QUERIES_PER_KV=8, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16,
         BLOCK_N=16, NUM_SPLITS=32, SLIDING=False, DROP=16, DOT_PRECISION="tf32",
-        UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, NUM_PF=num_pf, KV_PF_BYTES=kv_pf_bytes,
+        UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, HAS_PF=has_pf, KV_PF_BYTES=kv_pf_bytes,
         PF_LATE=late,
     )  # fmt: skip
     sig = {n: "constexpr" if n in consts else _PTRS.get(n, "i32") for n in fn.arg_names}
@@ -41,42 +41,45 @@ def _compile_ptx(num_pf: int, kv_pf_bytes: int = 0, late: bool = False) -> str:
     ]
 
 
-@pytest.mark.parametrize("num_pf,kv_pf_bytes", [(0, 0), (3, 0), (0, 8192), (2, 8192)])
-def test_prefetches_before_the_wait(num_pf, kv_pf_bytes):
+def _lines(ptx: str, pattern: str) -> list[int]:
+    return [i for i, line in enumerate(ptx.splitlines()) if re.search(pattern, line)]
+
+
+@pytest.mark.parametrize("has_pf,kv_pf_bytes", [(False, 0), (True, 0), (False, 8192), (True, 8192)])
+def test_prefetches_before_the_wait(has_pf, kv_pf_bytes):
     """Everything prefetched sits after the early PDL trigger and before `griddepcontrol.wait`
     (nothing it reads is written by a kernel of the step): one predicated
-    `cp.async.bulk.prefetch.L2` per weight range (in a loop over its pieces) and, with the cache
-    block size given, one for K and one for V in the loop over the split's first blocks; the
-    block-table load feeding them before the wait too, q / k / v loads after it. With neither,
-    no prefetch at all."""
-    ptx = compiled_in_child("test_decode_attention_code", num_pf, kv_pf_bytes)
+    `cp.async.bulk.prefetch.L2` in the loop over the weight ranges' pieces (the range count is
+    a run-time value) and, with the cache block size given, one for K and one for V in the loop
+    over the split's first blocks, fed by block-table loads before the wait too; the bf16
+    q / k / v loads come after it. With neither, no prefetch at all."""
+    ptx = compiled_in_child("test_decode_attention_code", has_pf, kv_pf_bytes)
+    pf = _lines(ptx, r"cp\.async\.bulk\.prefetch\.L2\.global")
+    (wait,) = _lines(ptx, r"griddepcontrol\.wait")
+    (trigger,) = _lines(ptx, r"griddepcontrol\.launch_dependents")
+    assert len(pf) == int(has_pf) + (2 if kv_pf_bytes else 0)
+    assert all(trigger < i < wait for i in pf)
     lines = ptx.splitlines()
-    pf = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
-    wait = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
-    trigger = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
-    assert len(wait) == 1 and len(trigger) == 1
-    assert len(pf) == num_pf + (2 if kv_pf_bytes else 0)
-    assert all(trigger[0] < i < wait[0] for i in pf)
     for i in pf:
         assert re.match(
             r"\s*@\S+ cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", lines[i]
         )
-    if kv_pf_bytes:  # its size: the constexpr block size, moved into the size register
-        assert re.search(rf"mov\.b32 \s*%r\d+, {kv_pf_bytes};", ptx) or f", {kv_pf_bytes};" in ptx
-    # the bf16 q / k / v loads of the new token come after the wait
-    loads16 = [i for i, line in enumerate(lines) if re.search(r"ld\.global\S*\.b16", line)]
-    assert loads16 and min(loads16) > wait[0]
+    # before the wait: the sequence length (+ the block table with the cache prefetch) as
+    # 32-bit loads, the range table as 64-bit ones; the bf16 q / k / v loads after it
+    early32 = [i for i in _lines(ptx, r"ld\.global\S*\.b32 ") if i < wait]
+    assert len(early32) == (2 if kv_pf_bytes else 1)
+    assert bool([i for i in _lines(ptx, r"ld\.global\S*\.b64 ") if i < wait]) == has_pf
+    loads16 = _lines(ptx, r"ld\.global\S*\.b16")
+    assert loads16 and min(loads16) > wait
 
 
 def test_late_weight_prefetch_after_the_stores():
-    """PF_LATE: the weight ranges' prefetches follow the program's last partial store (its own
-    loads never queue behind them); the cache blocks' stay before the wait."""
-    ptx = compiled_in_child("test_decode_attention_code", 2, 8192, True)
-    lines = ptx.splitlines()
-    pf = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    stores = [i for i, line in enumerate(lines) if line.strip().startswith(("st.global", "@"))
-              and "st.global" in line]  # fmt: skip
-    assert len(pf) == 4
+    """PF_LATE: the weight ranges' prefetch follows the program's last partial store (its own
+    loads never queue behind it); the cache blocks' stay before the wait."""
+    ptx = compiled_in_child("test_decode_attention_code", True, 8192, True)
+    pf = _lines(ptx, r"cp\.async\.bulk\.prefetch\.L2\.global")
+    (wait,) = _lines(ptx, r"griddepcontrol\.wait")
+    stores = _lines(ptx, r"st\.global")
+    assert len(pf) == 3
     assert all(i < wait for i in pf[:2])
-    assert all(i > max(stores) for i in pf[2:])
+    assert pf[2] > max(stores)

@@ -275,6 +275,11 @@ def test_bad_arguments():
 # ---- the L2 prefetch of the weights read after attention ---------------------------------------
 
 
+def _skip_before_hopper() -> None:
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the bulk L2 prefetch needs sm_90+")
+
+
 def _prefetch_table(*tensors: torch.Tensor) -> torch.Tensor:
     from pagoda.worker.l2_prefetch import byte_ranges
 
@@ -289,6 +294,10 @@ def test_l2_prefetch_table_is_checked():
         (torch.zeros(6, **int64), r"\[R, 2\] int64"),
         (torch.zeros(2, 4, **int64)[:, ::2], "contiguous"),
     ]
+    if DEVICE == "cuda":
+        bad.append((torch.zeros(3, 2, dtype=torch.int64), "device"))
+        if torch.cuda.get_device_capability() < (9, 0):
+            bad.append((torch.zeros(3, 2, **int64), "sm_90"))
     for table, match in bad:
         with pytest.raises(ValueError, match=match):
             run_fused(case, case.kv_cache.clone(), l2_prefetch=table)
@@ -298,8 +307,9 @@ def test_l2_prefetch_table_is_checked():
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_l2_prefetch_changes_no_result(num_splits, late):
     """With a table of weight ranges (several, one not a multiple of the 32 KiB piece) the
-    output and the cache are bit-identical to the run without (compiled on a GPU: the bulk
-    prefetches are issued; in the interpreter the table is checked and ignored)."""
+    output and the cache are bit-identical to the run without (compiled on an sm_90+ GPU: the
+    bulk prefetches are issued; in the interpreter the table is checked and ignored)."""
+    _skip_before_hopper()
     case = make_case([40, 300, 7], 8, 2, 64, torch.bfloat16, num_padding=1, seed=3)
     weights = [torch.randn(n, device=DEVICE) for n in (1000, 300_001, 70_000)]
     table = _prefetch_table(*weights)
@@ -441,7 +451,11 @@ def test_gpu_kv_prefetch_changes_no_result(window):
     """The splits' first cache blocks prefetched before the wait (on by default on sm_90):
     output and cache bit-identical to kv_prefetch=False, contexts from 1 to 9k keys (splits
     with more blocks than the prefetched 4, empty splits), with and without a window."""
+    from pagoda.kernels.triton_decode_attention import _kv_block_bytes
+
     case = make_case([9000, 1, 40, 700, 64], 28, 4, 128, torch.bfloat16, num_padding=2, seed=9)
+    if torch.cuda.get_device_capability() >= (9, 0):  # the prefetch really runs
+        assert _kv_block_bytes(case.kv_cache, 7 * 8) == 16 * 4 * 128 * 2
     outs, caches = [], []
     for kv_prefetch in (True, False):
         cache = case.kv_cache.clone()
@@ -458,6 +472,7 @@ def test_gpu_l2_prefetch_in_a_cuda_graph():
     """Qwen2.5-7B heads at batch 1, a 700-token context and 96 MiB of ranges to prefetch
     (more than the L2), captured in a graph and replayed: output and cache equal the run
     without the table."""
+    _skip_before_hopper()
     case = make_case([700], 28, 4, 128, torch.bfloat16, num_padding=0, seed=5)
     weights = [torch.randn(n, device=DEVICE, dtype=torch.bfloat16) for n in (3584, 48 << 20)]
     table = _prefetch_table(*weights)
