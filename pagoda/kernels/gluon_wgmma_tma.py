@@ -14,10 +14,12 @@ how many weight rows share one activation tile:
   into a ring of NUM_STAGES stages, completing on an mbarrier per stage; the consumers release a
   stage through a second mbarrier once both MMAs that read it have retired.
 - The consumers turn each lane's 4 words (16 bytes) into its A fragments: the quad transpose
-  (`_QUAD_T`) gives natural K order, then `_DEQUANT` (lop3 to 128 + u, add the zero offset, mul by
-  the scale: the reference's bf16 exactly). Slab 0 of step i is dequantized while slab 1 of step
-  i - 1 is still on the tensor cores and the other way round: one wait for one group before each
-  slab keeps a single MMA in flight over every dequantization, with distinct registers.
+  (`_QUAD_T`) gives natural K order (or, with the config's `natural` False, x is copied into
+  the layout's slot order first, `to_slot_order`, and the words go in as they are), then
+  `_DEQUANT` (lop3 to 128 + u, add the zero offset, mul by the scale: the reference's bf16
+  exactly). Slab 0 of step i is dequantized while slab 1 of step i - 1 is still on the tensor
+  cores and the other way round: one wait for one group before each slab keeps a single MMA in
+  flight over every dequantization, with distinct registers.
 
 The grid is one-dimensional, tiles numbered M-tile first (a column tile's weights read from DRAM
 once). `tail_schedule`: whole waves of tiles (one CTA a tile), then the tiles left are split over
@@ -44,7 +46,8 @@ SLAB = 64  # weight rows per warpgroup accumulator (wgmma's M)
 BLOCK_MS = (16, 32, 64, 128)  # batch rows a tile (wgmma's N)
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
 
-TmaConfig = tuple  # (BLOCK_M, warpgroups, split-K of the last wave's tiles, stages)
+# (BLOCK_M, warpgroups, split-K of the last wave's tiles, stages[, natural K order of x])
+TmaConfig = tuple
 
 
 def tma_supported(n: int, k: int, group_size: int) -> bool:
@@ -68,6 +71,14 @@ def gluon_tma_available() -> bool:
     except ImportError:
         return False
     return hasattr(gl, "warp_specialize")
+
+
+def to_slot_order(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] with each 64-K tile's columns in the layout's slot order (`gluon_mma_wgmma.
+    slot_to_real_pair`: slot pair 8 v + 4 h + c holds real pair 8 c + 2 v + h), one copy: the
+    order in which a lane's words already hold K, so the kernel skips the quad transpose."""
+    m, k = x.shape
+    return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
 
 
 def rows_per_cta(warpgroups: int) -> int:
@@ -112,9 +123,10 @@ def _kernel():
 
     @gluon.jit
     def _fragment(w_st, s_st, z_st, NUM_WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                  HAS_ZP: gl.constexpr):  # fmt: skip
-        """A slab's register operand [64 NUM_WG, 64] (natural K) from its words and pairs in
-        shared memory (bf16 views [RW, 32] and [RW, 2])."""
+                  HAS_ZP: gl.constexpr, NATURAL_X: gl.constexpr):  # fmt: skip
+        """A slab's register operand [64 NUM_WG, 64] from its words and pairs in shared memory
+        (bf16 views [RW, 32] and [RW, 2]): K in natural order (the words through the quad
+        transpose) or, NATURAL_X False, in the layout's slot order (no transpose)."""
         RW: gl.constexpr = 32 * NUM_WG
         NW: gl.constexpr = 4 * NUM_WG
         mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -137,10 +149,11 @@ def _kernel():
             zl = gl.full([RW, 1, 2], -136.0, gl.bfloat16, layout=v_l)
             zh = zl
         words = w_st.load(word_layout(NUM_WG))  # [RW, 32 (c, v, half)]
-        # word v of lane c becomes its word for natural K slice v
-        words = gl.inline_asm_elementwise(
-            quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=8,
-        )  # fmt: skip
+        if NATURAL_X:  # word v of lane c becomes its word for natural K slice v
+            words = gl.inline_asm_elementwise(
+                quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16, is_pure=True,
+                pack=8,
+            )  # fmt: skip
         return a_operand(words, sl, sh, zl, zh, NUM_WG, a_l)
 
     @gluon.jit
@@ -219,7 +232,7 @@ def _kernel():
                  b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om, n_splits,
                  BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                  HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 ONE_SPLIT: gl.constexpr):  # fmt: skip
+                 ONE_SPLIT: gl.constexpr, NATURAL_X: gl.constexpr):  # fmt: skip
         """The consumer warpgroups: dequantize, MMA, release stages; then the epilogue."""
         RW: gl.constexpr = 32 * NUM_WG
         NW: gl.constexpr = 4 * NUM_WG
@@ -250,12 +263,14 @@ def _kernel():
             # One MMA in flight over each dequantization: slab 0 of step i is dequantized while
             # slab 1 of step i - 1 runs, slab 1 while slab 0 of step i runs (each wait retires
             # the group before the one just issued).
-            a0 = _fragment(w_st.slice(0, RW), s_st.slice(0, RW), z0, NUM_WG, BLOCK_M, HAS_ZP)
+            a0 = _fragment(w_st.slice(0, RW), s_st.slice(0, RW), z0, NUM_WG, BLOCK_M, HAS_ZP,
+                           NATURAL_X)  # fmt: skip
             acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
             acc0, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, a0, xs])
             # both MMAs of step i - 1 have retired: its stage goes back to the producer
             mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
-            a1 = _fragment(w_st.slice(RW, RW), s_st.slice(RW, RW), z1, NUM_WG, BLOCK_M, HAS_ZP)
+            a1 = _fragment(w_st.slice(RW, RW), s_st.slice(RW, RW), z1, NUM_WG, BLOCK_M, HAS_ZP,
+                           NATURAL_X)  # fmt: skip
             acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
             acc1, a1, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, a1, xs])
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
@@ -308,6 +323,7 @@ def _kernel():
         HAS_ZP: gl.constexpr,
         HAS_BIAS: gl.constexpr,
         ONE_SPLIT: gl.constexpr,  # else the serial split-K reduction through ws / cnt
+        NATURAL_X: gl.constexpr = True,  # x in natural K order, else in slot order (no transpose)
     ):  # fmt: skip
         S: gl.constexpr = NUM_STAGES
         # CTAs [0, whole_tiles) take tiles whole; each later group of tail_splits CTAs splits
@@ -344,7 +360,7 @@ def _kernel():
                 (_consume, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n,
                             tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om,
                             n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
-                            ONE_SPLIT)),
+                            ONE_SPLIT, NATURAL_X)),
                 (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
                             ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES, HAS_ZP)),
             ],
@@ -441,7 +457,8 @@ def wna16_wgmma_tma(
     supported = tma_supported(n, k, group_size)
     check_inputs("wna16_wgmma_tma", x, n, group_size, bias, supported, "N % 16 == 0")
     num_sms = platform.num_sms(x.device)
-    block_m, wgs, split, stages = config or default_tma_config(m, n, k, num_sms)
+    block_m, wgs, split, stages, *rest = config or default_tma_config(m, n, k, num_sms)
+    natural = bool(rest[0]) if rest else True
     zp = zero_pairs is not None
     if block_m not in BLOCK_MS or wgs not in (1, 2):
         raise ValueError(f"config {config}: BLOCK_M in {BLOCK_MS}, 1 or 2 warpgroups")
@@ -454,6 +471,8 @@ def wna16_wgmma_tma(
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     if x.stride(1) != 1 or x.stride(0) % 8:
         x = x.contiguous()
+    if not natural:  # one copy into the layout's slot order: the words need no transpose
+        x = to_slot_order(x)
     if x.data_ptr() % 16:  # a view at an odd offset: TMA needs a 16-byte aligned base
         x = x.clone(memory_format=torch.contiguous_format)
     rows = rows_per_cta(wgs)
@@ -483,6 +502,7 @@ def wna16_wgmma_tma(
         HAS_ZP=zp,
         HAS_BIAS=bias is not None,
         ONE_SPLIT=split == 1,
+        NATURAL_X=natural,
         num_warps=4 * wgs,
         maxnreg=max_regs(wgs),
     )  # fmt: skip

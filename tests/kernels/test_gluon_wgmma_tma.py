@@ -60,7 +60,9 @@ def test_default_configs_fit_and_fill_the_gpu():
     assert tk.default_tma_config(64, 2560, 2048, 132) == (64, 1, 4, 4)
 
 
-def _compile_ptx(block_m: int, wgs: int, stages: int, zp: bool, one_split: bool) -> str:
+def _compile_ptx(
+    block_m: int, wgs: int, stages: int, zp: bool, one_split: bool, natural: bool = True
+) -> str:
     """The kernel's sm_90 PTX (in a fresh interpreter: see `_compiled`)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -79,7 +81,8 @@ def _compile_ptx(block_m: int, wgs: int, stages: int, zp: bool, one_split: bool)
            "stride_om": "i32", "m_tiles": "i32", "whole_tiles": "i32",
            "tail_splits": "i32"}  # fmt: skip
     consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": wgs, "NUM_STAGES": stages,
-              "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split}  # fmt: skip
+              "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split,
+              "NATURAL_X": natural}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7, 8, 10, 13)}
     src = GluonASTSource(fn=tk._kernel(), signature=sig, constexprs=consts, attrs=attrs)
@@ -145,7 +148,8 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
     of K steps; every tile size, one and two warpgroups, split-K, ring depths."""
     n, k = 400, 512 if group == 128 else 576
     configs = (None, (16, 1, 1, 2), (32, 2, 1, 4), (64, 1, 3, 4), (64, 2, 2, 6),
-               (128, 1, 1, 3), (128, 2, 4, 4))  # fmt: skip
+               (128, 1, 1, 3), (128, 2, 4, 4),
+               (16, 1, 1, 2, False), (64, 2, 2, 4, False), (128, 1, 3, 4, False))  # fmt: skip
     check_configs(tk.wna16_wgmma_tma, configs, m, n, k, group, zp, bias)
 
 
@@ -159,3 +163,39 @@ def test_qwen_shapes_and_graph_replay_gpu(m, zp):
     captured in a CUDA graph and replayed on new inputs."""
     shapes = ((4608, 3584), (3584, 18944), (22016, 2048), (2048, 11008))
     check_shapes_and_graph_replay(tk.wna16_wgmma_tma, m, zp, shapes)
+
+
+@pytest.mark.skipif(not tk.gluon_tma_available(), reason="needs Triton with Gluon's TMA")
+def test_sm90_code_slot_order():
+    """With x in slot order (`natural` False) the words go into the dequantization as they
+    are: no butterfly shuffle, no byte permute of the transpose; the same 8 wgmma and 32
+    multiplies."""
+    ptx = _compiled(128, 1, 4, False, True, False)
+    assert "shfl.sync.bfly" not in ptx
+    assert "0x6240" not in ptx and "0x7351" not in ptx  # the transpose's prmt selectors
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{", ptx)
+    assert len(mmas) == 8 and ptx.count("mul.rn.bf16x2") == 32
+
+
+def test_slot_order_feeds_each_slot_its_code():
+    """`to_slot_order` puts real K pair `slot_to_real_pair(s)` at slot pair s of every 64-K
+    tile, and against the words' slot-order unpacking (`unpack_slots`, the kernel's steps in
+    torch) the products summed over the slots equal codes @ x exactly: the kernel's K sum
+    with x copied into slot order is the real one."""
+    from pagoda.kernels.gluon_mma_wgmma import slot_to_real_pair, unpack_slots
+    from pagoda.kernels.triton_w4a16_mma import repack_mma
+
+    g = torch.Generator().manual_seed(3)
+    m, n, k = 5, 128, 192
+    x = torch.randn(m, k, generator=g, dtype=torch.float64)
+    xs = tk.to_slot_order(x)
+    for kb in range(k // 64):
+        for slot in range(32):
+            real = 64 * kb + 2 * slot_to_real_pair(slot)
+            assert torch.equal(
+                xs[:, 64 * kb + 2 * slot : 64 * kb + 2 * slot + 2], x[:, real : real + 2]
+            )
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    fed = unpack_slots(repack_mma(codes), n, k, num_wg=1, natural=False)  # [N, K slots]
+    assert not torch.equal(fed, codes.to(torch.int32))  # slot order is not natural order
+    torch.testing.assert_close(xs @ fed.double().t(), x @ codes.double().t(), rtol=1e-12, atol=1e-9)
