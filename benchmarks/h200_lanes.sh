@@ -9,8 +9,14 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Steps (session 18): pf18 pf18b vl18 (the decode attention prefetches the next weights into the L2;
-#   built without a GPU: measure, then keep or delete), then session 17's
+# Next GPU session, in this order (three calls fill the 30 min): check18 (every GPU test of
+#   the default-on features built without a GPU in sessions 17-18, then one combined A/B on
+#   3B W4A16), ab18 (the same on 3B bf16; batch-1 latency and MBU with everything on / off,
+#   each in its own process), tma17 (the TMA GEMM sweep incl. slot order); then pf18 pf18b
+#   pro17 pro17b vl18 ncu17 for the detail.
+# Steps (session 18): check18 ab18 pf18 pf18b vl18 (the decode attention prefetches the next
+#   weights and its first KV blocks into the L2; built without a GPU: measure, then keep or
+#   delete), then session 17's
 # Steps (session 17): pro17 pro17b (built without a GPU: first measure, then keep or delete),
 #   tma17 (the TMA GEMM's one-round-trip split finish), ncu17 (Nsight Compute on the TMA GEMM;
 #   ncu reads counters on Firecracker machines only)
@@ -751,6 +757,35 @@ step_vl18() {
   run vl_unfused 200 env PAGODA_DISABLED_KERNELS=fused_decode_attn python3 \
     benchmarks/vl/bench_vl.py --iters 3 --warmup 1 --output-len 128 --skip-transformers \
     --out "$R/vl_unfused.json"
+}
+# session 18, first call: the GPU tests of everything on by default that no GPU has run (the
+# batch-1 prologues, the split-K finish, the L2 / KV prefetch, M-RoPE on the fused decode
+# attention, slot-order x in the TMA GEMM), then the batch-1 decode graph of 3B W4A16 with
+# each piece off in turn and all off ('off' = the graph of session 16)
+step_check18() {
+  run check_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/entrypoints/test_gpu_engine.py tests/entrypoints/test_gpu_engine_w4a16.py \
+    tests/worker/test_l2_prefetch.py tests/kernels/test_fused_decode_attention.py \
+    tests/kernels/test_triton_gemv.py tests/kernels/test_triton_w4a16_mma.py \
+    tests/models/test_qwen2_5_vl.py tests/kernels/test_gluon_wgmma_tma.py \
+    tests/kernels/test_gluon_mma_wgmma.py -k "prologue or chained or engine or prefetch or \
+graph or decoder_attention or gemm_matches or qwen_shapes or within_ties or shared"
+  ab_ablate 3b_w4a16 "config:$CFG3:w4a16"
+}
+# session 18, second call: the same A/B on 3B bf16; batch-1 latency + MBU of 3B bf16 / W4A16
+# with every piece on (default) and off, each in its own process
+step_ab18() {
+  ab_ablate 3b_bf16 "config:$CFG3"
+  latrun 3b_on "config:$CFG3"
+  latrun 3b_off "config:$CFG3" PAGODA_DISABLED_KERNELS=gemv_prologue,l2_prefetch,kv_prefetch
+  latrun 3b_w4a16_on "config:$CFG3:w4a16"
+  latrun 3b_w4a16_off "config:$CFG3:w4a16" \
+    PAGODA_DISABLED_KERNELS=gemv_prologue,l2_prefetch,kv_prefetch
+}
+ab_ablate() {
+  run "ablate_ab_$1" 110 python3 benchmarks/ablate_decode.py "$2" \
+    --ablations none,unfused+pf0+nokv,unfused,pf0,nokv,none,unfused+pf0+nokv,pf16,pfl30 \
+    --out "$R/ablate_ab_$1.json"
 }
 pf_ablate() {
   run "ablate_pf_$1" 120 python3 benchmarks/ablate_decode.py "$2" \
