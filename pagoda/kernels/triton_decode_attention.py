@@ -49,6 +49,7 @@ from pagoda.kernels.triton_paged_attention import (
     _launch_config,
     _num_sms,
     _split_kv_reduce_kernel,
+    _split_range,
     choose_num_splits,
     effective_kv_len,
 )
@@ -156,15 +157,8 @@ def _fused_decode_attention_kernel(
         kv_start = tl.maximum(ctx + 1 - window, 0)
     else:
         kv_start = 0
-    if NUM_SPLITS == 1:
-        lo = kv_start
-        hi = ctx
-    else:
-        # Per-sequence chunks (multiples of BLOCK_N) as in `_paged_attention_kernel`; trailing
-        # splits of a short sequence are empty (lo >= hi) and store m = -inf, l = 0.
-        chunk = tl.cdiv(tl.cdiv(ctx - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = kv_start + split * chunk
-        hi = tl.minimum(lo + chunk, ctx)
+    # (empty splits of a short sequence store m = -inf, l = 0)
+    lo, hi = _split_range(kv_start, ctx, split, NUM_SPLITS, BLOCK_N)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if KV_PF_BYTES > 0:  # noqa: SIM102 (a constexpr: the block is pruned when 0)
         if kv_head == 0:  # the split's first cache blocks, every KV head, into the L2

@@ -124,6 +124,21 @@ def _attn_tile(
 
 
 @triton.jit
+def _split_range(kv_start, kv_end, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [lo, hi) of split `split` of [kv_start, kv_end): chunks sized per sequence (a
+    multiple of BLOCK_N) so shorter sequences of a batch split evenly too; trailing splits of a
+    short sequence are empty (lo >= hi)."""
+    if NUM_SPLITS == 1:
+        lo = kv_start
+        hi = kv_end
+    else:
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_start + split * chunk
+        hi = tl.minimum(lo + chunk, kv_end)
+    return lo, hi
+
+
+@triton.jit
 def _attn_range(
     acc, l_i, m_i, q, k_base, v_base, block_table_row, lo, head_hi, full_hi, hi, q_pos, win_lo,
     offs_d, d_mask, stride_kb, stride_kt, stride_kd, qk_scale,
@@ -249,15 +264,7 @@ def _paged_attention_kernel(
         win_lo = q_pos  # unused
         kv_start = 0
         win_full = 0
-    if NUM_SPLITS == 1:
-        lo = kv_start
-        hi = kv_end
-    else:
-        # Chunks are sized per sequence (a multiple of BLOCK_N) so shorter sequences of the
-        # batch split evenly too; trailing splits of a short sequence may be empty.
-        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = kv_start + split * chunk
-        hi = tl.minimum(lo + chunk, kv_end)
+    lo, hi = _split_range(kv_start, kv_end, split, NUM_SPLITS, BLOCK_N)
     head_hi = lo
     if SLIDING:  # tiles starting before win_full are masked per row
         head_hi = lo + tl.cdiv(tl.maximum(win_full - lo, 0), BLOCK_N) * BLOCK_N
