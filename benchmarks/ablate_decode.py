@@ -19,6 +19,7 @@ Ablations (cumulative names are joined with '+'):
     pfN      the decode attention prefetches N MiB of the following weights into the L2 per
              layer instead of the default budget (pf0: none; `worker/l2_prefetch.py`)
     pflN     the same, issued after the attention's own work instead of before its wait
+    pfsN     (or pflsN) the linears' weights smallest first instead of in the order of use
     nokv     the decode attention does not prefetch its first cache blocks before its wait
              (`PAGODA_DISABLED_KERNELS=kv_prefetch`)
 """
@@ -29,6 +30,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -101,13 +103,16 @@ def ablated(parts: set[str]) -> Iterator[None]:
         attention._kv_prefetch = kv_prefetch
 
 
-def _budget_part(part: str) -> bool:
-    """'pfN' or 'pflN' with N a finite MiB count >= 0."""
+def _budget_part(part: str) -> tuple[bool, str, float] | None:
+    """'pf[l][s]N' (N a finite MiB count >= 0) -> (late, order, N); None if it is not one."""
+    m = re.fullmatch(r"pf(l?)(s?)([0-9.]+)", part)
     try:
-        mib = float(part[3:] if part[2:3] == "l" else part[2:])
+        mib = float(m.group(3)) if m else -1.0
     except ValueError:
-        return False
-    return part.startswith("pf") and math.isfinite(mib) and mib >= 0
+        return None
+    if not m or not math.isfinite(mib) or mib < 0:
+        return None
+    return bool(m.group(1)), "size" if m.group(2) else "use", mib
 
 
 def main() -> int:
@@ -125,7 +130,8 @@ def main() -> int:
     names = ns.ablations.split(",")
     for name in names:
         for part in [] if name == "none" else name.split("+"):
-            if part not in ("norm", "silu", "attn", "unfused", "nokv") and not _budget_part(part):
+            known = part in ("norm", "silu", "attn", "unfused", "nokv")
+            if not known and _budget_part(part) is None:
                 p.error(f"--ablations: unknown part {part!r} in {name!r}")
         if sum(part.startswith("pf") for part in name.split("+")) > 1:
             p.error(f"--ablations: {name!r} gives more than one prefetch budget")
@@ -158,9 +164,8 @@ def main() -> int:
     for name in names:
         parts = set() if name == "none" else set(name.split("+"))
         pf = [x for x in parts if x.startswith("pf")]
-        late = bool(pf) and pf[0].startswith("pfl")
-        mib = (pf[0][3:] if late else pf[0][2:]) if pf else None
-        bind_l2_prefetch(layers, int(float(mib) * 2**20) if pf else default, late=late)
+        late, order, mib = _budget_part(pf[0]) if pf else (False, "use", default / 2**20)
+        bind_l2_prefetch(layers, int(mib * 2**20), late=late, order=order)
         with ablated(parts - set(pf)):
             gr.graphs.clear()
             gr.capture()

@@ -784,12 +784,12 @@ step_ab18() {
 }
 ab_ablate() {
   run "ablate_ab_$1" 110 python3 benchmarks/ablate_decode.py "$2" \
-    --ablations none,unfused+pf0+nokv,unfused,pf0,nokv,none,unfused+pf0+nokv,pf16,pfl30 \
+    --ablations none,unfused+pf0+nokv,unfused,pf0,nokv,none,unfused+pf0+nokv,pf16,pfl30,pfs30 \
     --out "$R/ablate_ab_$1.json"
 }
 pf_ablate() {
   run "ablate_pf_$1" 120 python3 benchmarks/ablate_decode.py "$2" \
-    --ablations none,pf0,pf8,pf16,pf24,pf40,none,pf0,pf30,pf12,nokv,pf0+nokv,none,nokv,pfl16,pfl30 \
+    --ablations none,pf0,pf8,pf16,pf24,pf40,none,pf0,pf30,pf12,nokv,pf0+nokv,none,nokv,pfl16,pfl30,pfs16,pfs30 \
     --out "$R/ablate_pf_$1.json"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at

@@ -94,17 +94,27 @@ def default_budget(device: torch.device) -> int:
     return int(platform.l2_bytes(device) * L2_FRACTION)
 
 
-def _after_attention(layers: Sequence[nn.Module], i: int) -> list[nn.Module]:
-    """The linears a decode step reads after layer i's attention, in order."""
+def _after_attention(layers: Sequence[nn.Module], i: int, order: str) -> list[nn.Module]:
+    """The linears a decode step reads after layer i's attention: in the order it reads them
+    ("use"), or the smallest first ("size": the latency-bound small GEMVs gain the most per
+    byte from the L2)."""
     layer = layers[i]
-    order = [layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    linears = [layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     if i + 1 < len(layers):
-        order.append(layers[i + 1].self_attn.qkv_proj)
-    return order
+        linears.append(layers[i + 1].self_attn.qkv_proj)
+    if order == "size":
+        linears.sort(key=lambda lin: sum(t.numel() * t.element_size() for t in linear_tensors(lin)))
+    elif order != "use":
+        raise ValueError(f"order must be 'use' or 'size', got {order!r}")
+    return linears
 
 
 def bind_l2_prefetch(
-    layers: Sequence[nn.Module], budget: int, max_tokens: int = MAX_TOKENS, late: bool = False
+    layers: Sequence[nn.Module],
+    budget: int,
+    max_tokens: int = MAX_TOKENS,
+    late: bool = False,
+    order: str = "use",
 ) -> int:
     """Give every decoder layer's attention its plan (`attn.l2_prefetch`; None where `budget`
     is 0 or the layer is not a plain decoder layer). Returns the bytes one step prefetches."""
@@ -115,7 +125,8 @@ def bind_l2_prefetch(
             continue
         plan = None
         if budget > 0 and hasattr(layer, "mlp"):
-            tensors = [t for lin in _after_attention(layers, i) for t in linear_tensors(lin)]
+            linears = _after_attention(layers, i, order)
+            tensors = [t for lin in linears for t in linear_tensors(lin)]
             device = tensors[0].device if tensors else None
             tensors = [t for t in tensors if t.device == device]  # (all of them in practice)
             ranges = byte_ranges(tensors, budget)

@@ -107,6 +107,19 @@ def test_bind_cuts_each_plan_at_the_budget():
     assert all(layer.self_attn.attn.l2_prefetch is None for layer in layers)
 
 
+def test_size_order_puts_the_smallest_linear_first():
+    layers = decoder_layers(_model())
+    bind_l2_prefetch(layers, 1 << 30, order="size")
+    plan = layers[0].self_attn.attn.l2_prefetch
+    lins = _after(layers, 0)
+    by_size = sorted(lins, key=lambda lin: sum(_nbytes(t) for t in linear_tensors(lin)))
+    assert by_size[0] is not lins[0] or by_size[1] is not lins[1]  # a different order here
+    tensors = [t for lin in by_size for t in linear_tensors(lin)]
+    assert plan.ranges.tolist() == [list(r) for r in byte_ranges(tensors, 1 << 40)]
+    with pytest.raises(ValueError, match="order"):
+        bind_l2_prefetch(layers, 1 << 30, order="random")
+
+
 def test_no_budget_off_hopper():
     assert default_budget(torch.device("cpu")) == 0
 
