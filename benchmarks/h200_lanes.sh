@@ -13,8 +13,8 @@
 #   the default-on features built without a GPU in sessions 17-18, then one combined A/B on
 #   3B W4A16), ab18 (the same on 3B bf16; batch-1 latency and MBU with everything on / off,
 #   each in its own process), tma17 (the TMA GEMM sweep incl. slot order); then pf18 pf18b
-#   pro17 pro17b vl18 ncu17 for the detail.
-# Steps (session 18): check18 ab18 pf18 pf18b vl18 (the decode attention prefetches the next
+#   pro17 pro17b vl18 prof18 ncu17 for the detail.
+# Steps (session 18): check18 ab18 pf18 pf18b vl18 prof18 (the decode attention prefetches the next
 #   weights and its first KV blocks into the L2; built without a GPU: measure, then keep or
 #   delete), then session 17's
 # Steps (session 17): pro17 pro17b (built without a GPU: first measure, then keep or delete),
@@ -786,6 +786,18 @@ ab_ablate() {
   run "ablate_ab_$1" 110 python3 benchmarks/ablate_decode.py "$2" \
     --ablations none,unfused+pf0+nokv,unfused,pf0,nokv,none,unfused+pf0+nokv,pf16,pfl30,pfs30 \
     --out "$R/ablate_ab_$1.json"
+}
+# session 18: where a batch-128 / 64 decode step goes (session 16: 7B W4A16 at batch 128 fell
+# from 0.92x to 0.87x bf16 with no slower layer; the protocol's decode runs at these batches):
+# the graph alone, with the LM head, the engine step, and the profiler's kernel table
+step_prof18() {
+  local spec
+  for spec in "7b_bf16_128:$CFG7:128" "7b_w4a16_128:$CFG7:w4a16:128" \
+    "3b_w4a16_64:$CFG3:w4a16:64"; do
+    local tag=${spec%%:*} rest=${spec#*:}
+    run "prof_$tag" 150 python3 benchmarks/profile_decode.py "config:${rest%:*}" \
+      --batch "${rest##*:}" --output-len 128 --out "$R/prof_$tag"
+  done
 }
 pf_ablate() {
   run "ablate_pf_$1" 120 python3 benchmarks/ablate_decode.py "$2" \

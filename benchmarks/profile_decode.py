@@ -6,6 +6,9 @@ included); then a torch.profiler trace of engine decode steps gives GPU busy tim
 and the top kernels, and each weight shape's M=1 matmul is timed against the copy bandwidth.
 
     python benchmarks/profile_decode.py config:benchmarks/configs/qwen2.5-7b.json --out DIR
+
+`--batch B` does the same for a decode step of B sequences (B prompts; the graph of the
+smallest captured size >= B; each weight's matmul at M = B).
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1, help="sequences a decode step (default 1)")
     ns = p.parse_args()
+    if not 1 <= ns.batch <= 512:
+        p.error(f"--batch must be in 1..512, got {ns.batch}")
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
@@ -47,26 +53,31 @@ def main() -> int:
         dtype="bfloat16",
         max_model_len=4096,
         gpu_memory_utilization=0.5,
-        max_num_seqs=8,
+        max_num_seqs=max(8, ns.batch),
         skip_tokenizer_init=True,
     )
     runner = llm.llm_engine.core.runner
     model = runner.model
-    prompt = [[(7 * i) % 10000 for i in range(ns.prompt_len)]]
+    b = ns.batch
+    prompts = [[(7 * i + 13 * j) % 10000 for i in range(ns.prompt_len)] for j in range(b)]
     sp = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
-    llm.generate(prompt, sp, use_tqdm=False)
+    llm.generate(prompts, sp, use_tqdm=False)
 
-    res: dict = {"copy_bandwidth_bytes_per_s": bw}
+    res: dict = {"copy_bandwidth_bytes_per_s": bw, "batch": b}
     # 1. engine step, host included
-    prompt = [[t + 1 for t in prompt[0]]]
-    m = llm.generate(prompt, sp, use_tqdm=False)[0].metrics
-    res["engine_step_s"] = (m.finished_time - m.first_token_time) / (ns.output_len - 1)
+    prompts = [[t + 1 for t in p] for p in prompts]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    res["engine_step_s"] = max(
+        (o.metrics.finished_time - o.metrics.first_token_time) / (ns.output_len - 1) for o in outs
+    )
 
-    # 2. the size-1 decode graph alone, and with lm_head + argmax (no host work between)
+    # 2. the decode graph alone, and with lm_head + argmax (no host work between)
     gr = runner.graph_runner
-    g = gr.graphs[1]
+    size = min(s for s in gr.graphs if s >= b)
+    res["graph_size"] = size
+    g = gr.graphs[size]
     res["graph_replay_s"] = timed(g.replay, 200)
-    hid = gr.outputs[1]
+    hid = gr.outputs[size]
 
     def graph_logits_argmax() -> None:
         g.replay()
@@ -84,11 +95,11 @@ def main() -> int:
     # 3. profiler over engine decode steps
     from torch.profiler import ProfilerActivity, profile
 
-    prompt = [[t + 2 for t in prompt[0]]]
+    prompts = [[t + 2 for t in p] for p in prompts]
     short = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        llm.generate(prompt, short, use_tqdm=False)
+        llm.generate(prompts, short, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     events = prof.events()
@@ -108,7 +119,7 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001
         print("trace export failed:", e, file=sys.stderr)
 
-    # 4. each weight's M=1 matmul vs the copy bandwidth
+    # 4. each weight's M = batch matmul vs the copy bandwidth
     rows = []
     seen = set()
     for name, prm in model.named_parameters():
@@ -120,7 +131,7 @@ def main() -> int:
         ):
             continue
         seen.add(tuple(prm.shape))
-        x = torch.randn(1, prm.shape[1], device=dev, dtype=prm.dtype)
+        x = torch.randn(b, prm.shape[1], device=dev, dtype=prm.dtype)
         t = timed(lambda x=x, w=prm: torch.nn.functional.linear(x, w), 200)
         rows.append(
             {
