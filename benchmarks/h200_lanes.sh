@@ -696,7 +696,9 @@ prologue_ab() {
   latrun "${tag}_unfused" "config:$cfg" PAGODA_DISABLED_KERNELS=gemv_prologue
 }
 # (session 18: the sweep also times each default with x copied into slot order first, the
-# words then without the quad transpose: 186 instead of 229 SASS instructions a K step)
+# words then without the quad transpose: 186 instead of 229 SASS instructions a K step; and
+# past 128 rows 256-row tiles of one slab a warpgroup: 241 SASS instructions for two K steps of
+# four m64n256k16 each, half the dequantization per MMA of the 128-row tile)
 # session 17: the last split of a tile reads its sums back in one round trip a slab in the TMA
 # GEMM (it took 8 on 128-row tiles, one per 16-row chunk, each waiting for the last), in one a
 # tile in the cp.async wgmma GEMM (4 on 64-row tiles) and in the shared-dequantization GEMV
@@ -705,7 +707,7 @@ prologue_ab() {
 step_tma17() {
   run tma_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_wgmma_tma.py tests/kernels/test_gluon_mma_wgmma.py \
-    tests/kernels/test_triton_w4a16_mma.py -k "not qwen7b"
+    tests/kernels/test_triton_w4a16_mma.py -k "not qwen7b"  # (incl. the one-slab configs)
   run tma_sweep 300 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
     --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
     --out "$R/tma_sweep"

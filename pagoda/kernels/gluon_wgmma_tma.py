@@ -46,8 +46,10 @@ SLAB = 64  # weight rows per warpgroup accumulator (wgmma's M)
 BLOCK_MS = (16, 32, 64, 128)  # batch rows a tile (wgmma's N)
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
 
-# (BLOCK_M, warpgroups, split-K of the last wave's tiles, stages[, natural K order of x])
+# (BLOCK_M, warpgroups, split-K of the last wave's tiles, stages[, natural K order of x[, slabs
+# a warpgroup: 2, or 1 with BLOCK_M up to 256]])
 TmaConfig = tuple
+ONE_SLAB_BLOCK_MS = BLOCK_MS + (256,)  # one slab a warpgroup: wgmma's N up to 256
 
 
 def tma_supported(n: int, k: int, group_size: int) -> bool:
@@ -81,18 +83,18 @@ def to_slot_order(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
 
 
-def rows_per_cta(warpgroups: int) -> int:
-    return 2 * SLAB * warpgroups
+def rows_per_cta(warpgroups: int, slabs: int = 2) -> int:
+    return slabs * SLAB * warpgroups
 
 
-def stage_bytes(block_m: int, wgs: int, zp: bool) -> int:
+def stage_bytes(block_m: int, wgs: int, zp: bool, slabs: int = 2) -> int:
     """One ring stage: the activation tile, the words and the scale (zero) pairs of the CTA."""
-    rows = rows_per_cta(wgs)
+    rows = rows_per_cta(wgs, slabs)
     return block_m * BLOCK_K * 2 + rows * BLOCK_K // 2 + rows * 2 * (2 if zp else 1)
 
 
-def smem_bytes(block_m: int, wgs: int, stages: int, zp: bool) -> int:
-    return stages * stage_bytes(block_m, wgs, zp) + 2 * stages * 8
+def smem_bytes(block_m: int, wgs: int, stages: int, zp: bool, slabs: int = 2) -> int:
+    return stages * stage_bytes(block_m, wgs, zp, slabs) + 2 * stages * 8
 
 
 @functools.cache
@@ -313,6 +315,78 @@ def _kernel():
                 gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 
     @gluon.jit
+    def _consume1(x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n, tile,
+                  b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om, n_splits,
+                  BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                  ONE_SPLIT: gl.constexpr, NATURAL_X: gl.constexpr):  # fmt: skip
+        """`_consume` with one 64-row slab a warpgroup (wgmma's N = BLOCK_M up to 256, so one
+        dequantization feeds twice the MMA work of a 128-row tile): two K steps a loop trip,
+        each with its own fragment registers, so step i + 1 is dequantized while step i is on
+        the tensor cores; n_steps is even (the host's rule)."""
+        RW: gl.constexpr = 32 * NUM_WG
+        NW: gl.constexpr = 4 * NUM_WG
+        BNW: gl.constexpr = SL * NUM_WG
+        S: gl.constexpr = NUM_STAGES
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        acc = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
+        for j in range(gl.maximum(n_steps // 2, 1)):
+            i = 2 * j
+            s = i % S
+            mbarrier.wait(ready.index(s), (i // S) & 1)
+            xs = x_bufs.index(s).permute((1, 0))  # [64, BLOCK_M]
+            w_st = reinterpret(w_bufs.index(s), gl.bfloat16, [RW, 32], plain)
+            s_st = reinterpret(s_bufs.index(s), gl.bfloat16, [RW, 2], plain)
+            z_st = reinterpret(z_bufs.index(s), gl.bfloat16, [RW, 2], plain) if HAS_ZP else s_st
+            a0 = _fragment(w_st, s_st, z_st, NUM_WG, BLOCK_M, HAS_ZP, NATURAL_X)
+            acc = warpgroup_mma(a0, xs, acc, is_async=True)
+            acc, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a0, xs])
+            # step i - 1 has retired: its stage goes back to the producer
+            mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
+            s1 = (i + 1) % S
+            mbarrier.wait(ready.index(s1), ((i + 1) // S) & 1)
+            xs1 = x_bufs.index(s1).permute((1, 0))
+            w_st1 = reinterpret(w_bufs.index(s1), gl.bfloat16, [RW, 32], plain)
+            s_st1 = reinterpret(s_bufs.index(s1), gl.bfloat16, [RW, 2], plain)
+            z_st1 = reinterpret(z_bufs.index(s1), gl.bfloat16, [RW, 2], plain) if HAS_ZP else s_st1
+            a1 = _fragment(w_st1, s_st1, z_st1, NUM_WG, BLOCK_M, HAS_ZP, NATURAL_X)
+            acc = warpgroup_mma(a1, xs1, acc, is_async=True)
+            acc, a1, xs1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a1, xs1])
+            mbarrier.arrive(empty.index(s), count=1)  # step i has retired
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+
+        TN: gl.constexpr = BNW // 4 if BNW < 128 else 32
+        ep_l: gl.constexpr = gl.BlockedLayout(
+            size_per_thread=[1, 4], threads_per_warp=[32 // TN, TN], warps_per_cta=[NW, 1],
+            order=[1, 0],
+        )  # fmt: skip
+        stage = reinterpret(x_bufs, gl.float32, [BLOCK_M, BNW], plain)
+        CH: gl.constexpr = 16 if BLOCK_M >= 16 else BLOCK_M
+        e_r = gl.arange(0, CH, layout=gl.SliceLayout(1, ep_l))
+        e_n = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(0, ep_l))
+        n_ok = e_n < N
+        if ONE_SPLIT:  # noqa: SIM114 - a constexpr: the split path is not compiled in
+            _epilogue_slab(acc, stage, e_r, e_n, n_ok, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+        elif n_splits == 1:  # a whole tile of a launch that splits its last ones
+            _epilogue_slab(acc, stage, e_r, e_n, n_ok, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+        else:
+            _epilogue_slab(acc, stage, e_r, e_n, n_ok, off_m, b_ptr, out_ptr, ws_ptr, M, N,
+                           stride_om, BLOCK_M, ep_l, HAS_BIAS, False)  # fmt: skip
+            barrier()
+            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+            if done == n_splits - 1:  # (128 rows a round trip: 256 would spill)
+                FR: gl.constexpr = 128 if BLOCK_M > 128 else BLOCK_M
+                for h in gl.static_range(BLOCK_M // FR):
+                    _finish_slab(e_n, n_ok, off_m + h * FR, b_ptr, out_ptr, wsi_ptr, M, N,
+                                 stride_om, FR, ep_l, HAS_BIAS)  # fmt: skip
+                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+
+    @gluon.jit
     def kernel(
         x_desc, w_desc, s_desc, z_desc, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
         M, N, kt_per_split, kt_total, stride_om, m_tiles, whole_tiles, tail_splits,
@@ -324,8 +398,10 @@ def _kernel():
         HAS_BIAS: gl.constexpr,
         ONE_SPLIT: gl.constexpr,  # else the serial split-K reduction through ws / cnt
         NATURAL_X: gl.constexpr = True,  # x in natural K order, else in slot order (no transpose)
+        SLABS: gl.constexpr = 2,  # 64-row slabs a consumer warpgroup (1: BLOCK_M up to 256)
     ):  # fmt: skip
         S: gl.constexpr = NUM_STAGES
+        CG: gl.constexpr = 4 * SLABS * NUM_WG  # 16-row column groups a CTA
         # CTAs [0, whole_tiles) take tiles whole; each later group of tail_splits CTAs splits
         # one of the remaining tiles over K. Tiles go M-tile first, so the CTAs that share a
         # column tile's weights run together and read them from DRAM once.
@@ -339,14 +415,14 @@ def _kernel():
         n_splits = 1 + is_tail * (tail_splits - 1)
         pid_n = tile // m_tiles
         off_m = (tile % m_tiles) * BLOCK_M
-        cg0 = pid_n * (8 * NUM_WG)  # 16-row column groups: 2 slabs x 4 NUM_WG warps
-        off_n = pid_n * (2 * SL * NUM_WG)
+        cg0 = pid_n * CG  # SLABS slabs x 4 NUM_WG warps, a column group each
+        off_n = pid_n * (SLABS * SL * NUM_WG)
 
         x_bufs = gl.allocate_shared_memory(gl.bfloat16, [S, BLOCK_M, BK], x_desc.layout)
-        w_bufs = gl.allocate_shared_memory(gl.int32, [S, 8 * NUM_WG, 128], w_desc.layout)
-        s_bufs = gl.allocate_shared_memory(gl.int32, [S, 8 * NUM_WG, 8], s_desc.layout)
+        w_bufs = gl.allocate_shared_memory(gl.int32, [S, CG, 128], w_desc.layout)
+        s_bufs = gl.allocate_shared_memory(gl.int32, [S, CG, 8], s_desc.layout)
         if HAS_ZP:
-            z_bufs = gl.allocate_shared_memory(gl.int32, [S, 8 * NUM_WG, 8], z_desc.layout)
+            z_bufs = gl.allocate_shared_memory(gl.int32, [S, CG, 8], z_desc.layout)
         else:
             z_bufs = s_bufs
         ready = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
@@ -355,18 +431,34 @@ def _kernel():
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
 
-        gl.warp_specialize(
-            [
-                (_consume, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n,
-                            tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om,
-                            n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
-                            ONE_SPLIT, NATURAL_X)),
-                (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
-                            ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES, HAS_ZP)),
-            ],
-            [1],
-            [40],
-        )  # fmt: skip
+        if SLABS == 2:
+            gl.warp_specialize(
+                [
+                    (_consume, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m,
+                                off_n, tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N,
+                                stride_om, n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
+                                ONE_SPLIT, NATURAL_X)),
+                    (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
+                                ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES,
+                                HAS_ZP)),
+                ],
+                [1],
+                [40],
+            )  # fmt: skip
+        else:
+            gl.warp_specialize(
+                [
+                    (_consume1, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m,
+                                 off_n, tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N,
+                                 stride_om, n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
+                                 ONE_SPLIT, NATURAL_X)),
+                    (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
+                                ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES,
+                                HAS_ZP)),
+                ],
+                [1],
+                [40],
+            )  # fmt: skip
 
     return kernel
 
@@ -379,8 +471,8 @@ def max_regs(warpgroups: int) -> int:
     return min(255, (65536 // threads) // 8 * 8)
 
 
-def tile_count(m: int, n: int, block_m: int, wgs: int) -> int:
-    return -(-m // block_m) * -(-n // rows_per_cta(wgs))
+def tile_count(m: int, n: int, block_m: int, wgs: int, slabs: int = 2) -> int:
+    return -(-m // block_m) * -(-n // rows_per_cta(wgs, slabs))
 
 
 def tail_schedule(tiles: int, kt: int, slots: int, split: int) -> tuple[int, int, int]:
@@ -437,6 +529,29 @@ def _smem_layouts():
     )
 
 
+def resolve_config(
+    config: TmaConfig | None, m: int, n: int, k: int, num_sms: int, zp: bool
+) -> tuple[int, int, int, int, bool, int]:
+    """(BLOCK_M, warpgroups, split, stages, natural, slabs) of `config` (None: the default),
+    checked: a ValueError names what the kernel cannot run."""
+    block_m, wgs, split, stages, *rest = config or default_tma_config(m, n, k, num_sms)
+    natural = bool(rest[0]) if rest else True
+    slabs = int(rest[1]) if len(rest) > 1 else 2
+    block_ms = BLOCK_MS if slabs == 2 else ONE_SLAB_BLOCK_MS
+    if block_m not in block_ms or wgs not in (1, 2) or slabs not in (1, 2):
+        raise ValueError(f"config {config}: BLOCK_M in {block_ms}, 1 or 2 warpgroups, 1 or 2 slabs")
+    if block_m > 128 and wgs == 1:  # a 64 x 256 fp32 accumulator: 128 registers of 128
+        raise ValueError(f"config {config}: BLOCK_M 256 needs two warpgroups (registers)")
+    if stages < 2 * wgs or smem_bytes(block_m, wgs, stages, zp, slabs) > SMEM_BYTES:
+        raise ValueError(
+            f"config {config}: at least {2 * wgs} stages (the epilogue's staging) and within "
+            f"{SMEM_BYTES} bytes of shared memory"
+        )
+    if slabs == 1 and (k // BLOCK_K) % 2:
+        raise ValueError(f"config {config}: one slab a warpgroup needs an even K / 64, got {k}")
+    return block_m, wgs, split, stages, natural, slabs
+
+
 def wna16_wgmma_tma(
     x: torch.Tensor,  # [M, K] bf16, CUDA, sm_90
     words: torch.Tensor,  # `repack_mma`
@@ -457,17 +572,9 @@ def wna16_wgmma_tma(
     supported = tma_supported(n, k, group_size)
     check_inputs("wna16_wgmma_tma", x, n, group_size, bias, supported, "N % 16 == 0")
     num_sms = platform.num_sms(x.device)
-    block_m, wgs, split, stages, *rest = config or default_tma_config(m, n, k, num_sms)
-    natural = bool(rest[0]) if rest else True
     zp = zero_pairs is not None
-    if block_m not in BLOCK_MS or wgs not in (1, 2):
-        raise ValueError(f"config {config}: BLOCK_M in {BLOCK_MS}, 1 or 2 warpgroups")
-    if stages < 2 * wgs or smem_bytes(block_m, wgs, stages, zp) > SMEM_BYTES:
-        raise ValueError(
-            f"config {config}: at least {2 * wgs} stages (the epilogue's staging) and within "
-            f"{SMEM_BYTES} bytes of shared memory"
-        )
     kt_total = k // BLOCK_K
+    block_m, wgs, split, stages, natural, slabs = resolve_config(config, m, n, k, num_sms, zp)
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     if x.stride(1) != 1 or x.stride(0) % 8:
         x = x.contiguous()
@@ -475,9 +582,13 @@ def wna16_wgmma_tma(
         x = to_slot_order(x)
     if x.data_ptr() % 16:  # a view at an odd offset: TMA needs a 16-byte aligned base
         x = x.clone(memory_format=torch.contiguous_format)
-    rows = rows_per_cta(wgs)
-    tiles = tile_count(m, n, block_m, wgs)
+    rows = rows_per_cta(wgs, slabs)
+    tiles = tile_count(m, n, block_m, wgs, slabs)
     whole, split, per = tail_schedule(tiles, kt_total, num_sms, split)
+    if slabs == 1 and per % 2:  # two K steps a loop trip: every CTA an even count
+        per += 1
+        split = -(-kt_total // per)
+        whole = tiles if split == 1 else whole
     ws, cnt, per, grid = split_k_scratch(workspace, out, words, (tiles, 1, split), per, kt_total)
     if grid[2] == 1:  # no workspace to split with
         whole, split = tiles, 1
@@ -503,6 +614,7 @@ def wna16_wgmma_tma(
         HAS_BIAS=bias is not None,
         ONE_SPLIT=split == 1,
         NATURAL_X=natural,
+        SLABS=slabs,
         num_warps=4 * wgs,
         maxnreg=max_regs(wgs),
     )  # fmt: skip

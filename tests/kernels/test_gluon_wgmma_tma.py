@@ -61,7 +61,13 @@ def test_default_configs_fit_and_fill_the_gpu():
 
 
 def _compile_ptx(
-    block_m: int, wgs: int, stages: int, zp: bool, one_split: bool, natural: bool = True
+    block_m: int,
+    wgs: int,
+    stages: int,
+    zp: bool,
+    one_split: bool,
+    natural: bool = True,
+    slabs: int = 2,
 ) -> str:
     """The kernel's sm_90 PTX (in a fresh interpreter: see `_compiled`)."""
     import triton
@@ -71,7 +77,7 @@ def _compile_ptx(
 
     xl = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     fl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    cgs = tk.rows_per_cta(wgs) // 16
+    cgs = tk.rows_per_cta(wgs, slabs) // 16
     sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>",
            "w_desc": f"tensordesc<i32[{cgs}, 128],{fl!r}>",
            "s_desc": f"tensordesc<i32[{cgs}, 8],{fl!r}>",
@@ -82,7 +88,7 @@ def _compile_ptx(
            "tail_splits": "i32"}  # fmt: skip
     consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": wgs, "NUM_STAGES": stages,
               "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split,
-              "NATURAL_X": natural}  # fmt: skip
+              "NATURAL_X": natural, "SLABS": slabs}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7, 8, 10, 13)}
     src = GluonASTSource(fn=tk._kernel(), signature=sig, constexprs=consts, attrs=attrs)
@@ -158,6 +164,19 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("m", [1, 100, 200, 256, 300])
+@pytest.mark.parametrize("group,zp,bias", [(128, False, False), (64, True, True)])
+def test_one_slab_configs_match_the_dequantized_matmul_gpu(m, group, zp, bias):
+    """One 64-row slab a warpgroup (wgmma's N up to 256, two K steps a loop trip): 256-row
+    tiles whole and split (the split rounded to even K steps), natural and slot order, 128 and
+    64-row tiles; N = 400 (a partial last CTA), K = 512."""
+    configs = ((256, 2, 1, 4, True, 1), (256, 2, 3, 4, False, 1), (128, 2, 2, 4, True, 1),
+               (64, 1, 1, 4, True, 1), (256, 2, 5, 4, True, 1))  # fmt: skip
+    check_configs(tk.wna16_wgmma_tma, configs, m, 400, 512, group, zp, bias)
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("m", [16, 64, 256])
 @pytest.mark.parametrize("zp", [False, True])
 def test_qwen_shapes_and_graph_replay_gpu(m, zp):
@@ -202,3 +221,42 @@ def test_slot_order_feeds_each_slot_its_code():
     fed = unpack_slots(repack_mma(codes), n, k, num_wg=1, natural=False)  # [N, K slots]
     assert not torch.equal(fed, codes.to(torch.int32))  # slot order is not natural order
     torch.testing.assert_close(xs @ fed.double().t(), x @ codes.double().t(), rtol=1e-12, atol=1e-9)
+
+
+def test_resolve_config_checks_what_the_kernel_runs():
+    """Configs with one slab a warpgroup: BLOCK_M up to 256 with two warpgroups (a 64 x 256
+    fp32 accumulator is all of one warpgroup's 128 registers), an even K / 64 (two K steps a
+    loop trip); the 4-tuple default unchanged."""
+    assert tk.resolve_config(None, 128, 37888, 3584, 132, False) == (128, 1, 4, 4, True, 2)
+    assert tk.resolve_config((256, 2, 1, 4, False, 1), 256, 37888, 3584, 132, False) == (
+        256, 2, 1, 4, False, 1)  # fmt: skip
+    bad = {
+        (256, 2, 1, 4): "BLOCK_M in",  # 256 rows only with one slab
+        (256, 1, 1, 4, True, 1): "two warpgroups",
+        (128, 1, 1, 4, True, 3): "1 or 2 slabs",
+        (256, 2, 1, 3, True, 1): "stages",
+    }
+    for config, match in bad.items():
+        with pytest.raises(ValueError, match=match):
+            tk.resolve_config(config, 256, 37888, 3584, 132, False)
+    with pytest.raises(ValueError, match="even K"):
+        tk.resolve_config((128, 2, 1, 4, True, 1), 64, 4096, 576, 132, False)
+    assert tk.smem_bytes(256, 2, 4, True, 1) <= tk.SMEM_BYTES  # zero points fit too
+
+
+@pytest.mark.skipif(not tk.gluon_tma_available(), reason="needs Triton with Gluon's TMA")
+@pytest.mark.parametrize("zp,one_split,natural", [(False, True, True), (True, False, False)])
+def test_sm90_code_one_slab(zp, one_split, natural):
+    """One slab a warpgroup at 256 rows, two warpgroups: a loop trip is two K steps of four
+    m64n256k16 register-operand wgmma each, a wait for all but one group after each step; no
+    local memory (the split finish goes 128 rows at a time)."""
+    ptx = _compiled(256, 2, 4, zp, one_split, natural, 1)
+    mmas = re.findall(
+        r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx
+    )
+    assert len(mmas) == 8 and {int(v) for v in mmas} == {256}
+    waits = [int(v) for v in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
+    assert waits.count(1) == 2 and waits.count(0) == 1
+    assert ("shfl.sync.bfly" in ptx) == natural
+    for absent in ("ld.local", "st.local"):
+        assert absent not in ptx, absent
