@@ -230,54 +230,16 @@ def _kernel():
         gl.store(out_ptr + e_o, total.to(gl.bfloat16), mask=e_mask)
 
     @gluon.jit
-    def _consume(x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n, tile,
-                 b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om, n_splits,
-                 BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                 HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 ONE_SPLIT: gl.constexpr, NATURAL_X: gl.constexpr):  # fmt: skip
-        """The consumer warpgroups: dequantize, MMA, release stages; then the epilogue."""
-        RW: gl.constexpr = 32 * NUM_WG
+    def _store_tile(acc0, acc1, x_bufs, off_m, off_n, tile, b_ptr, out_ptr, ws_ptr, wsi_ptr,
+                    cnt_ptr, M, N, stride_om, n_splits, BLOCK_M: gl.constexpr,
+                    NUM_WG: gl.constexpr, HAS_BIAS: gl.constexpr, ONE_SPLIT: gl.constexpr,
+                    SLABS: gl.constexpr):  # fmt: skip
+        """The epilogue of SLABS slabs (acc1 unused with one): each through the activation ring
+        (free now) as fp32 [BLOCK_M, BNW], stored or added into the split-K workspace (the
+        tile's last split then reads the sums back, 128 rows a round trip)."""
         NW: gl.constexpr = 4 * NUM_WG
-        BNW: gl.constexpr = SL * NUM_WG  # rows of one slab across the warpgroups
-        S: gl.constexpr = NUM_STAGES
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
-        )
+        BNW: gl.constexpr = SL * NUM_WG
         plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        acc0 = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
-        acc1 = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
-        # every split has a step (the host's rule); a trip count the compiler knows to be >= 1
-        # leaves no zero-trip path that re-defines the accumulators while MMAs are in flight
-        # (ptxas would serialize every wgmma of the kernel: C7515)
-        for i in range(gl.maximum(n_steps, 1)):
-            s = i % S
-            mbarrier.wait(ready.index(s), (i // S) & 1)
-            xs = x_bufs.index(s).permute((1, 0))  # [64, BLOCK_M]
-            w_st = reinterpret(w_bufs.index(s), gl.bfloat16, [2 * RW, 32], plain)
-            s_st = reinterpret(s_bufs.index(s), gl.bfloat16, [2 * RW, 2], plain)
-            if HAS_ZP:
-                z_st = reinterpret(z_bufs.index(s), gl.bfloat16, [2 * RW, 2], plain)
-                z0 = z_st.slice(0, RW)
-                z1 = z_st.slice(RW, RW)
-            else:
-                z0 = s_st
-                z1 = s_st
-            # One MMA in flight over each dequantization: slab 0 of step i is dequantized while
-            # slab 1 of step i - 1 runs, slab 1 while slab 0 of step i runs (each wait retires
-            # the group before the one just issued).
-            a0 = _fragment(w_st.slice(0, RW), s_st.slice(0, RW), z0, NUM_WG, BLOCK_M, HAS_ZP,
-                           NATURAL_X)  # fmt: skip
-            acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
-            acc0, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, a0, xs])
-            # both MMAs of step i - 1 have retired: its stage goes back to the producer
-            mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
-            a1 = _fragment(w_st.slice(RW, RW), s_st.slice(RW, RW), z1, NUM_WG, BLOCK_M, HAS_ZP,
-                           NATURAL_X)  # fmt: skip
-            acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
-            acc1, a1, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, a1, xs])
-        acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
-
-        # epilogue: each slab through the activation ring (free now) as fp32 [BLOCK_M, BNW]
         TN: gl.constexpr = BNW // 4 if BNW < 128 else 32
         ep_l: gl.constexpr = gl.BlockedLayout(
             size_per_thread=[1, 4], threads_per_warp=[32 // TN, TN], warps_per_cta=[NW, 1],
@@ -293,98 +255,124 @@ def _kernel():
         if ONE_SPLIT:  # noqa: SIM114 - a constexpr: the split path is not compiled in
             _epilogue_slab(acc0, stage, e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, ws_ptr, M, N,
                            stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
-            _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M, N,
-                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+            if SLABS == 2:
+                _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M,
+                               N, stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
         elif n_splits == 1:  # a whole tile of a launch that splits its last ones
             _epilogue_slab(acc0, stage, e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, ws_ptr, M, N,
                            stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
-            _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M, N,
-                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+            if SLABS == 2:
+                _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M,
+                               N, stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
         else:
             _epilogue_slab(acc0, stage, e_r, e_n0, n_ok0, off_m, b_ptr, out_ptr, ws_ptr, M, N,
                            stride_om, BLOCK_M, ep_l, HAS_BIAS, False)  # fmt: skip
-            _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M, N,
-                           stride_om, BLOCK_M, ep_l, HAS_BIAS, False)  # fmt: skip
+            if SLABS == 2:
+                _epilogue_slab(acc1, stage, e_r, e_n1, n_ok1, off_m, b_ptr, out_ptr, ws_ptr, M,
+                               N, stride_om, BLOCK_M, ep_l, HAS_BIAS, False)  # fmt: skip
             barrier()
             done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
             if done == n_splits - 1:
-                _finish_slab(e_n0, n_ok0, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
-                             BLOCK_M, ep_l, HAS_BIAS)  # fmt: skip
-                _finish_slab(e_n1, n_ok1, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
-                             BLOCK_M, ep_l, HAS_BIAS)  # fmt: skip
+                FR: gl.constexpr = 128 if BLOCK_M > 128 else BLOCK_M  # (256 rows would spill)
+                for h in gl.static_range(BLOCK_M // FR):
+                    _finish_slab(e_n0, n_ok0, off_m + h * FR, b_ptr, out_ptr, wsi_ptr, M, N,
+                                 stride_om, FR, ep_l, HAS_BIAS)  # fmt: skip
+                if SLABS == 2:
+                    _finish_slab(e_n1, n_ok1, off_m, b_ptr, out_ptr, wsi_ptr, M, N, stride_om,
+                                 BLOCK_M, ep_l, HAS_BIAS)  # fmt: skip
                 gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
 
     @gluon.jit
-    def _consume1(x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n, tile,
-                  b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om, n_splits,
-                  BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                  ONE_SPLIT: gl.constexpr, NATURAL_X: gl.constexpr):  # fmt: skip
-        """`_consume` with one 64-row slab a warpgroup (wgmma's N = BLOCK_M up to 256, so one
-        dequantization feeds twice the MMA work of a 128-row tile): two K steps a loop trip,
-        each with its own fragment registers, so step i + 1 is dequantized while step i is on
-        the tensor cores; n_steps is even (the host's rule)."""
+    def _consume(x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n, tile,
+                 b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om, n_splits,
+                 BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 ONE_SPLIT: gl.constexpr, NATURAL_X: gl.constexpr,
+                 SLABS: gl.constexpr):  # fmt: skip
+        """The consumer warpgroups: dequantize, MMA, release stages; then the epilogue.
+
+        SLABS 2: two 64-row slabs a warpgroup; slab 0 of step i is dequantized while slab 1 of
+        step i - 1 is on the tensor cores and the other way round. SLABS 1: one slab a
+        warpgroup (wgmma's N = BLOCK_M up to 256, so one dequantization feeds twice the MMA
+        work of a 128-row tile): two K steps a loop trip, each with its own fragment
+        registers, so step i + 1 is dequantized while step i is on the tensor cores; n_steps
+        is even (the host's rule)."""
         RW: gl.constexpr = 32 * NUM_WG
         NW: gl.constexpr = 4 * NUM_WG
-        BNW: gl.constexpr = SL * NUM_WG
+        BNW: gl.constexpr = SL * NUM_WG  # rows of one slab across the warpgroups
         S: gl.constexpr = NUM_STAGES
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_M, 16]
         )
         plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        acc = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
-        for j in range(gl.maximum(n_steps // 2, 1)):
-            i = 2 * j
-            s = i % S
-            mbarrier.wait(ready.index(s), (i // S) & 1)
-            xs = x_bufs.index(s).permute((1, 0))  # [64, BLOCK_M]
-            w_st = reinterpret(w_bufs.index(s), gl.bfloat16, [RW, 32], plain)
-            s_st = reinterpret(s_bufs.index(s), gl.bfloat16, [RW, 2], plain)
-            z_st = reinterpret(z_bufs.index(s), gl.bfloat16, [RW, 2], plain) if HAS_ZP else s_st
-            a0 = _fragment(w_st, s_st, z_st, NUM_WG, BLOCK_M, HAS_ZP, NATURAL_X)
-            acc = warpgroup_mma(a0, xs, acc, is_async=True)
-            acc, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a0, xs])
-            # step i - 1 has retired: its stage goes back to the producer
-            mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
-            s1 = (i + 1) % S
-            mbarrier.wait(ready.index(s1), ((i + 1) // S) & 1)
-            xs1 = x_bufs.index(s1).permute((1, 0))
-            w_st1 = reinterpret(w_bufs.index(s1), gl.bfloat16, [RW, 32], plain)
-            s_st1 = reinterpret(s_bufs.index(s1), gl.bfloat16, [RW, 2], plain)
-            z_st1 = reinterpret(z_bufs.index(s1), gl.bfloat16, [RW, 2], plain) if HAS_ZP else s_st1
-            a1 = _fragment(w_st1, s_st1, z_st1, NUM_WG, BLOCK_M, HAS_ZP, NATURAL_X)
-            acc = warpgroup_mma(a1, xs1, acc, is_async=True)
-            acc, a1, xs1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a1, xs1])
-            mbarrier.arrive(empty.index(s), count=1)  # step i has retired
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        if SLABS == 2:
+            acc0 = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
+            acc1 = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
+            # every split has a step (the host's rule); a trip count the compiler knows to be >= 1
+            # leaves no zero-trip path that re-defines the accumulators while MMAs are in flight
+            # (ptxas would serialize every wgmma of the kernel: C7515)
+            for i in range(gl.maximum(n_steps, 1)):
+                s = i % S
+                mbarrier.wait(ready.index(s), (i // S) & 1)
+                xs = x_bufs.index(s).permute((1, 0))  # [64, BLOCK_M]
+                w_st = reinterpret(w_bufs.index(s), gl.bfloat16, [2 * RW, 32], plain)
+                s_st = reinterpret(s_bufs.index(s), gl.bfloat16, [2 * RW, 2], plain)
+                if HAS_ZP:
+                    z_st = reinterpret(z_bufs.index(s), gl.bfloat16, [2 * RW, 2], plain)
+                    z0 = z_st.slice(0, RW)
+                    z1 = z_st.slice(RW, RW)
+                else:
+                    z0 = s_st
+                    z1 = s_st
+                # One MMA in flight over each dequantization: slab 0 of step i is dequantized while
+                # slab 1 of step i - 1 runs, slab 1 while slab 0 of step i runs (each wait retires
+                # the group before the one just issued).
+                a0 = _fragment(w_st.slice(0, RW), s_st.slice(0, RW), z0, NUM_WG, BLOCK_M, HAS_ZP,
+                               NATURAL_X)  # fmt: skip
+                acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
+                acc0, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, a0, xs])
+                # both MMAs of step i - 1 have retired: its stage goes back to the producer
+                mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
+                a1 = _fragment(w_st.slice(RW, RW), s_st.slice(RW, RW), z1, NUM_WG, BLOCK_M, HAS_ZP,
+                               NATURAL_X)  # fmt: skip
+                acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
+                acc1, a1, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, a1, xs])
+            acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
 
-        TN: gl.constexpr = BNW // 4 if BNW < 128 else 32
-        ep_l: gl.constexpr = gl.BlockedLayout(
-            size_per_thread=[1, 4], threads_per_warp=[32 // TN, TN], warps_per_cta=[NW, 1],
-            order=[1, 0],
-        )  # fmt: skip
-        stage = reinterpret(x_bufs, gl.float32, [BLOCK_M, BNW], plain)
-        CH: gl.constexpr = 16 if BLOCK_M >= 16 else BLOCK_M
-        e_r = gl.arange(0, CH, layout=gl.SliceLayout(1, ep_l))
-        e_n = off_n + gl.arange(0, BNW, layout=gl.SliceLayout(0, ep_l))
-        n_ok = e_n < N
-        if ONE_SPLIT:  # noqa: SIM114 - a constexpr: the split path is not compiled in
-            _epilogue_slab(acc, stage, e_r, e_n, n_ok, off_m, b_ptr, out_ptr, ws_ptr, M, N,
-                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
-        elif n_splits == 1:  # a whole tile of a launch that splits its last ones
-            _epilogue_slab(acc, stage, e_r, e_n, n_ok, off_m, b_ptr, out_ptr, ws_ptr, M, N,
-                           stride_om, BLOCK_M, ep_l, HAS_BIAS, True)  # fmt: skip
+            _store_tile(acc0, acc1, x_bufs, off_m, off_n, tile, b_ptr, out_ptr, ws_ptr, wsi_ptr,
+                        cnt_ptr, M, N, stride_om, n_splits, BLOCK_M, NUM_WG, HAS_BIAS, ONE_SPLIT,
+                        2)  # fmt: skip
         else:
-            _epilogue_slab(acc, stage, e_r, e_n, n_ok, off_m, b_ptr, out_ptr, ws_ptr, M, N,
-                           stride_om, BLOCK_M, ep_l, HAS_BIAS, False)  # fmt: skip
-            barrier()
-            done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-            if done == n_splits - 1:  # (128 rows a round trip: 256 would spill)
-                FR: gl.constexpr = 128 if BLOCK_M > 128 else BLOCK_M
-                for h in gl.static_range(BLOCK_M // FR):
-                    _finish_slab(e_n, n_ok, off_m + h * FR, b_ptr, out_ptr, wsi_ptr, M, N,
-                                 stride_om, FR, ep_l, HAS_BIAS)  # fmt: skip
-                gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+            acc = gl.zeros([BNW, BLOCK_M], gl.float32, layout=mma)
+            for j in range(gl.maximum(n_steps // 2, 1)):
+                i = 2 * j
+                s = i % S
+                mbarrier.wait(ready.index(s), (i // S) & 1)
+                xs = x_bufs.index(s).permute((1, 0))  # [64, BLOCK_M]
+                w_st = reinterpret(w_bufs.index(s), gl.bfloat16, [RW, 32], plain)
+                s_st = reinterpret(s_bufs.index(s), gl.bfloat16, [RW, 2], plain)
+                z_st = reinterpret(z_bufs.index(s), gl.bfloat16, [RW, 2], plain) if HAS_ZP else s_st
+                a0 = _fragment(w_st, s_st, z_st, NUM_WG, BLOCK_M, HAS_ZP, NATURAL_X)
+                acc = warpgroup_mma(a0, xs, acc, is_async=True)
+                acc, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a0, xs])
+                # step i - 1 has retired: its stage goes back to the producer
+                mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
+                s1 = (i + 1) % S
+                mbarrier.wait(ready.index(s1), ((i + 1) // S) & 1)
+                xs1 = x_bufs.index(s1).permute((1, 0))
+                w_st1 = reinterpret(w_bufs.index(s1), gl.bfloat16, [RW, 32], plain)
+                s_st1 = reinterpret(s_bufs.index(s1), gl.bfloat16, [RW, 2], plain)
+                z_st1 = (
+                    reinterpret(z_bufs.index(s1), gl.bfloat16, [RW, 2], plain) if HAS_ZP else s_st1
+                )
+                a1 = _fragment(w_st1, s_st1, z_st1, NUM_WG, BLOCK_M, HAS_ZP, NATURAL_X)
+                acc = warpgroup_mma(a1, xs1, acc, is_async=True)
+                acc, a1, xs1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a1, xs1])
+                mbarrier.arrive(empty.index(s), count=1)  # step i has retired
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+            _store_tile(acc, acc, x_bufs, off_m, off_n, tile, b_ptr, out_ptr, ws_ptr, wsi_ptr,
+                        cnt_ptr, M, N, stride_om, n_splits, BLOCK_M, NUM_WG, HAS_BIAS, ONE_SPLIT,
+                        1)  # fmt: skip
 
     @gluon.jit
     def kernel(
@@ -431,34 +419,18 @@ def _kernel():
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
 
-        if SLABS == 2:
-            gl.warp_specialize(
-                [
-                    (_consume, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m,
-                                off_n, tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N,
-                                stride_om, n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
-                                ONE_SPLIT, NATURAL_X)),
-                    (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
-                                ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES,
-                                HAS_ZP)),
-                ],
-                [1],
-                [40],
-            )  # fmt: skip
-        else:
-            gl.warp_specialize(
-                [
-                    (_consume1, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m,
-                                 off_n, tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N,
-                                 stride_om, n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
-                                 ONE_SPLIT, NATURAL_X)),
-                    (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
-                                ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES,
-                                HAS_ZP)),
-                ],
-                [1],
-                [40],
-            )  # fmt: skip
+        gl.warp_specialize(
+            [
+                (_consume, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n,
+                            tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om,
+                            n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
+                            ONE_SPLIT, NATURAL_X, SLABS)),
+                (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
+                            ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES, HAS_ZP)),
+            ],
+            [1],
+            [40],
+        )  # fmt: skip
 
     return kernel
 
