@@ -129,7 +129,7 @@ def tma_sweep(m: int, n: int, k: int, num_sms: int) -> list[tk.TmaConfig]:
     steps a split), half the BLOCK_M, two consumer warpgroups and a 6-stage ring at the
     default split; the default with x copied into slot order (no quad transpose); past 128
     rows, 256-row tiles of one slab a warpgroup (half the dequantization per MMA) in both
-    orders."""
+    orders; at 65-128 rows the 128-row tile on two warpgroups of one slab each."""
     d = tuple(int(v) for v in tk.default_tma_config(m, n, k, num_sms))
     bm, _, split, _ = d
     out = [(bm, 1, sp, 4) for sp in (1, 2, 3, 4, 6, 8, 12, 16) if sp <= max(1, k // 64 // 4)]
@@ -137,6 +137,8 @@ def tma_sweep(m: int, n: int, k: int, num_sms: int) -> list[tk.TmaConfig]:
     out += [(bm, 1, split, 4, False)]
     if m > 128 and k // 64 % 2 == 0:
         out += [(256, 2, sp, 4, nat, 1) for sp in (1, split) for nat in (True, False)]
+    elif bm == 128 and k // 64 % 2 == 0:  # the same tile on two warpgroups of one slab each
+        out += [(128, 2, split, 4, True, 1)]
     fits = [c for c in out if tk.smem_bytes(c[0], c[1], c[3], True, *c[5:]) <= tk.SMEM_BYTES]
     return [c for c in dict.fromkeys(fits) if c != d]
 
