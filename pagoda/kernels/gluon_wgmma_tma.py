@@ -501,6 +501,41 @@ def _smem_layouts():
     )
 
 
+def compile_sm90(
+    block_m: int,
+    wgs: int,
+    stages: int,
+    zp: bool,
+    one_split: bool,
+    natural: bool = True,
+    slabs: int = 2,
+) -> dict:
+    """The kernel compiled for sm_90 without a GPU (Triton's PTX backend runs on the CPU): its
+    `asm` dict (PTX, cubin). For code checks; not from a process running the interpreter."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    xl, fl = _smem_layouts()
+    cgs = rows_per_cta(wgs, slabs) // 16
+    sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>",
+           "w_desc": f"tensordesc<i32[{cgs}, 128],{fl!r}>",
+           "s_desc": f"tensordesc<i32[{cgs}, 8],{fl!r}>",
+           "z_desc": f"tensordesc<i32[{cgs}, 8],{fl!r}>",
+           "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "wsi_ptr": "*i32",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "kt_per_split": "i32", "kt_total": "i32",
+           "stride_om": "i32", "m_tiles": "i32", "whole_tiles": "i32",
+           "tail_splits": "i32"}  # fmt: skip
+    consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": wgs, "NUM_STAGES": stages,
+              "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split,
+              "NATURAL_X": natural, "SLABS": slabs}  # fmt: skip
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7, 8, 10, 13)}
+    src = GluonASTSource(fn=_kernel(), signature=sig, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": 4 * wgs, "maxnreg": max_regs(wgs)}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
+
+
 def resolve_config(
     config: TmaConfig | None, m: int, n: int, k: int, num_sms: int, zp: bool
 ) -> tuple[int, int, int, int, bool, int]:

@@ -60,40 +60,9 @@ def test_default_configs_fit_and_fill_the_gpu():
     assert tk.default_tma_config(64, 2560, 2048, 132) == (64, 1, 4, 4)
 
 
-def _compile_ptx(
-    block_m: int,
-    wgs: int,
-    stages: int,
-    zp: bool,
-    one_split: bool,
-    natural: bool = True,
-    slabs: int = 2,
-) -> str:
+def _compile_ptx(*args) -> str:
     """The kernel's sm_90 PTX (in a fresh interpreter: see `_compiled`)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    xl = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    fl = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    cgs = tk.rows_per_cta(wgs, slabs) // 16
-    sig = {"x_desc": f"tensordesc<bf16[{block_m}, 64],{xl!r}>",
-           "w_desc": f"tensordesc<i32[{cgs}, 128],{fl!r}>",
-           "s_desc": f"tensordesc<i32[{cgs}, 8],{fl!r}>",
-           "z_desc": f"tensordesc<i32[{cgs}, 8],{fl!r}>",
-           "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "wsi_ptr": "*i32",
-           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "kt_per_split": "i32", "kt_total": "i32",
-           "stride_om": "i32", "m_tiles": "i32", "whole_tiles": "i32",
-           "tail_splits": "i32"}  # fmt: skip
-    consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": wgs, "NUM_STAGES": stages,
-              "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split,
-              "NATURAL_X": natural, "SLABS": slabs}  # fmt: skip
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7, 8, 10, 13)}
-    src = GluonASTSource(fn=tk._kernel(), signature=sig, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": 4 * wgs, "maxnreg": tk.max_regs(wgs)}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    return tk.compile_sm90(*args)["ptx"]
 
 
 def _compiled(*args) -> str:
