@@ -130,9 +130,10 @@ class UnquantizedLinearMethod(LinearMethod):
 
 @functools.cache
 def prologue_enabled() -> bool:
-    """Whether "gemv_prologue" (the norm / activation in the M = 1 GEMVs' prologues, dense and
-    W4A16) is not in PAGODA_DISABLED_KERNELS; read once per process."""
-    return envs.kernel_enabled("gemv_prologue")
+    """Whether the M = 1 GEMVs take the norm / activation as their prologue: no. Measured on the
+    H200 (BENCHMARKS.md, session 18) the batch-1 decode graph of Qwen2.5-3B got slower with
+    them, bf16 by 2.7 and W4A16 by 40 µs a layer; off until the code is deleted."""
+    return False
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)

@@ -91,7 +91,10 @@ def default_budget(device: torch.device) -> int:
         return 0
     if not envs.kernel_enabled("fused_decode_attn"):  # the kernel that would issue it
         return 0
-    return int(platform.l2_bytes(device) * L2_FRACTION)
+    # Measured on the H200 (BENCHMARKS.md, session 18): every budget, order and issue point
+    # made Qwen2.5-3B's batch-1 decode graph slower (bf16 2.9, W4A16 6.0 µs a layer at the
+    # default): no plan is bound by default until the code is deleted.
+    return 0
 
 
 def _after_attention(layers: Sequence[nn.Module], i: int, order: str) -> list[nn.Module]:

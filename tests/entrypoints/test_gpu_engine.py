@@ -126,6 +126,7 @@ def assert_greedy_matches(got: list, ref: list, ref_logits: list) -> None:
         assert gap <= 2**-7 * abs(logits[r[k]].item()) + 1e-3, (i, k, gap, g, r)
 
 
+@pytest.mark.skip(reason="prologues off: session 18 measured them slower; to be deleted")
 @pytest.mark.parametrize("eager", [True, False])
 def test_batch_one_decode_takes_the_prologues_gpu(tmp_path, monkeypatch, eager):
     """One request at a time (M = 1 decodes): the QKV / gate_up GEMVs take the RMSNorm

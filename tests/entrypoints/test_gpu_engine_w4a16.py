@@ -50,6 +50,7 @@ def test_awq_engine_greedy_equals_transformers_gpu(tmp_path, eager):
         assert "mma_wgmma_tma" in names, names
 
 
+@pytest.mark.skip(reason="prologues off: session 18 measured them slower; to be deleted")
 @pytest.mark.parametrize("eager", [True, False])
 def test_awq_batch_one_decode_takes_the_prologues_gpu(tmp_path, monkeypatch, eager):
     """AWQ at M = 1: the tensor-core GEMV takes the norm and SiLU-and-mul prologues (counted)

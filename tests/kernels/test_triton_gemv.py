@@ -364,8 +364,8 @@ def test_decoder_takes_the_prologues_at_one_token(monkeypatch, arch) -> None:
 
 
 def test_prologue_rule(monkeypatch) -> None:
-    """On the CPU there is no prologue GEMV; "gemv_prologue" in PAGODA_DISABLED_KERNELS turns
-    it off where the dense GEMV runs."""
+    """On the CPU there is no prologue GEMV; on a GPU none either since session 18's
+    measurement (slower)."""
     from pagoda.layers import linear
     from pagoda.layers.norm import RMSNorm
 
@@ -376,12 +376,13 @@ def test_prologue_rule(monkeypatch) -> None:
     norm = RMSNorm(16, dtype=torch.bfloat16)
     assert method.apply_rms_norm_first(layer, x, None, norm, None) is None
     assert method.apply_silu_and_mul_first(layer, torch.cat([x, x], 1), None) is None
+    # measured slower on the H200 (session 18): off whatever the environment says
     try:
         monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "gemv_prologue")
         linear.prologue_enabled.cache_clear()
         assert not linear.prologue_enabled()
         monkeypatch.delenv("PAGODA_DISABLED_KERNELS")
         linear.prologue_enabled.cache_clear()
-        assert linear.prologue_enabled()
+        assert not linear.prologue_enabled()
     finally:
         linear.prologue_enabled.cache_clear()

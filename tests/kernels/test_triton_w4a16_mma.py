@@ -599,6 +599,7 @@ def test_mma_gemv_silu_prologue_qwen_shapes_gpu(n, k) -> None:
     assert torch.equal(act, want)
 
 
+@pytest.mark.skip(reason="prologues off: session 18 measured them slower; to be deleted")
 @pytest.mark.gpu
 def test_quantized_layer_takes_the_prologues_gpu(monkeypatch) -> None:
     """A W4A16 layer on CUDA: one row goes through the prologue GEMV (counted), two rows through

@@ -130,9 +130,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @gpu
 def test_gpu_engine_prefetches_on_hopper_and_changes_no_token(tmp_path, monkeypatch):
-    """On sm_90+ the runner binds a plan to every layer (60 % of the L2 at most each) and greedy
-    tokens and logprobs are identical with `l2_prefetch` and `kv_prefetch` disabled; elsewhere
-    nothing is bound."""
+    """No weight-prefetch plan is bound by default (measured slower, session 18), and greedy
+    tokens and logprobs are identical with `kv_prefetch` (on by default, sm_90) disabled."""
     from pagoda import LLM, SamplingParams
     from pagoda.layers import attention
 
@@ -155,12 +154,8 @@ def test_gpu_engine_prefetches_on_hopper_and_changes_no_token(tmp_path, monkeypa
             return runner.l2_prefetch_bytes, plans, outs
 
     nbytes, plans, outs = run()
-    hopper = torch.cuda.get_device_capability() >= (9, 0)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    if hopper:
-        assert nbytes > 0 and all(p is not None and 0 < p.nbytes <= 0.6 * l2 for p in plans)
-    else:
-        assert nbytes == 0 and all(p is None for p in plans)
+    # session 18 measured the weight prefetch slower: no plan is bound by default
+    assert nbytes == 0 and all(p is None for p in plans)
     monkeypatch.setenv("PAGODA_DISABLED_KERNELS", "l2_prefetch,kv_prefetch")
     attention._kv_prefetch.cache_clear()  # read once per process
     try:
