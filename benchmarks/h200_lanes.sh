@@ -760,6 +760,16 @@ step_vl18() {
     benchmarks/vl/bench_vl.py --iters 3 --warmup 1 --output-len 128 --skip-transformers \
     --out "$R/vl_unfused.json"
 }
+# session 19, first call: the engine GPU tests with the session-18 defaults (prologues and L2
+# weight prefetch off; session 18's run cut off after one unnamed failure here), then the TMA
+# GEMM sweep of session 17-18 (slot-order x, one-slab 256-row tiles) per layer at M = 16-512
+step_s19a() {
+  run engine_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/entrypoints/test_gpu_engine_w4a16.py tests/entrypoints/test_gpu_engine.py
+  run tma_sweep 330 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
+    --out "$R/tma_sweep"
+}
 # session 18, first call: the GPU tests of everything on by default that no GPU has run (the
 # batch-1 prologues, the split-K finish, the L2 / KV prefetch, M-RoPE on the fused decode
 # attention, slot-order x in the TMA GEMM), then the batch-1 decode graph of 3B W4A16 with
