@@ -4,7 +4,9 @@ Kernels (on the `repack_mma` tensor-core layout, the layer's only weight copy):
 `gemv` (M <= 64: `wna16_mma_gemv`), `tc` (`wna16_mma_gemm`: dequantization in registers,
 `tl.dot`; `--sweep` tries its configs), `mwg` (`wna16_mma_wgmma`, the Gluon wgmma GEMM, sm_90
 only; `--sweep mwg` tries its configs), `tma` (`wna16_wgmma_tma`, the TMA-fed warp-specialized
-wgmma GEMM, sm_90 only; `--sweep tma` tries its configs), `dequant+cublas`
+wgmma GEMM, sm_90 only, its tuned table's config where it has one, else the heuristic;
+`--sweep tma` tries its configs; `tma_heur`: the heuristic where the table overrides it),
+`dequant+cublas`
 (`wna16_mma_dequant` then `F.linear`), and `bf16` (cuBLAS on the dense weight) as the
 denominator of every ratio. Each is timed inside one CUDA graph cycling over enough weight
 copies to stream > 4x the L2 from HBM per replay (`pagoda.bench.common.graph_time_per_call`),
@@ -215,6 +217,14 @@ def candidates(
                 )  # fmt: skip
 
             cands[label if c is None else f"{label}{[int(v) for v in c]}"] = gemm
+    if hopper and tk.gluon_tma_available():  # the heuristic, where the tuned table overrides it
+        gpu = torch.cuda.get_device_name(x.device)
+        if tk.tuned_tma_config(gpu, m, n, k, GROUP, num_sms, zp) is not None:
+            heur = tk.default_tma_config(m, n, k, num_sms)
+            cands["tma_heur"] = lambda i: tk.wna16_wgmma_tma(
+                x, layer.words[i], layer.pairs[i], n, GROUP, zero_pairs=layer.z(i),
+                workspace=WS, config=heur,
+            )  # fmt: skip
     configs = [None]
     if "tc" in sweep.split(",") and m in SWEEP_MS and not zp:
         configs = tc_sweep(m, n, k, num_sms)

@@ -35,6 +35,8 @@ the PTX); the GPU tests compare it with the dequantized matmul.
 # (no `from __future__ import annotations`: the partitions' `gl.constexpr` annotations are
 # evaluated where `_kernel` defines them, as warp specialization needs)
 import functools
+import json
+from pathlib import Path
 
 import torch
 
@@ -489,6 +491,49 @@ def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
     return block_m, wgs, best_split, stages
 
 
+_TUNED = Path(__file__).with_name("tuned") / "w4a16_tma.json"
+
+
+@functools.cache
+def _tuned_table(gpu_name: str) -> dict[tuple[int, int, int], list[tuple[int, int, tuple]]]:
+    """{(n, k, group): [(min_m, max_m, config), ...]} measured on this GPU model
+    (`benchmarks/quant/tma_table.py` from a `bench_w4a16_tc.py --sweep tma` run); empty for
+    other GPUs."""
+    try:
+        data = json.loads(_TUNED.read_text())
+    except (OSError, ValueError):
+        return {}
+    if data.get("gpu") != gpu_name:
+        return {}
+    table: dict[tuple[int, int, int], list[tuple[int, int, tuple]]] = {}
+    for e in data.get("entries", []):
+        if e.get("config"):
+            key = (e["n"], e["k"], e["group_size"])
+            table.setdefault(key, []).append((e["min_m"], e["m"], tuple(e["config"])))
+    return table
+
+
+@functools.lru_cache(maxsize=4096)
+def tuned_tma_config(
+    gpu_name: str, m: int, n: int, k: int, group_size: int, num_sms: int, zp: bool
+) -> TmaConfig | None:
+    """The measured best config of the band of swept M holding `m` for this shape on this GPU
+    model, if that band has one and it fits (`resolve_config`); None: the heuristic."""
+    for lo, hi, config in _tuned_table(gpu_name).get((n, k, group_size), ()):
+        if lo <= m <= hi:
+            try:
+                resolve_config(config, m, n, k, num_sms, zp)
+            except ValueError:
+                return None
+            return config
+    return None
+
+
+@functools.cache
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 @functools.cache
 def _smem_layouts():
     """The TMA tiles' shared layouts: activations (128-byte swizzle, bf16), words and pairs
@@ -581,6 +626,9 @@ def wna16_wgmma_tma(
     num_sms = platform.num_sms(x.device)
     zp = zero_pairs is not None
     kt_total = k // BLOCK_K
+    if config is None:
+        name = _gpu_name(x.device.index if x.device.index is not None else 0)
+        config = tuned_tma_config(name, m, n, k, group_size, num_sms, zp)
     block_m, wgs, split, stages, natural, slabs = resolve_config(config, m, n, k, num_sms, zp)
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     if x.stride(1) != 1 or x.stride(0) % 8:

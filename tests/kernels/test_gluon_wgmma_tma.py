@@ -146,11 +146,12 @@ def test_one_slab_configs_match_the_dequantized_matmul_gpu(m, group, zp, bias):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("m", [16, 64, 256])
+@pytest.mark.parametrize("m", [16, 64, 128, 256])
 @pytest.mark.parametrize("zp", [False, True])
 def test_qwen_shapes_and_graph_replay_gpu(m, zp):
     """Qwen2.5-7B / 3B layer shapes with the default configs (split-K where few CTAs; a wave
-    of whole tiles, then split ones, on 3B gate_up at 16 and 64 rows), then the same call
+    of whole tiles, then split ones, on 3B gate_up at 16 and 64 rows; on an H200 the tuned
+    table's at 128 and 256 rows: one slab a warpgroup, 7B down split 4), then the same call
     captured in a CUDA graph and replayed on new inputs."""
     shapes = ((4608, 3584), (3584, 18944), (22016, 2048), (2048, 11008))
     check_shapes_and_graph_replay(tk.wna16_wgmma_tma, m, zp, shapes)
@@ -229,3 +230,49 @@ def test_sm90_code_one_slab(zp, one_split, natural):
     assert ("shfl.sync.bfly" in ptx) == natural
     for absent in ("ld.local", "st.local"):
         assert absent not in ptx, absent
+
+
+def test_tuned_configs_hold_their_bands_on_their_gpu_only():
+    """The shipped H200 table: a swept M band takes its measured config, a band the heuristic
+    won takes None (the heuristic), M outside every band and other GPUs take None; each
+    config fits with and without zero points."""
+    import json
+
+    data = json.loads(tk._TUNED.read_text())
+    gpu, entries = data["gpu"], data["entries"]
+    assert any(e["config"] for e in entries) and any(e["config"] is None for e in entries)
+    for e in entries:
+        for m in {e["min_m"], e["m"]}:
+            for zp in (False, True):
+                got = tk.tuned_tma_config(gpu, m, e["n"], e["k"], e["group_size"], 132, zp)
+                want = tuple(e["config"]) if e["config"] else None
+                assert got == want, (e, m, zp)
+                assert tk.tuned_tma_config("NVIDIA H100", m, e["n"], e["k"], 128, 132, zp) is None
+        assert tk.tuned_tma_config(gpu, e["m"], e["n"], e["k"], 64, 132, False) is None
+    top = max(e["m"] for e in entries)
+    assert all(tk.tuned_tma_config(gpu, top + 1, e["n"], e["k"], 128, 132, False) is None
+               for e in entries)  # fmt: skip
+    # bands of one shape tile M without gaps or overlaps
+    shapes = {(e["n"], e["k"]) for e in entries}
+    for n, k in shapes:
+        rows = sorted((e["min_m"], e["m"]) for e in entries if (e["n"], e["k"]) == (n, k))
+        assert all(lo == prev_hi + 1 for (_, prev_hi), (lo, _) in zip(rows, rows[1:]))
+
+
+def test_a_tuned_config_that_does_not_fit_falls_back(monkeypatch, tmp_path):
+    """A table entry the kernel cannot run (BLOCK_M 256 on one warpgroup) is not used."""
+    bad = {"gpu": "G", "entries": [
+        {"n": 2048, "k": 2048, "min_m": 1, "m": 64, "group_size": 128, "config": [256, 1, 1, 4]},
+        {"n": 2048, "k": 2048, "min_m": 65, "m": 128, "group_size": 128, "config": [64, 1, 2, 4]},
+    ]}  # fmt: skip
+    path = tmp_path / "t.json"
+    path.write_text(__import__("json").dumps(bad))
+    monkeypatch.setattr(tk, "_TUNED", path)
+    tk._tuned_table.cache_clear()
+    tk.tuned_tma_config.cache_clear()
+    try:
+        assert tk.tuned_tma_config("G", 64, 2048, 2048, 128, 132, False) is None
+        assert tk.tuned_tma_config("G", 100, 2048, 2048, 128, 132, True) == (64, 1, 2, 4)
+    finally:
+        tk._tuned_table.cache_clear()
+        tk.tuned_tma_config.cache_clear()

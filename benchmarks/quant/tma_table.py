@@ -1,0 +1,75 @@
+"""Write `pagoda/kernels/tuned/w4a16_tma.json` from a `bench_w4a16_tc.py --sweep tma` run: for
+every swept (layer shape, M), the fastest TMA GEMM config where it beats the heuristic
+(`default_tma_config`, the run's `tma` column) by at least `--min-gain`, else no entry config
+(the heuristic). Each entry holds M from the shape's previous swept M + 1 (the first: half its
+M + 1) to its own M (`gluon_wgmma_tma.tuned_tma_config`); outside every band the heuristic runs.
+
+    python benchmarks/quant/tma_table.py \
+        benchmarks/results/h200_session19/run1/tma_sweep/w4a16_tc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLE = ROOT / "pagoda" / "kernels" / "tuned" / "w4a16_tma.json"
+CFG = re.compile(r"^tma(\[[0-9, ]+\])_us$")
+
+
+def best_entries(rows: list[dict], min_gain: float, group_size: int) -> list[dict]:
+    """One entry per swept (n, k, m) of symmetric rows: the winning config or None."""
+    out = []
+    last: dict[tuple[int, int], int] = {}
+    for r in sorted(rows, key=lambda r: (r["n"], r["k"], r["m"])):
+        if r.get("zp") or "tma_us" not in r:
+            continue
+        swept = {json.dumps(json.loads(m.group(1))): v for k, v in r.items() if (m := CFG.match(k))}
+        if not swept:
+            continue  # M not swept: no band edge here
+        cfg, us = min(swept.items(), key=lambda kv: kv[1])
+        heur = r.get("tma_heur_us", r["tma_us"])  # the heuristic, where a table overrode it
+        gain = 1 - us / heur
+        key = (r["n"], r["k"])
+        min_m = last.get(key, r["m"] // 2) + 1
+        last[key] = r["m"]
+        entry = {"n": r["n"], "k": r["k"], "min_m": min_m, "m": r["m"], "group_size": group_size}
+        entry.update(
+            config=json.loads(cfg) if gain >= min_gain else None,
+            us=round(us if gain >= min_gain else heur, 2),
+            heuristic_us=round(heur, 2),
+            layer=f"{r['model']} {r['layer']}",
+        )
+        out.append(entry)
+    return sorted(out, key=lambda e: (e["n"], e["k"], e["m"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("sweep", help="w4a16_tc.json of a --sweep tma run")
+    ap.add_argument("--min-gain", type=float, default=0.05, help="fraction faster (0.05: 5 %%)")
+    ap.add_argument("--group-size", type=int, default=128, help="the run's group size")
+    ap.add_argument("--out", default=str(TABLE))
+    args = ap.parse_args()
+    data = json.loads(Path(args.sweep).read_text())
+    gpu = data.get("env", {}).get("gpu") or data.get("env", {}).get("device")
+    if not gpu:
+        raise SystemExit(f"{args.sweep}: no GPU name in its env block")
+    entries = best_entries(data["rows"], args.min_gain, args.group_size)
+    table = {
+        "source": f"{Path(args.sweep).resolve().relative_to(ROOT)} (bench_w4a16_tc.py --sweep tma, "
+        f"CUDA-graph timings, symmetric, group {args.group_size}; a config where >= "
+        f"{args.min_gain:.0%} faster than the heuristic)",
+        "gpu": gpu,
+        "entries": entries,
+    }
+    Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+    tuned = sum(e["config"] is not None for e in entries)
+    print(f"{args.out}: {len(entries)} entries, {tuned} with a tuned config")
+
+
+if __name__ == "__main__":
+    main()
