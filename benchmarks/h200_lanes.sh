@@ -770,6 +770,28 @@ step_s19a() {
     --ms 16,32,48,64,96,128,192,256,512 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
     --out "$R/tma_sweep"
 }
+# session 19, second call: the GPU tests after deleting the prologues and the L2 weight
+# prefetch (engine greedy vs transformers, the GEMVs, the decode attention) and of the tuned
+# TMA table's configs (Qwen shapes at 128 / 256 rows), then the per-layer W4A16 kernels with
+# the table against the heuristic (`tma_heur`) at swept and in-between M, with / without zp
+step_s19b() {
+  run engine_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/entrypoints/test_gpu_engine_w4a16.py tests/entrypoints/test_gpu_engine.py
+  run kernel_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_fused_decode_attention.py tests/kernels/test_triton_gemv.py \
+    tests/kernels/test_gluon_wgmma_tma.py tests/kernels/test_triton_w4a16_mma.py \
+    -k "not qwen7b and (qwen or one_slab or decode or gemv or graph)"
+  run tuned 160 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0,1 \
+    --ms 48,64,96,128,160,192,256 --sweep none --skip tc,gemv --out "$R/tuned"
+}
+# session 19, third call: bf16 vs W4A16 through `LLM` (batch 1 / 8 / 64 / 128, the protocol's
+# 256 requests) on 3B and 7B, then batch-1 bf16 latency with MBU (acceptance 3)
+step_s19c() {
+  compare16 compare3b_e2e 150 "$CFG3" Qwen2.5-3B 100 compare_3b
+  compare16 compare7b_e2e 150 "$CFG7" Qwen2.5-7B 100 compare_7b
+  latrun 3b_bf16 "config:$CFG3"
+  latrun 7b_bf16 "config:$CFG7"
+}
 # session 18, first call: the GPU tests of everything on by default that no GPU has run (the
 # batch-1 prologues, the split-K finish, the L2 / KV prefetch, M-RoPE on the fused decode
 # attention, slot-order x in the TMA GEMM), then the batch-1 decode graph of 3B W4A16 with
