@@ -12,7 +12,7 @@
 # Next GPU session, in this order (three calls fill the 30 min): check18 (every GPU test of
 #   the default-on features built without a GPU in sessions 17-18, then one combined A/B on
 #   3B W4A16), ab18 (the same on 3B bf16; batch-1 latency and MBU with everything on / off,
-#   each in its own process), tma17 (the TMA GEMM sweep incl. slot order); then pf18 pf18b
+#   each in its own process), tma17 (the TMA GEMM sweep); then pf18 pf18b
 #   pro17 pro17b vl18 prof18 ncu17 for the detail.
 # Steps (session 18): check18 ab18 pf18 pf18b vl18 prof18 (the decode attention prefetches the next
 #   weights and its first KV blocks into the L2; built without a GPU: measure, then keep or
@@ -695,10 +695,10 @@ prologue_ab() {
   latrun "$tag" "config:$cfg"
   latrun "${tag}_unfused" "config:$cfg" PAGODA_DISABLED_KERNELS=gemv_prologue
 }
-# (session 18: the sweep also times each default with x copied into slot order first, the
-# words then without the quad transpose: 186 instead of 229 SASS instructions a K step; and
-# past 128 rows 256-row tiles of one slab a warpgroup: 241 SASS instructions for two K steps of
-# four m64n256k16 each, half the dequantization per MMA of the 128-row tile)
+# (session 18: the sweep also times, past 128 rows, 256-row tiles of one slab a warpgroup: 241
+# SASS instructions for two K steps of four m64n256k16 each, half the dequantization per MMA of
+# the 128-row tile; up to session 19 also each default with x copied into slot order first, no
+# quad transpose, which session 19 measured slower: deleted)
 # session 17: the last split of a tile reads its sums back in one round trip a slab in the TMA
 # GEMM (it took 8 on 128-row tiles, one per 16-row chunk, each waiting for the last), in one a
 # tile in the cp.async wgmma GEMM (4 on 64-row tiles) and in the shared-dequantization GEMV
@@ -762,7 +762,8 @@ step_vl18() {
 }
 # session 19, first call: the engine GPU tests with the session-18 defaults (prologues and L2
 # weight prefetch off; session 18's run cut off after one unnamed failure here), then the TMA
-# GEMM sweep of session 17-18 (slot-order x, one-slab 256-row tiles) per layer at M = 16-512
+# GEMM sweep of session 17-18 (one-slab 256-row tiles; slot-order x, deleted after this run)
+# per layer at M = 16-512
 step_s19a() {
   run engine_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/entrypoints/test_gpu_engine_w4a16.py tests/entrypoints/test_gpu_engine.py
@@ -794,8 +795,8 @@ step_s19c() {
 }
 # session 18, first call: the GPU tests of everything on by default that no GPU has run (the
 # batch-1 prologues, the split-K finish, the L2 / KV prefetch, M-RoPE on the fused decode
-# attention, slot-order x in the TMA GEMM), then the batch-1 decode graph of 3B W4A16 with
-# each piece off in turn and all off ('off' = the graph of session 16)
+# attention, slot-order x in the TMA GEMM, since deleted), then the batch-1 decode graph of 3B
+# W4A16 with each piece off in turn and all off ('off' = the graph of session 16)
 step_check18() {
   run check_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/entrypoints/test_gpu_engine.py tests/entrypoints/test_gpu_engine_w4a16.py \

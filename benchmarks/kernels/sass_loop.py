@@ -1,9 +1,8 @@
 """The TMA W4A16 GEMM's main loop in SASS, per config, without a GPU: instructions a loop trip
 by opcode, the wgmma they feed, registers and spills (Triton's ptxas and cuobjdump on the CPU).
 
-A static count, not a timing: it says what a variant saves in issue slots (the quad
-transpose's shuffles and selects, the dequantization per MMA of a 256-row tile), which the
-H200 sweep then has to confirm.
+A static count, not a timing: it says what a variant saves in issue slots (e.g. the
+dequantization per MMA of a 256-row tile), which the H200 sweep then has to confirm.
 
     python benchmarks/kernels/sass_loop.py [--out benchmarks/results/sass_loop.json]
 """
@@ -26,15 +25,13 @@ import triton  # noqa: E402
 
 from pagoda.kernels import gluon_wgmma_tma as tk  # noqa: E402
 
-# (label, (BLOCK_M, warpgroups, stages, zero points, one split, natural K order, slabs))
+# (label, (BLOCK_M, warpgroups, stages, zero points, one split, slabs))
 VARIANTS = (
-    ("128 rows, 2 slabs, natural (default)", (128, 1, 4, False, True, True, 2)),
-    ("128 rows, 2 slabs, slot order", (128, 1, 4, False, True, False, 2)),
-    ("256 rows, 1 slab x 2 wg, natural", (256, 2, 4, False, True, True, 1)),
-    ("256 rows, 1 slab x 2 wg, slot order", (256, 2, 4, False, True, False, 1)),
-    ("128 rows, 1 slab x 2 wg, natural", (128, 2, 4, False, True, True, 1)),
-    ("128 rows, 2 slabs, natural, zp + split", (128, 1, 4, True, False, True, 2)),
-    ("256 rows, 1 slab x 2 wg, slot, zp + split", (256, 2, 4, True, False, False, 1)),
+    ("128 rows, 2 slabs (default)", (128, 1, 4, False, True, 2)),
+    ("256 rows, 1 slab x 2 wg", (256, 2, 4, False, True, 1)),
+    ("128 rows, 1 slab x 2 wg", (128, 2, 4, False, True, 1)),
+    ("128 rows, 2 slabs, zp + split", (128, 1, 4, True, False, 2)),
+    ("256 rows, 1 slab x 2 wg, zp + split", (256, 2, 4, True, False, 1)),
 )
 _ADDR = re.compile(r"/\*([0-9a-f]{4,})\*/")
 

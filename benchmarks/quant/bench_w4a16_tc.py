@@ -129,19 +129,18 @@ def mwgw_sweep(m: int, n: int, k: int, num_sms: int) -> list[mwg.WgmmaConfig]:
 def tma_sweep(m: int, n: int, k: int, num_sms: int) -> list[tk.TmaConfig]:
     """The TMA GEMM around its default: the last wave's tiles split 1-16 ways (at least 4 K
     steps a split), half the BLOCK_M, two consumer warpgroups and a 6-stage ring at the
-    default split; the default with x copied into slot order (no quad transpose); past 128
-    rows, 256-row tiles of one slab a warpgroup (half the dequantization per MMA) in both
-    orders; at 65-128 rows the 128-row tile on two warpgroups of one slab each."""
+    default split; past 128 rows, 256-row tiles of one slab a warpgroup (half the
+    dequantization per MMA); at 65-128 rows the 128-row tile on two warpgroups of one slab
+    each."""
     d = tuple(int(v) for v in tk.default_tma_config(m, n, k, num_sms))
     bm, _, split, _ = d
     out = [(bm, 1, sp, 4) for sp in (1, 2, 3, 4, 6, 8, 12, 16) if sp <= max(1, k // 64 // 4)]
     out += [(max(tk.BLOCK_MS[0], bm // 2), 1, split, 4), (bm, 2, split, 4), (bm, 1, split, 6)]
-    out += [(bm, 1, split, 4, False)]
     if m > 128 and k // 64 % 2 == 0:
-        out += [(256, 2, sp, 4, nat, 1) for sp in (1, split) for nat in (True, False)]
+        out += [(256, 2, sp, 4, 1) for sp in (1, split)]
     elif bm == 128 and k // 64 % 2 == 0:  # the same tile on two warpgroups of one slab each
-        out += [(128, 2, split, 4, True, 1)]
-    fits = [c for c in out if tk.smem_bytes(c[0], c[1], c[3], True, *c[5:]) <= tk.SMEM_BYTES]
+        out += [(128, 2, split, 4, 1)]
+    fits = [c for c in out if tk.smem_bytes(c[0], c[1], c[3], True, *c[4:]) <= tk.SMEM_BYTES]
     return [c for c in dict.fromkeys(fits) if c != d]
 
 

@@ -4,6 +4,11 @@ every swept (layer shape, M), the fastest TMA GEMM config where it beats the heu
 (the heuristic). Each entry holds M from the shape's previous swept M + 1 (the first: half its
 M + 1) to its own M (`gluon_wgmma_tma.tuned_tma_config`); outside every band the heuristic runs.
 
+Configs are written as the kernel takes them now, (BLOCK_M, warpgroups, split, stages[, slabs]).
+Sweeps up to session 19 also carried x's K order as a fifth element (1 natural, 0 the layout's
+slot order, deleted after session 19's sweep): `current_config` drops it, and skips slot-order
+configs.
+
     python benchmarks/quant/tma_table.py \
         benchmarks/results/h200_session19/run1/tma_sweep/w4a16_tc.json
 """
@@ -20,6 +25,18 @@ TABLE = ROOT / "pagoda" / "kernels" / "tuned" / "w4a16_tma.json"
 CFG = re.compile(r"^tma(\[[0-9, ]+\])_us$")
 
 
+def current_config(key: list[int]) -> list[int] | None:
+    """A sweep key in today's config form, None for a deleted variant. Six elements: (..., K
+    order, slabs), the order dropped (slot order, 0: None); five with a last 0: slot order
+    (None); otherwise today's form (a fifth element is `slabs`, 1 or 2). The older sweeps' only
+    five-element keys are slot order (`tma[64, 1, 3, 4, 0]`)."""
+    if len(key) == 6:
+        return key[:4] + key[5:] if key[4] else None
+    if len(key) == 5 and key[4] == 0:
+        return None
+    return key
+
+
 def best_entries(rows: list[dict], min_gain: float, group_size: int) -> list[dict]:
     """One entry per swept (n, k, m) of symmetric rows: the winning config or None."""
     out = []
@@ -27,7 +44,10 @@ def best_entries(rows: list[dict], min_gain: float, group_size: int) -> list[dic
     for r in sorted(rows, key=lambda r: (r["n"], r["k"], r["m"])):
         if r.get("zp") or "tma_us" not in r:
             continue
-        swept = {json.dumps(json.loads(m.group(1))): v for k, v in r.items() if (m := CFG.match(k))}
+        swept = {}
+        for name, v in r.items():
+            if (m := CFG.match(name)) and (c := current_config(json.loads(m.group(1)))):
+                swept[json.dumps(c)] = min(v, swept.get(json.dumps(c), v))
         if not swept:
             continue  # M not swept: no band edge here
         cfg, us = min(swept.items(), key=lambda kv: kv[1])

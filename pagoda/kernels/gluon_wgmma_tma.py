@@ -14,12 +14,12 @@ how many weight rows share one activation tile:
   into a ring of NUM_STAGES stages, completing on an mbarrier per stage; the consumers release a
   stage through a second mbarrier once both MMAs that read it have retired.
 - The consumers turn each lane's 4 words (16 bytes) into its A fragments: the quad transpose
-  (`_QUAD_T`) gives natural K order (or, with the config's `natural` False, x is copied into
-  the layout's slot order first, `to_slot_order`, and the words go in as they are), then
-  `_DEQUANT` (lop3 to 128 + u, add the zero offset, mul by the scale: the reference's bf16
-  exactly). Slab 0 of step i is dequantized while slab 1 of step i - 1 is still on the tensor
-  cores and the other way round: one wait for one group before each slab keeps a single MMA in
-  flight over every dequantization, with distinct registers.
+  (`_QUAD_T`) gives natural K order (x copied into the layout's slot order instead, with no
+  transpose, measured slower on the H200 in session 19 and was deleted), then `_DEQUANT`
+  (lop3 to 128 + u, add the zero offset, mul by the scale: the reference's bf16 exactly).
+  Slab 0 of step i is dequantized while slab 1 of step i - 1 is still on the tensor cores and
+  the other way round: one wait for one group before each slab keeps a single MMA in flight
+  over every dequantization, with distinct registers.
 
 The grid is one-dimensional, tiles numbered M-tile first (a column tile's weights read from DRAM
 once). `tail_schedule`: whole waves of tiles (one CTA a tile), then the tiles left are split over
@@ -48,8 +48,8 @@ SLAB = 64  # weight rows per warpgroup accumulator (wgmma's M)
 BLOCK_MS = (16, 32, 64, 128)  # batch rows a tile (wgmma's N)
 SMEM_BYTES = 227 * 1024  # sm_90's shared memory per block
 
-# (BLOCK_M, warpgroups, split-K of the last wave's tiles, stages[, natural K order of x[, slabs
-# a warpgroup: 2, or 1 with BLOCK_M up to 256]])
+# (BLOCK_M, warpgroups, split-K of the last wave's tiles, stages[, slabs a warpgroup: 2, or 1
+# with BLOCK_M up to 256])
 TmaConfig = tuple
 ONE_SLAB_BLOCK_MS = BLOCK_MS + (256,)  # one slab a warpgroup: wgmma's N up to 256
 
@@ -75,14 +75,6 @@ def gluon_tma_available() -> bool:
     except ImportError:
         return False
     return hasattr(gl, "warp_specialize")
-
-
-def to_slot_order(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] with each 64-K tile's columns in the layout's slot order (`gluon_mma_wgmma.
-    slot_to_real_pair`: slot pair 8 v + 4 h + c holds real pair 8 c + 2 v + h), one copy: the
-    order in which a lane's words already hold K, so the kernel skips the quad transpose."""
-    m, k = x.shape
-    return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
 
 
 def rows_per_cta(warpgroups: int, slabs: int = 2) -> int:
@@ -127,10 +119,10 @@ def _kernel():
 
     @gluon.jit
     def _fragment(w_st, s_st, z_st, NUM_WG: gl.constexpr, BLOCK_M: gl.constexpr,
-                  HAS_ZP: gl.constexpr, NATURAL_X: gl.constexpr):  # fmt: skip
+                  HAS_ZP: gl.constexpr):  # fmt: skip
         """A slab's register operand [64 NUM_WG, 64] from its words and pairs in shared memory
         (bf16 views [RW, 32] and [RW, 2]): K in natural order (the words through the quad
-        transpose) or, NATURAL_X False, in the layout's slot order (no transpose)."""
+        transpose)."""
         RW: gl.constexpr = 32 * NUM_WG
         NW: gl.constexpr = 4 * NUM_WG
         mma: gl.constexpr = gl.NVMMADistributedLayout(
@@ -153,11 +145,10 @@ def _kernel():
             zl = gl.full([RW, 1, 2], -136.0, gl.bfloat16, layout=v_l)
             zh = zl
         words = w_st.load(word_layout(NUM_WG))  # [RW, 32 (c, v, half)]
-        if NATURAL_X:  # word v of lane c becomes its word for natural K slice v
-            words = gl.inline_asm_elementwise(
-                quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16, is_pure=True,
-                pack=8,
-            )  # fmt: skip
+        # word v of lane c becomes its word for natural K slice v
+        words = gl.inline_asm_elementwise(
+            quad_t_asm, "=r,=r,=r,=r,r,r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=8,
+        )  # fmt: skip
         return a_operand(words, sl, sh, zl, zh, NUM_WG, a_l)
 
     @gluon.jit
@@ -289,8 +280,7 @@ def _kernel():
                  b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om, n_splits,
                  BLOCK_M: gl.constexpr, NUM_WG: gl.constexpr, NUM_STAGES: gl.constexpr,
                  HAS_ZP: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 ONE_SPLIT: gl.constexpr, NATURAL_X: gl.constexpr,
-                 SLABS: gl.constexpr):  # fmt: skip
+                 ONE_SPLIT: gl.constexpr, SLABS: gl.constexpr):  # fmt: skip
         """The consumer warpgroups: dequantize, MMA, release stages; then the epilogue.
 
         SLABS 2: two 64-row slabs a warpgroup; slab 0 of step i is dequantized while slab 1 of
@@ -329,14 +319,12 @@ def _kernel():
                 # One MMA in flight over each dequantization: slab 0 of step i is dequantized while
                 # slab 1 of step i - 1 runs, slab 1 while slab 0 of step i runs (each wait retires
                 # the group before the one just issued).
-                a0 = _fragment(w_st.slice(0, RW), s_st.slice(0, RW), z0, NUM_WG, BLOCK_M, HAS_ZP,
-                               NATURAL_X)  # fmt: skip
+                a0 = _fragment(w_st.slice(0, RW), s_st.slice(0, RW), z0, NUM_WG, BLOCK_M, HAS_ZP)
                 acc0 = warpgroup_mma(a0, xs, acc0, is_async=True)
                 acc0, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc0, a0, xs])
                 # both MMAs of step i - 1 have retired: its stage goes back to the producer
                 mbarrier.arrive(empty.index((i + S - 1) % S), count=1, pred=i > 0)
-                a1 = _fragment(w_st.slice(RW, RW), s_st.slice(RW, RW), z1, NUM_WG, BLOCK_M, HAS_ZP,
-                               NATURAL_X)  # fmt: skip
+                a1 = _fragment(w_st.slice(RW, RW), s_st.slice(RW, RW), z1, NUM_WG, BLOCK_M, HAS_ZP)
                 acc1 = warpgroup_mma(a1, xs, acc1, is_async=True)
                 acc1, a1, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc1, a1, xs])
             acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=[acc0, acc1])
@@ -354,7 +342,7 @@ def _kernel():
                 w_st = reinterpret(w_bufs.index(s), gl.bfloat16, [RW, 32], plain)
                 s_st = reinterpret(s_bufs.index(s), gl.bfloat16, [RW, 2], plain)
                 z_st = reinterpret(z_bufs.index(s), gl.bfloat16, [RW, 2], plain) if HAS_ZP else s_st
-                a0 = _fragment(w_st, s_st, z_st, NUM_WG, BLOCK_M, HAS_ZP, NATURAL_X)
+                a0 = _fragment(w_st, s_st, z_st, NUM_WG, BLOCK_M, HAS_ZP)
                 acc = warpgroup_mma(a0, xs, acc, is_async=True)
                 acc, a0, xs = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a0, xs])
                 # step i - 1 has retired: its stage goes back to the producer
@@ -367,7 +355,7 @@ def _kernel():
                 z_st1 = (
                     reinterpret(z_bufs.index(s1), gl.bfloat16, [RW, 2], plain) if HAS_ZP else s_st1
                 )
-                a1 = _fragment(w_st1, s_st1, z_st1, NUM_WG, BLOCK_M, HAS_ZP, NATURAL_X)
+                a1 = _fragment(w_st1, s_st1, z_st1, NUM_WG, BLOCK_M, HAS_ZP)
                 acc = warpgroup_mma(a1, xs1, acc, is_async=True)
                 acc, a1, xs1 = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a1, xs1])
                 mbarrier.arrive(empty.index(s), count=1)  # step i has retired
@@ -387,7 +375,6 @@ def _kernel():
         HAS_ZP: gl.constexpr,
         HAS_BIAS: gl.constexpr,
         ONE_SPLIT: gl.constexpr,  # else the serial split-K reduction through ws / cnt
-        NATURAL_X: gl.constexpr = True,  # x in natural K order, else in slot order (no transpose)
         SLABS: gl.constexpr = 2,  # 64-row slabs a consumer warpgroup (1: BLOCK_M up to 256)
     ):  # fmt: skip
         S: gl.constexpr = NUM_STAGES
@@ -426,7 +413,7 @@ def _kernel():
                 (_consume, (x_bufs, w_bufs, s_bufs, z_bufs, ready, empty, n_steps, off_m, off_n,
                             tile, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, M, N, stride_om,
                             n_splits, BLOCK_M, NUM_WG, S, HAS_ZP, HAS_BIAS,
-                            ONE_SPLIT, NATURAL_X, SLABS)),
+                            ONE_SPLIT, SLABS)),
                 (_produce, (x_desc, w_desc, s_desc, z_desc, x_bufs, w_bufs, s_bufs, z_bufs,
                             ready, empty, off_m, cg0, kt_lo, n_steps, S, GROUP_TILES, HAS_ZP)),
             ],
@@ -552,7 +539,6 @@ def compile_sm90(
     stages: int,
     zp: bool,
     one_split: bool,
-    natural: bool = True,
     slabs: int = 2,
 ) -> dict:
     """The kernel compiled for sm_90 without a GPU (Triton's PTX backend runs on the CPU): its
@@ -573,7 +559,7 @@ def compile_sm90(
            "tail_splits": "i32"}  # fmt: skip
     consts = {"GROUP_TILES": 2, "BLOCK_M": block_m, "NUM_WG": wgs, "NUM_STAGES": stages,
               "HAS_ZP": zp, "HAS_BIAS": False, "ONE_SPLIT": one_split,
-              "NATURAL_X": natural, "SLABS": slabs}  # fmt: skip
+              "SLABS": slabs}  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (4, 5, 6, 7, 8, 10, 13)}
     src = GluonASTSource(fn=_kernel(), signature=sig, constexprs=consts, attrs=attrs)
@@ -583,12 +569,13 @@ def compile_sm90(
 
 def resolve_config(
     config: TmaConfig | None, m: int, n: int, k: int, num_sms: int, zp: bool
-) -> tuple[int, int, int, int, bool, int]:
-    """(BLOCK_M, warpgroups, split, stages, natural, slabs) of `config` (None: the default),
-    checked: a ValueError names what the kernel cannot run."""
+) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, warpgroups, split, stages, slabs) of `config` (None: the default), checked: a
+    ValueError names what the kernel cannot run."""
     block_m, wgs, split, stages, *rest = config or default_tma_config(m, n, k, num_sms)
-    natural = bool(rest[0]) if rest else True
-    slabs = int(rest[1]) if len(rest) > 1 else 2
+    if len(rest) > 1:
+        raise ValueError(f"config {config}: (BLOCK_M, warpgroups, split, stages[, slabs])")
+    slabs = int(rest[0]) if rest else 2
     block_ms = BLOCK_MS if slabs == 2 else ONE_SLAB_BLOCK_MS
     if block_m not in block_ms or wgs not in (1, 2) or slabs not in (1, 2):
         raise ValueError(f"config {config}: BLOCK_M in {block_ms}, 1 or 2 warpgroups, 1 or 2 slabs")
@@ -601,7 +588,7 @@ def resolve_config(
         )
     if slabs == 1 and (k // BLOCK_K) % 2:
         raise ValueError(f"config {config}: one slab a warpgroup needs an even K / 64, got {k}")
-    return block_m, wgs, split, stages, natural, slabs
+    return block_m, wgs, split, stages, slabs
 
 
 def wna16_wgmma_tma(
@@ -629,12 +616,10 @@ def wna16_wgmma_tma(
     if config is None:
         name = _gpu_name(x.device.index if x.device.index is not None else 0)
         config = tuned_tma_config(name, m, n, k, group_size, num_sms, zp)
-    block_m, wgs, split, stages, natural, slabs = resolve_config(config, m, n, k, num_sms, zp)
+    block_m, wgs, split, stages, slabs = resolve_config(config, m, n, k, num_sms, zp)
     out = torch.empty((m, n), device=x.device, dtype=torch.bfloat16)
     if x.stride(1) != 1 or x.stride(0) % 8:
         x = x.contiguous()
-    if not natural:  # one copy into the layout's slot order: the words need no transpose
-        x = to_slot_order(x)
     if x.data_ptr() % 16:  # a view at an odd offset: TMA needs a 16-byte aligned base
         x = x.clone(memory_format=torch.contiguous_format)
     rows = rows_per_cta(wgs, slabs)
@@ -668,7 +653,6 @@ def wna16_wgmma_tma(
         HAS_ZP=zp,
         HAS_BIAS=bias is not None,
         ONE_SPLIT=split == 1,
-        NATURAL_X=natural,
         SLABS=slabs,
         num_warps=4 * wgs,
         maxnreg=max_regs(wgs),

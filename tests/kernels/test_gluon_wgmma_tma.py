@@ -125,9 +125,8 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
     """N = 400: a partial last CTA (zero-filled words, masked stores); K = 576: an odd count
     of K steps; every tile size, one and two warpgroups, split-K, ring depths."""
     n, k = 400, 512 if group == 128 else 576
-    configs = (None, (16, 1, 1, 2), (32, 2, 1, 4), (64, 1, 3, 4), (64, 2, 2, 6),
-               (128, 1, 1, 3), (128, 2, 4, 4),
-               (16, 1, 1, 2, False), (64, 2, 2, 4, False), (128, 1, 3, 4, False))  # fmt: skip
+    configs = (None, (16, 1, 1, 2), (32, 2, 1, 4), (64, 1, 3, 4), (64, 2, 2, 6), (64, 2, 2, 4),
+               (128, 1, 1, 3), (128, 1, 3, 4), (128, 2, 4, 4))  # fmt: skip
     check_configs(tk.wna16_wgmma_tma, configs, m, n, k, group, zp, bias)
 
 
@@ -137,10 +136,10 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
 @pytest.mark.parametrize("group,zp,bias", [(128, False, False), (64, True, True)])
 def test_one_slab_configs_match_the_dequantized_matmul_gpu(m, group, zp, bias):
     """One 64-row slab a warpgroup (wgmma's N up to 256, two K steps a loop trip): 256-row
-    tiles whole and split (the split rounded to even K steps), natural and slot order, 128 and
-    64-row tiles; N = 400 (a partial last CTA), K = 512."""
-    configs = ((256, 2, 1, 4, True, 1), (256, 2, 3, 4, False, 1), (128, 2, 2, 4, True, 1),
-               (64, 1, 1, 4, True, 1), (256, 2, 5, 4, True, 1))  # fmt: skip
+    tiles whole and split (the split rounded to even K steps), 128 and 64-row tiles; N = 400 (a
+    partial last CTA), K = 512."""
+    configs = ((256, 2, 1, 4, 1), (256, 2, 3, 4, 1), (128, 2, 2, 4, 1), (64, 1, 1, 4, 1),
+               (256, 2, 5, 4, 1))  # fmt: skip
     check_configs(tk.wna16_wgmma_tma, configs, m, 400, 512, group, zp, bias)
 
 
@@ -157,77 +156,45 @@ def test_qwen_shapes_and_graph_replay_gpu(m, zp):
     check_shapes_and_graph_replay(tk.wna16_wgmma_tma, m, zp, shapes)
 
 
-@pytest.mark.skipif(not tk.gluon_tma_available(), reason="needs Triton with Gluon's TMA")
-def test_sm90_code_slot_order():
-    """With x in slot order (`natural` False) the words go into the dequantization as they
-    are: no butterfly shuffle, no byte permute of the transpose; the same 8 wgmma and 32
-    multiplies."""
-    ptx = _compiled(128, 1, 4, False, True, False)
-    assert "shfl.sync.bfly" not in ptx
-    assert "0x6240" not in ptx and "0x7351" not in ptx  # the transpose's prmt selectors
-    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{", ptx)
-    assert len(mmas) == 8 and ptx.count("mul.rn.bf16x2") == 32
-
-
-def test_slot_order_feeds_each_slot_its_code():
-    """`to_slot_order` puts real K pair `slot_to_real_pair(s)` at slot pair s of every 64-K
-    tile, and against the words' slot-order unpacking (`unpack_slots`, the kernel's steps in
-    torch) the products summed over the slots equal codes @ x exactly: the kernel's K sum
-    with x copied into slot order is the real one."""
-    from pagoda.kernels.gluon_mma_wgmma import slot_to_real_pair, unpack_slots
-    from pagoda.kernels.triton_w4a16_mma import repack_mma
-
-    g = torch.Generator().manual_seed(3)
-    m, n, k = 5, 128, 192
-    x = torch.randn(m, k, generator=g, dtype=torch.float64)
-    xs = tk.to_slot_order(x)
-    for kb in range(k // 64):
-        for slot in range(32):
-            real = 64 * kb + 2 * slot_to_real_pair(slot)
-            assert torch.equal(
-                xs[:, 64 * kb + 2 * slot : 64 * kb + 2 * slot + 2], x[:, real : real + 2]
-            )
-    codes = torch.randint(0, 16, (n, k), generator=g)
-    fed = unpack_slots(repack_mma(codes), n, k, num_wg=1, natural=False)  # [N, K slots]
-    assert not torch.equal(fed, codes.to(torch.int32))  # slot order is not natural order
-    torch.testing.assert_close(xs @ fed.double().t(), x @ codes.double().t(), rtol=1e-12, atol=1e-9)
-
-
 def test_resolve_config_checks_what_the_kernel_runs():
     """Configs with one slab a warpgroup: BLOCK_M up to 256 with two warpgroups (a 64 x 256
     fp32 accumulator is all of one warpgroup's 128 registers), an even K / 64 (two K steps a
-    loop trip); the 4-tuple default unchanged."""
-    assert tk.resolve_config(None, 128, 37888, 3584, 132, False) == (128, 1, 4, 4, True, 2)
-    assert tk.resolve_config((256, 2, 1, 4, False, 1), 256, 37888, 3584, 132, False) == (
-        256, 2, 1, 4, False, 1)  # fmt: skip
+    loop trip); the 4-tuple default unchanged. The tuples of the deleted slot-order option
+    (x's K order before `slabs`) are refused, not misread."""
+    assert tk.resolve_config(None, 128, 37888, 3584, 132, False) == (128, 1, 4, 4, 2)
+    assert tk.resolve_config((256, 2, 1, 4, 1), 256, 37888, 3584, 132, False) == (256, 2, 1, 4, 1)
+    assert tk.resolve_config((128, 1, 1, 4, 2), 256, 37888, 3584, 132, False) == (128, 1, 1, 4, 2)
     bad = {
         (256, 2, 1, 4): "BLOCK_M in",  # 256 rows only with one slab
-        (256, 1, 1, 4, True, 1): "two warpgroups",
-        (128, 1, 1, 4, True, 3): "1 or 2 slabs",
-        (256, 2, 1, 3, True, 1): "stages",
+        (256, 1, 1, 4, 1): "two warpgroups",
+        (128, 1, 1, 4, 3): "1 or 2 slabs",
+        (256, 2, 1, 3, 1): "stages",
+        (128, 1, 3, 4, 0): "1 or 2 slabs",  # slot order in the old form
+        (256, 2, 1, 4, 1, 1): "slabs",  # the old (..., natural, slabs)
     }
     for config, match in bad.items():
         with pytest.raises(ValueError, match=match):
             tk.resolve_config(config, 256, 37888, 3584, 132, False)
     with pytest.raises(ValueError, match="even K"):
-        tk.resolve_config((128, 2, 1, 4, True, 1), 64, 4096, 576, 132, False)
+        tk.resolve_config((128, 2, 1, 4, 1), 64, 4096, 576, 132, False)
     assert tk.smem_bytes(256, 2, 4, True, 1) <= tk.SMEM_BYTES  # zero points fit too
 
 
 @pytest.mark.skipif(not tk.gluon_tma_available(), reason="needs Triton with Gluon's TMA")
-@pytest.mark.parametrize("zp,one_split,natural", [(False, True, True), (True, False, False)])
-def test_sm90_code_one_slab(zp, one_split, natural):
+@pytest.mark.parametrize("zp,one_split", [(False, True), (True, False)])
+def test_sm90_code_one_slab(zp, one_split):
     """One slab a warpgroup at 256 rows, two warpgroups: a loop trip is two K steps of four
-    m64n256k16 register-operand wgmma each, a wait for all but one group after each step; no
-    local memory (the split finish goes 128 rows at a time)."""
-    ptx = _compiled(256, 2, 4, zp, one_split, natural, 1)
+    m64n256k16 register-operand wgmma each, a wait for all but one group after each step, the
+    words of each step through the quad transpose; no local memory (the split finish goes 128
+    rows at a time)."""
+    ptx = _compiled(256, 2, 4, zp, one_split, 1)
     mmas = re.findall(
         r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16 \{[^}]*\}, \{", ptx
     )
     assert len(mmas) == 8 and {int(v) for v in mmas} == {256}
     waits = [int(v) for v in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)]
     assert waits.count(1) == 2 and waits.count(0) == 1
-    assert ("shfl.sync.bfly" in ptx) == natural
+    assert ptx.count("shfl.sync.bfly.b32") == 8  # 2 steps x the transpose's 4 shuffles
     for absent in ("ld.local", "st.local"):
         assert absent not in ptx, absent
 
