@@ -10,12 +10,9 @@ neighbours and says little.
     python benchmarks/ablate_decode.py config:benchmarks/configs/qwen2.5-7b.json:w4a16 --out F
 
 Ablations (cumulative names are joined with '+'):
-    norm     no norm kernels and no norm prologues (the layers' projections read their input
-             as it is; the residual is unchanged)
-    silu     no activation (kernel or prologue): down_proj reads the gate half
+    norm     RMSNorm returns its input (and the residual unchanged): no norm kernels
+    silu     SiluAndMul returns the gate half as a strided view: no activation kernel
     attn     attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
-    unfused  the norm and SiLU-and-mul run as their own kernels, not as the GEMVs' prologues
-             (the graph of before the prologues; `PAGODA_DISABLED_KERNELS=gemv_prologue`)
     pfN      the decode attention prefetches N MiB of the following weights into the L2 per
              layer instead of the default budget (pf0: none; `worker/l2_prefetch.py`)
     pflN     the same, issued after the attention's own work instead of before its wait
@@ -57,21 +54,11 @@ def timed(fn, iters: int) -> float:
 @contextlib.contextmanager
 def ablated(parts: set[str]) -> Iterator[None]:
     from pagoda.layers import attention
-    from pagoda.layers.linear import LinearBase, UnquantizedLinearMethod
+    from pagoda.layers.activation import SiluAndMul
     from pagoda.layers.norm import RMSNorm
-    from pagoda.layers.quantized_linear import WNA16LinearMethod
     from pagoda.models.llama import DecoderAttention
 
-    methods = (UnquantizedLinearMethod, WNA16LinearMethod)
-    patched = [
-        (RMSNorm, "forward"),
-        (LinearBase, "forward_rms_norm_first"),
-        (LinearBase, "forward_silu_and_mul_first"),
-        (DecoderAttention, "attend"),
-        *((m, "apply_rms_norm_first") for m in methods),
-        *((m, "apply_silu_and_mul_first") for m in methods),
-    ]
-    saved = [(cls, name, cls.__dict__[name]) for cls, name in patched]
+    saved = (RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward)
     kv_prefetch = attention._kv_prefetch
     if "nokv" in parts:
         attention._kv_prefetch = lambda: False
@@ -81,25 +68,18 @@ def ablated(parts: set[str]) -> Iterator[None]:
             return x if residual is None else (x, residual)
 
         RMSNorm.forward = norm_forward
-        LinearBase.forward_rms_norm_first = lambda self, norm, x, residual: (
-            self(x), x if residual is None else residual)  # fmt: skip
     if "silu" in parts:
-        LinearBase.forward_silu_and_mul_first = lambda self, act, x: self(x[:, : x.shape[1] // 2])
+        SiluAndMul.forward = lambda self, x: x[:, : x.shape[1] // 2]
     if "attn" in parts:
 
-        def attend(self, positions, qkv, attn_metadata):
-            return self.o_proj(qkv[:, : self.q_size])
+        def attn_forward(self, positions, hidden, attn_metadata):
+            return self.o_proj(self.qkv_proj(hidden)[:, : self.q_size])
 
-        DecoderAttention.attend = attend
-    if "unfused" in parts:
-        for m in methods:
-            m.apply_rms_norm_first = lambda self, *args: None
-            m.apply_silu_and_mul_first = lambda self, *args: None
+        DecoderAttention.forward = attn_forward
     try:
         yield
     finally:
-        for cls, name, fn in saved:
-            setattr(cls, name, fn)
+        RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward = saved
         attention._kv_prefetch = kv_prefetch
 
 
@@ -123,14 +103,14 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument(
-        "--ablations", default="none,unfused,none,unfused,norm,silu,attn,norm+silu,norm+silu+attn",
+        "--ablations", default="none,norm,silu,attn,norm+silu,norm+silu+attn",
         help="comma-separated; 'none' is the real graph",
     )  # fmt: skip
     ns = p.parse_args()
     names = ns.ablations.split(",")
     for name in names:
         for part in [] if name == "none" else name.split("+"):
-            known = part in ("norm", "silu", "attn", "unfused", "nokv")
+            known = part in ("norm", "silu", "attn", "nokv")
             if not known and _budget_part(part) is None:
                 p.error(f"--ablations: unknown part {part!r} in {name!r}")
         if sum(part.startswith("pf") for part in name.split("+")) > 1:
