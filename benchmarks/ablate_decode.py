@@ -13,10 +13,6 @@ Ablations (cumulative names are joined with '+'):
     norm     RMSNorm returns its input (and the residual unchanged): no norm kernels
     silu     SiluAndMul returns the gate half as a strided view: no activation kernel
     attn     attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
-    pfN      the decode attention prefetches N MiB of the following weights into the L2 per
-             layer instead of the default budget (pf0: none; `worker/l2_prefetch.py`)
-    pflN     the same, issued after the attention's own work instead of before its wait
-    pfsN     (or pflsN) the linears' weights smallest first instead of in the order of use
     nokv     the decode attention does not prefetch its first cache blocks before its wait
              (`PAGODA_DISABLED_KERNELS=kv_prefetch`)
 """
@@ -26,8 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import re
 import statistics
 import sys
 import time
@@ -37,8 +31,6 @@ from pathlib import Path
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.worker.l2_prefetch import bind_l2_prefetch, default_budget
-from pagoda.worker.offload import decoder_layers
 
 
 def timed(fn, iters: int) -> float:
@@ -83,18 +75,6 @@ def ablated(parts: set[str]) -> Iterator[None]:
         attention._kv_prefetch = kv_prefetch
 
 
-def _budget_part(part: str) -> tuple[bool, str, float] | None:
-    """'pf[l][s]N' (N a finite MiB count >= 0) -> (late, order, N); None if it is not one."""
-    m = re.fullmatch(r"pf(l?)(s?)([0-9.]+)", part)
-    try:
-        mib = float(m.group(3)) if m else -1.0
-    except ValueError:
-        return None
-    if not m or not math.isfinite(mib) or mib < 0:
-        return None
-    return bool(m.group(1)), "size" if m.group(2) else "use", mib
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -110,11 +90,8 @@ def main() -> int:
     names = ns.ablations.split(",")
     for name in names:
         for part in [] if name == "none" else name.split("+"):
-            known = part in ("norm", "silu", "attn", "nokv")
-            if not known and _budget_part(part) is None:
+            if part not in ("norm", "silu", "attn", "nokv"):
                 p.error(f"--ablations: unknown part {part!r} in {name!r}")
-        if sum(part.startswith("pf") for part in name.split("+")) > 1:
-            p.error(f"--ablations: {name!r} gives more than one prefetch budget")
     llm = LLM(
         ns.model,
         dtype="bfloat16",
@@ -138,15 +115,9 @@ def main() -> int:
     }
     hid = gr.outputs[1]
     res["logits_argmax_s"] = timed(lambda: model.compute_logits(hid).argmax(-1), ns.iters)
-    layers = decoder_layers(model)
-    default = default_budget(runner.device)
-    res["l2_prefetch_default_mib"] = default / 2**20
     for name in names:
         parts = set() if name == "none" else set(name.split("+"))
-        pf = [x for x in parts if x.startswith("pf")]
-        late, order, mib = _budget_part(pf[0]) if pf else (False, "use", default / 2**20)
-        bind_l2_prefetch(layers, int(mib * 2**20), late=late, order=order)
-        with ablated(parts - set(pf)):
+        with ablated(parts):
             gr.graphs.clear()
             gr.capture()
         t = timed(gr.graphs[1].replay, ns.iters)

@@ -100,16 +100,16 @@ def test_nothing_written_and_no_activation_read_before_the_wait(name):
         assert accesses == []
 
 
-@pytest.mark.parametrize("has_pf,kv_pf_bytes", [(False, 0), (True, 8192)])
-def test_fused_decode_attention_reads_no_activation_before_the_wait(has_pf, kv_pf_bytes):
-    """Before its wait the fused decode attention reads the sequence length, the block table
-    and the prefetch table and prefetches cache blocks and weights: nothing from q / k / v
-    (parameters 0-2, the QKV projection's output) and no store."""
-    ptx = compiled_in_child("test_decode_attention_code", has_pf, kv_pf_bytes)
+@pytest.mark.parametrize("kv_pf_bytes", [0, 8192])
+def test_fused_decode_attention_reads_no_activation_before_the_wait(kv_pf_bytes):
+    """Before its wait the fused decode attention reads the sequence length and the block table
+    and prefetches cache blocks: nothing from q / k / v (parameters 0-2, the QKV projection's
+    output) and no store."""
+    ptx = compiled_in_child("test_decode_attention_code", kv_pf_bytes)
     accesses = check_pre_wait(ptx, {0, 1, 2})
     loads = {min(a.params) for a in accesses if a.kind == "load" and a.params}
     fetched = [a.params for a in accesses if a.kind == "prefetch"]
-    # seq_lens (9), block table (10), prefetch table (12); K / V cache (6, 7)
-    assert loads == {9} | ({10} if kv_pf_bytes else set()) | ({12} if has_pf else set())
-    assert len(fetched) == int(has_pf) + (2 if kv_pf_bytes else 0)
+    # seq_lens (9), block table (10); K / V cache (6, 7)
+    assert loads == {9} | ({10} if kv_pf_bytes else set())
+    assert len(fetched) == (2 if kv_pf_bytes else 0)
     assert {min(p) for p in fetched if p} == ({6, 7} if kv_pf_bytes else set())
