@@ -10,16 +10,9 @@ neighbours and says little.
     python benchmarks/ablate_decode.py config:benchmarks/configs/qwen2.5-7b.json:w4a16 --out F
 
 Ablations (cumulative names are joined with '+'):
-    norm     no norm kernels and no norm prologues (the layers' projections read their input
-             as it is; the residual is unchanged)
-    silu     no activation (kernel or prologue): down_proj reads the gate half
+    norm     RMSNorm returns its input (and the residual unchanged): no norm kernels
+    silu     SiluAndMul returns the gate half as a strided view: no activation kernel
     attn     attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
-    unfused  the norm and SiLU-and-mul run as their own kernels, not as the GEMVs' prologues
-             (the graph of before the prologues; `PAGODA_DISABLED_KERNELS=gemv_prologue`)
-    pfN      the decode attention prefetches N MiB of the following weights into the L2 per
-             layer instead of the default budget (pf0: none; `worker/l2_prefetch.py`)
-    pflN     the same, issued after the attention's own work instead of before its wait
-    pfsN     (or pflsN) the linears' weights smallest first instead of in the order of use
     nokv     the decode attention does not prefetch its first cache blocks before its wait
              (`PAGODA_DISABLED_KERNELS=kv_prefetch`)
 """
@@ -29,8 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import re
 import statistics
 import sys
 import time
@@ -40,8 +31,6 @@ from pathlib import Path
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.worker.l2_prefetch import bind_l2_prefetch, default_budget
-from pagoda.worker.offload import decoder_layers
 
 
 def timed(fn, iters: int) -> float:
@@ -57,21 +46,11 @@ def timed(fn, iters: int) -> float:
 @contextlib.contextmanager
 def ablated(parts: set[str]) -> Iterator[None]:
     from pagoda.layers import attention
-    from pagoda.layers.linear import LinearBase, UnquantizedLinearMethod
+    from pagoda.layers.activation import SiluAndMul
     from pagoda.layers.norm import RMSNorm
-    from pagoda.layers.quantized_linear import WNA16LinearMethod
     from pagoda.models.llama import DecoderAttention
 
-    methods = (UnquantizedLinearMethod, WNA16LinearMethod)
-    patched = [
-        (RMSNorm, "forward"),
-        (LinearBase, "forward_rms_norm_first"),
-        (LinearBase, "forward_silu_and_mul_first"),
-        (DecoderAttention, "attend"),
-        *((m, "apply_rms_norm_first") for m in methods),
-        *((m, "apply_silu_and_mul_first") for m in methods),
-    ]
-    saved = [(cls, name, cls.__dict__[name]) for cls, name in patched]
+    saved = (RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward)
     kv_prefetch = attention._kv_prefetch
     if "nokv" in parts:
         attention._kv_prefetch = lambda: False
@@ -81,38 +60,19 @@ def ablated(parts: set[str]) -> Iterator[None]:
             return x if residual is None else (x, residual)
 
         RMSNorm.forward = norm_forward
-        LinearBase.forward_rms_norm_first = lambda self, norm, x, residual: (
-            self(x), x if residual is None else residual)  # fmt: skip
     if "silu" in parts:
-        LinearBase.forward_silu_and_mul_first = lambda self, act, x: self(x[:, : x.shape[1] // 2])
+        SiluAndMul.forward = lambda self, x: x[:, : x.shape[1] // 2]
     if "attn" in parts:
 
-        def attend(self, positions, qkv, attn_metadata):
-            return self.o_proj(qkv[:, : self.q_size])
+        def attn_forward(self, positions, hidden, attn_metadata):
+            return self.o_proj(self.qkv_proj(hidden)[:, : self.q_size])
 
-        DecoderAttention.attend = attend
-    if "unfused" in parts:
-        for m in methods:
-            m.apply_rms_norm_first = lambda self, *args: None
-            m.apply_silu_and_mul_first = lambda self, *args: None
+        DecoderAttention.forward = attn_forward
     try:
         yield
     finally:
-        for cls, name, fn in saved:
-            setattr(cls, name, fn)
+        RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward = saved
         attention._kv_prefetch = kv_prefetch
-
-
-def _budget_part(part: str) -> tuple[bool, str, float] | None:
-    """'pf[l][s]N' (N a finite MiB count >= 0) -> (late, order, N); None if it is not one."""
-    m = re.fullmatch(r"pf(l?)(s?)([0-9.]+)", part)
-    try:
-        mib = float(m.group(3)) if m else -1.0
-    except ValueError:
-        return None
-    if not m or not math.isfinite(mib) or mib < 0:
-        return None
-    return bool(m.group(1)), "size" if m.group(2) else "use", mib
 
 
 def main() -> int:
@@ -123,18 +83,15 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument(
-        "--ablations", default="none,unfused,none,unfused,norm,silu,attn,norm+silu,norm+silu+attn",
+        "--ablations", default="none,norm,silu,attn,norm+silu,norm+silu+attn",
         help="comma-separated; 'none' is the real graph",
     )  # fmt: skip
     ns = p.parse_args()
     names = ns.ablations.split(",")
     for name in names:
         for part in [] if name == "none" else name.split("+"):
-            known = part in ("norm", "silu", "attn", "unfused", "nokv")
-            if not known and _budget_part(part) is None:
+            if part not in ("norm", "silu", "attn", "nokv"):
                 p.error(f"--ablations: unknown part {part!r} in {name!r}")
-        if sum(part.startswith("pf") for part in name.split("+")) > 1:
-            p.error(f"--ablations: {name!r} gives more than one prefetch budget")
     llm = LLM(
         ns.model,
         dtype="bfloat16",
@@ -158,15 +115,9 @@ def main() -> int:
     }
     hid = gr.outputs[1]
     res["logits_argmax_s"] = timed(lambda: model.compute_logits(hid).argmax(-1), ns.iters)
-    layers = decoder_layers(model)
-    default = default_budget(runner.device)
-    res["l2_prefetch_default_mib"] = default / 2**20
     for name in names:
         parts = set() if name == "none" else set(name.split("+"))
-        pf = [x for x in parts if x.startswith("pf")]
-        late, order, mib = _budget_part(pf[0]) if pf else (False, "use", default / 2**20)
-        bind_l2_prefetch(layers, int(mib * 2**20), late=late, order=order)
-        with ablated(parts - set(pf)):
+        with ablated(parts):
             gr.graphs.clear()
             gr.capture()
         t = timed(gr.graphs[1].replay, ns.iters)

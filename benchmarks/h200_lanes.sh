@@ -9,17 +9,17 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Next GPU session, in this order (three calls fill the 30 min): check18 (every GPU test of
-#   the default-on features built without a GPU in sessions 17-18, then one combined A/B on
-#   3B W4A16), ab18 (the same on 3B bf16; batch-1 latency and MBU with everything on / off,
-#   each in its own process), tma17 (the TMA GEMM sweep); then pf18 pf18b
-#   pro17 pro17b vl18 prof18 ncu17 for the detail.
-# Steps (session 18): check18 ab18 pf18 pf18b vl18 prof18 (the decode attention prefetches the next
-#   weights and its first KV blocks into the L2; built without a GPU: measure, then keep or
-#   delete), then session 17's
-# Steps (session 17): pro17 pro17b (built without a GPU: first measure, then keep or delete),
-#   tma17 (the TMA GEMM's one-round-trip split finish), ncu17 (Nsight Compute on the TMA GEMM;
-#   ncu reads counters on Firecracker machines only)
+# Next GPU session, in this order: ncu17 (why the TMA GEMM runs compute-bound M at ~80 % of
+#   cuBLAS bf16), prof18 (where a batch-64 / 128 decode step goes), vl18, check18, ab18.
+# Steps (session 19): s19a (engine GPU tests, the TMA GEMM sweep incl. slot order, which
+#   measured slower and was deleted), s19b (GPU tests after deleting session 18's batch-1
+#   prologues and L2 weight prefetch, with their steps pro17, pf18 and pf18b; the tuned TMA
+#   table vs the heuristic per layer), s19c (bf16 vs W4A16 through `LLM`, 3B and 7B)
+# Steps (session 18): check18 ab18 vl18 prof18 (the decode attention prefetches its first KV
+#   blocks into the L2), then session 17's
+# Steps (session 17): pro17b (the decode attention's split-KV factor, 3B bf16 vs W4A16), tma17
+#   (the TMA GEMM's one-round-trip split finish), ncu17 (Nsight Compute on the TMA GEMM; ncu
+#   reads counters on Firecracker machines only)
 # Steps (session 16): tma16 tma16b tma16c tma16d tma16e
 # Steps (session 15): tma15 tma15b e2e15 chk15
 # Steps (session 14): mwg14 mwg14b e2e14
@@ -660,40 +660,13 @@ step_tma16d() {
 step_tma16e() {
   compare16 band 170 "$CFG3" Qwen2.5-3B 60 compare_3b_band 32,64 0
 }
-# session 17 (the norm and SiLU-and-mul as the batch-1 GEMVs' prologues, dense and W4A16;
-# written on the CPU, never run on a GPU): their GPU tests and greedy against transformers
-# (bf16 and W4A16 engines, CUDA graphs at batch 1), each layer's prologue GEMV against the
-# separate kernel + GEMV (with the W4A16 prologue's split-K swept), the decode graph of 3B bf16
-# / W4A16 re-captured with and without the prologues in one process (alternating), and
-# batch-1 latency with MBU (acceptance 3) with and without them in separate processes
-step_pro17() {
-  run pro_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_gemv.py tests/kernels/test_triton_w4a16_mma.py \
-    tests/entrypoints/test_gpu_engine.py tests/entrypoints/test_gpu_engine_w4a16.py \
-    -k "prologue or chained or engine"
-  run prologue_bench 90 python3 benchmarks/bench_prologue.py --sweep --out "$R/prologue.json"
-  prologue_ab 3b "$CFG3" 70
-}
-# session 17, second call: the same on 7B (acceptance 3 keeps 7B bf16 >= 86 % MBU), the batch-1
-# decode attention against its split-KV factor (the graph takes the pick for max_model_len at
-# every context), then 3B bf16 vs W4A16 at batch 1 / 8 through `LLM` (each in its own process)
+# session 17, second call (its prologue A/B went with the prologues): the batch-1 decode
+# attention against its split-KV factor (the graph takes the pick for max_model_len at every
+# context), then 3B bf16 vs W4A16 at batch 1 / 8 through `LLM` (each in its own process)
 step_pro17b() {
-  prologue_ab 7b "$CFG7" 80
   run decode_splits 100 python3 benchmarks/kernels/bench_decode_splits.py \
     --out "$R/decode_splits.json"
   compare16 compare3b 120 "$CFG3" Qwen2.5-3B 60 compare_3b 1,8 0
-}
-# prologue_ab TAG CONFIG LIMIT: the decode graph of CONFIG bf16 and W4A16 re-captured with and
-# without the prologues, alternating, in one process each; then bf16 batch-1 latency + MBU with
-# and without them, each in its own process
-prologue_ab() {
-  local tag=$1 cfg=$2 limit=$3 kind
-  for kind in "" w4a16; do
-    run "ablate$tag$kind" "$limit" python3 benchmarks/ablate_decode.py "config:$cfg${kind:+:$kind}" \
-      --ablations none,unfused,none,unfused,none,unfused --out "$R/ablate$tag$kind.json"
-  done
-  latrun "$tag" "config:$cfg"
-  latrun "${tag}_unfused" "config:$cfg" PAGODA_DISABLED_KERNELS=gemv_prologue
 }
 # (session 18: the sweep also times, past 128 rows, 256-row tiles of one slab a warpgroup: 241
 # SASS instructions for two K steps of four m64n256k16 each, half the dequantization per MMA of
@@ -726,32 +699,8 @@ step_ncu17() {
       --m "$m" --kernel tma
   done
 }
-# session 18 (written on the CPU, never run on a GPU): the decode attention hands the copy
-# engine the weights read after it (o_proj, gate_up, down, next qkv) to stream into the L2 while
-# it runs, and its first cache blocks before it waits for the QKV projection ('nokv': not). Its GPU tests (bit-identical outputs, graph replay, engine tokens with / without);
-# the batch-1 decode graph of 3B W4A16 / bf16 and 7B W4A16 re-captured per budget (MiB per
-# layer; 'none' = the default, 60 % of the L2), alternating; batch-1 latency with MBU with and
-# without the prefetch, each in its own process
-step_pf18() {
-  run pf_tests 110 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_fused_decode_attention.py tests/worker/test_l2_prefetch.py \
-    tests/models/test_qwen2_5_vl.py -k "prefetch or graph or decoder_attention"
-  pf_ablate 3b_w4a16 "config:$CFG3:w4a16"
-  pf_ablate 3b_bf16 "config:$CFG3"
-  latrun 3b_w4a16_pf "config:$CFG3:w4a16"
-  latrun 3b_w4a16_nopf "config:$CFG3:w4a16" PAGODA_DISABLED_KERNELS=l2_prefetch,kv_prefetch
-}
-# session 18, second call: 7B W4A16's graph per budget, 3B / 7B bf16 batch-1 latency and MBU
-# with and without (acceptance 3)
-step_pf18b() {
-  pf_ablate 7b_w4a16 "config:$CFG7:w4a16"
-  latrun 3b_pf "config:$CFG3"
-  latrun 3b_nopf "config:$CFG3" PAGODA_DISABLED_KERNELS=l2_prefetch,kv_prefetch
-  latrun 7b_pf "config:$CFG7"
-  latrun 7b_nopf "config:$CFG7" PAGODA_DISABLED_KERNELS=l2_prefetch,kv_prefetch
-}
 # session 18: Qwen2.5-VL-3B's decode steps take the fused decode attention (M-RoPE with [T]
-# positions is plain RoPE) and with it both prefetches: bf16 / W4A16 with one image, against
+# positions is plain RoPE) and with it the KV prefetch: bf16 / W4A16 with one image, against
 # `fused_decode_attn` disabled (the separate kernels, no prefetch)
 step_vl18() {
   run vl_fused 200 python3 benchmarks/vl/bench_vl.py --iters 3 --warmup 1 --output-len 128 \
@@ -761,9 +710,9 @@ step_vl18() {
     --out "$R/vl_unfused.json"
 }
 # session 19, first call: the engine GPU tests with the session-18 defaults (prologues and L2
-# weight prefetch off; session 18's run cut off after one unnamed failure here), then the TMA
-# GEMM sweep of session 17-18 (one-slab 256-row tiles; slot-order x, deleted after this run)
-# per layer at M = 16-512
+# weight prefetch off, since deleted; session 18's run cut off after one unnamed failure here),
+# then the TMA GEMM sweep of sessions 17-18 (one-slab 256-row tiles; slot-order x, deleted
+# after this run) per layer at M = 16-512
 step_s19a() {
   run engine_tests 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/entrypoints/test_gpu_engine_w4a16.py tests/entrypoints/test_gpu_engine.py
@@ -794,33 +743,32 @@ step_s19c() {
   latrun 7b_bf16 "config:$CFG7"
 }
 # session 18, first call: the GPU tests of everything on by default that no GPU has run (the
-# batch-1 prologues, the split-K finish, the L2 / KV prefetch, M-RoPE on the fused decode
-# attention, slot-order x in the TMA GEMM, since deleted), then the batch-1 decode graph of 3B
-# W4A16 with each piece off in turn and all off ('off' = the graph of session 16)
+# split-K finish, the KV prefetch, M-RoPE on the fused decode attention, slot-order x in the
+# TMA GEMM), then the batch-1 decode graph of 3B W4A16 with and without the KV prefetch
+# (session 19: the prologues and the L2 weight prefetch, also tested and A/B'd here in session
+# 18, deleted)
 step_check18() {
   run check_tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/entrypoints/test_gpu_engine.py tests/entrypoints/test_gpu_engine_w4a16.py \
-    tests/worker/test_l2_prefetch.py tests/kernels/test_fused_decode_attention.py \
+    tests/worker/test_kv_prefetch.py tests/kernels/test_fused_decode_attention.py \
     tests/kernels/test_triton_gemv.py tests/kernels/test_triton_w4a16_mma.py \
     tests/models/test_qwen2_5_vl.py tests/kernels/test_gluon_wgmma_tma.py \
-    tests/kernels/test_gluon_mma_wgmma.py -k "prologue or chained or engine or prefetch or \
-graph or decoder_attention or gemm_matches or qwen_shapes or within_ties or shared"
+    tests/kernels/test_gluon_mma_wgmma.py -k "engine or prefetch or graph or \
+decoder_attention or gemm_matches or qwen_shapes or within_ties or shared"
   ab_ablate 3b_w4a16 "config:$CFG3:w4a16"
 }
 # session 18, second call: the same A/B on 3B bf16; batch-1 latency + MBU of 3B bf16 / W4A16
-# with every piece on (default) and off, each in its own process
+# with the KV prefetch on (default) and off, each in its own process
 step_ab18() {
   ab_ablate 3b_bf16 "config:$CFG3"
   latrun 3b_on "config:$CFG3"
-  latrun 3b_off "config:$CFG3" PAGODA_DISABLED_KERNELS=gemv_prologue,l2_prefetch,kv_prefetch
+  latrun 3b_off "config:$CFG3" PAGODA_DISABLED_KERNELS=kv_prefetch
   latrun 3b_w4a16_on "config:$CFG3:w4a16"
-  latrun 3b_w4a16_off "config:$CFG3:w4a16" \
-    PAGODA_DISABLED_KERNELS=gemv_prologue,l2_prefetch,kv_prefetch
+  latrun 3b_w4a16_off "config:$CFG3:w4a16" PAGODA_DISABLED_KERNELS=kv_prefetch
 }
 ab_ablate() {
   run "ablate_ab_$1" 110 python3 benchmarks/ablate_decode.py "$2" \
-    --ablations none,unfused+pf0+nokv,unfused,pf0,nokv,none,unfused+pf0+nokv,pf16,pfl30,pfs30 \
-    --out "$R/ablate_ab_$1.json"
+    --ablations none,nokv,none,nokv,none,nokv --out "$R/ablate_ab_$1.json"
 }
 # session 18: where a batch-128 / 64 decode step goes (session 16: 7B W4A16 at batch 128 fell
 # from 0.92x to 0.87x bf16 with no slower layer; the protocol's decode runs at these batches):
@@ -833,11 +781,6 @@ step_prof18() {
     run "prof_$tag" 150 python3 benchmarks/profile_decode.py "config:${rest%:*}" \
       --batch "${rest##*:}" --output-len 128 --out "$R/prof_$tag"
   done
-}
-pf_ablate() {
-  run "ablate_pf_$1" 120 python3 benchmarks/ablate_decode.py "$2" \
-    --ablations none,pf0,pf8,pf16,pf24,pf40,none,pf0,pf30,pf12,nokv,pf0+nokv,none,nokv,pfl16,pfl30,pfs16,pfs30 \
-    --out "$R/ablate_pf_$1.json"
 }
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at
 # batch 1-128 (or BATCHES) + the protocol's 256 requests (or REQUESTS)

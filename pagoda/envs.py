@@ -26,9 +26,8 @@ def _flag(name: str, default: bool) -> bool:
 
 
 # Every kernel a registry may pick, by name: the quantized linears' (`layers/wna16_kernels.py`,
-# in priority order), the dense bf16 GEMV at M = 1 and its norm / activation prologues
-# (`layers/linear.py`), the fused decode attention (`layers/attention.py`), and what it
-# prefetches into the L2: its first cache blocks and the next weights (`worker/l2_prefetch.py`).
+# in priority order), the dense bf16 GEMV at M = 1 (`layers/linear.py`), the fused decode
+# attention (`layers/attention.py`) and its L2 prefetch of its first cache blocks.
 KERNEL_NAMES = (
     "mma_wgmma_tma",
     "mma_gemv",
@@ -40,10 +39,8 @@ KERNEL_NAMES = (
     "triton_dequant",
     "torch_dequant",
     "dense_gemv",
-    "gemv_prologue",
     "fused_decode_attn",
     "kv_prefetch",
-    "l2_prefetch",
 )
 
 

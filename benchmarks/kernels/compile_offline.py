@@ -33,14 +33,9 @@ _TYPES = {
     "ws_ptr": "*fp32",
     "wsi_ptr": "*i32",
     "cnt_ptr": "*i32",
-    "r_ptr": "*i32",
-    "nw_ptr": "*i32",
-    "h_ptr": "*i32",
-    "eps": "fp32",
 }
 _CONSTEXPRS = (
     "GROUP_TILES", "KT", "NB", "HAS_BIAS", "HAS_ZP", "ONE_SPLIT", "INTERPRET", "USE_PDL",
-    "PROLOGUE", "HAS_RESIDUAL", "BLOCK_H2", "CHUNK",
 )  # fmt: skip
 
 
@@ -49,7 +44,7 @@ def gemv_variant(arch: int, warps: int = 1, shared: bool = False, **const) -> di
     fn = mm._w4_mma_gemv_shared_kernel if shared else mm._w4_mma_gemv_kernel
     base = dict(
         GROUP_TILES=2, KT=2, NB=1, HAS_BIAS=False, HAS_ZP=False, ONE_SPLIT=True, INTERPRET=False,
-        USE_PDL=arch >= 90, PROLOGUE=0, HAS_RESIDUAL=False, BLOCK_H2=1, CHUNK=1,
+        USE_PDL=arch >= 90,
     )  # fmt: skip
     base.update(const)
     base = {k: v for k, v in base.items() if k in fn.arg_names}
@@ -87,24 +82,13 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", type=int, default=90)
     ns = p.parse_args()
-    # The M = 1 configs of the Qwen2.5-3B / 7B layers (`default_mma_config`), each with the
-    # prologue its layer takes in the decoder (norm: QKV, gate_up; SiLU-and-mul: down).
-    norm7b = dict(PROLOGUE=1, HAS_RESIDUAL=True, BLOCK_H2=2048, CHUNK=512)
-    norm3b = dict(PROLOGUE=1, HAS_RESIDUAL=True, BLOCK_H2=1024, CHUNK=512)
+    # The M = 1 configs of the Qwen2.5-3B / 7B layers (`default_mma_config`).
     variants = {
         "qkv/o/down (4, 16, 1)": dict(KT=4, ONE_SPLIT=False, HAS_BIAS=True),
         "gate_up (2, 1, 1)": {},
         "3B gate_up (2, 2, 1)": dict(ONE_SPLIT=False),
         "7B down (4, 16, 2)": dict(KT=4, ONE_SPLIT=False, warps=2),
         "zp (4, 16, 1)": dict(KT=4, ONE_SPLIT=False, HAS_ZP=True),
-        "qkv + norm, 7B": dict(KT=4, ONE_SPLIT=False, HAS_BIAS=True, **norm7b),
-        "qkv + norm, 3B": dict(KT=4, ONE_SPLIT=False, HAS_BIAS=True, **norm3b),
-        "gate_up + norm, 7B": dict(**norm7b),
-        "gate_up + norm, 3B": dict(ONE_SPLIT=False, **norm3b),
-        "gate_up + norm, zp": dict(HAS_ZP=True, **norm7b),
-        "layer 0 qkv + norm": dict(KT=4, ONE_SPLIT=False, **{**norm7b, "HAS_RESIDUAL": False}),
-        "down + silu, 3B": dict(KT=4, ONE_SPLIT=False, PROLOGUE=2),
-        "down + silu, 7B": dict(KT=4, ONE_SPLIT=False, PROLOGUE=2, warps=2),
         # M = 9-32 (sm_80-89: the Hopper GEMMs take these rows on sm_90)
         "shared 2 blocks split": dict(shared=True, NB=2, KT=2, ONE_SPLIT=False, warps=2),
         "shared 4 blocks split bias": dict(

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from pagoda.platform import triton_available
 
-# Widest row the Triton norm kernels take: they hold a whole row in registers (the RMSNorm
-# kernel, the norm prologue of the batch-1 GEMVs); wider rows use the reference.
+# Widest row the Triton RMSNorm kernel takes: it holds a whole row in registers; wider rows use
+# the reference.
 MAX_HIDDEN = 8192
 
 
@@ -136,46 +136,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if ops is not None:
         return ops.silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
-
-
-# ---- the norm prologue of the batch-1 GEMVs (`triton_gemv`, `triton_w4a16_mma`) ----------------
-
-
-def norm_prologue_fits(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
-) -> bool:
-    """Whether a GEMV can take `rms_norm(x + residual)` as its prologue: one row of at most
-    MAX_HIDDEN, the residual (if any) and the norm weight in x's dtype and shape."""
-    return (
-        x.dim() == 2
-        and x.shape[0] == 1
-        and x.shape[1] <= MAX_HIDDEN
-        and weight.shape == (x.shape[1],)
-        and weight.dtype == x.dtype
-        and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype))
-    )
-
-
-def norm_prologue_operands(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """(x, residual, weight, h) for a norm-prologue GEMV whose weight has k in features:
-    contiguous operands and h, the tensor that receives x + residual (x itself without a
-    residual). A ValueError names what does not fit."""
-    if x.dim() != 2 or x.shape != (1, k):
-        raise ValueError(f"the GEMV handles M == 1: x must be [1, {k}], got {list(x.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(
-            f"residual must be a [1, {k}] {x.dtype} tensor, got {list(residual.shape)} "
-            f"{residual.dtype}"
-        )
-    if weight.shape != (k,) or weight.dtype != x.dtype:
-        raise ValueError(
-            f"norm_weight must be a [{k}] {x.dtype} tensor, got {list(weight.shape)} {weight.dtype}"
-        )
-    if k > MAX_HIDDEN:
-        raise ValueError(f"hidden size {k} exceeds the prologue's maximum of {MAX_HIDDEN}")
-    x = x.contiguous()
-    residual = residual.contiguous() if residual is not None else None
-    h = torch.empty_like(x) if residual is not None else x
-    return x, residual, weight.contiguous(), h

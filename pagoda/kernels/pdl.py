@@ -10,10 +10,10 @@ programmatic edges.
 The contract, for every kernel launched with `**pdl_launch_args(t)`:
 - its first memory access comes after `if USE_PDL: tl.extra.cuda.gdc_wait()`, except reads of
   tensors no kernel of the step's chain writes: model weights (the tensor-core W4A16 GEMV
-  loads its first weight tile before waiting; the fused decode attention prefetches the next
-  weights), the step's host-copied inputs and the layer's own KV cache (the fused decode
-  attention reads sequence lengths and block table and prefetches cache blocks). The part
-  before the wait may overlap any earlier kernel still running, not only the predecessor;
+  loads its first weight tile before waiting), the step's host-copied inputs and the layer's
+  own KV cache (the fused decode attention reads sequence lengths and block table and
+  prefetches cache blocks). The part before the wait may overlap any earlier kernel still
+  running, not only the predecessor;
 - it may call `gdc_launch_dependents()` at any point (after its inputs are read, or first
   thing: `PDL_EARLY`); the successor still waits for its completion in its own `gdc_wait()`, so
   this only lets the successor launch early. A successor launched early holds its SM resources

@@ -26,9 +26,7 @@ program reads its key range (sequence length, block table), and the KV-head-0 pr
 (sequence, split) hands the copy engine the split's first KV_PF_BLOCKS cache blocks
 (`cp.async.bulk.prefetch.L2`, all KV heads of a block at once), so the key loads after the wait
 hit the L2 instead of waiting a DRAM round trip after the block table's (where those blocks of
-the whole launch fit in a quarter of the L2); and, given `l2_prefetch`, every program issues its
-share of the weight ranges of the kernels after this one (`worker/l2_prefetch.py`; with
-`l2_prefetch_late` after its own work instead). None of it changes a result.
+the whole launch fit in a quarter of the L2). It changes no result.
 Torch reference: `paged_attention.fused_decode_attention_ref`.
 """
 
@@ -42,7 +40,6 @@ from pagoda import platform
 from pagoda.kernels.paged_attention import check_sliding_window
 from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_fused_ops import _drop_bits, _round
-from pagoda.kernels.triton_l2_prefetch import prefetch_l2, prefetch_ranges
 from pagoda.kernels.triton_paged_attention import (
     _LOG2E,
     _attn_range,
@@ -54,17 +51,35 @@ from pagoda.kernels.triton_paged_attention import (
     effective_kv_len,
 )
 
-PF_CHUNK = tl.constexpr(32 * 1024)  # bytes per bulk prefetch instruction
 _KV_PF_BLOCKS = 4  # cache blocks a split prefetches before the wait (sm_90)
 KV_PF_BLOCKS = tl.constexpr(_KV_PF_BLOCKS)
 
+# 16-byte aligned address ($1), a size in bytes, a multiple of 16 ($2); only thread 0 of the
+# program issues, and only a positive size. The output is unused (`is_pure=False` keeps it).
+_PREFETCH_ASM = tl.constexpr(
+    """{
+.reg .pred p;
+.reg .u32 t;
+mov.u32 t, %tid.x;
+setp.eq.u32 p, t, 0;
+setp.gt.and.s32 p, $2, 0, p;
+@p cp.async.bulk.prefetch.L2.global [$1], $2;
+mov.u32 $0, 0;
+}"""
+)
+
 
 @triton.jit
-def _prefetch_weights(pf_ptr, num_pf, seq, kv_head, split):
-    """This program's share of the weight ranges (programs numbered over the whole grid)."""
-    n1, n2 = tl.num_programs(1), tl.num_programs(2)
-    pid = (seq * n1 + kv_head) * n2 + split
-    prefetch_ranges(pf_ptr, num_pf, pid, tl.num_programs(0) * n1 * n2, PF_CHUNK)
+def prefetch_l2(addr, nbytes):
+    """One bulk prefetch (`cp.async.bulk.prefetch.L2`, sm_90+) by thread 0 of the program of
+    `nbytes` (a multiple of 16) at `addr` (a 16-byte aligned pointer or int64 address). The
+    thread goes on without waiting: the copy engine streams the bytes into the L2 while the
+    kernel runs. Only a hint: results never change, only where later loads hit."""
+    a = tl.zeros([1], dtype=tl.int64) + addr.to(tl.int64, bitcast=addr.dtype.is_ptr())
+    size = tl.zeros([1], dtype=tl.int32) + nbytes
+    tl.inline_asm_elementwise(
+        _PREFETCH_ASM, "=r,l,r", [a, size], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
@@ -80,7 +95,7 @@ def _rotate_neox(x, x_partner, cos, sin, sign, DROP: tl.constexpr):
 
 
 # The block-table width changes per eager step: one compile for all (no mid-serving compile).
-@triton.jit(do_not_specialize=["stride_bt", "num_pf"])
+@triton.jit(do_not_specialize=["stride_bt"])
 def _fused_decode_attention_kernel(
     q_ptr,  # [T, H, D] view (e.g. of the QKV output), not yet rotated
     k_ptr,  # [T, Hkv, D] view, not yet rotated
@@ -94,14 +109,12 @@ def _fused_decode_attention_kernel(
     seq_lens_ptr,  # [B = T] int32, including the new token
     block_tables_ptr,  # [B, max_blocks] int32
     out_ptr,  # [T, H, D] view of the [T, H*D] output
-    pf_ptr,  # [num_pf, 2] int64 (address, bytes) to prefetch into the L2, only with HAS_PF
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32, only when NUM_SPLITS > 1
     part_m_ptr,  # [T, H, NUM_SPLITS] fp32
     part_l_ptr,  # [T, H, NUM_SPLITS] fp32
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window W (only read with SLIDING)
     num_heads,
-    num_pf,  # rows of pf_ptr
     stride_qt,
     stride_qh,
     stride_qd,
@@ -134,9 +147,7 @@ def _fused_decode_attention_kernel(
     UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
     PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
-    HAS_PF: tl.constexpr = False,  # weights to prefetch (worker/l2_prefetch.py)
     KV_PF_BYTES: tl.constexpr = 0,  # bytes of one cache block (all KV heads) to prefetch; 0: off
-    PF_LATE: tl.constexpr = False,  # the weight prefetch at the end instead of before the wait
 ):
     if USE_PDL and PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
@@ -147,8 +158,8 @@ def _fused_decode_attention_kernel(
     # Before the wait only what no kernel of this step writes: the step's inputs (lengths,
     # block table, copied in by the stream before the chain started), this layer's cache (only
     # this launch writes it, at the new token's slot, which it never reads back: a prefetched
-    # block may hold that slot, harmlessly) and the weights. (A pre-wait part may overlap any
-    # earlier kernel of the chain still running, not just the previous one.)
+    # block may hold that slot, harmlessly). (A pre-wait part may overlap any earlier kernel of
+    # the chain still running, not just the previous one.)
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx = seq_len - 1  # cached keys before this step's token, which sits at position ctx
     # The one query at position ctx sees cached keys [kv_start, ctx): with a window W those from
@@ -167,8 +178,6 @@ def _fused_decode_attention_kernel(
                 blk = tl.load(block_table_row + b).to(tl.int64)
                 prefetch_l2(k_cache_ptr + blk * stride_cb, KV_PF_BYTES)
                 prefetch_l2(v_cache_ptr + blk * stride_cb, KV_PF_BYTES)
-    if HAS_PF and not PF_LATE:  # the weights of the kernels after this one
-        _prefetch_weights(pf_ptr, num_pf, seq, kv_head, split)
     if USE_PDL:  # qkv comes from the projection still running: wait before reading it
         tl.extra.cuda.gdc_wait()
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -265,8 +274,6 @@ def _fused_decode_attention_kernel(
         )
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
-    if HAS_PF and PF_LATE:  # after this program's own loads: they never queue behind it
-        _prefetch_weights(pf_ptr, num_pf, seq, kv_head, split)
 
 
 # TRITON_INTERPRET=1 at import time turns the kernels into interpreted (CPU numpy) functions.
@@ -283,22 +290,6 @@ def _heads_view(x: torch.Tensor, name: str, num_tokens: int, head_dim: int) -> t
         return x.view(num_tokens, -1, head_dim)
     except RuntimeError as e:
         raise ValueError(f"{name} must be viewable as [T, heads, head_dim]: {e}") from e
-
-
-def _prefetch_ranges(table: torch.Tensor | None, device: torch.device) -> int:
-    """How many prefetch ranges the kernel issues: the rows of `table` (checked), 0 without one
-    or in the interpreter (which runs no PTX: the table is checked, then ignored)."""
-    if table is None:
-        return 0
-    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 2:
-        raise ValueError(f"l2_prefetch must be [R, 2] int64, got {table.dtype} {list(table.shape)}")
-    if table.device != device or not table.is_contiguous():
-        raise ValueError("l2_prefetch must be a contiguous table on the attention's device")
-    if _INTERPRETED:
-        return 0
-    if platform.capability(device) < (9, 0):
-        raise ValueError("l2_prefetch needs sm_90+ (cp.async.bulk.prefetch.L2)")
-    return table.shape[0]
 
 
 def _kv_block_bytes(kv_cache: torch.Tensor, num_programs: int) -> int:
@@ -336,15 +327,9 @@ def fused_decode_attention_triton(
     num_splits: int | None = None,  # None = automatic (as paged attention); > 1 forces split-KV
     out: torch.Tensor | None = None,  # [T, H*D] with unit last stride
     sliding_window: int | None = None,  # None = full causal attention
-    l2_prefetch: torch.Tensor | None = None,  # [R, 2] int64 (address, bytes), sm_90+ only
     kv_prefetch: bool = True,  # sm_90: the splits' first cache blocks into the L2 pre-wait
-    l2_prefetch_late: bool = False,  # issue l2_prefetch after the attention, not before it
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
-
-    `l2_prefetch` (`worker/l2_prefetch.PrefetchPlan`): byte ranges (16-byte multiples) the
-    programs hand to the copy engine first thing, to sit in the L2 for the kernels after this
-    one; it changes no result. Needs sm_90 (the interpreter ignores it).
 
     Equivalent to `apply_rotary` + `write_kv_cache` + `paged_attention` (max_query_len 1) on a
     batch whose sequence b is token b. q, k and v are left unmodified (rotation happens in
@@ -386,7 +371,6 @@ def fused_decode_attention_triton(
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
     check_sliding_window(sliding_window)
-    num_pf = _prefetch_ranges(l2_prefetch, q.device)
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (num_tokens, num_heads * head_dim) or out.stride(-1) != 1:
@@ -422,16 +406,15 @@ def fused_decode_attention_triton(
 
     _fused_decode_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         q3, k3, v3, positions, cos_cache, sin_cache, k_cache, v_cache,
-        slot_mapping, seq_lens, block_tables, out3, l2_prefetch if num_pf else seq_lens,
-        part_acc, part_m, part_l,
-        scale * _LOG2E, sliding_window or 0, num_heads, num_pf,
+        slot_mapping, seq_lens, block_tables, out3, part_acc, part_m, part_l,
+        scale * _LOG2E, sliding_window or 0, num_heads,
         *q3.stride(), *k3.stride(), *v3.stride(), cos_cache.stride(0), sin_cache.stride(0),
         *k_cache.stride(), block_tables.stride(0), *out3.stride(),
         NUM_QUERIES_PER_KV=qpk, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
-        HAS_PF=num_pf > 0, KV_PF_BYTES=kv_pf_bytes, PF_LATE=num_pf > 0 and l2_prefetch_late,
+        KV_PF_BYTES=kv_pf_bytes,
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q, early=True),
     )  # fmt: skip

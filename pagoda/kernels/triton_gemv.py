@@ -17,19 +17,10 @@ once and one kernel per GEMV. Here:
 - programmatic dependent launch (`pagoda/kernels/pdl.py`): the GEMV launches while the
   preceding norm / attention kernel finishes.
 
-Prologues (`PROLOGUE`): the op before a GEMV can run inside it, so the decode step loses a
-launch and a round trip through memory per op. `gemv_add_rms_norm` adds the residual and
-RMS-normalizes the row (every program reads the whole row, L2-resident, for its sum of squares;
-program 0 stores x + residual), `gemv_silu_and_mul` takes [gate | up] and applies SiLU-and-mul
-per tile. Both round every step as the separate kernels in `triton_fused_ops.py` do, so their
-output is the same up to the order of one fp32 sum (the norm's sum of squares).
-
 `gemv_bf16` is used by `UnquantizedLinearMethod` for every M = 1 layer on sm_90+ unless
-`PAGODA_DISABLED_KERNELS` lists "dense_gemv", the prologues by the decoder layer's QKV, gate_up
-and down projections unless it lists "gemv_prologue" (`pagoda/layers/linear.py`); `gemv_ref`,
-`gemv_add_rms_norm_ref` and `gemv_silu_and_mul_ref` are the torch references. In the H200 sweep
-the winning shape was the opposite of the W4A16 GEMV's: 8 rows x 512 columns per program and no
-split-K at all (see `default_dense_gemv_config`).
+`PAGODA_DISABLED_KERNELS` lists "dense_gemv" (`pagoda/layers/linear.py`); `gemv_ref` is the
+torch reference. In the H200 sweep the winning shape was the opposite of the W4A16 GEMV's: 8 rows x
+512 columns per program and no split-K at all (see `default_dense_gemv_config`).
 """
 
 from __future__ import annotations
@@ -42,44 +33,13 @@ import triton
 import triton.language as tl
 
 from pagoda import platform
-from pagoda.kernels.fused_ops import norm_prologue_operands
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_fused_ops import _drop_bits, _round
 from pagoda.kernels.workspace import SplitKWorkspace
-
-
-@triton.jit
-def _load_k(ptr, k, K, EVEN_K: tl.constexpr):
-    """ptr[k] as float32 (0 past K)."""
-    if EVEN_K:
-        v = tl.load(ptr + k)
-    else:
-        v = tl.load(ptr + k, mask=k < K, other=0.0)
-    return v.to(tl.float32)
-
-
-@triton.jit
-def _input_tile(x_ptr, r_ptr, nw_ptr, k, K, rstd,
-                PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, DROP: tl.constexpr,
-                EVEN_K: tl.constexpr):  # fmt: skip
-    """The GEMV's input at columns k, float32. PROLOGUE 0: x itself. 1: RMSNorm of x (+ the
-    residual), every step rounded as `triton_fused_ops._rms_norm_kernel` rounds it. 2: silu(x[k])
-    * x[K + k], rounded as `_silu_and_mul_kernel` rounds it."""
-    x = _load_k(x_ptr, k, K, EVEN_K)
-    if PROLOGUE == 1:
-        if HAS_RESIDUAL:
-            x = _round(x + _load_k(r_ptr, k, K, EVEN_K), DROP)
-        x = _round(_load_k(nw_ptr, k, K, EVEN_K) * _round(x * rstd, DROP), DROP)
-    elif PROLOGUE == 2:
-        up = _load_k(x_ptr + K, k, K, EVEN_K)
-        x = _round(_round(x / (1.0 + tl.exp(-x)), DROP) * up, DROP)
-    return x
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
-    r_ptr, nw_ptr, h_ptr, eps,
     N, K, k_per_split, stride_wn,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -89,29 +49,11 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PROLOGUE: tl.constexpr = 0,  # 0: none; 1: (residual add +) RMSNorm; 2: SiLU-and-mul
-    HAS_RESIDUAL: tl.constexpr = False,  # PROLOGUE 1: x + residual, stored to h_ptr
-    BLOCK_H: tl.constexpr = 1,  # PROLOGUE 1: the whole row, a power of two >= K
-    DROP: tl.constexpr = 16,  # `_round` bits of the model dtype
 ):  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PROLOGUE == 1:
-        # Every program reads the whole row (L2-resident, K * 2-4 bytes) for its sum of
-        # squares; program (0, 0) also stores x + residual, the next layer's residual.
-        offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < K
-        h = tl.load(x_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(r_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-            h = _round(h + r, DROP)  # HF adds the residual in the model dtype
-            if pid_n + pid_k == 0:
-                tl.store(h_ptr + offs_h, h.to(h_ptr.dtype.element_ty), mask=mask_h)
-        rstd = tl.rsqrt(tl.sum(h * h, 0) / K + eps)
-    else:
-        rstd = 1.0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -123,12 +65,14 @@ def _gemv_kernel(
         k = k0 + offs_k
         if EVEN_N and EVEN_K:
             w = tl.load(rows + k[None, :])
+            x = tl.load(x_ptr + k)
         elif EVEN_K:
             w = tl.load(rows + k[None, :], mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptr + k)
         else:
             w = tl.load(rows + k[None, :], mask=mask_n[:, None] & (k < K)[None, :], other=0.0)
-        x = _input_tile(x_ptr, r_ptr, nw_ptr, k, K, rstd, PROLOGUE, HAS_RESIDUAL, DROP, EVEN_K)
-        acc += w.to(tl.float32) * x[None, :]
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     if USE_PDL:  # every weight tile is read: the next kernel may launch (it waits for us)
         tl.extra.cuda.gdc_launch_dependents()
     col = tl.sum(acc, 1)  # [BLOCK_N]
@@ -209,91 +153,17 @@ def gemv_bf16(
 ) -> torch.Tensor:  # [1, N]
     """x @ w^T (+ bias), accumulated in fp32 and rounded once to x's dtype (as cuBLAS does);
     `out_dtype` only widens the stored result (no second kernel for `.float()`)."""
-    _check_x(x, w.shape[1] if w.dim() == 2 else -1, "x")
-    return _launch(x.contiguous(), w, bias, config, out_dtype, workspace)
-
-
-def gemv_add_rms_norm(
-    x: torch.Tensor,  # [1, K]: the previous block's output
-    residual: torch.Tensor | None,  # [1, K], or None (the first layer: x is the residual)
-    norm_weight: torch.Tensor,  # [K], x's dtype
-    eps: float,
-    w: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,
-    config: DenseGemvConfig | None = None,
-    workspace: SplitKWorkspace | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([1, N], [1, K]: x + residual)
-    """`gemv_bf16(rms_norm(x + residual, norm_weight, eps), w, bias)` and `x + residual` in one
-    kernel: the RMSNorm is the GEMV's prologue, with the same roundings as the separate
-    `fused_add_rms_norm` kernel, so the normalized row is never stored."""
-    x, residual, norm_weight, h = norm_prologue_operands(x, residual, norm_weight, w.shape[-1])
-    out = _launch(x, w, bias, config, None, workspace, prologue=(residual, norm_weight, eps, h))
-    return out, h
-
-
-def gemv_silu_and_mul(
-    x: torch.Tensor,  # [1, 2K]: gate | up, the gate_up projection's output
-    w: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,
-    config: DenseGemvConfig | None = None,
-    workspace: SplitKWorkspace | None = None,
-) -> torch.Tensor:  # [1, N]
-    """`gemv_bf16(silu(x[:, :K]) * x[:, K:], w, bias)` in one kernel (the activation is the
-    GEMV's prologue, rounded as the separate `silu_and_mul` kernel rounds it)."""
-    k = w.shape[1] if w.dim() == 2 else -1
-    _check_x(x, 2 * k, "x (gate | up)")
-    return _launch(x.contiguous(), w, bias, config, None, workspace, prologue="silu_and_mul")
-
-
-def gemv_add_rms_norm_ref(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused torch reference of `gemv_add_rms_norm`."""
-    from pagoda.kernels import fused_ops
-
-    if residual is None:
-        return gemv_ref(fused_ops.rms_norm_ref(x, norm_weight, eps), w, bias), x
-    normed, h = fused_ops.fused_add_rms_norm_ref(x, residual, norm_weight, eps)
-    return gemv_ref(normed, w, bias), h
-
-
-def gemv_silu_and_mul_ref(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The unfused torch reference of `gemv_silu_and_mul`."""
-    from pagoda.kernels import fused_ops
-
-    return gemv_ref(fused_ops.silu_and_mul_ref(x), w, bias)
-
-
-def _check_x(x: torch.Tensor, k: int, name: str) -> None:
-    if x.dim() != 2 or x.shape[0] != 1:
-        raise ValueError(f"the GEMV handles M == 1: {name} must be [1, {k}], got {list(x.shape)}")
-    if x.shape[1] != k:
-        raise ValueError(f"{name} must be [1, {k}] (the weight's in features), got {list(x.shape)}")
-
-
-def _launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: DenseGemvConfig | None,
-    out_dtype: torch.dtype | None,
-    workspace: SplitKWorkspace | None,
-    prologue: tuple | str | None = None,  # (residual, norm_weight, eps, h_out) | "silu_and_mul"
-) -> torch.Tensor:
-    n, k = w.shape
-    if w.stride(1) != 1:
+    m, k = x.shape
+    n = w.shape[0]
+    if m != 1:
+        raise ValueError(f"gemv_bf16 handles M == 1, got M={m}")
+    if w.shape[1] != k or w.stride(1) != 1:
         raise ValueError(f"w must be [N, {k}] with unit stride along K, got {list(w.shape)}")
     if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x and w must both be bf16 or fp16, got {x.dtype} and {w.dtype}")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or default_dense_gemv_config(n, k)
     num_sms = platform.num_sms(x.device) if x.is_cuda else 8  # the interpreter: any count
     n_tiles, split, k_per_split = _plan(n, k, cfg, num_sms)
@@ -301,18 +171,12 @@ def _launch(
     if split > 1:
         bufs = None if workspace is None else workspace.buffers(x.device, n, n_tiles)
         if bufs is None:  # capturing with a too-small workspace: cuBLAS instead
-            return _unfused(x, w, bias, prologue).to(out.dtype)
+            return torch.nn.functional.linear(x, w, bias).to(out.dtype)
         ws, cnt = bufs
     else:
         ws, cnt = out, out  # unused
-    residual, norm_weight, eps, h = prologue if isinstance(prologue, tuple) else (None,) * 4
-    code = 0 if prologue is None else 2 if prologue == "silu_and_mul" else 1
     _gemv_kernel[(n_tiles, split)](
         x, w, bias if bias is not None else w, out, ws, ws.view(torch.int32), cnt,
-        residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x,
-        h if h is not None else x,
-        float(eps or 0.0),
         n, k, k_per_split, w.stride(0),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -321,30 +185,8 @@ def _launch(
         ONE_SPLIT=split == 1,
         HAS_BIAS=bias is not None,
         NUM_STAGES=cfg.num_stages,
-        PROLOGUE=code,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK_H=triton.next_power_of_2(k) if code == 1 else 1,
-        DROP=_drop_bits(x.dtype),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_launch_args(x),
     )  # fmt: skip
     return out
-
-
-def _unfused(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, prologue: tuple | str | None
-) -> torch.Tensor:
-    """The prologue as its own kernel, then cuBLAS (split configs without a workspace)."""
-    from pagoda.kernels import fused_ops
-
-    if prologue == "silu_and_mul":
-        x = fused_ops.silu_and_mul(x)
-    elif prologue is not None:
-        residual, norm_weight, eps, h = prologue
-        if residual is None:
-            x = fused_ops.rms_norm(x, norm_weight, eps)
-        else:
-            x, summed = fused_ops.fused_add_rms_norm(x, residual, norm_weight, eps)
-            h.copy_(summed)
-    return torch.nn.functional.linear(x, w, bias)

@@ -27,11 +27,7 @@ g + 8, one 32-bit load per lane.
 
 GEMV kernels: a program owns one column group and a K slice (split-K through the serial
 workspace), walks it two steps per iteration with two register sets ping-ponged, and loads its
-first weights before `gdc_wait` (PDL). At M = 1 the GEMV can take the decoder's norm or
-activation as a prologue (`wna16_mma_gemv_add_rms_norm`, `wna16_mma_gemv_silu_and_mul`): the bf16
-pairs of x are unpacked, normalized (every program first reads the row for its sum of squares)
-or activated, rounded as the separate kernels round, and repacked before the MMA.
-M = 9-32 (`_w4_mma_gemv_shared_kernel`): one asm per tile
+first weights before `gdc_wait` (PDL). M = 9-32 (`_w4_mma_gemv_shared_kernel`): one asm per tile
 dequantizes each word once for every block of 8 rows (the offset by `fma.rn.bf16x2`).
 GEMM (`_mma_gemm_kernel`): the nibbles h, 2 + h, 4 + h, 6 + h of a word are column 8h + g at K
 offsets 0, 2, 1, 3 of the lane's 4, so words loaded as [columns, K / 4] unpack into two weight
@@ -52,9 +48,7 @@ import triton
 import triton.language as tl
 
 from pagoda import envs, platform
-from pagoda.kernels.fused_ops import norm_prologue_operands
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_fused_ops import _round
 from pagoda.kernels.workspace import SplitKWorkspace
 
 TILE_N = 16  # output columns per tile (the MMA's M)
@@ -374,77 +368,14 @@ def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr, KT: tl.c
 
 
 @triton.jit
-def _bf16_pair(p):
-    """The two bf16 of int32 words p (low half first) as float32."""
-    return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_word(lo, hi):
-    """int32 words of two float32 that are bf16 values (low 16 bits zero): the inverse."""
-    lo_bits = (lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
-    return (hi.to(tl.int32, bitcast=True) & -65536) | lo_bits
-
-
-@triton.jit
-def _prologue_words(p, off, x_ptr, r_ptr, nw_ptr, rstd, half,
-                    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):  # fmt: skip
-    """The GEMV input at the bf16 pairs p = x[off] (int32 words, one row): PROLOGUE 1 the
-    RMSNorm of x (+ the residual) with rstd, 2 silu(gate) * up with the up half `half` words
-    on; each step rounded to bf16 as `triton_fused_ops`' kernels round it."""
-    lo, hi = _bf16_pair(p)
-    if PROLOGUE == 1:
-        if HAS_RESIDUAL:
-            r_lo, r_hi = _bf16_pair(tl.load(r_ptr + off))
-            lo = _round(lo + r_lo, 16)
-            hi = _round(hi + r_hi, 16)
-        w_lo, w_hi = _bf16_pair(tl.load(nw_ptr + off))
-        lo = _round(w_lo * _round(lo * rstd, 16), 16)
-        hi = _round(w_hi * _round(hi * rstd, 16), 16)
-    else:
-        u_lo, u_hi = _bf16_pair(tl.load(x_ptr + half + off))
-        lo = _round(_round(lo / (1.0 + tl.exp(-lo)), 16) * u_lo, 16)
-        hi = _round(_round(hi / (1.0 + tl.exp(-hi)), 16) * u_hi, 16)
-    return _bf16_word(lo, hi)
-
-
-@triton.jit
-def _row_rstd(x_ptr, r_ptr, h_ptr, half, eps, first, HAS_RESIDUAL: tl.constexpr,
-              BLOCK_H2: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """1 / rms of row 0 (+ the residual) over `half` int32 words (2 half bf16), read in
-    unrolled chunks (every load issued up front); `first`: also store x + residual."""
-    ssq = tl.zeros([CHUNK], dtype=tl.float32)
-    for c in tl.static_range(0, BLOCK_H2, CHUNK):
-        offs = c + tl.arange(0, CHUNK)
-        mask = offs < half
-        lo, hi = _bf16_pair(tl.load(x_ptr + offs, mask=mask, other=0))
-        if HAS_RESIDUAL:
-            r_lo, r_hi = _bf16_pair(tl.load(r_ptr + offs, mask=mask, other=0))
-            lo = _round(lo + r_lo, 16)
-            hi = _round(hi + r_hi, 16)
-            if first:
-                tl.store(h_ptr + offs, _bf16_word(lo, hi), mask=mask)
-        ssq += lo * lo + hi * hi
-    return tl.rsqrt(tl.sum(ssq, 0) / (2 * half) + eps)
-
-
-@triton.jit
 def _step(acc, words, sp, zp, pos, r, x_rows, KT: tl.constexpr, NB: tl.constexpr,
-          INTERPRET: tl.constexpr, HAS_ZP: tl.constexpr,
-          x_ptr=None, x_off=None, r_ptr=None, nw_ptr=None, rstd=None, half=None,
-          PROLOGUE: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False):  # fmt: skip
+          INTERPRET: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
     """One step: the tile's words times NB blocks of 8 activation rows ([NB, KT, 128] acc). The
     activations are read here, just in time (L1 / L2 hits: every program on an SM reads the
-    same x), which keeps them out of the prefetched register sets. PROLOGUE (M = 1): the
-    words of x go through `_prologue_words` first (x_off: x_rows - x_ptr)."""
+    same x), which keeps them out of the prefetched register sets."""
     kb = (pos * KT + r)[None, :, :]  # [1, KT, 1]
     x1 = tl.load(x_rows + kb * 32)
     x2 = tl.load(x_rows + kb * 32 + 4)
-    if PROLOGUE != 0:
-        x1 = _prologue_words(x1, x_off + kb * 32, x_ptr, r_ptr, nw_ptr, rstd, half, PROLOGUE,
-                             HAS_RESIDUAL)  # fmt: skip
-        x2 = _prologue_words(x2, x_off + kb * 32 + 4, x_ptr, r_ptr, nw_ptr, rstd, half,
-                             PROLOGUE, HAS_RESIDUAL)  # fmt: skip
     w3 = tl.reshape(tl.broadcast_to(words[None, :, :], [NB, KT, 128]), [NB * KT, 128])
     s3 = tl.reshape(tl.broadcast_to(sp[None, :, :], [NB, KT, 128]), [NB * KT, 128])
     z3 = tl.reshape(tl.broadcast_to(zp[None, :, :], [NB, KT, 128]), [NB * KT, 128])
@@ -458,7 +389,6 @@ def _w4_mma_gemv_kernel(
     x_ptr, w_ptr, sp_ptr, zp_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
     M, N, K, steps_per_split, n_groups_s,
     stride_xm, stride_om,
-    r_ptr, nw_ptr, h_ptr, eps,  # PROLOGUE 1: residual, norm weight, x + residual (int32 words)
     GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
     KT: tl.constexpr,  # K tiles per step (rows of the [KT, 128] word tile), divides K / 64
     NB: tl.constexpr,  # blocks of 8 activation rows (M <= 8 NB)
@@ -467,10 +397,6 @@ def _w4_mma_gemv_kernel(
     ONE_SPLIT: tl.constexpr,  # no split-K: the workspace arguments are unused
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PROLOGUE: tl.constexpr = 0,  # M = 1 only: 1 (residual add +) RMSNorm, 2 SiLU-and-mul
-    HAS_RESIDUAL: tl.constexpr = False,
-    BLOCK_H2: tl.constexpr = 1,  # PROLOGUE 1: int32 words of the row, rounded up to CHUNK
-    CHUNK: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (column group, K slice): walks its slice two steps per iteration with two
     register sets (A, B) ping-ponged: B's loads are issued before A's MMAs and A's next loads
@@ -492,33 +418,24 @@ def _w4_mma_gemv_kernel(
     # lane (g, c) feeds B column g: activation row 8 nb + g (rows past M read row M - 1: their
     # MMA columns are never stored)
     x_row = tl.minimum(8 * nb + j3 // 16, M - 1)
-    x_off = x_row * stride_xm + 8 * ((j3 // 4) % 4) + j3 % 4  # int32 pairs; + kb * 32
-    x_rows = x_ptr + x_off
+    x_rows = x_ptr + x_row * stride_xm + 8 * ((j3 // 4) % 4) + j3 % 4  # int32 pairs; + kb * 32
     pos = s0
     last = s0 + n_steps - 1
     wa, spa, zpa = _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr, KT,
                            GROUP_TILES, HAS_ZP)  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    half = K // 2  # int32 words of a row of x (PROLOGUE 2: the up half starts there)
-    if PROLOGUE == 1:
-        rstd = _row_rstd(x_ptr, r_ptr, h_ptr, half, eps, (ng + pid_k) == 0, HAS_RESIDUAL,
-                         BLOCK_H2, CHUNK)  # fmt: skip
-    else:
-        rstd = 1.0
     acc = tl.zeros([NB, KT, 128], dtype=tl.float32)
     for i in range(0, n_steps, 2):
         pos_b = tl.minimum(pos + 1, last)
         wb, spb, zpb = _load_w(ng, pos_b, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr,
                                KT, GROUP_TILES, HAS_ZP)  # fmt: skip
-        acc = _step(acc, wa, spa, zpa, pos, r, x_rows, KT, NB, INTERPRET, HAS_ZP, x_ptr, x_off,
-                    r_ptr, nw_ptr, rstd, half, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
+        acc = _step(acc, wa, spa, zpa, pos, r, x_rows, KT, NB, INTERPRET, HAS_ZP)
         pos_a = tl.minimum(pos + 2, last)
         wa, spa, zpa = _load_w(ng, pos_a, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr,
                                KT, GROUP_TILES, HAS_ZP)  # fmt: skip
         if i + 1 < n_steps:
-            acc = _step(acc, wb, spb, zpb, pos_b, r, x_rows, KT, NB, INTERPRET, HAS_ZP, x_ptr,
-                        x_off, r_ptr, nw_ptr, rstd, half, PROLOGUE, HAS_RESIDUAL)  # fmt: skip
+            acc = _step(acc, wb, spb, zpb, pos_b, r, x_rows, KT, NB, INTERPRET, HAS_ZP)
         pos = pos_a
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -833,17 +750,12 @@ def wna16_mma_gemv(
     shared: bool | None = None,  # M > 8: one dequantization for all blocks (None: if it works)
     zero_pairs: torch.Tensor | None = None,  # repack_mma_zeros output (asymmetric weights)
     workspace: SplitKWorkspace | None = None,  # split-K scratch (None: no split-K)
-    prologue: tuple | str | None = None,  # see wna16_mma_gemv_add_rms_norm / _silu_and_mul
 ) -> torch.Tensor:  # [M, N]
     """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, M <= 64, in blocks of 8
     rows; W = (u - z) * s with z = 8 (symmetric) or the zero pairs. With `shared` (the default
     above M = 8 where `mma_shared_self_test` passes) up to 4 blocks share each dequantized
     fragment and M = 33-64 runs as two such launches; otherwise every block re-dequantizes."""
     m, k = x.shape
-    if prologue is not None and m != 1:
-        raise ValueError(f"the GEMV's prologues take one row, got M={m}")
-    if prologue == "silu_and_mul":
-        k //= 2  # x is [gate | up]
     if not 1 <= m <= MAX_ROWS or x.dtype != torch.bfloat16:
         raise ValueError(
             f"wna16_mma_gemv takes bf16 x with 1 <= M <= {MAX_ROWS}, got {x.dtype} M={m}"
@@ -892,9 +804,12 @@ def wna16_mma_gemv(
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
     sp = scale_pairs.view(torch.int8)
     zp = zero_pairs.view(torch.int8) if zero_pairs is not None else sp
-    args = (xi, words, sp, zp, bias if bias is not None else out, out, ws, ws.view(torch.int32),
-            cnt, m, n, k, per, scale_pairs.shape[1], xi.stride(0), out.stride(0))  # fmt: skip
-    consts = dict(
+    kernel = _w4_mma_gemv_shared_kernel if shared else _w4_mma_gemv_kernel
+    kernel[(n // TILE_N, split)](
+        xi, words, sp, zp, bias if bias is not None else out, out,
+        ws, ws.view(torch.int32), cnt,
+        m, n, k, per, scale_pairs.shape[1],
+        xi.stride(0), out.stride(0),
         GROUP_TILES=0 if per_channel else group_size // TILE_K,
         KT=kt,
         NB=(2 if m <= 2 * MAX_M else 4) if shared else nb,
@@ -904,70 +819,8 @@ def wna16_mma_gemv(
         INTERPRET=_INTERPRET,
         num_warps=warps,
         **pdl_launch_args(x),
-    )
-    if shared:
-        _w4_mma_gemv_shared_kernel[(n // TILE_N, split)](*args, **consts)
-        return out
-    residual, norm_weight, eps, h = prologue if isinstance(prologue, tuple) else (None,) * 4
-    words32 = _PROLOGUE_CHUNK  # int32 words a chunk of the norm's sum of squares reads
-    _w4_mma_gemv_kernel[(n // TILE_N, split)](
-        *args,
-        residual.view(torch.int32) if residual is not None else xi,
-        norm_weight.view(torch.int32) if norm_weight is not None else xi,
-        h.view(torch.int32) if h is not None else xi,
-        float(eps or 0.0),
-        PROLOGUE=0 if prologue is None else 2 if prologue == "silu_and_mul" else 1,
-        HAS_RESIDUAL=residual is not None,
-        BLOCK_H2=-(-(k // 2) // words32) * words32 if norm_weight is not None else 1,
-        CHUNK=words32 if norm_weight is not None else 1,
-        **consts,
     )  # fmt: skip
     return out
-
-
-_PROLOGUE_CHUNK = 512
-
-
-def wna16_mma_gemv_add_rms_norm(
-    x: torch.Tensor,  # [1, K] bf16: the previous block's output
-    residual: torch.Tensor | None,  # [1, K] bf16, or None (the first layer: x is the residual)
-    norm_weight: torch.Tensor,  # [K] bf16
-    eps: float,
-    words: torch.Tensor,
-    scale_pairs: torch.Tensor,
-    n: int,
-    group_size: int,
-    **kw,  # bias, config, zero_pairs, workspace: as for `wna16_mma_gemv`
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([1, N], [1, K]: x + residual)
-    """`wna16_mma_gemv(rms_norm(x + residual), ...)` and x + residual in one kernel: the
-    RMSNorm runs in the GEMV's prologue (every program reads the row for its sum of squares,
-    program 0 stores the sum), rounded at every step as the separate norm kernel rounds."""
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"x must be bf16, got {x.dtype}")
-    x, residual, norm_weight, h = norm_prologue_operands(x, residual, norm_weight, x.shape[-1])
-    prologue = (residual, norm_weight, eps, h)
-    return wna16_mma_gemv(x, words, scale_pairs, n, group_size, prologue=prologue, **kw), h
-
-
-def wna16_mma_gemv_silu_and_mul(
-    x: torch.Tensor,  # [1, 2K] bf16: gate | up
-    words: torch.Tensor,
-    scale_pairs: torch.Tensor,
-    n: int,
-    group_size: int,
-    **kw,  # bias, config, zero_pairs, workspace: as for `wna16_mma_gemv`
-) -> torch.Tensor:  # [1, N]
-    """`wna16_mma_gemv(silu(x[:, :K]) * x[:, K:], ...)` in one kernel (the activation in the
-    GEMV's prologue, rounded as the separate kernel rounds it)."""
-    _check_row(x, x.shape[-1], "x (gate | up)")
-    return wna16_mma_gemv(
-        x.contiguous(), words, scale_pairs, n, group_size, prologue="silu_and_mul", **kw
-    )
-
-
-def _check_row(x: torch.Tensor, k: int, name: str) -> None:
-    if x.dim() != 2 or x.shape != (1, k) or x.dtype != torch.bfloat16:
-        raise ValueError(f"{name} must be a [1, {k}] bf16 tensor, got {list(x.shape)} {x.dtype}")
 
 
 def _shared_enabled(device: torch.device) -> bool:

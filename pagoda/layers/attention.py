@@ -11,8 +11,7 @@ Decode-only CUDA batches can instead take `forward_fused_decode`, which also app
 kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
 (`triton_decode_attention.py`). `use_fused_decode` says when;
 `PAGODA_DISABLED_KERNELS=fused_decode_attn` (read once per process) turns it off for A/B runs.
-That kernel also starts the L2 prefetch of its first cache blocks ("kv_prefetch") and of the
-weights read after it (`worker/l2_prefetch.py`, "l2_prefetch").
+That kernel also starts the L2 prefetch of its first cache blocks ("kv_prefetch").
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +32,6 @@ from pagoda.kernels.paged_attention import (
 )
 from pagoda.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from pagoda.platform import triton_available
-
-if TYPE_CHECKING:
-    from pagoda.worker.l2_prefetch import PrefetchPlan
 
 
 @dataclass
@@ -115,9 +110,6 @@ class Attention(nn.Module):
         # Bound by the model runner once the cache is allocated; a plain attribute, not a
         # buffer, so it is never part of state_dict() nor moved by .to().
         self.kv_cache: torch.Tensor | None = None
-        # The weights to stream into the L2 while decode attention runs (`worker/l2_prefetch`);
-        # bound by the runner like the cache.
-        self.l2_prefetch: PrefetchPlan | None = None
 
     def forward(
         self,
@@ -214,7 +206,6 @@ class Attention(nn.Module):
         """
         kernel = _fused_decode_kernel()
         assert kernel is not None and self.kv_cache is not None
-        plan = self.l2_prefetch
         return kernel(
             positions,
             q,
@@ -231,9 +222,7 @@ class Attention(nn.Module):
             attn_metadata.max_seq_len,
             num_splits=attn_metadata.num_splits,
             sliding_window=self.sliding_window,
-            l2_prefetch=None if plan is None else plan.for_tokens(q.shape[0]),
             kv_prefetch=_kv_prefetch(),
-            l2_prefetch_late=plan is not None and plan.late,
         )
 
     def _forward_no_cache(

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda import envs, platform
-from pagoda.kernels import fused_ops
 
 
 class LinearMethod:
@@ -43,25 +42,6 @@ class LinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Hook for repacking after all shards are loaded (no-op when unquantized)."""
-
-    def apply_rms_norm_first(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        norm: nn.Module,
-        bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(apply(norm(x + residual)), x + residual)` in one kernel where the method has one
-        for this input (`norm` is an `RMSNorm`; `residual` None: x alone is normed and is the
-        residual); None where it has not, and the caller runs the norm, then `apply`."""
-        return None
-
-    def apply_silu_and_mul_first(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """`apply(silu(gate) * up)` of x = [gate | up] in one kernel, or None (see above)."""
-        return None
 
 
 # Chooses the method of the linear layer at a module prefix (e.g. "model.layers.0.mlp.down_proj").
@@ -99,41 +79,6 @@ class UnquantizedLinearMethod(LinearMethod):
                 workspace = getattr(layer, "split_k_workspace", None)  # bound by the runner
                 return gemv.gemv_bf16(x, w, bias, workspace=workspace)
         return F.linear(x, w, bias)
-
-    def apply_rms_norm_first(self, layer, x, residual, norm, bias):
-        gemv = self._prologue_gemv(layer, x)
-        if gemv is None or not fused_ops.norm_prologue_fits(x, residual, norm.weight):
-            return None
-        workspace = getattr(layer, "split_k_workspace", None)
-        return gemv.gemv_add_rms_norm(
-            x, residual, norm.weight, norm.eps, layer.weight, bias, workspace=workspace
-        )
-
-    def apply_silu_and_mul_first(self, layer, x, bias):
-        gemv = self._prologue_gemv(layer, x)
-        if gemv is None or x.shape[1] != 2 * layer.weight.shape[1]:
-            return None
-        workspace = getattr(layer, "split_k_workspace", None)
-        return gemv.gemv_silu_and_mul(x, layer.weight, bias, workspace=workspace)
-
-    @staticmethod
-    def _prologue_gemv(layer: nn.Module, x: torch.Tensor) -> ModuleType | None:
-        """The dense GEMV module where it takes a prologue for x: M = 1 on a device where the
-        GEMV serves M = 1 and "gemv_prologue" is not disabled."""
-        w = layer.weight
-        if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and w.dtype == x.dtype):
-            return None
-        if w.dtype not in _GEMV_DTYPES or not prologue_enabled():
-            return None
-        return dense_gemv_kernel(x.device)
-
-
-@functools.cache
-def prologue_enabled() -> bool:
-    """Whether the M = 1 GEMVs take the norm / activation as their prologue: no. Measured on the
-    H200 (BENCHMARKS.md, session 18) the batch-1 decode graph of Qwen2.5-3B got slower with
-    them, bf16 by 2.7 and W4A16 by 40 µs a layer; off until the code is deleted."""
-    return False
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
@@ -206,27 +151,6 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return self.linear_method.apply(self, x, self.bias)
-
-    def forward_rms_norm_first(
-        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(self(norm(x + residual)), x + residual)`; `residual` None: `(self(norm(x)), x)`.
-        One kernel where the method fuses the norm into its prologue (decode at M = 1)."""
-        fused = self.linear_method.apply_rms_norm_first(self, x, residual, norm, self.bias)
-        if fused is not None:
-            return fused
-        if residual is None:
-            return self(norm(x)), x
-        normed, residual = norm(x, residual)
-        return self(normed), residual
-
-    def forward_silu_and_mul_first(self, act: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """`self(act(x))` for act a `SiluAndMul` and x [T, 2 in] = [gate | up]; one kernel
-        where the method fuses the activation into its prologue (decode at M = 1)."""
-        fused = self.linear_method.apply_silu_and_mul_first(self, x, self.bias)
-        if fused is not None:
-            return fused
-        return self(act(x))
 
     def _shard_index(self, shard_id: int | str | None) -> int | None:
         if shard_id is None:

@@ -14,8 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.kernels import fused_ops
-from pagoda.layers import linear
 from pagoda.layers.linear import LinearMethod, LinearMethodFactory, UnquantizedLinearMethod
 from pagoda.layers.wna16_kernels import choose_kernels, dense_weight, kernel_config
 from pagoda.quant.formats import format_module
@@ -193,26 +191,3 @@ class WNA16LinearMethod(LinearMethod):
         if bias is not None and not bias_added:
             out = out + bias
         return out.reshape(*shape[:-1], out.shape[-1])
-
-    def apply_rms_norm_first(self, layer, x, residual, norm, bias):
-        kernel = _prologue_kernel(layer, x)
-        if kernel is None or not fused_ops.norm_prologue_fits(x, residual, norm.weight):
-            return None
-        return kernel.apply_rms_norm_first(layer, x, residual, norm, bias)
-
-    def apply_silu_and_mul_first(self, layer, x, bias):
-        kernel = _prologue_kernel(layer, x)
-        if kernel is None or x.shape[1] != 2 * layer.in_features:
-            return None
-        return kernel.apply_silu_and_mul_first(layer, x, bias)
-
-
-def _prologue_kernel(layer: nn.Module, x: torch.Tensor):
-    """The layer's M = 1 kernel where it takes the norm / activation prologues for x (one bf16
-    row on CUDA, no act-order permutation, "gemv_prologue" not disabled), else None."""
-    if not (x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16):
-        return None
-    if layer.input_perm is not None or not linear.prologue_enabled():
-        return None
-    kernel = layer.wna16_kernels.pick(1)
-    return kernel if kernel.takes_prologues else None

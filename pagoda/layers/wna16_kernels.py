@@ -90,9 +90,6 @@ class WNA16Kernel:
     name: ClassVar[str]
     layout: ClassVar[str]
     max_rows: ClassVar[int | None] = None  # largest M it can run (None: any)
-    # M = 1 with the norm / activation as its prologue: `apply_rms_norm_first(layer, x,
-    # residual, norm, bias) -> (y, x + residual)`, `apply_silu_and_mul_first(layer, x, bias)`
-    takes_prologues: ClassVar[bool] = False
 
     @classmethod
     def can_implement(cls, cfg: KernelConfig) -> tuple[bool, str]:
@@ -336,11 +333,6 @@ class _MmaLayout(WNA16Kernel):
         return q, unpack_mma_scales(layer.mma_scales.data).t(), zp
 
 
-def _mma_operands(layer: nn.Module) -> tuple:
-    """(words, scale pairs, N, group) of a layer in the MMA layout."""
-    return layer.mma_words, layer.mma_scales, layer.out_features, layer.wna16_group_size
-
-
 def _mma_apply(kernel, layer: nn.Module, x: torch.Tensor, bias, **kw):
     """(y, bias added) of an MMA-layout kernel taking (x, words, scales, n, group, bias, zeros)."""
     fused = _fusable(bias, x)
@@ -437,34 +429,12 @@ class MmaGemv(_MmaLayout):
     def best_max_m(cls, cfg):
         return 32
 
-    takes_prologues = True
-
     @classmethod
     def apply(cls, layer, x, bias):
         from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemv
 
         workspace = getattr(layer, "split_k_workspace", None)
         return _mma_apply(wna16_mma_gemv, layer, x, bias, workspace=workspace)
-
-    @classmethod
-    def apply_rms_norm_first(cls, layer, x, residual, norm, bias):
-        from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemv_add_rms_norm
-
-        fused = _fusable(bias, x)
-        out, h = wna16_mma_gemv_add_rms_norm(
-            x, residual, norm.weight, norm.eps, *_mma_operands(layer),
-            bias=bias if fused else None, zero_pairs=layer.mma_zeros,
-            workspace=getattr(layer, "split_k_workspace", None),
-        )  # fmt: skip
-        return (out + bias if bias is not None and not fused else out), h
-
-    @classmethod
-    def apply_silu_and_mul_first(cls, layer, x, bias):
-        from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemv_silu_and_mul
-
-        workspace = getattr(layer, "split_k_workspace", None)
-        out, fused = _mma_apply(wna16_mma_gemv_silu_and_mul, layer, x, bias, workspace=workspace)
-        return out + bias if bias is not None and not fused else out
 
 
 class MmaWgmma(_HopperGemm):

@@ -105,18 +105,10 @@ class DecoderAttention(nn.Module):
         hidden: torch.Tensor,  # [T, hidden]
         attn_metadata: AttentionMetadata | None,
     ) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden), attn_metadata)
-
-    def attend(
-        self,
-        positions: torch.Tensor,  # [T]
-        qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D]: qkv_proj's output
-        attn_metadata: AttentionMetadata | None,
-    ) -> torch.Tensor:
-        """Everything after the QKV projection: (q/k norms,) RoPE, attention, o_proj."""
+        qkv = self.qkv_proj(hidden)  # [T, (H + 2 Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            num_tokens = qkv.shape[0]
+            num_tokens = hidden.shape[0]
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size)
@@ -160,16 +152,11 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 I] -> [T, hidden]
-        return self.down_proj.forward_silu_and_mul_first(self.act_fn, gate_up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the following RMSNorm, and both go into
-    the next projection's prologue where its linear method can (decode at M = 1: the norm
-    into the QKV and gate_up GEMVs, SiLU-and-mul into the down GEMV; `layers/linear.py`)."""
+    """Pre-norm block; the residual add is fused into the following RMSNorm."""
 
     def __init__(
         self,
@@ -194,13 +181,14 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, hidden]; None before the first layer
         attn_metadata: AttentionMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = attn.qkv_proj.forward_rms_norm_first(self.input_layernorm, hidden, residual)
-        hidden = attn.attend(positions, qkv, attn_metadata)
-        gate_up, residual = mlp.gate_up_proj.forward_rms_norm_first(
-            self.post_attention_layernorm, hidden, residual
-        )
-        return mlp.down(gate_up), residual
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):

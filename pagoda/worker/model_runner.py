@@ -233,7 +233,6 @@ class ModelRunner:
         self.start_snapshot: DeviceSnapshot | None = None  # CUDA: the device before loading
         self.offloader: Any = None  # pagoda.worker.offload.LayerOffloader (cpu_offload_gb)
         self._offload_plan: Any = None
-        self.l2_prefetch_bytes = 0  # weights one decode step prefetches into the L2 (sm_90+)
         self.closed = False
         if not triton_available():
             # One line per engine: everything still runs, on the slower torch paths.
@@ -273,8 +272,6 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, (LinearBase, LMHead)):
                 module.split_k_workspace = self.split_k_workspace
-        if self.device.type == "cuda" and self.offloader is None:
-            self._bind_l2_prefetch()
         if self.runner_config.multimodal is not None:
             from pagoda.multimodal.image_processor import ImageProcessorConfig
             from pagoda.worker.encoder_runner import EncoderRunner
@@ -309,16 +306,6 @@ class ModelRunner:
             if self.offloader is not None:  # host copies are reported apart
                 self.weights_bytes += self.offloader.staging_bytes
         self.load_time_s = time.perf_counter() - t0
-
-    def _bind_l2_prefetch(self) -> None:
-        """Each decoder layer's plan of weights to stream into the L2 during its decode
-        attention (`worker/l2_prefetch.py`; sm_90+ only, where the budget is not 0)."""
-        from pagoda.worker.l2_prefetch import bind_l2_prefetch, default_budget
-        from pagoda.worker.offload import decoder_layers
-
-        budget = default_budget(self.device)
-        if budget > 0:
-            self.l2_prefetch_bytes = bind_l2_prefetch(decoder_layers(self.model), budget)
 
     def initialize_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
         """Profile the largest step, size the KV cache from what is left, allocate it."""

@@ -94,26 +94,6 @@ def engine(path: Path, eager: bool, **kwargs) -> LLM:
     )
 
 
-def one_at_a_time(llm: LLM, prompts: list[list[int]], new: int) -> list:
-    """Greedy tokens of each prompt generated alone (every decode at M = 1)."""
-    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    return [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-
-
-def count_calls(monkeypatch, module, names: dict[str, str]) -> dict[str, int]:
-    """Counts of calls to `module`'s functions (label -> function name), wrapped in place."""
-    calls = dict.fromkeys(names, 0)
-    for label, fn in names.items():
-        real = getattr(module, fn)
-
-        def counted(*a, _real=real, _label=label, **kw):
-            calls[_label] += 1
-            return _real(*a, **kw)
-
-        monkeypatch.setattr(module, fn, counted)
-    return calls
-
-
 def assert_greedy_matches(got: list, ref: list, ref_logits: list) -> None:
     for i, (g, r) in enumerate(zip(got, ref, strict=True)):
         if list(g) == r:
@@ -124,28 +104,3 @@ def assert_greedy_matches(got: list, ref: list, ref_logits: list) -> None:
         logits = ref_logits[i][k]
         gap = (logits[r[k]] - logits[g[k]]).item()
         assert gap <= 2**-7 * abs(logits[r[k]].item()) + 1e-3, (i, k, gap, g, r)
-
-
-@pytest.mark.skip(reason="prologues off: session 18 measured them slower; to be deleted")
-@pytest.mark.parametrize("eager", [True, False])
-def test_batch_one_decode_takes_the_prologues_gpu(tmp_path, monkeypatch, eager):
-    """One request at a time (M = 1 decodes): the QKV / gate_up GEMVs take the RMSNorm
-    prologue and down_proj the SiLU-and-mul one (counted; with CUDA graphs at capture), and the
-    greedy tokens still equal transformers'."""
-    from transformers import AutoModelForCausalLM
-
-    from pagoda.kernels import triton_gemv
-
-    names = {"norm": "gemv_add_rms_norm", "silu": "gemv_silu_and_mul"}
-    calls = count_calls(monkeypatch, triton_gemv, names)
-    path = _save(tmp_path, "qwen2.5-3b.json", layers=3)
-    rng = random.Random(2)
-    prompts = [[rng.randrange(0, 150000) for _ in range(n)] for n in (100, 9)]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    hf.generation_config.eos_token_id = None
-    ref, ref_logits = hf_greedy(hf, prompts, 24)
-    del hf
-    torch.cuda.empty_cache()
-    got = one_at_a_time(engine(path, eager, max_num_seqs=1), prompts, 24)
-    assert calls["norm"] >= 2 * 3 and calls["silu"] >= 3, calls
-    assert_greedy_matches(got, ref, ref_logits)

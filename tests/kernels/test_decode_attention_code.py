@@ -1,5 +1,5 @@
 """The fused decode attention compiled for sm_90 on the CPU (no GPU needed): where the L2
-prefetch of the next kernels' weights sits in its code."""
+prefetch of its first cache blocks sits in its code."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ _PTRS = {
     "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32",
     "sin_ptr": "*fp32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
     "slot_mapping_ptr": "*i64", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
-    "out_ptr": "*bf16", "pf_ptr": "*i64", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32",
-    "part_l_ptr": "*fp32", "qk_scale": "fp32",
+    "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
+    "qk_scale": "fp32",
 }  # fmt: skip
 
 
-def _compile_ptx(has_pf: bool, kv_pf_bytes: int = 0, late: bool = False) -> str:
+def _compile_ptx(kv_pf_bytes: int = 0) -> str:
     """The kernel's sm_90 PTX for Qwen2.5-3B heads (16 q / 2 kv, D = 128), 32 splits, PDL
     (in a fresh interpreter: see `compiled_in_child`)."""
     from triton.backends.compiler import GPUTarget
@@ -31,8 +31,7 @@ def _compile_ptx(has_pf: bool, kv_pf_bytes: int = 0, late: bool = False) -> str:
     consts = dict(
         NUM_QUERIES_PER_KV=8, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16,
         BLOCK_N=16, NUM_SPLITS=32, SLIDING=False, DROP=16, DOT_PRECISION="tf32",
-        UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, HAS_PF=has_pf, KV_PF_BYTES=kv_pf_bytes,
-        PF_LATE=late,
+        UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, KV_PF_BYTES=kv_pf_bytes,
     )  # fmt: skip
     sig = {n: "constexpr" if n in consts else _PTRS.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=consts)
@@ -45,19 +44,18 @@ def _lines(ptx: str, pattern: str) -> list[int]:
     return [i for i, line in enumerate(ptx.splitlines()) if re.search(pattern, line)]
 
 
-@pytest.mark.parametrize("has_pf,kv_pf_bytes", [(False, 0), (True, 0), (False, 8192), (True, 8192)])
-def test_prefetches_before_the_wait(has_pf, kv_pf_bytes):
+@pytest.mark.parametrize("kv_pf_bytes", [0, 8192])
+def test_prefetches_before_the_wait(kv_pf_bytes):
     """Everything prefetched sits after the early PDL trigger and before `griddepcontrol.wait`
-    (nothing it reads is written by a kernel of the step): one predicated
-    `cp.async.bulk.prefetch.L2` in the loop over the weight ranges' pieces (the range count is
-    a run-time value) and, with the cache block size given, one for K and one for V in the loop
-    over the split's first blocks, fed by block-table loads before the wait too; the bf16
-    q / k / v loads come after it. With neither, no prefetch at all."""
-    ptx = compiled_in_child("test_decode_attention_code", has_pf, kv_pf_bytes)
+    (nothing it reads is written by a kernel of the step): with the cache block size given, one
+    predicated `cp.async.bulk.prefetch.L2` for K and one for V in the loop over the split's
+    first blocks, fed by block-table loads before the wait too; the bf16 q / k / v loads come
+    after it. Without, no prefetch at all."""
+    ptx = compiled_in_child("test_decode_attention_code", kv_pf_bytes)
     pf = _lines(ptx, r"cp\.async\.bulk\.prefetch\.L2\.global")
     (wait,) = _lines(ptx, r"griddepcontrol\.wait")
     (trigger,) = _lines(ptx, r"griddepcontrol\.launch_dependents")
-    assert len(pf) == int(has_pf) + (2 if kv_pf_bytes else 0)
+    assert len(pf) == (2 if kv_pf_bytes else 0)
     assert all(trigger < i < wait for i in pf)
     lines = ptx.splitlines()
     for i in pf:
@@ -65,21 +63,8 @@ def test_prefetches_before_the_wait(has_pf, kv_pf_bytes):
             r"\s*@\S+ cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", lines[i]
         )
     # before the wait: the sequence length (+ the block table with the cache prefetch) as
-    # 32-bit loads, the range table as 64-bit ones; the bf16 q / k / v loads after it
+    # 32-bit loads; the bf16 q / k / v loads after it
     early32 = [i for i in _lines(ptx, r"ld\.global\S*\.b32 ") if i < wait]
     assert len(early32) == (2 if kv_pf_bytes else 1)
-    assert bool([i for i in _lines(ptx, r"ld\.global\S*\.b64 ") if i < wait]) == has_pf
     loads16 = _lines(ptx, r"ld\.global\S*\.b16")
     assert loads16 and min(loads16) > wait
-
-
-def test_late_weight_prefetch_after_the_stores():
-    """PF_LATE: the weight ranges' prefetch follows the program's last partial store (its own
-    loads never queue behind it); the cache blocks' stay before the wait."""
-    ptx = compiled_in_child("test_decode_attention_code", True, 8192, True)
-    pf = _lines(ptx, r"cp\.async\.bulk\.prefetch\.L2\.global")
-    (wait,) = _lines(ptx, r"griddepcontrol\.wait")
-    stores = _lines(ptx, r"st\.global")
-    assert len(pf) == 3
-    assert all(i < wait for i in pf[:2])
-    assert pf[2] > max(stores)

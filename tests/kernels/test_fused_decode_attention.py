@@ -272,57 +272,6 @@ def test_bad_arguments():
         run_fused(case, case.kv_cache.clone(), num_splits=0)
 
 
-# ---- the L2 prefetch of the weights read after attention ---------------------------------------
-
-
-def _skip_before_hopper() -> None:
-    if DEVICE == "cuda" and torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the bulk L2 prefetch needs sm_90+")
-
-
-def _prefetch_table(*tensors: torch.Tensor) -> torch.Tensor:
-    from pagoda.worker.l2_prefetch import byte_ranges
-
-    return torch.tensor(byte_ranges(tensors, 1 << 40), dtype=torch.int64, device=DEVICE)
-
-
-def test_l2_prefetch_table_is_checked():
-    case = make_case([5, 9], 8, 2, 64, torch.bfloat16, num_padding=0)
-    int64 = dict(dtype=torch.int64, device=DEVICE)
-    bad = [
-        (torch.zeros(3, 2, dtype=torch.int32, device=DEVICE), "int64"),
-        (torch.zeros(6, **int64), r"\[R, 2\] int64"),
-        (torch.zeros(2, 4, **int64)[:, ::2], "contiguous"),
-    ]
-    if DEVICE == "cuda":
-        bad.append((torch.zeros(3, 2, dtype=torch.int64), "device"))
-        if torch.cuda.get_device_capability() < (9, 0):
-            bad.append((torch.zeros(3, 2, **int64), "sm_90"))
-    for table, match in bad:
-        with pytest.raises(ValueError, match=match):
-            run_fused(case, case.kv_cache.clone(), l2_prefetch=table)
-
-
-@pytest.mark.parametrize("late", [False, True], ids=["early", "late"])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_l2_prefetch_changes_no_result(num_splits, late):
-    """With a table of weight ranges (several, one not a multiple of the 32 KiB piece) the
-    output and the cache are bit-identical to the run without (compiled on an sm_90+ GPU: the
-    bulk prefetches are issued; in the interpreter the table is checked and ignored)."""
-    _skip_before_hopper()
-    case = make_case([40, 300, 7], 8, 2, 64, torch.bfloat16, num_padding=1, seed=3)
-    weights = [torch.randn(n, device=DEVICE) for n in (1000, 300_001, 70_000)]
-    table = _prefetch_table(*weights)
-    assert table.shape == (3, 2)
-    plain_cache, pf_cache = case.kv_cache.clone(), case.kv_cache.clone()
-    plain = run_fused(case, plain_cache, num_splits=num_splits)
-    fetched = run_fused(
-        case, pf_cache, num_splits=num_splits, l2_prefetch=table, l2_prefetch_late=late
-    )
-    assert torch.equal(plain, fetched)
-    torch.testing.assert_close(pf_cache, plain_cache, rtol=0, atol=0, equal_nan=True)
-
-
 # ---- the model layer: DecoderAttention's two paths -------------------------------------------
 
 
@@ -464,34 +413,6 @@ def test_gpu_kv_prefetch_changes_no_result(window):
         caches.append(cache)
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(caches[0], caches[1], rtol=0, atol=0, equal_nan=True)
-
-
-@pytest.mark.gpu
-@gpu
-def test_gpu_l2_prefetch_in_a_cuda_graph():
-    """Qwen2.5-7B heads at batch 1, a 700-token context and 96 MiB of ranges to prefetch
-    (more than the L2), captured in a graph and replayed: output and cache equal the run
-    without the table."""
-    _skip_before_hopper()
-    case = make_case([700], 28, 4, 128, torch.bfloat16, num_padding=0, seed=5)
-    weights = [torch.randn(n, device=DEVICE, dtype=torch.bfloat16) for n in (3584, 48 << 20)]
-    table = _prefetch_table(*weights)
-    plain_cache = case.kv_cache.clone()
-    plain = run_fused(case, plain_cache, num_splits=32)
-    cache = case.kv_cache.clone()
-    out = torch.empty_like(plain)
-    run_fused(case, cache, num_splits=32, out=out, l2_prefetch=table)  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_fused(case, cache, num_splits=32, out=out, l2_prefetch=table)
-    for _ in range(3):
-        cache.copy_(case.kv_cache)
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, plain)
-        torch.testing.assert_close(cache, plain_cache, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu

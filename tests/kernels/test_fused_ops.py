@@ -382,23 +382,3 @@ def test_gpu_kernels_capture_in_cuda_graph():
     torch.testing.assert_close(outputs[2], silu_and_mul_ref(gate_up), **_tol(torch.bfloat16))
     q_exp, k_exp = _rotary_expected(rope, positions, *qkv_start.split([28 * 128, 512, 512], -1)[:2])
     assert torch.equal(q, q_exp) and torch.equal(k, k_exp)
-
-
-def test_norm_prologue_fits_only_what_the_kernels_take() -> None:
-    """A GEMV takes the norm as its prologue for one row of at most MAX_HIDDEN columns whose
-    residual and norm weight share its dtype and shape; anything else keeps the norm kernel."""
-    from pagoda.kernels.fused_ops import MAX_HIDDEN, norm_prologue_fits, norm_prologue_operands
-
-    bf = torch.bfloat16
-    x, w = torch.zeros(1, 64, dtype=bf), torch.ones(64, dtype=bf)
-    assert norm_prologue_fits(x, None, w) and norm_prologue_fits(x, x.clone(), w)
-    assert not norm_prologue_fits(torch.zeros(2, 64, dtype=bf), None, w)  # two rows
-    assert not norm_prologue_fits(x, x.half(), w)
-    assert not norm_prologue_fits(x, None, w.float())
-    wide = torch.zeros(1, MAX_HIDDEN + 64, dtype=bf)
-    assert not norm_prologue_fits(wide, None, torch.ones(MAX_HIDDEN + 64, dtype=bf))
-    with pytest.raises(ValueError, match="exceeds the prologue's maximum"):
-        norm_prologue_operands(wide, None, torch.ones(MAX_HIDDEN + 64, dtype=bf), MAX_HIDDEN + 64)
-    xs, r, ws, h = norm_prologue_operands(x, x.clone(), w, 64)
-    assert h is not x and h.shape == x.shape and r is not None
-    assert norm_prologue_operands(x, None, w, 64)[3] is x  # no residual: x is the residual

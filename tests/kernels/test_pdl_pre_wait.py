@@ -15,12 +15,10 @@ from tests.kernels.test_gluon_mma_wgmma import compiled_in_child  # noqa: E402
 _W4_TYPES = {
     "x_ptr": "*i32", "w_ptr": "*i32", "sp_ptr": "*i8", "zp_ptr": "*i8", "b_ptr": "*bf16",
     "out_ptr": "*bf16", "ws_ptr": "*fp32", "wsi_ptr": "*i32", "cnt_ptr": "*i32",
-    "r_ptr": "*i32", "nw_ptr": "*i32", "h_ptr": "*i32", "eps": "fp32",
 }  # fmt: skip
 _DENSE_TYPES = {
     "x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-    "wsi_ptr": "*i32", "cnt_ptr": "*i32", "r_ptr": "*bf16", "nw_ptr": "*bf16",
-    "h_ptr": "*bf16", "eps": "fp32",
+    "wsi_ptr": "*i32", "cnt_ptr": "*i32",
 }  # fmt: skip
 _NORM_TYPES = {
     "x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
@@ -34,26 +32,22 @@ _REDUCE_TYPES = {
 
 def _kernel(name: str):
     """(jit function, types, constexprs, activation parameters) of kernel `name`."""
-    if name.startswith("w4"):
+    if name == "w4":
         from pagoda.kernels import triton_w4a16_mma as mm
 
-        prologue = int(name[-1])
         consts = dict(
             GROUP_TILES=2, KT=4, NB=1, HAS_BIAS=True, HAS_ZP=False, ONE_SPLIT=False,
-            INTERPRET=False, USE_PDL=True, PROLOGUE=prologue, HAS_RESIDUAL=prologue == 1,
-            BLOCK_H2=1024 if prologue == 1 else 1, CHUNK=512 if prologue == 1 else 1,
+            INTERPRET=False, USE_PDL=True,
         )  # fmt: skip
-        return mm._w4_mma_gemv_kernel, _W4_TYPES, consts, {"x_ptr", "r_ptr"}
-    if name.startswith("dense"):
+        return mm._w4_mma_gemv_kernel, _W4_TYPES, consts, {"x_ptr"}
+    if name == "dense":
         from pagoda.kernels import triton_gemv as tg
 
-        prologue = int(name[-1])
         consts = dict(
             BLOCK_N=8, BLOCK_K=512, EVEN_N=True, EVEN_K=True, ONE_SPLIT=True, HAS_BIAS=True,
-            NUM_STAGES=3, USE_PDL=True, PROLOGUE=prologue, HAS_RESIDUAL=prologue == 1,
-            BLOCK_H=2048 if prologue == 1 else 1, DROP=16,
+            NUM_STAGES=3, USE_PDL=True,
         )  # fmt: skip
-        return tg._gemv_kernel, _DENSE_TYPES, consts, {"x_ptr", "r_ptr"}
+        return tg._gemv_kernel, _DENSE_TYPES, consts, {"x_ptr"}
     if name == "rms_norm":
         from pagoda.kernels import triton_fused_ops as fo
 
@@ -91,15 +85,13 @@ def _ptx_and_activations(*args) -> tuple[str, set[int]]:
     return ptx, {int(v) for v in act.split(",") if v}
 
 
-@pytest.mark.parametrize(
-    "name", ["w4_p0", "w4_p1", "w4_p2", "dense_p0", "dense_p1", "dense_p2", "rms_norm", "reduce"]
-)
+@pytest.mark.parametrize("name", ["w4", "dense", "rms_norm", "reduce"])
 def test_nothing_written_and_no_activation_read_before_the_wait(name):
-    """W4A16 GEMV (M = 1, each prologue): only weight words and scales before the wait; the
-    dense GEMV, the RMSNorm and the split-KV reduce: nothing at all."""
+    """W4A16 GEMV (M = 1): only weight words and scales before the wait; the dense GEMV, the
+    RMSNorm and the split-KV reduce: nothing at all."""
     ptx, act = _ptx_and_activations("test_pdl_pre_wait", name)
     accesses = check_pre_wait(ptx, act)
-    if name.startswith("w4"):  # the first step's words (w_ptr, 1) and scales (sp_ptr, 2)
+    if name == "w4":  # the first step's words (w_ptr, 1) and scales (sp_ptr, 2)
         assert accesses and all(a.kind == "load" for a in accesses)
         assert {min(a.params) for a in accesses} == {1, 2}
         with pytest.raises(AssertionError, match="before the PDL wait"):
@@ -108,16 +100,16 @@ def test_nothing_written_and_no_activation_read_before_the_wait(name):
         assert accesses == []
 
 
-@pytest.mark.parametrize("has_pf,kv_pf_bytes", [(False, 0), (True, 8192)])
-def test_fused_decode_attention_reads_no_activation_before_the_wait(has_pf, kv_pf_bytes):
-    """Before its wait the fused decode attention reads the sequence length, the block table
-    and the prefetch table and prefetches cache blocks and weights: nothing from q / k / v
-    (parameters 0-2, the QKV projection's output) and no store."""
-    ptx = compiled_in_child("test_decode_attention_code", has_pf, kv_pf_bytes)
+@pytest.mark.parametrize("kv_pf_bytes", [0, 8192])
+def test_fused_decode_attention_reads_no_activation_before_the_wait(kv_pf_bytes):
+    """Before its wait the fused decode attention reads the sequence length and the block table
+    and prefetches cache blocks: nothing from q / k / v (parameters 0-2, the QKV projection's
+    output) and no store."""
+    ptx = compiled_in_child("test_decode_attention_code", kv_pf_bytes)
     accesses = check_pre_wait(ptx, {0, 1, 2})
     loads = {min(a.params) for a in accesses if a.kind == "load" and a.params}
     fetched = [a.params for a in accesses if a.kind == "prefetch"]
-    # seq_lens (9), block table (10), prefetch table (12); K / V cache (6, 7)
-    assert loads == {9} | ({10} if kv_pf_bytes else set()) | ({12} if has_pf else set())
-    assert len(fetched) == int(has_pf) + (2 if kv_pf_bytes else 0)
+    # seq_lens (9), block table (10); K / V cache (6, 7)
+    assert loads == {9} | ({10} if kv_pf_bytes else set())
+    assert len(fetched) == (2 if kv_pf_bytes else 0)
     assert {min(p) for p in fetched if p} == ({6, 7} if kv_pf_bytes else set())
