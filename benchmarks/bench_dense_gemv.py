@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from pagoda import platform
 from pagoda.bench.common import copy_bandwidth
 from pagoda.bench.common import graph_time_per_call as time_graph
-from pagoda.kernels.triton_gemv import DenseGemvConfig, _num_sms, _plan, gemv_bf16, gemv_ref
+from pagoda.kernels.triton_gemv import DenseGemvConfig, _plan, gemv_bf16, gemv_ref
 
 SHAPES = {
     "7b.qkv": (4608, 3584),
@@ -109,7 +110,7 @@ def main() -> int:
     ns = p.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    num_sms = _num_sms(0)
+    num_sms = platform.num_sms(0)
     rows = []
     for name in ns.shapes.split(","):
         rows.append(bench_shape(name, bw, num_sms))
