@@ -9,8 +9,14 @@ Sweeps up to session 19 also carried x's K order as a fifth element (1 natural, 
 slot order, deleted after session 19's sweep): `current_config` drops it, and skips slot-order
 configs.
 
+`--verify RUN`: a later `bench_w4a16_tc.py` run with the table in place (its `tma` column the
+table's config, `tma_heur` the heuristic, at and between the swept M, with and without zero
+points): an entry whose config is slower than the heuristic at any M of its band there is
+dropped (the heuristic).
+
     python benchmarks/quant/tma_table.py \
-        benchmarks/results/h200_session19/run1/tma_sweep/w4a16_tc.json
+        benchmarks/results/h200_session19/run1/tma_sweep/w4a16_tc.json \
+        --verify benchmarks/results/h200_session19/run2/tuned/w4a16_tc.json
 """
 
 from __future__ import annotations
@@ -67,11 +73,31 @@ def best_entries(rows: list[dict], min_gain: float, group_size: int) -> list[dic
     return sorted(out, key=lambda e: (e["n"], e["k"], e["m"]))
 
 
+def verify(entries: list[dict], rows: list[dict]) -> int:
+    """Drop (to the heuristic) each config measured slower than the heuristic at any M of its
+    band in `rows`; the number dropped."""
+    dropped = 0
+    for e in entries:
+        if not e["config"]:
+            continue
+        slower = [
+            f"M={r['m']} zp={int(r['zp'])}: {r['tma_us']:.1f} vs {r['tma_heur_us']:.1f} µs"
+            for r in rows
+            if (r["n"], r["k"]) == (e["n"], e["k"]) and e["min_m"] <= r["m"] <= e["m"]
+            and "tma_heur_us" in r and r["tma_us"] > r["tma_heur_us"]
+        ]  # fmt: skip
+        if slower:
+            e.update(config=None, us=e["heuristic_us"], dropped=f"slower in --verify: {slower}")
+            dropped += 1
+    return dropped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("sweep", help="w4a16_tc.json of a --sweep tma run")
     ap.add_argument("--min-gain", type=float, default=0.05, help="fraction faster (0.05: 5 %%)")
     ap.add_argument("--group-size", type=int, default=128, help="the run's group size")
+    ap.add_argument("--verify", default=None, help="a later run with the table (see above)")
     ap.add_argument("--out", default=str(TABLE))
     args = ap.parse_args()
     data = json.loads(Path(args.sweep).read_text())
@@ -79,8 +105,13 @@ def main() -> None:
     if not gpu:
         raise SystemExit(f"{args.sweep}: no GPU name in its env block")
     entries = best_entries(data["rows"], args.min_gain, args.group_size)
+    source = f"{Path(args.sweep).resolve().relative_to(ROOT)}"
+    if args.verify:
+        rows = json.loads(Path(args.verify).read_text())["rows"]
+        print(f"--verify: {verify(entries, rows)} config(s) dropped")
+        source += f", verified by {Path(args.verify).resolve().relative_to(ROOT)}"
     table = {
-        "source": f"{Path(args.sweep).resolve().relative_to(ROOT)} (bench_w4a16_tc.py --sweep tma, "
+        "source": f"{source} (bench_w4a16_tc.py --sweep tma, "
         f"CUDA-graph timings, symmetric, group {args.group_size}; a config where >= "
         f"{args.min_gain:.0%} faster than the heuristic)",
         "gpu": gpu,

@@ -391,7 +391,8 @@ class MmaWgmmaTma(_HopperGemm):
     a CTA (`gluon_wgmma_tma`). First in the priority list; its band, where it is the best
     kernel (BENCHMARKS.md, sessions 15 and 16): gate_up-sized layers (N >= 16 Ki) 17-512 rows;
     down projections (K >= 4 N) 33-512 at N >= 3 Ki
-    (7B), 129-256 below (3B); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the
+    (7B), 65-256 below (3B; session 19: with the tuned table 8-12 % faster than the cp.async
+    wgmma GEMM at 96 and 128 rows); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the
     session-14 wgmma GEMM (to 64 / 128 rows), then dequant + cuBLAS."""
 
     name = "mma_wgmma_tma"
@@ -407,7 +408,7 @@ class MmaWgmmaTma(_HopperGemm):
         if cfg.n >= 16384:
             return 17, 512
         if cfg.k >= 4 * cfg.n:
-            return (33, 512) if cfg.n >= 3072 else (129, 256)
+            return (33, 512) if cfg.n >= 3072 else (65, 256)
         return (33, 64) if cfg.n >= 4096 else (1, 0)
 
     @classmethod

@@ -33,7 +33,7 @@ def test_awq_engine_greedy_equals_transformers_gpu(tmp_path, eager):
         prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
     )
     assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, ref_logits)
-    # on an H200 the gate_up table holds the TMA GEMM for 17-512 rows (3B down: 129-256): the
+    # on an H200 the gate_up table holds the TMA GEMM for 17-512 rows (3B down: 65-256): the
     # 80 decodes and the 512-token chunks ran it
     if torch.cuda.get_device_capability() == (9, 0):
         gate_up = torch.nn.Linear(2048, 22016, device="meta")

@@ -49,7 +49,7 @@ def test_cpu_layers_dequantize_per_call() -> None:
 def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None:
     # sm_90: the GEMV to 8 rows, then the wgmma GEMM, the TMA GEMM in its band, dequant +
     # cuBLAS: qkv / o of 3B and 7B o no TMA GEMM; 7B qkv 33-64; gate_up 17-512; down 33-512 at
-    # N = 3584 (7B), 129-256 at 2048 (3B)
+    # N = 3584 (7B), 65-256 at 2048 (3B)
     pytest.importorskip("triton.experimental.gluon")
     for n in (2560, 2048):
         assert wk.choose_kernels(_cfg(n=n, k=2048), frozenset()).describe() == (
@@ -68,7 +68,7 @@ def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None
         "mma_gemv M=1..8, mma_wgmma M=9..32, mma_wgmma_tma M=33..512, mma_dequant M=513.."
     )
     assert wk.choose_kernels(_cfg(n=2048, k=11008), frozenset()).describe() == (
-        "mma_gemv M=1..8, mma_wgmma M=9..128, mma_wgmma_tma M=129..256, mma_dequant M=257.."
+        "mma_gemv M=1..8, mma_wgmma M=9..64, mma_wgmma_tma M=65..256, mma_dequant M=257.."
     )
     # zero points (AWQ, asymmetric GPTQ) take the same kernels
     assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
