@@ -32,6 +32,8 @@ def main() -> int:
         for zp, style in ((False, "-"), (True, "--")):
             per_m = by.get((model, zp), {})
             ms = sorted(m for m, layers in per_m.items() if len(layers) == 4)
+            if not ms:  # e.g. a symmetric-only run: no empty zero-point lines in the legend
+                continue
             for layer in ("qkv", "o", "gate_up", "down"):
                 ax.plot(ms, [per_m[m][layer][0] / per_m[m][layer][1] for m in ms], style,
                         marker=".", label=f"{layer}{' zp' if zp else ''}")  # fmt: skip
