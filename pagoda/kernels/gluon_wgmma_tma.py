@@ -35,12 +35,11 @@ the PTX); the GPU tests compare it with the dequantized matmul.
 # (no `from __future__ import annotations`: the partitions' `gl.constexpr` annotations are
 # evaluated where `_kernel` defines them, as warp specialization needs)
 import functools
-import json
-from pathlib import Path
 
 import torch
 
 from pagoda import platform
+from pagoda.kernels.tuned_tables import TUNED_DIR, gpu_entries
 from pagoda.kernels.workspace import SplitKWorkspace
 
 BLOCK_K = 64  # K per ring stage (one tile of the layout)
@@ -478,7 +477,7 @@ def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
     return block_m, wgs, best_split, stages
 
 
-_TUNED = Path(__file__).with_name("tuned") / "w4a16_tma.json"
+_TUNED = TUNED_DIR / "w4a16_tma.json"
 
 
 @functools.cache
@@ -486,14 +485,8 @@ def _tuned_table(gpu_name: str) -> dict[tuple[int, int, int], list[tuple[int, in
     """{(n, k, group): [(min_m, max_m, config), ...]} measured on this GPU model
     (`benchmarks/quant/tma_table.py` from a `bench_w4a16_tc.py --sweep tma` run); empty for
     other GPUs."""
-    try:
-        data = json.loads(_TUNED.read_text())
-    except (OSError, ValueError):
-        return {}
-    if data.get("gpu") != gpu_name:
-        return {}
     table: dict[tuple[int, int, int], list[tuple[int, int, tuple]]] = {}
-    for e in data.get("entries", []):
+    for e in gpu_entries(_TUNED, gpu_name):
         if e.get("config"):
             key = (e["n"], e["k"], e["group_size"])
             table.setdefault(key, []).append((e["min_m"], e["m"], tuple(e["config"])))

@@ -21,7 +21,6 @@ bandwidth-bound pass expands the weight into a dense [N, K] scratch in x's dtype
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import triton.language as tl
 
 from pagoda import platform
 from pagoda.kernels.pdl import pdl_launch_args
+from pagoda.kernels.tuned_tables import gpu_entries
 from pagoda.kernels.workspace import SplitKWorkspace
 
 
@@ -523,14 +523,8 @@ def _tuned_gemv_table(gpu_name: str) -> dict[tuple[int, int, int, int], list[tup
 def _load_tuned(
     path: Path, gpu_name: str
 ) -> dict[tuple[int, int, int, int], list[tuple[int, dict]]]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if data.get("gpu") != gpu_name:
-        return {}
     table: dict[tuple[int, int, int, int], list[tuple[int, dict]]] = {}
-    for e in data.get("entries", []):
+    for e in gpu_entries(path, gpu_name):
         key = (e["n"], e["k"], e["group_size"], e["bits"])
         table.setdefault(key, []).append((e["m"], e["config"]))
     for rows in table.values():
