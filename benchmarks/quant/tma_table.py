@@ -92,6 +92,19 @@ def verify(entries: list[dict], rows: list[dict]) -> int:
     return dropped
 
 
+def _read(path: str) -> dict:
+    """A bench_w4a16_tc.py result, or exit naming what is wrong with the file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read it ({e.strerror})") from None
+    except ValueError as e:
+        raise SystemExit(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise SystemExit(f"{path}: no 'rows' list: not a bench_w4a16_tc.py result")
+    return data
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("sweep", help="w4a16_tc.json of a --sweep tma run")
@@ -100,14 +113,14 @@ def main() -> None:
     ap.add_argument("--verify", default=None, help="a later run with the table (see above)")
     ap.add_argument("--out", default=str(TABLE))
     args = ap.parse_args()
-    data = json.loads(Path(args.sweep).read_text())
+    data = _read(args.sweep)
     gpu = data.get("env", {}).get("gpu") or data.get("env", {}).get("device")
     if not gpu:
         raise SystemExit(f"{args.sweep}: no GPU name in its env block")
     entries = best_entries(data["rows"], args.min_gain, args.group_size)
     source = f"{Path(args.sweep).resolve().relative_to(ROOT)}"
     if args.verify:
-        rows = json.loads(Path(args.verify).read_text())["rows"]
+        rows = _read(args.verify)["rows"]
         print(f"--verify: {verify(entries, rows)} config(s) dropped")
         source += f", verified by {Path(args.verify).resolve().relative_to(ROOT)}"
     table = {

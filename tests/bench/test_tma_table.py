@@ -51,3 +51,16 @@ def test_verify_drops_a_config_slower_anywhere_in_its_band():
     assert tt.verify(entries, later) == 1
     assert entries[0]["config"] == [64, 1, 3, 4] and "dropped" not in entries[0]
     assert entries[1]["config"] is None and "M=96 zp=1" in entries[1]["dropped"]
+
+
+def test_bad_files_name_the_problem(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit, match="cannot read"):
+        tt._read(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit, match="not JSON"):
+        tt._read(str(tmp_path / "bad.json"))
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(SystemExit, match="no 'rows' list"):
+        tt._read(str(tmp_path / "list.json"))
