@@ -15,6 +15,9 @@ Ablations (cumulative names are joined with '+'):
     attn     attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
     nokv     the decode attention does not prefetch its first cache blocks before its wait
              (`PAGODA_DISABLED_KERNELS=kv_prefetch`)
+    fmlp     not a removal: the MLP half of every layer (residual add, norm, gate_up, SiLU,
+             down) as one launch (`DecoderLayer.fused_mlp_decode`, off by default); the output
+             counts the fused launches captured ("fmlp_layers": one per layer and graph)
 """
 
 from __future__ import annotations
@@ -48,9 +51,12 @@ def ablated(parts: set[str]) -> Iterator[None]:
     from pagoda.layers import attention
     from pagoda.layers.activation import SiluAndMul
     from pagoda.layers.norm import RMSNorm
-    from pagoda.models.llama import DecoderAttention
+    from pagoda.models.llama import DecoderAttention, DecoderLayer
 
     saved = (RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward)
+    fused_mlp = DecoderLayer.fused_mlp_decode
+    if "fmlp" in parts:
+        DecoderLayer.fused_mlp_decode = True
     kv_prefetch = attention._kv_prefetch
     if "nokv" in parts:
         attention._kv_prefetch = lambda: False
@@ -73,6 +79,7 @@ def ablated(parts: set[str]) -> Iterator[None]:
     finally:
         RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward = saved
         attention._kv_prefetch = kv_prefetch
+        DecoderLayer.fused_mlp_decode = fused_mlp
 
 
 def main() -> int:
@@ -90,7 +97,7 @@ def main() -> int:
     names = ns.ablations.split(",")
     for name in names:
         for part in [] if name == "none" else name.split("+"):
-            if part not in ("norm", "silu", "attn", "nokv"):
+            if part not in ("norm", "silu", "attn", "nokv", "fmlp"):
                 p.error(f"--ablations: unknown part {part!r} in {name!r}")
     llm = LLM(
         ns.model,
@@ -115,14 +122,35 @@ def main() -> int:
     }
     hid = gr.outputs[1]
     res["logits_argmax_s"] = timed(lambda: model.compute_logits(hid).argmax(-1), ns.iters)
+    from pagoda.kernels import triton_fused_mlp
+
+    fused_calls = []
+    real_fused = triton_fused_mlp.fused_mlp_decode
+
+    def counted(*args, **kwargs):
+        fused_calls.append(1)
+        return real_fused(*args, **kwargs)
+
+    triton_fused_mlp.fused_mlp_decode = counted
+    outs: dict[str, torch.Tensor] = {}
     for name in names:
         parts = set() if name == "none" else set(name.split("+"))
         with ablated(parts):
             gr.graphs.clear()
+            fused_calls.clear()
             gr.capture()
+        if "fmlp" in parts:
+            # warm-up twice, then the capture: three passes over the layers
+            res["fmlp_layers"] = len(fused_calls) / 3
         t = timed(gr.graphs[1].replay, ns.iters)
+        if name in ("none", "fmlp"):  # real graphs both: the same hidden states, to rounding
+            outs[name] = gr.outputs[1].float().clone()
         res["graph_runs"].append([name, t])
         print(f"{name:20s} {t * 1e6:8.1f} us", flush=True)
+    if len(outs) == 2:
+        diff = (outs["fmlp"] - outs["none"]).abs().max().item()
+        res["fmlp_vs_none_max_abs_diff"] = diff
+        res["none_max_abs"] = outs["none"].abs().max().item()
     for name in dict.fromkeys(n for n, _ in res["graph_runs"]):
         res["graph_s"][name] = statistics.median(t for n, t in res["graph_runs"] if n == name)
     base = res["graph_s"].get("none")

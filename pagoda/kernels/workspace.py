@@ -4,7 +4,8 @@ A split-K GEMV's programs add fp32 partials into a workspace and count arrivals 
 the last program of a tile reads the sums back, stores the output and zeroes what it used, so
 the buffers stay zero between calls and one pair serves every layer of a stream (CUDA graphs
 included). The model runner owns one `SplitKWorkspace` and binds it to its linear layers
-(`layer.split_k_workspace`); kernels take it as `workspace=`.
+(`layer.split_k_workspace`); kernels take it as `workspace=`. It also holds the fused decode
+MLP's scratch row and grid-barrier pair (`scratch`, `barrier`), shared by its layers the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,42 @@ class SplitKWorkspace:
     def __init__(self) -> None:
         # (device type, index) -> every pair ever allocated: captured graphs point at old ones.
         self._pairs: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (device type, index, dtype) -> every scratch row; (device type, index) -> the barrier
+        self._scratch: dict[tuple[str, int, torch.dtype], list[torch.Tensor]] = {}
+        self._barriers: dict[tuple[str, int], torch.Tensor] = {}
+
+    @staticmethod
+    def _key(device: torch.device) -> tuple[str, int]:
+        index = device.index
+        if index is None:
+            index = torch.cuda.current_device() if device.type == "cuda" else 0
+        return device.type, index
+
+    @staticmethod
+    def _capturing(device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def scratch(self, device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A contiguous buffer of >= `numel` elements (contents undefined); None while a CUDA
+        graph is being captured and the current one is too small."""
+        rows = self._scratch.setdefault((*self._key(device), dtype), [])
+        if rows and rows[-1].numel() >= numel:
+            return rows[-1]
+        if self._capturing(device):
+            return None
+        size = max(numel, 2 * (rows[-1].numel() if rows else 0))
+        rows.append(torch.empty(size, device=device, dtype=dtype))
+        return rows[-1]
+
+    def barrier(self, device: torch.device) -> torch.Tensor | None:
+        """int32 [2] (arrivals, generation) of a grid barrier that leaves the arrivals at zero
+        (`triton_fused_mlp._grid_barrier`); None while capturing before it exists."""
+        key = self._key(device)
+        if key not in self._barriers:
+            if self._capturing(device):
+                return None
+            self._barriers[key] = torch.zeros(2, device=device, dtype=torch.int32)
+        return self._barriers[key]
 
     def buffers(
         self, device: torch.device, numel: int, tiles: int
@@ -25,13 +62,10 @@ class SplitKWorkspace:
         """(fp32 [>= numel], int32 [>= tiles]) zeroed buffers on `device`; None when a CUDA
         graph is being captured and the current pair is too small (the caller then takes its
         capture-safe reduction). The engine's warm-up runs before capture allocate them."""
-        index = device.index
-        if index is None:
-            index = torch.cuda.current_device() if device.type == "cuda" else 0
-        pairs = self._pairs.setdefault((device.type, index), [])
+        pairs = self._pairs.setdefault(self._key(device), [])
         if pairs and pairs[-1][0].numel() >= numel and pairs[-1][1].numel() >= tiles:
             return pairs[-1]
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._capturing(device):
             return None
         last_ws, last_cnt = pairs[-1] if pairs else (None, None)
         size = max(numel, 1 << 20, 2 * (last_ws.numel() if last_ws is not None else 0))

@@ -8,13 +8,16 @@ Module names mirror Hugging Face so checkpoints load by name; q/k/v and gate/up 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagoda import platform
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, AttentionMetadata
 from pagoda.layers.embedding import LMHead, VocabEmbedding
@@ -23,6 +26,7 @@ from pagoda.layers.linear import (
     MergedColumnLinear,
     QKVLinear,
     ReplicatedLinear,
+    UnquantizedLinearMethod,
     default_linear_method_factory,
 )
 from pagoda.layers.norm import RMSNorm
@@ -154,9 +158,54 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
+    def fused_decode(
+        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(self(norm(hidden, residual)[0]), hidden + residual)` in one launch
+        (`kernels/triton_fused_mlp`) for one CUDA row of dense weights without bias or LoRA;
+        None where it does not apply (the caller runs the unfused path)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if not hidden.is_cuda or hidden.shape[0] != 1 or norm.weight.dtype != hidden.dtype:
+            return None
+        if any(
+            type(layer.linear_method) is not UnquantizedLinearMethod or layer.bias is not None
+            for layer in (gate_up, down)
+        ):
+            return None
+        kernels = _fused_mlp_kernels()
+        if kernels is None:
+            return None
+        if not kernels.fused_mlp_supported(hidden, gate_up.weight, down.weight)[0]:
+            return None
+        workspace = getattr(down, "split_k_workspace", None)  # bound by the model runner
+        if workspace is None:
+            return None
+        act = workspace.scratch(hidden.device, down.in_features, hidden.dtype)
+        barrier = workspace.barrier(hidden.device)
+        if act is None or barrier is None:  # capturing before a warm-up made them
+            return None
+        return kernels.fused_mlp_decode(
+            hidden, residual, norm.weight, norm.eps, gate_up.weight, down.weight, act, barrier
+        )
+
+
+@functools.cache
+def _fused_mlp_kernels() -> ModuleType | None:
+    """`pagoda.kernels.triton_fused_mlp`, or None without Triton (imported only here)."""
+    if not platform.triton_available():
+        return None
+    from pagoda.kernels import triton_fused_mlp
+
+    return triton_fused_mlp
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the following RMSNorm."""
+
+    # The batch-1 MLP half (residual add, norm, gate_up, SiLU, down) as one launch
+    # (`DecoderMLP.fused_decode`): off until it is measured on a GPU; benchmarks/ablate_decode.py
+    # turns it on for its "fmlp" graph.
+    fused_mlp_decode = False
 
     def __init__(
         self,
@@ -187,6 +236,10 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, attn_metadata)
+        if self.fused_mlp_decode:
+            fused = self.mlp.fused_decode(hidden, residual, self.post_attention_layernorm)
+            if fused is not None:
+                return fused
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
