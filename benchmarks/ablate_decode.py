@@ -16,8 +16,9 @@ Ablations (cumulative names are joined with '+'):
     nokv     the decode attention does not prefetch its first cache blocks before its wait
              (`PAGODA_DISABLED_KERNELS=kv_prefetch`)
     fmlp     not a removal: the MLP half of every layer (residual add, norm, gate_up, SiLU,
-             down) as one launch (`DecoderLayer.fused_mlp_decode`, off by default); the output
-             counts the fused launches captured ("fmlp_layers": one per layer and graph)
+             down) in fewer launches (`DecoderLayer.fused_mlp_decode`, off by default): one for
+             bf16, two for W4A16 (norm + gate_up + SiLU, then down's GEMV); the output counts
+             the fused launches captured ("fmlp_layers": one per layer and graph)
 """
 
 from __future__ import annotations
@@ -125,13 +126,16 @@ def main() -> int:
     from pagoda.kernels import triton_fused_mlp
 
     fused_calls = []
-    real_fused = triton_fused_mlp.fused_mlp_decode
 
-    def counted(*args, **kwargs):
-        fused_calls.append(1)
-        return real_fused(*args, **kwargs)
+    def counted(fn):
+        def call(*args, **kwargs):
+            fused_calls.append(1)
+            return fn(*args, **kwargs)
 
-    triton_fused_mlp.fused_mlp_decode = counted
+        return call
+
+    for entry in ("fused_mlp_decode", "norm_gate_up_silu_w4a16"):
+        setattr(triton_fused_mlp, entry, counted(getattr(triton_fused_mlp, entry)))
     outs: dict[str, torch.Tensor] = {}
     for name in names:
         parts = set() if name == "none" else set(name.split("+"))

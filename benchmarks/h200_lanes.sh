@@ -9,10 +9,11 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Next GPU session, in this order: fmlp20 (the batch-1 MLP as one launch: GPU tests, then the
-#   3B / 7B bf16 graphs with and without it), ncu17 (why the TMA GEMM runs compute-bound M at
-#   ~80 % of cuBLAS bf16), prof18 (where a batch-64 / 128 decode step goes), vl18, check18, ab18.
-# Steps (session 20, no device: built, not yet run): fmlp20
+# Next GPU session, in this order: fmlp20 + fmlp20b (the batch-1 MLP in fewer launches: GPU
+#   tests, then the 3B / 7B graphs with and without it), ncu17 (why the TMA GEMM runs
+#   compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a batch-64 / 128 decode step goes),
+#   vl18, check18, ab18.
+# Steps (session 20, no device: built, not yet run): fmlp20 fmlp20b
 # Steps (session 19): s19a (engine GPU tests, the TMA GEMM sweep incl. slot order, which
 #   measured slower and was deleted), s19b (GPU tests after deleting session 18's batch-1
 #   prologues and L2 weight prefetch, with their steps pro17, pf18 and pf18b; the tuned TMA
@@ -767,15 +768,22 @@ step_ab18() {
   latrun 3b_w4a16_on "config:$CFG3:w4a16"
   latrun 3b_w4a16_off "config:$CFG3:w4a16" PAGODA_DISABLED_KERNELS=kv_prefetch
 }
-# session 20 (built without a device): the decode MLP as one launch (residual add + norm,
-# gate_up, SiLU, down; a grid barrier between the two GEMVs; `DecoderLayer.fused_mlp_decode`,
-# off by default): its GPU tests (Qwen shapes, CUDA graphs, engine vs transformers), then the
-# batch-1 graph with and without it, alternating, 3B and 7B bf16
+# session 20 (built without a device): the decode MLP in fewer launches (`DecoderLayer.
+# fused_mlp_decode`, off by default): bf16 as one launch (residual add + norm, gate_up, SiLU,
+# down; a grid barrier between the GEMVs), W4A16 as norm + gate_up + SiLU, then down's GEMV.
+# Its GPU tests (Qwen shapes, CUDA graphs, engine vs transformers), then the batch-1 graph
+# with and without it, alternating, 3B and 7B, bf16 and W4A16
 step_fmlp20() {
   run fmlp_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_triton_fused_mlp.py
+  fmlp_ab "3b_w4a16:$CFG3:w4a16" "3b_bf16:$CFG3"
+}
+step_fmlp20b() {
+  fmlp_ab "7b_w4a16:$CFG7:w4a16" "7b_bf16:$CFG7"
+}
+fmlp_ab() {
   local spec
-  for spec in "3b_bf16:$CFG3" "7b_bf16:$CFG7"; do
+  for spec in "$@"; do
     run "fmlp_ab_${spec%%:*}" 120 python3 benchmarks/ablate_decode.py "config:${spec#*:}" \
       --ablations none,fmlp,none,fmlp,none,fmlp --out "$R/fmlp_ab_${spec%%:*}.json"
   done

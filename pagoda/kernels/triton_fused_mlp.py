@@ -23,8 +23,13 @@ sums, silu and the product each rounded), so the result equals them up to the or
 sums. `two_launches` runs phase 1, then phase 2 as a second launch (no barrier): the CPU
 interpreter runs programs one after the other, so it checks the barrier with one program only.
 
-Torch reference: `fused_mlp_ref`. Used by `DecoderLayer` when `fused_mlp_decode` is on (off by
-default until measured on a GPU).
+W4A16 (`norm_gate_up_silu_w4a16`, gate_up in `triton_w4a16_mma`'s tensor-core layout): steps 1
+and 2 in one launch of a fixed set of programs (no barrier: each writes the normalised row into
+its own scratch slot, which its MMAs read back in their lane order), and down_proj keeps its own
+tensor-core GEMV: two launches instead of four.
+
+Torch reference: `fused_mlp_ref`. Used by `DecoderMLP.fused_decode` when
+`DecoderLayer.fused_mlp_decode` is on (off by default until measured on a GPU).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from pagoda import envs, platform
 from pagoda.kernels.fused_ops import MAX_HIDDEN
 from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_fused_ops import _drop_bits, _round
+from pagoda.kernels.triton_w4a16_mma import _INTERPRET, _tile_mma, mma_supported
 
 
 @triton.jit
@@ -263,3 +269,220 @@ def fused_mlp_decode(
             **launch,
         )  # fmt: skip
     return out, new_residual
+
+
+# ------------------------------------------- W4A16 (the tensor-core layout of triton_w4a16_mma)
+
+
+@triton.jit
+def _w4_task_load(q, pid, num_programs, steps, n_tasks, groups_i, kb_total, n_groups_s, which,
+                  g, kt, j, w_ptr, sp_ptr, zp_ptr, G: tl.constexpr, KT: tl.constexpr,
+                  GROUP_TILES: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
+    """Words, scale pairs and (HAS_ZP) zero pairs [2 G KT, 128] of position q of a program's
+    (task, step) sequence: rows (which, g, kt) are gate (which 0) or up (1) column group
+    task * G + g, K tile step * KT + kt. The task is clamped to a real one (q past the end
+    re-reads the last), so no load needs a mask."""
+    task = tl.minimum(pid + (q // steps) * num_programs, n_tasks - 1)
+    ng = which * groups_i + task * G + g  # [R, 1]
+    kb = (q % steps) * KT + kt  # [R, 1]
+    words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
+    if GROUP_TILES > 0:
+        grp = kb // GROUP_TILES
+    else:
+        grp = kb * 0
+    pair_off = ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4
+    sp = tl.load(sp_ptr + pair_off)
+    if HAS_ZP:
+        zp = tl.load(zp_ptr + pair_off)
+    else:
+        zp = sp
+    return words, sp, zp
+
+
+@triton.jit
+def _w4_task_mma(acc, words, sp, zp, q, steps, kt, x_lane, KT: tl.constexpr,
+                 INTERPRET: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
+    """acc += the tiles of position q times the normalised row (bf16 pairs from the program's
+    slot, in the MMA's lane order)."""
+    kb = (q % steps) * KT + kt  # [R, 1]
+    x1 = tl.load(x_lane + kb * 32)
+    x2 = tl.load(x_lane + kb * 32 + 4)
+    return _tile_mma(acc, words, x1, x2, sp, zp, INTERPRET, HAS_ZP)
+
+
+@triton.jit
+def _w4_task_store(acc, q, pid, num_programs, steps, act_ptr, DROP: tl.constexpr,
+                   G: tl.constexpr, KT: tl.constexpr):  # fmt: skip
+    """The end of a task: gate and up sums of its G column groups (the MMA's lane order: element
+    v of lane (gid, c) is column gid + 8 (v // 2) of row 2 c + v % 2; row 0 is the one row),
+    each rounded as the GEMV stores them, then silu(gate) * up into the scratch row."""
+    task = pid + (q // steps) * num_programs
+    part = tl.sum(tl.reshape(acc, [2, G, KT, 128]), axis=2)  # [2, G, 128]
+    sel = tl.arange(0, 2)[:, None, None]
+    gate = _round(tl.sum(tl.where(sel == 0, part, 0.0), axis=0), DROP)  # [G, 128]
+    up = _round(tl.sum(tl.where(sel == 1, part, 0.0), axis=0), DROP)
+    act = _round(_round(gate / (1.0 + tl.exp(-gate)), DROP) * up, DROP)
+    jj = tl.arange(0, 128)[None, :]
+    vv = jj % 4
+    col = (task * G + tl.arange(0, G)[:, None]) * 16 + jj // 16 + 8 * (vv // 2)
+    row0 = tl.broadcast_to((2 * ((jj // 4) % 4) + vv % 2) == 0, [G, 128])
+    tl.store(act_ptr + col, act.to(act_ptr.dtype.element_ty), mask=row0)
+
+
+@triton.jit
+def _norm_gate_up_silu_w4_kernel(
+    h_ptr, r_ptr, nw_ptr, xs_ptr, xsi_ptr, w_ptr, sp_ptr, zp_ptr, act_ptr, r_out_ptr,
+    H, INTER, eps, n_groups_s,
+    BLOCK_H: tl.constexpr,  # next power of 2 of H
+    GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
+    KT: tl.constexpr,  # K tiles a step (divides H / 64)
+    G: tl.constexpr,  # gate (and up) column groups a task (divides I / 16)
+    HAS_ZP: tl.constexpr,
+    DROP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Residual add + RMSNorm, then silu(x W_gate^T) * (x W_up^T) for W4A16 weights stored by
+    `repack_mma` (gate column groups first, as `gate_up_proj` stacks them): a fixed set of
+    programs, each writing the normalised row into its own slot of `xs` (read back in the
+    MMA's pair order; its own stores, after a CTA barrier), then walking its tasks (G gate
+    column groups with their up groups, all of K) as one sequence of steps with two register
+    sets ping-ponged as in `_w4_mma_gemv_kernel`."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    kb_total = H // 64
+    steps = kb_total // KT
+    groups_i = INTER // 16
+    n_tasks = groups_i // G
+    nq = (tl.maximum(n_tasks - pid + num_programs - 1, 0) // num_programs) * steps
+    R: tl.constexpr = 2 * G * KT
+    rr = tl.arange(0, R)[:, None]
+    which = rr // (G * KT)
+    g = (rr // KT) % G
+    kt = rr % KT
+    j = tl.arange(0, 128)[None, :]
+    last = tl.maximum(nq - 1, 0)
+    # the first weights never depend on the previous kernel: loaded before the wait
+    wa, spa, zpa = _w4_task_load(0, pid, num_programs, steps, n_tasks, groups_i, kb_total,
+                                 n_groups_s, which, g, kt, j, w_ptr, sp_ptr, zp_ptr, G, KT,
+                                 GROUP_TILES, HAS_ZP)  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    cols = tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    hs = tl.load(h_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    rs = tl.load(r_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    s = _round(hs + rs, DROP)
+    if pid == 0:
+        tl.store(r_out_ptr + cols, s.to(r_out_ptr.dtype.element_ty), mask=col_ok)
+    rstd = tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+    wn = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    x = _round(wn * _round(s * rstd, DROP), DROP)
+    tl.store(xs_ptr + pid * H + cols, x.to(xs_ptr.dtype.element_ty), mask=col_ok)
+    tl.debug_barrier()  # the slot is read back below by other threads of this program
+    x_lane = xsi_ptr + pid * (H // 2) + 8 * ((j // 4) % 4) + j % 4  # int32 pairs; + kb * 32
+
+    acc = tl.zeros([R, 128], dtype=tl.float32)
+    qa = 0
+    for i in range(0, nq, 2):
+        qb = tl.minimum(qa + 1, last)
+        wb, spb, zpb = _w4_task_load(qb, pid, num_programs, steps, n_tasks, groups_i, kb_total,
+                                     n_groups_s, which, g, kt, j, w_ptr, sp_ptr, zp_ptr, G, KT,
+                                     GROUP_TILES, HAS_ZP)  # fmt: skip
+        acc = _w4_task_mma(acc, wa, spa, zpa, qa, steps, kt, x_lane, KT, INTERPRET, HAS_ZP)
+        if qa % steps == steps - 1:
+            _w4_task_store(acc, qa, pid, num_programs, steps, act_ptr, DROP, G, KT)
+            acc = tl.zeros([R, 128], dtype=tl.float32)
+        qa2 = tl.minimum(qa + 2, last)
+        wa, spa, zpa = _w4_task_load(qa2, pid, num_programs, steps, n_tasks, groups_i,
+                                     kb_total, n_groups_s, which, g, kt, j, w_ptr, sp_ptr,
+                                     zp_ptr, G, KT, GROUP_TILES, HAS_ZP)  # fmt: skip
+        if i + 1 < nq:
+            acc = _w4_task_mma(acc, wb, spb, zpb, qb, steps, kt, x_lane, KT, INTERPRET, HAS_ZP)
+            if qb % steps == steps - 1:
+                _w4_task_store(acc, qb, pid, num_programs, steps, act_ptr, DROP, G, KT)
+                acc = tl.zeros([R, 128], dtype=tl.float32)
+        qa = qa2
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@dataclass(frozen=True)
+class FusedW4Config:
+    k_tiles: int = 4  # K tiles of 64 a step (the largest power of two <= it dividing H / 64)
+    groups: int = 1  # gate column groups of 16 a task (likewise, dividing I / 16)
+    num_warps: int = 4
+    programs_per_sm: int = 4
+
+
+def _divisor_at_most(n: int, target: int) -> int:
+    """The largest power of two <= target dividing n (tile rows are powers of two)."""
+    d = 1
+    while d * 2 <= target and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def norm_gate_up_silu_w4a16(
+    hidden: torch.Tensor,  # [1, H] bf16
+    residual: torch.Tensor,  # [1, H] bf16
+    norm_weight: torch.Tensor,  # [H] bf16
+    eps: float,
+    words: torch.Tensor,  # gate_up's `repack_mma` words ([2I, H] weights, gate rows first)
+    scale_pairs: torch.Tensor,  # `repack_mma_scales` [2I / 16, groups, 8] int32
+    group_size: int,
+    zero_pairs: torch.Tensor | None,  # `repack_mma_zeros`, or None (symmetric)
+    act: torch.Tensor,  # the output row: >= I bf16 elements (contiguous)
+    xs: torch.Tensor,  # scratch: >= programs x H bf16 elements (the normalised row's slots)
+    config: FusedW4Config | None = None,
+) -> torch.Tensor:  # the new residual [1, H]; act[:I] = silu(gate) * up of norm(h + r)
+    """The MLP's first half at batch 1 for W4A16 gate_up weights in one launch; the caller runs
+    down_proj on act[:I] (its own kernel). Same result as `fused_add_rms_norm`, the tensor-core
+    GEMV of gate_up and `silu_and_mul`, up to the order of the fp32 sums."""
+    if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype != torch.bfloat16:
+        raise ValueError(f"hidden must be one bf16 row, got {list(hidden.shape)} {hidden.dtype}")
+    h = hidden.shape[1]
+    n = 2 * (words.numel() * 8 // (2 * h))
+    inter = n // 2
+    if residual.shape != hidden.shape or residual.dtype != hidden.dtype:
+        raise ValueError(f"residual must be {list(hidden.shape)} {hidden.dtype}")
+    if words.numel() * 8 != n * h or not mma_supported(n, h, group_size, 4, zero_pairs is not None):
+        raise ValueError(f"gate_up words of {words.numel()} int32 do not hold a [2I, {h}] layout")
+    cfg = config or FusedW4Config()
+    kt = _divisor_at_most(h // 64, cfg.k_tiles)
+    g = _divisor_at_most(inter // 16, cfg.groups)
+    programs = norm_gate_up_silu_w4a16_programs(hidden, inter, cfg)
+    if act.numel() < inter or act.dtype != hidden.dtype or not act.is_contiguous():
+        raise ValueError(f"act: >= {inter} contiguous bf16 elements")
+    if xs.numel() < programs * h or xs.dtype != hidden.dtype or not xs.is_contiguous():
+        raise ValueError(f"xs scratch: >= {programs} x {h} contiguous bf16 elements")
+    hidden, residual = hidden.contiguous(), residual.contiguous()
+    new_residual = torch.empty_like(hidden)
+    sp = scale_pairs.view(torch.int8)
+    zp = zero_pairs.view(torch.int8) if zero_pairs is not None else sp
+    per_channel = group_size <= 0 or group_size >= h
+    _norm_gate_up_silu_w4_kernel[(programs,)](
+        hidden, residual, norm_weight, xs, xs.view(torch.int32), words, sp, zp, act,
+        new_residual, h, inter, eps, scale_pairs.shape[1],
+        BLOCK_H=triton.next_power_of_2(h),
+        GROUP_TILES=0 if per_channel else group_size // 64,
+        KT=kt,
+        G=g,
+        HAS_ZP=zero_pairs is not None,
+        DROP=_drop_bits(hidden.dtype),
+        INTERPRET=_INTERPRET,
+        num_warps=min(cfg.num_warps, 2 * g * kt),
+        **pdl_launch_args(hidden),
+    )  # fmt: skip
+    return new_residual
+
+
+def norm_gate_up_silu_w4a16_programs(
+    hidden: torch.Tensor, inter: int, config: FusedW4Config | None = None
+) -> int:
+    """How many programs (slots of the `xs` scratch) `norm_gate_up_silu_w4a16` launches: one a
+    task up to `programs_per_sm` an SM (3 under the interpreter)."""
+    cfg = config or FusedW4Config()
+    tasks = max(1, inter // 16 // _divisor_at_most(inter // 16, cfg.groups))
+    gpu = hidden.is_cuda and not envs.triton_interpret()
+    return min(tasks, platform.num_sms(hidden.device) * cfg.programs_per_sm if gpu else 3)

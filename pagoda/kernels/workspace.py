@@ -19,8 +19,8 @@ class SplitKWorkspace:
     def __init__(self) -> None:
         # (device type, index) -> every pair ever allocated: captured graphs point at old ones.
         self._pairs: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        # (device type, index, dtype) -> every scratch row; (device type, index) -> the barrier
-        self._scratch: dict[tuple[str, int, torch.dtype], list[torch.Tensor]] = {}
+        # (device type, index, dtype, name) -> every scratch buffer; (type, index) -> the barrier
+        self._scratch: dict[tuple[str, int, torch.dtype, str], list[torch.Tensor]] = {}
         self._barriers: dict[tuple[str, int], torch.Tensor] = {}
 
     @staticmethod
@@ -34,10 +34,13 @@ class SplitKWorkspace:
     def _capturing(device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
-    def scratch(self, device: torch.device, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """A contiguous buffer of >= `numel` elements (contents undefined); None while a CUDA
-        graph is being captured and the current one is too small."""
-        rows = self._scratch.setdefault((*self._key(device), dtype), [])
+    def scratch(
+        self, device: torch.device, numel: int, dtype: torch.dtype, name: str
+    ) -> torch.Tensor | None:
+        """The contiguous buffer `name` of >= `numel` elements (contents undefined; distinct
+        names never share memory); None while a CUDA graph is being captured and the current
+        one is too small."""
+        rows = self._scratch.setdefault((*self._key(device), dtype, name), [])
         if rows and rows[-1].numel() >= numel:
             return rows[-1]
         if self._capturing(device):

@@ -161,32 +161,55 @@ class DecoderMLP(nn.Module):
     def fused_decode(
         self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(self(norm(hidden, residual)[0]), hidden + residual)` in one launch
-        (`kernels/triton_fused_mlp`) for one CUDA row of dense weights without bias or LoRA;
-        None where it does not apply (the caller runs the unfused path)."""
+        """`(self(norm(hidden, residual)[0]), hidden + residual)` with fewer launches
+        (`kernels/triton_fused_mlp`) for one CUDA row without bias or LoRA: dense weights in
+        one launch; W4A16 whose gate_up runs the tensor-core GEMV at M = 1 as the norm +
+        gate_up + SiLU launch, then down_proj's own kernel. None where neither applies (the
+        caller runs the unfused path)."""
         gate_up, down = self.gate_up_proj, self.down_proj
         if not hidden.is_cuda or hidden.shape[0] != 1 or norm.weight.dtype != hidden.dtype:
             return None
-        if any(
-            type(layer.linear_method) is not UnquantizedLinearMethod or layer.bias is not None
-            for layer in (gate_up, down)
-        ):
+        if gate_up.bias is not None or down.bias is not None:
             return None
         kernels = _fused_mlp_kernels()
-        if kernels is None:
-            return None
-        if not kernels.fused_mlp_supported(hidden, gate_up.weight, down.weight)[0]:
-            return None
         workspace = getattr(down, "split_k_workspace", None)  # bound by the model runner
-        if workspace is None:
+        if kernels is None or workspace is None:
             return None
-        act = workspace.scratch(hidden.device, down.in_features, hidden.dtype)
-        barrier = workspace.barrier(hidden.device)
-        if act is None or barrier is None:  # capturing before a warm-up made them
+        dev, inter = hidden.device, down.in_features
+        dense = all(type(x.linear_method) is UnquantizedLinearMethod for x in (gate_up, down))
+        if dense:
+            if not kernels.fused_mlp_supported(hidden, gate_up.weight, down.weight)[0]:
+                return None
+            act = workspace.scratch(dev, inter, hidden.dtype, "fused_mlp_act")
+            barrier = workspace.barrier(dev)
+            if act is None or barrier is None:  # capturing before a warm-up made them
+                return None
+            return kernels.fused_mlp_decode(
+                hidden, residual, norm.weight, norm.eps, gate_up.weight, down.weight, act, barrier
+            )
+        if not _w4a16_gemv_layer(gate_up) or hidden.dtype != torch.bfloat16:
             return None
-        return kernels.fused_mlp_decode(
-            hidden, residual, norm.weight, norm.eps, gate_up.weight, down.weight, act, barrier
-        )
+        slots = kernels.norm_gate_up_silu_w4a16_programs(hidden, inter)
+        act = workspace.scratch(dev, inter, hidden.dtype, "fused_mlp_act")
+        xs = workspace.scratch(dev, slots * hidden.shape[1], hidden.dtype, "fused_mlp_rows")
+        if act is None or xs is None:
+            return None
+        new_residual = kernels.norm_gate_up_silu_w4a16(
+            hidden, residual, norm.weight, norm.eps, gate_up.mma_words, gate_up.mma_scales,
+            gate_up.wna16_group_size, gate_up.mma_zeros, act, xs,
+        )  # fmt: skip
+        return down(act[:inter].view(1, inter)), new_residual
+
+
+def _w4a16_gemv_layer(layer: nn.Module) -> bool:
+    """A W4A16 layer (no LoRA, no act-order permutation) whose kernel at M = 1 is the
+    tensor-core GEMV on the MMA layout."""
+    from pagoda.layers.quantized_linear import WNA16LinearMethod
+
+    if type(layer.linear_method) is not WNA16LinearMethod or layer.input_perm is not None:
+        return False
+    table = getattr(layer, "wna16_kernels", None)
+    return table is not None and layer.wna16_bits == 4 and table.pick(1).name == "mma_gemv"
 
 
 @functools.cache
@@ -202,7 +225,7 @@ def _fused_mlp_kernels() -> ModuleType | None:
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the following RMSNorm."""
 
-    # The batch-1 MLP half (residual add, norm, gate_up, SiLU, down) as one launch
+    # The batch-1 MLP half (residual add, norm, gate_up, SiLU, down) in fewer launches
     # (`DecoderMLP.fused_decode`): off until it is measured on a GPU; benchmarks/ablate_decode.py
     # turns it on for its "fmlp" graph.
     fused_mlp_decode = False

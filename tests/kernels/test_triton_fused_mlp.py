@@ -132,31 +132,43 @@ def test_workspace_scratch_and_barrier() -> None:
 
     ws = SplitKWorkspace()
     cpu = torch.device("cpu")
-    a = ws.scratch(cpu, 100, torch.bfloat16)
+    a = ws.scratch(cpu, 100, torch.bfloat16, "a")
     assert a.numel() >= 100 and a.dtype == torch.bfloat16
-    assert ws.scratch(cpu, 50, torch.bfloat16) is a
-    b = ws.scratch(cpu, 300, torch.bfloat16)
+    assert ws.scratch(cpu, 50, torch.bfloat16, "a") is a
+    b = ws.scratch(cpu, 300, torch.bfloat16, "a")
     assert b.numel() >= 300 and b is not a
-    assert ws.scratch(cpu, 10, torch.float16).dtype == torch.float16
+    other = ws.scratch(cpu, 100, torch.bfloat16, "b")
+    assert other.data_ptr() != b.data_ptr()  # names never share memory
+    assert ws.scratch(cpu, 10, torch.float16, "a").dtype == torch.float16
     bar = ws.barrier(cpu)
     assert bar.tolist() == [0, 0] and bar.dtype == torch.int32
     assert ws.barrier(cpu) is bar
 
 
-def _compile_ptx() -> str:
-    """The kernel's sm_90 PTX for Qwen2.5-3B's MLP (H 2048, I 11008), the default tiles, PDL,
-    integer arguments divisible by 16 as Triton specializes them (see `compiled_in_child`)."""
+def _compile_ptx(kernel: str = "dense") -> str:
+    """A kernel's sm_90 PTX for Qwen2.5-3B's MLP (H 2048, I 11008, group 128), the default
+    tiles, PDL, integer arguments divisible by 16 as Triton specializes them (see
+    `compiled_in_child`): the dense one-launch MLP, or the W4A16 norm + gate_up + SiLU ("w4")."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pagoda.kernels.triton_fused_mlp import _fused_mlp_kernel as fn
+    from pagoda.kernels import triton_fused_mlp as fm
 
-    consts = dict(
-        BLOCK_H=2048, BLOCK_I=8, BLOCK_K=512, BLOCK_N=8, BLOCK_K2=1024, PHASES=3, DROP=16,
-        NUM_STAGES=3, USE_PDL=True,
-    )  # fmt: skip
-    kinds = {"bar_ptr": "*i32", "eps": "fp32", "H": "i32", "INTER": "i32"}
-    kinds.update({"stride_gu": "i32", "stride_d": "i32"})
+    if kernel == "w4":
+        fn = fm._norm_gate_up_silu_w4_kernel
+        consts = dict(
+            BLOCK_H=2048, GROUP_TILES=2, KT=4, G=1, HAS_ZP=True, DROP=16, INTERPRET=False,
+            USE_PDL=True,
+        )  # fmt: skip
+        kinds = {"xsi_ptr": "*i32", "w_ptr": "*i32", "sp_ptr": "*i8", "zp_ptr": "*i8"}
+    else:
+        fn = fm._fused_mlp_kernel
+        consts = dict(
+            BLOCK_H=2048, BLOCK_I=8, BLOCK_K=512, BLOCK_N=8, BLOCK_K2=1024, PHASES=3, DROP=16,
+            NUM_STAGES=3, USE_PDL=True,
+        )  # fmt: skip
+        kinds = {"bar_ptr": "*i32", "stride_gu": "i32", "stride_d": "i32"}
+    kinds.update({"eps": "fp32", "H": "i32", "INTER": "i32", "n_groups_s": "i32"})
     sig = {n: "constexpr" if n in consts else kinds.get(n, "*bf16") for n in fn.arg_names}
     aligned = [i for i, n in enumerate(fn.arg_names) if sig[n] not in ("constexpr", "fp32")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
@@ -190,6 +202,128 @@ def test_sm90_code() -> None:
     assert not at(r"\.local\.")  # no spills
 
 
+def test_sm90_code_w4a16() -> None:
+    """The W4A16 kernel compiled for sm_90 here: its first words and scale pairs (16-byte
+    loads) are issued before `griddepcontrol.wait` (weights never depend on the previous
+    kernel), the tensor-core MMAs come after the wait, the dependent launch is triggered after
+    the last of them, and nothing spills to local memory."""
+    ptx = compiled_in_child("test_triton_fused_mlp", "w4")
+    lines = ptx.splitlines()
+
+    def at(pattern):
+        return [i for i, line in enumerate(lines) if re.search(pattern, line)]
+
+    (wait,) = at(r"griddepcontrol\.wait")
+    (trigger,) = at(r"griddepcontrol\.launch_dependents")
+    mmas = at(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32")
+    wide = at(r"ld\.global(\.nc)?\.v4\.b32")
+    assert mmas and wait < min(mmas) and max(mmas) < trigger
+    assert any(i < wait for i in wide) and any(i > wait for i in wide)
+    assert not at(r"\.local\.")
+
+
+# ---------------------------------------------------------------- W4A16
+
+
+def _w4_case(h, inter, group, zp, seed, device="cpu"):
+    """Norm inputs and a gate_up weight [2I, H] in the tensor-core layout (unsigned codes and
+    zero codes 0..15, or the symmetric offset 8), with its fp32 dequantization."""
+    import pagoda.kernels.triton_w4a16_mma as mm
+
+    g = torch.Generator().manual_seed(seed)
+    n, gs = 2 * inter, h if group <= 0 else group
+    q = torch.randint(0, 16, (n, h), generator=g).to(torch.int32)
+    scale = (torch.rand(n, h // gs, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    z = torch.randint(0, 16, (n, h // gs), generator=g).to(torch.int32) if zp else None
+    zero = z if zp else torch.full_like(q[:, : h // gs], 8)
+    w = (q - zero.repeat_interleave(gs, 1)).float() * scale.float().repeat_interleave(gs, 1)
+    hidden, residual, norm_w = (
+        torch.randn(1, h, generator=g).to(torch.bfloat16),
+        torch.randn(1, h, generator=g).to(torch.bfloat16),
+        (1 + 0.1 * torch.randn(h, generator=g)).to(torch.bfloat16),
+    )
+    words = mm.repack_mma(q)
+    pairs = mm.repack_mma_scales(scale.t().contiguous())
+    zpairs = mm.repack_mma_zeros(z.t().contiguous()) if zp else None
+    on = [t.to(device) if t is not None else None for t in (hidden, residual, norm_w, words)]
+    return (*on, pairs.to(device), zpairs.to(device) if zp else None, w)
+
+
+def _check_w4(act, new_residual, xs, case, eps):
+    """The residual add is exact and every program's slot holds the normalised row (equal to
+    the reference up to the norm's fp32 sum, one ulp); gate and up are the fp32 sums of that row
+    times the dequantized weight rounded once (one ulp each, in any order), so silu(gate) * up,
+    rounded twice more, is within two ulps."""
+    from pagoda.kernels.fused_ops import fused_add_rms_norm_ref, silu_and_mul_ref
+
+    hidden, residual, norm_w, _, _, _, w = case
+    h, inter = hidden.shape[1], w.shape[0] // 2
+    x, ref_residual = fused_add_rms_norm_ref(hidden.cpu(), residual.cpu(), norm_w.cpu(), eps)
+    assert torch.equal(new_residual.cpu(), ref_residual)
+    rows = xs.cpu()[: xs.numel() // h * h].view(-1, h)
+    torch.testing.assert_close(rows[0:1].float(), x.float(), rtol=2.0**-7, atol=0.0)
+    gate_up = (rows[0:1].float() @ w.t()).to(torch.bfloat16)
+    ref = silu_and_mul_ref(gate_up)
+    got = act.cpu()[:inter].view(1, inter)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "h,inter,group,zp,cfg",
+    [
+        (128, 64, 64, False, (1, 1, 2)),  # groups of one K tile; 4 tasks on 3 programs
+        (256, 96, 128, True, (2, 2, 4)),  # zero points, two column groups a task
+        (192, 48, -1, False, (4, 1, 4)),  # one scale a column; K / 64 = 3: one tile a step
+        (256, 80, 128, True, (4, 2, 8)),  # 5 column groups: 2 does not divide, one a task
+    ],
+)
+def test_norm_gate_up_silu_w4a16_interpreter(h, inter, group, zp, cfg) -> None:
+    from pagoda.kernels.triton_fused_mlp import (
+        FusedW4Config,
+        norm_gate_up_silu_w4a16,
+        norm_gate_up_silu_w4a16_programs,
+    )
+
+    case = _w4_case(h, inter, group, zp, seed=h + inter)
+    config = FusedW4Config(*cfg, programs_per_sm=1)
+    slots = norm_gate_up_silu_w4a16_programs(case[0], inter, config)
+    act = torch.full((inter + 3,), float("nan"), dtype=torch.bfloat16)
+    xs = torch.empty(slots * h, dtype=torch.bfloat16)
+    new_residual = norm_gate_up_silu_w4a16(
+        *case[:3], 1e-6, case[3], case[4], group, case[5], act, xs, config
+    )
+    _check_w4(act, new_residual, xs, case, 1e-6)
+    assert torch.isnan(act[inter:]).all()
+    rows = xs.view(slots, h)
+    assert all(torch.equal(rows[0], rows[i]) for i in range(slots))
+
+
+def test_norm_gate_up_silu_w4a16_errors() -> None:
+    from pagoda.kernels.triton_fused_mlp import norm_gate_up_silu_w4a16
+
+    hidden, residual, norm_w, words, pairs, _, _ = _w4_case(128, 64, 64, False, seed=1)
+    act, xs = torch.empty(64, dtype=torch.bfloat16), torch.empty(3 * 128, dtype=torch.bfloat16)
+
+    def call(**kw):
+        args = dict(
+            hidden=hidden, residual=residual, norm_weight=norm_w, eps=1e-6, words=words,
+            scale_pairs=pairs, group_size=64, zero_pairs=None, act=act, xs=xs,
+        )  # fmt: skip
+        args.update(kw)
+        return norm_gate_up_silu_w4a16(**args)
+
+    with pytest.raises(ValueError, match="one bf16 row"):
+        call(hidden=hidden.half())
+    with pytest.raises(ValueError, match="residual must be"):
+        call(residual=residual[:, :64])
+    with pytest.raises(ValueError, match="do not hold"):
+        call(words=words[:-128])
+    with pytest.raises(ValueError, match="act: >= 64"):
+        call(act=act[:63])
+    with pytest.raises(ValueError, match="xs scratch"):
+        call(xs=xs[:200])
+
+
 # ---------------------------------------------------------------- GPU
 
 
@@ -219,6 +353,67 @@ def test_fused_mlp_qwen_shapes_gpu(h, inter) -> None:
         torch.cuda.synchronize()
         _check(g_out, g_res, act, (hidden, residual, *case[2:]), 1e-6)
     assert barrier[0].item() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,inter,zp", [(2048, 11008, False), (3584, 18944, True)])
+def test_norm_gate_up_silu_w4a16_qwen_shapes_gpu(h, inter, zp) -> None:
+    """Qwen2.5-3B and 7B gate_up (group 128, with and without zero points), the default
+    programs, then in a CUDA graph replayed on new rows."""
+    from pagoda.kernels.triton_fused_mlp import (
+        norm_gate_up_silu_w4a16,
+        norm_gate_up_silu_w4a16_programs,
+    )
+
+    case = _w4_case(h, inter, 128, zp, seed=h, device="cuda")
+    slots = norm_gate_up_silu_w4a16_programs(case[0], inter)
+    act = torch.empty(inter, device="cuda", dtype=torch.bfloat16)
+    xs = torch.empty(slots * h, device="cuda", dtype=torch.bfloat16)
+    args = (1e-6, case[3], case[4], 128, case[5], act, xs)
+    _check_w4(act, norm_gate_up_silu_w4a16(*case[:3], *args), xs, case, 1e-6)
+    hidden, residual = case[0].clone(), case[1].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_res = norm_gate_up_silu_w4a16(hidden, residual, case[2], *args)
+    for seed in (5, 6):
+        new = _w4_case(h, inter, 128, zp, seed=seed, device="cuda")
+        hidden.copy_(new[0])
+        residual.copy_(new[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_w4(act, g_res, xs, (hidden, residual, *case[2:]), 1e-6)
+
+
+@pytest.mark.gpu
+def test_awq_engine_with_fused_mlp_equals_transformers_gpu(tmp_path, monkeypatch):
+    """The AutoAWQ checkpoint of Qwen2.5-3B's shapes (zero points, group 128) through the engine
+    at batch 1 with the fused decode MLP: greedy tokens equal transformers' on the dequantized
+    weights, and every layer took the W4A16 launch in the eager steps."""
+    from pagoda import SamplingParams
+    from pagoda.kernels import triton_fused_mlp
+    from pagoda.models.llama import DecoderLayer
+    from tests.entrypoints.test_gpu_engine import assert_greedy_matches, engine, hf_greedy
+    from tests.entrypoints.test_gpu_engine_w4a16 import _awq_pair
+
+    monkeypatch.setattr(DecoderLayer, "fused_mlp_decode", True)
+    hf, awq = _awq_pair(tmp_path)
+    prompts = [[(7 * i + j) % 150000 for i in range(n)] for j, n in enumerate((6, 120))]
+    ref, ref_logits = hf_greedy(hf, prompts, 12)
+    del hf
+    torch.cuda.empty_cache()
+    calls = []
+    real = triton_fused_mlp.norm_gate_up_silu_w4a16
+    monkeypatch.setattr(
+        triton_fused_mlp,
+        "norm_gate_up_silu_w4a16",
+        lambda *a, **k: calls.append(1) or real(*a, **k),
+    )
+    llm = engine(awq, True, quantization="AWQ", max_num_seqs=1)
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
+    assert_greedy_matches([o.outputs[0].token_ids for o in outs], ref, ref_logits)
+    assert len(calls) >= 2 * 11  # two layers, eleven decode steps a prompt at least
 
 
 @pytest.mark.gpu
