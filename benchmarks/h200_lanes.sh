@@ -9,11 +9,11 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Next GPU session, in this order: fmlp20 + fmlp20b (the batch-1 MLP in fewer launches: GPU
-#   tests, then the 3B / 7B graphs with and without it), ncu17 (why the TMA GEMM runs
+# Next GPU session, in this order: fmlp20 + fmlp20b + fmlp20c (the batch-1 MLP in fewer
+#   launches: GPU tests, the 3B / 7B graphs with and without it, per layer with configs), ncu17 (why the TMA GEMM runs
 #   compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a batch-64 / 128 decode step goes),
 #   vl18, check18, ab18.
-# Steps (session 20, no device: built, not yet run): fmlp20 fmlp20b
+# Steps (session 20, no device: built, not yet run): fmlp20 fmlp20b fmlp20c
 # Steps (session 19): s19a (engine GPU tests, the TMA GEMM sweep incl. slot order, which
 #   measured slower and was deleted), s19b (GPU tests after deleting session 18's batch-1
 #   prologues and L2 weight prefetch, with their steps pro17, pf18 and pf18b; the tuned TMA
@@ -780,6 +780,10 @@ step_fmlp20() {
 }
 step_fmlp20b() {
   fmlp_ab "7b_w4a16:$CFG7:w4a16" "7b_bf16:$CFG7"
+}
+# the MLP half per layer, unfused chain vs fused, with a config sweep (3B / 7B, bf16 / W4A16)
+step_fmlp20c() {
+  run fmlp_layer 300 python3 benchmarks/kernels/bench_fused_mlp.py --out "$R/fused_mlp.json"
 }
 fmlp_ab() {
   local spec
