@@ -10,9 +10,9 @@
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
 # Next GPU session, in this order: fmlp20 + fmlp20b + fmlp20c (the batch-1 MLP in fewer
-#   launches: GPU tests, the 3B / 7B graphs with and without it, per layer with configs), ncu17 (why the TMA GEMM runs
-#   compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a batch-64 / 128 decode step goes),
-#   vl18, check18, ab18.
+#   launches: GPU tests, the 3B / 7B graphs with and without it, per layer with configs),
+#   ncu17 (why the TMA GEMM runs compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a
+#   batch-64 / 128 decode step goes), vl18, check18, ab18.
 # Steps (session 20, no device: built, not yet run): fmlp20 fmlp20b fmlp20c
 # Steps (session 19): s19a (engine GPU tests, the TMA GEMM sweep incl. slot order, which
 #   measured slower and was deleted), s19b (GPU tests after deleting session 18's batch-1
