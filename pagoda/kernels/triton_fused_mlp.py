@@ -311,11 +311,12 @@ def _w4_task_mma(acc, words, sp, zp, q, steps, kt, x_lane, KT: tl.constexpr,
 
 
 @triton.jit
-def _w4_task_store(acc, q, pid, num_programs, steps, act_ptr, DROP: tl.constexpr,
+def _w4_task_store(acc, q, pid, num_programs, steps, act_ptr, M, INTER, DROP: tl.constexpr,
                    G: tl.constexpr, KT: tl.constexpr):  # fmt: skip
     """The end of a task: gate and up sums of its G column groups (the MMA's lane order: element
-    v of lane (gid, c) is column gid + 8 (v // 2) of row 2 c + v % 2; row 0 is the one row),
-    each rounded as the GEMV stores them, then silu(gate) * up into the scratch row."""
+    v of lane (gid, c) is column gid + 8 (v // 2) of activation row 2 c + v % 2; rows past M are
+    not stored), each rounded as the GEMV stores them, then silu(gate) * up into the scratch
+    rows [M, I]."""
     task = pid + (q // steps) * num_programs
     part = tl.sum(tl.reshape(acc, [2, G, KT, 128]), axis=2)  # [2, G, 128]
     sel = tl.arange(0, 2)[:, None, None]
@@ -325,14 +326,15 @@ def _w4_task_store(acc, q, pid, num_programs, steps, act_ptr, DROP: tl.constexpr
     jj = tl.arange(0, 128)[None, :]
     vv = jj % 4
     col = (task * G + tl.arange(0, G)[:, None]) * 16 + jj // 16 + 8 * (vv // 2)
-    row0 = tl.broadcast_to((2 * ((jj // 4) % 4) + vv % 2) == 0, [G, 128])
-    tl.store(act_ptr + col, act.to(act_ptr.dtype.element_ty), mask=row0)
+    m = 2 * ((jj // 4) % 4) + vv % 2
+    ok = tl.broadcast_to(m < M, [G, 128])
+    tl.store(act_ptr + m * INTER + col, act.to(act_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _norm_gate_up_silu_w4_kernel(
     h_ptr, r_ptr, nw_ptr, xs_ptr, xsi_ptr, w_ptr, sp_ptr, zp_ptr, act_ptr, r_out_ptr,
-    H, INTER, eps, n_groups_s,
+    M, H, INTER, eps, n_groups_s,
     BLOCK_H: tl.constexpr,  # next power of 2 of H
     GROUP_TILES: tl.constexpr,  # K tiles per scale group (0: one scale per column)
     KT: tl.constexpr,  # K tiles a step (divides H / 64)
@@ -342,12 +344,13 @@ def _norm_gate_up_silu_w4_kernel(
     INTERPRET: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Residual add + RMSNorm, then silu(x W_gate^T) * (x W_up^T) for W4A16 weights stored by
-    `repack_mma` (gate column groups first, as `gate_up_proj` stacks them): a fixed set of
-    programs, each writing the normalised row into its own slot of `xs` (read back in the
-    MMA's pair order; its own stores, after a CTA barrier), then walking its tasks (G gate
-    column groups with their up groups, all of K) as one sequence of steps with two register
-    sets ping-ponged as in `_w4_mma_gemv_kernel`."""
+    """Residual add + RMSNorm, then silu(x W_gate^T) * (x W_up^T) of M <= 8 rows for W4A16
+    weights stored by `repack_mma` (gate column groups first, as `gate_up_proj` stacks them): a
+    fixed set of programs, each writing the normalised rows into its own slot of `xs` (read
+    back in the MMA's pair order, lane group g taking row min(g, M - 1) as the GEMV does; its
+    own stores, after a CTA barrier), then walking its tasks (G gate column groups with their
+    up groups, all of K) as one sequence of steps with two register sets ping-ponged as in
+    `_w4_mma_gemv_kernel`."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     kb_total = H // 64
@@ -370,17 +373,20 @@ def _norm_gate_up_silu_w4_kernel(
         tl.extra.cuda.gdc_wait()
     cols = tl.arange(0, BLOCK_H)
     col_ok = cols < H
-    hs = tl.load(h_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    rs = tl.load(r_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    s = _round(hs + rs, DROP)
-    if pid == 0:
-        tl.store(r_out_ptr + cols, s.to(r_out_ptr.dtype.element_ty), mask=col_ok)
-    rstd = tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
     wn = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    x = _round(wn * _round(s * rstd, DROP), DROP)
-    tl.store(xs_ptr + pid * H + cols, x.to(xs_ptr.dtype.element_ty), mask=col_ok)
+    slot = xs_ptr + pid * M * H
+    for row in range(M):
+        hs = tl.load(h_ptr + row * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+        rs = tl.load(r_ptr + row * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+        s = _round(hs + rs, DROP)
+        if pid == 0:
+            tl.store(r_out_ptr + row * H + cols, s.to(r_out_ptr.dtype.element_ty), mask=col_ok)
+        rstd = tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
+        x = _round(wn * _round(s * rstd, DROP), DROP)
+        tl.store(slot + row * H + cols, x.to(xs_ptr.dtype.element_ty), mask=col_ok)
     tl.debug_barrier()  # the slot is read back below by other threads of this program
-    x_lane = xsi_ptr + pid * (H // 2) + 8 * ((j // 4) % 4) + j % 4  # int32 pairs; + kb * 32
+    x_row = tl.minimum(j // 16, M - 1)  # lane group g feeds the MMA's column g: row g
+    x_lane = xsi_ptr + (pid * M + x_row) * (H // 2) + 8 * ((j // 4) % 4) + j % 4  # + kb * 32
 
     acc = tl.zeros([R, 128], dtype=tl.float32)
     qa = 0
@@ -391,7 +397,7 @@ def _norm_gate_up_silu_w4_kernel(
                                      GROUP_TILES, HAS_ZP)  # fmt: skip
         acc = _w4_task_mma(acc, wa, spa, zpa, qa, steps, kt, x_lane, KT, INTERPRET, HAS_ZP)
         if qa % steps == steps - 1:
-            _w4_task_store(acc, qa, pid, num_programs, steps, act_ptr, DROP, G, KT)
+            _w4_task_store(acc, qa, pid, num_programs, steps, act_ptr, M, INTER, DROP, G, KT)
             acc = tl.zeros([R, 128], dtype=tl.float32)
         qa2 = tl.minimum(qa + 2, last)
         wa, spa, zpa = _w4_task_load(qa2, pid, num_programs, steps, n_tasks, groups_i,
@@ -400,7 +406,8 @@ def _norm_gate_up_silu_w4_kernel(
         if i + 1 < nq:
             acc = _w4_task_mma(acc, wb, spb, zpb, qb, steps, kt, x_lane, KT, INTERPRET, HAS_ZP)
             if qb % steps == steps - 1:
-                _w4_task_store(acc, qb, pid, num_programs, steps, act_ptr, DROP, G, KT)
+                _w4_task_store(acc, qb, pid, num_programs, steps, act_ptr, M, INTER, DROP, G,
+                               KT)  # fmt: skip
                 acc = tl.zeros([R, 128], dtype=tl.float32)
         qa = qa2
     if USE_PDL:
@@ -423,25 +430,31 @@ def _divisor_at_most(n: int, target: int) -> int:
     return d
 
 
+MAX_W4_ROWS = 8  # rows a call: one block of the MMA's 8 activation columns
+
+
 def norm_gate_up_silu_w4a16(
-    hidden: torch.Tensor,  # [1, H] bf16
-    residual: torch.Tensor,  # [1, H] bf16
+    hidden: torch.Tensor,  # [M, H] bf16, M <= 8
+    residual: torch.Tensor,  # [M, H] bf16
     norm_weight: torch.Tensor,  # [H] bf16
     eps: float,
     words: torch.Tensor,  # gate_up's `repack_mma` words ([2I, H] weights, gate rows first)
     scale_pairs: torch.Tensor,  # `repack_mma_scales` [2I / 16, groups, 8] int32
     group_size: int,
     zero_pairs: torch.Tensor | None,  # `repack_mma_zeros`, or None (symmetric)
-    act: torch.Tensor,  # the output row: >= I bf16 elements (contiguous)
-    xs: torch.Tensor,  # scratch: >= programs x H bf16 elements (the normalised row's slots)
+    act: torch.Tensor,  # the output rows: >= M x I bf16 elements (contiguous)
+    xs: torch.Tensor,  # scratch: >= programs x M x H bf16 elements (the normalised rows' slots)
     config: FusedW4Config | None = None,
-) -> torch.Tensor:  # the new residual [1, H]; act[:I] = silu(gate) * up of norm(h + r)
-    """The MLP's first half at batch 1 for W4A16 gate_up weights in one launch; the caller runs
-    down_proj on act[:I] (its own kernel). Same result as `fused_add_rms_norm`, the tensor-core
-    GEMV of gate_up and `silu_and_mul`, up to the order of the fp32 sums."""
-    if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype != torch.bfloat16:
-        raise ValueError(f"hidden must be one bf16 row, got {list(hidden.shape)} {hidden.dtype}")
-    h = hidden.shape[1]
+) -> torch.Tensor:  # the new residual [M, H]; act[:M * I] = silu(gate) * up of norm(h + r)
+    """The MLP's first half for up to 8 rows and W4A16 gate_up weights in one launch; the caller
+    runs down_proj on act[:M * I] viewed [M, I] (its own kernel). Same result as
+    `fused_add_rms_norm`, the tensor-core GEMV of gate_up and `silu_and_mul`, up to the order
+    of the fp32 sums."""
+    if hidden.dim() != 2 or not 1 <= hidden.shape[0] <= MAX_W4_ROWS:
+        raise ValueError(f"hidden must be 1-{MAX_W4_ROWS} rows, got {list(hidden.shape)}")
+    if hidden.dtype != torch.bfloat16:
+        raise ValueError(f"hidden must be bf16, got {hidden.dtype}")
+    m, h = hidden.shape
     n = 2 * (words.numel() * 8 // (2 * h))
     inter = n // 2
     if residual.shape != hidden.shape or residual.dtype != hidden.dtype:
@@ -452,10 +465,10 @@ def norm_gate_up_silu_w4a16(
     kt = _divisor_at_most(h // 64, cfg.k_tiles)
     g = _divisor_at_most(inter // 16, cfg.groups)
     programs = norm_gate_up_silu_w4a16_programs(hidden, inter, cfg)
-    if act.numel() < inter or act.dtype != hidden.dtype or not act.is_contiguous():
-        raise ValueError(f"act: >= {inter} contiguous bf16 elements")
-    if xs.numel() < programs * h or xs.dtype != hidden.dtype or not xs.is_contiguous():
-        raise ValueError(f"xs scratch: >= {programs} x {h} contiguous bf16 elements")
+    if act.numel() < m * inter or act.dtype != hidden.dtype or not act.is_contiguous():
+        raise ValueError(f"act: >= {m} x {inter} contiguous bf16 elements")
+    if xs.numel() < programs * m * h or xs.dtype != hidden.dtype or not xs.is_contiguous():
+        raise ValueError(f"xs scratch: >= {programs} x {m} x {h} contiguous bf16 elements")
     hidden, residual = hidden.contiguous(), residual.contiguous()
     new_residual = torch.empty_like(hidden)
     sp = scale_pairs.view(torch.int8)
@@ -463,7 +476,7 @@ def norm_gate_up_silu_w4a16(
     per_channel = group_size <= 0 or group_size >= h
     _norm_gate_up_silu_w4_kernel[(programs,)](
         hidden, residual, norm_weight, xs, xs.view(torch.int32), words, sp, zp, act,
-        new_residual, h, inter, eps, scale_pairs.shape[1],
+        new_residual, m, h, inter, eps, scale_pairs.shape[1],
         BLOCK_H=triton.next_power_of_2(h),
         GROUP_TILES=0 if per_channel else group_size // 64,
         KT=kt,

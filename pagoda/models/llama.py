@@ -162,12 +162,13 @@ class DecoderMLP(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(self(norm(hidden, residual)[0]), hidden + residual)` with fewer launches
-        (`kernels/triton_fused_mlp`) for one CUDA row without bias or LoRA: dense weights in
-        one launch; W4A16 whose gate_up runs the tensor-core GEMV at M = 1 as the norm +
-        gate_up + SiLU launch, then down_proj's own kernel. None where neither applies (the
-        caller runs the unfused path)."""
+        (`kernels/triton_fused_mlp`) on CUDA without bias or LoRA: one row of dense weights in
+        one launch; up to 8 rows of W4A16 whose gate_up runs the tensor-core GEMV there as the
+        norm + gate_up + SiLU launch, then down_proj's own kernel. None where neither applies
+        (the caller runs the unfused path)."""
         gate_up, down = self.gate_up_proj, self.down_proj
-        if not hidden.is_cuda or hidden.shape[0] != 1 or norm.weight.dtype != hidden.dtype:
+        rows = hidden.shape[0]
+        if not hidden.is_cuda or rows > 8 or norm.weight.dtype != hidden.dtype:
             return None
         if gate_up.bias is not None or down.bias is not None:
             return None
@@ -178,7 +179,7 @@ class DecoderMLP(nn.Module):
         dev, inter = hidden.device, down.in_features
         dense = all(type(x.linear_method) is UnquantizedLinearMethod for x in (gate_up, down))
         if dense:
-            if not kernels.fused_mlp_supported(hidden, gate_up.weight, down.weight)[0]:
+            if rows != 1 or not kernels.fused_mlp_supported(hidden, gate_up.weight, down.weight)[0]:
                 return None
             act = workspace.scratch(dev, inter, hidden.dtype, "fused_mlp_act")
             barrier = workspace.barrier(dev)
@@ -187,29 +188,30 @@ class DecoderMLP(nn.Module):
             return kernels.fused_mlp_decode(
                 hidden, residual, norm.weight, norm.eps, gate_up.weight, down.weight, act, barrier
             )
-        if not _w4a16_gemv_layer(gate_up) or hidden.dtype != torch.bfloat16:
+        if not _w4a16_gemv_layer(gate_up, rows) or hidden.dtype != torch.bfloat16:
             return None
+        # sized for 8 rows at once, so that every batch size's graph finds them made
         slots = kernels.norm_gate_up_silu_w4a16_programs(hidden, inter)
-        act = workspace.scratch(dev, inter, hidden.dtype, "fused_mlp_act")
-        xs = workspace.scratch(dev, slots * hidden.shape[1], hidden.dtype, "fused_mlp_rows")
+        act = workspace.scratch(dev, 8 * inter, hidden.dtype, "fused_mlp_act")
+        xs = workspace.scratch(dev, slots * 8 * hidden.shape[1], hidden.dtype, "fused_mlp_rows")
         if act is None or xs is None:
             return None
         new_residual = kernels.norm_gate_up_silu_w4a16(
             hidden, residual, norm.weight, norm.eps, gate_up.mma_words, gate_up.mma_scales,
             gate_up.wna16_group_size, gate_up.mma_zeros, act, xs,
         )  # fmt: skip
-        return down(act[:inter].view(1, inter)), new_residual
+        return down(act[: rows * inter].view(rows, inter)), new_residual
 
 
-def _w4a16_gemv_layer(layer: nn.Module) -> bool:
-    """A W4A16 layer (no LoRA, no act-order permutation) whose kernel at M = 1 is the
+def _w4a16_gemv_layer(layer: nn.Module, rows: int) -> bool:
+    """A W4A16 layer (no LoRA, no act-order permutation) whose kernel for `rows` is the
     tensor-core GEMV on the MMA layout."""
     from pagoda.layers.quantized_linear import WNA16LinearMethod
 
     if type(layer.linear_method) is not WNA16LinearMethod or layer.input_perm is not None:
         return False
     table = getattr(layer, "wna16_kernels", None)
-    return table is not None and layer.wna16_bits == 4 and table.pick(1).name == "mma_gemv"
+    return table is not None and layer.wna16_bits == 4 and table.pick(rows).name == "mma_gemv"
 
 
 @functools.cache

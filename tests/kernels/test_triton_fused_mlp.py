@@ -168,7 +168,7 @@ def _compile_ptx(kernel: str = "dense") -> str:
             NUM_STAGES=3, USE_PDL=True,
         )  # fmt: skip
         kinds = {"bar_ptr": "*i32", "stride_gu": "i32", "stride_d": "i32"}
-    kinds.update({"eps": "fp32", "H": "i32", "INTER": "i32", "n_groups_s": "i32"})
+    kinds.update({"eps": "fp32", "M": "i32", "H": "i32", "INTER": "i32", "n_groups_s": "i32"})
     sig = {n: "constexpr" if n in consts else kinds.get(n, "*bf16") for n in fn.arg_names}
     aligned = [i for i, n in enumerate(fn.arg_names) if sig[n] not in ("constexpr", "fp32")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
@@ -225,9 +225,9 @@ def test_sm90_code_w4a16() -> None:
 # ---------------------------------------------------------------- W4A16
 
 
-def _w4_case(h, inter, group, zp, seed, device="cpu"):
-    """Norm inputs and a gate_up weight [2I, H] in the tensor-core layout (unsigned codes and
-    zero codes 0..15, or the symmetric offset 8), with its fp32 dequantization."""
+def _w4_case(h, inter, group, zp, seed, device="cpu", m=1):
+    """Norm inputs (m rows) and a gate_up weight [2I, H] in the tensor-core layout (unsigned
+    codes and zero codes 0..15, or the symmetric offset 8), with its fp32 dequantization."""
     import pagoda.kernels.triton_w4a16_mma as mm
 
     g = torch.Generator().manual_seed(seed)
@@ -238,8 +238,8 @@ def _w4_case(h, inter, group, zp, seed, device="cpu"):
     zero = z if zp else torch.full_like(q[:, : h // gs], 8)
     w = (q - zero.repeat_interleave(gs, 1)).float() * scale.float().repeat_interleave(gs, 1)
     hidden, residual, norm_w = (
-        torch.randn(1, h, generator=g).to(torch.bfloat16),
-        torch.randn(1, h, generator=g).to(torch.bfloat16),
+        torch.randn(m, h, generator=g).to(torch.bfloat16),
+        torch.randn(m, h, generator=g).to(torch.bfloat16),
         (1 + 0.1 * torch.randn(h, generator=g)).to(torch.bfloat16),
     )
     words = mm.repack_mma(q)
@@ -250,51 +250,51 @@ def _w4_case(h, inter, group, zp, seed, device="cpu"):
 
 
 def _check_w4(act, new_residual, xs, case, eps):
-    """The residual add is exact and every program's slot holds the normalised row (equal to
-    the reference up to the norm's fp32 sum, one ulp); gate and up are the fp32 sums of that row
-    times the dequantized weight rounded once (one ulp each, in any order), so silu(gate) * up,
-    rounded twice more, is within two ulps."""
+    """The residual add is exact and every program's slot holds the normalised rows (equal to
+    the reference up to the norm's fp32 sum, one ulp); gate and up are the fp32 sums of those
+    rows times the dequantized weight rounded once (one ulp each, in any order), so
+    silu(gate) * up, rounded twice more, is within two ulps."""
     from pagoda.kernels.fused_ops import fused_add_rms_norm_ref, silu_and_mul_ref
 
     hidden, residual, norm_w, _, _, _, w = case
-    h, inter = hidden.shape[1], w.shape[0] // 2
+    m, h, inter = hidden.shape[0], hidden.shape[1], w.shape[0] // 2
     x, ref_residual = fused_add_rms_norm_ref(hidden.cpu(), residual.cpu(), norm_w.cpu(), eps)
     assert torch.equal(new_residual.cpu(), ref_residual)
-    rows = xs.cpu()[: xs.numel() // h * h].view(-1, h)
-    torch.testing.assert_close(rows[0:1].float(), x.float(), rtol=2.0**-7, atol=0.0)
-    gate_up = (rows[0:1].float() @ w.t()).to(torch.bfloat16)
-    ref = silu_and_mul_ref(gate_up)
-    got = act.cpu()[:inter].view(1, inter)
+    slot = xs.cpu()[: m * h].view(m, h)  # program 0's
+    torch.testing.assert_close(slot.float(), x.float(), rtol=2.0**-7, atol=0.0)
+    ref = silu_and_mul_ref((slot.float() @ w.t()).to(torch.bfloat16))
+    got = act.cpu()[: m * inter].view(m, inter)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 * 2.0**-7, atol=1e-3)
 
 
 @pytest.mark.parametrize(
-    "h,inter,group,zp,cfg",
+    "h,inter,group,zp,cfg,m",
     [
-        (128, 64, 64, False, (1, 1, 2)),  # groups of one K tile; 4 tasks on 3 programs
-        (256, 96, 128, True, (2, 2, 4)),  # zero points, two column groups a task
-        (192, 48, -1, False, (4, 1, 4)),  # one scale a column; K / 64 = 3: one tile a step
-        (256, 80, 128, True, (4, 2, 8)),  # 5 column groups: 2 does not divide, one a task
+        (128, 64, 64, False, (1, 1, 2), 1),  # groups of one K tile; 4 tasks on 3 programs
+        (256, 96, 128, True, (2, 2, 4), 1),  # zero points, two column groups a task
+        (192, 48, -1, False, (4, 1, 4), 3),  # one scale a column; K / 64 = 3: one tile a step
+        (256, 80, 128, True, (4, 2, 8), 8),  # 5 column groups: 2 does not divide, one a task
+        (128, 64, 64, True, (2, 1, 4), 5),
     ],
 )
-def test_norm_gate_up_silu_w4a16_interpreter(h, inter, group, zp, cfg) -> None:
+def test_norm_gate_up_silu_w4a16_interpreter(h, inter, group, zp, cfg, m) -> None:
     from pagoda.kernels.triton_fused_mlp import (
         FusedW4Config,
         norm_gate_up_silu_w4a16,
         norm_gate_up_silu_w4a16_programs,
     )
 
-    case = _w4_case(h, inter, group, zp, seed=h + inter)
+    case = _w4_case(h, inter, group, zp, seed=h + inter + m, m=m)
     config = FusedW4Config(*cfg, programs_per_sm=1)
     slots = norm_gate_up_silu_w4a16_programs(case[0], inter, config)
-    act = torch.full((inter + 3,), float("nan"), dtype=torch.bfloat16)
-    xs = torch.empty(slots * h, dtype=torch.bfloat16)
+    act = torch.full((m * inter + 3,), float("nan"), dtype=torch.bfloat16)
+    xs = torch.empty(slots * m * h, dtype=torch.bfloat16)
     new_residual = norm_gate_up_silu_w4a16(
         *case[:3], 1e-6, case[3], case[4], group, case[5], act, xs, config
     )
     _check_w4(act, new_residual, xs, case, 1e-6)
-    assert torch.isnan(act[inter:]).all()
-    rows = xs.view(slots, h)
+    assert torch.isnan(act[m * inter :]).all()
+    rows = xs.view(slots, m * h)
     assert all(torch.equal(rows[0], rows[i]) for i in range(slots))
 
 
@@ -312,13 +312,15 @@ def test_norm_gate_up_silu_w4a16_errors() -> None:
         args.update(kw)
         return norm_gate_up_silu_w4a16(**args)
 
-    with pytest.raises(ValueError, match="one bf16 row"):
+    with pytest.raises(ValueError, match="hidden must be bf16"):
         call(hidden=hidden.half())
+    with pytest.raises(ValueError, match="1-8 rows"):
+        call(hidden=hidden.expand(9, -1), residual=residual.expand(9, -1))
     with pytest.raises(ValueError, match="residual must be"):
         call(residual=residual[:, :64])
     with pytest.raises(ValueError, match="do not hold"):
         call(words=words[:-128])
-    with pytest.raises(ValueError, match="act: >= 64"):
+    with pytest.raises(ValueError, match="act: >= 1 x 64"):
         call(act=act[:63])
     with pytest.raises(ValueError, match="xs scratch"):
         call(xs=xs[:200])
@@ -356,19 +358,19 @@ def test_fused_mlp_qwen_shapes_gpu(h, inter) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,inter,zp", [(2048, 11008, False), (3584, 18944, True)])
-def test_norm_gate_up_silu_w4a16_qwen_shapes_gpu(h, inter, zp) -> None:
-    """Qwen2.5-3B and 7B gate_up (group 128, with and without zero points), the default
-    programs, then in a CUDA graph replayed on new rows."""
+@pytest.mark.parametrize("h,inter,zp,m", [(2048, 11008, False, 1), (3584, 18944, True, 8)])
+def test_norm_gate_up_silu_w4a16_qwen_shapes_gpu(h, inter, zp, m) -> None:
+    """Qwen2.5-3B and 7B gate_up (group 128, with and without zero points; 1 and 8 rows), the
+    default programs, then in a CUDA graph replayed on new rows."""
     from pagoda.kernels.triton_fused_mlp import (
         norm_gate_up_silu_w4a16,
         norm_gate_up_silu_w4a16_programs,
     )
 
-    case = _w4_case(h, inter, 128, zp, seed=h, device="cuda")
+    case = _w4_case(h, inter, 128, zp, seed=h, device="cuda", m=m)
     slots = norm_gate_up_silu_w4a16_programs(case[0], inter)
-    act = torch.empty(inter, device="cuda", dtype=torch.bfloat16)
-    xs = torch.empty(slots * h, device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(m * inter, device="cuda", dtype=torch.bfloat16)
+    xs = torch.empty(slots * m * h, device="cuda", dtype=torch.bfloat16)
     args = (1e-6, case[3], case[4], 128, case[5], act, xs)
     _check_w4(act, norm_gate_up_silu_w4a16(*case[:3], *args), xs, case, 1e-6)
     hidden, residual = case[0].clone(), case[1].clone()
@@ -376,7 +378,7 @@ def test_norm_gate_up_silu_w4a16_qwen_shapes_gpu(h, inter, zp) -> None:
     with torch.cuda.graph(graph):
         g_res = norm_gate_up_silu_w4a16(hidden, residual, case[2], *args)
     for seed in (5, 6):
-        new = _w4_case(h, inter, 128, zp, seed=seed, device="cuda")
+        new = _w4_case(h, inter, 128, zp, seed=seed, device="cuda", m=m)
         hidden.copy_(new[0])
         residual.copy_(new[1])
         graph.replay()
