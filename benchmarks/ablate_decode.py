@@ -9,6 +9,9 @@ neighbours and says little.
 
     python benchmarks/ablate_decode.py config:benchmarks/configs/qwen2.5-7b.json:w4a16 --out F
 
+`--batch B` times the decode graph of B sequences instead (B prompts, the engine's
+`max_num_seqs` = B).
+
 Ablations (cumulative names are joined with '+'):
     norm     RMSNorm returns its input (and the residual unchanged): no norm kernels
     silu     SiluAndMul returns the gate half as a strided view: no activation kernel
@@ -18,7 +21,8 @@ Ablations (cumulative names are joined with '+'):
     fmlp     not a removal: the MLP half of every layer (residual add, norm, gate_up, SiLU,
              down) in fewer launches (`DecoderLayer.fused_mlp_decode`, off by default): one for
              bf16, two for W4A16 (norm + gate_up + SiLU, then down's GEMV); the output counts
-             the fused launches captured ("fmlp_layers": one per layer and graph)
+             the fused launches captured ("fmlp_calls_per_layer_and_pass": 1.0 when every
+             layer of every captured graph size took it)
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--batch", type=int, default=1, help="the decode graph of this many sequences")
     p.add_argument(
         "--ablations", default="none,norm,silu,attn,norm+silu,norm+silu+attn",
         help="comma-separated; 'none' is the real graph",
@@ -105,23 +110,26 @@ def main() -> int:
         dtype="bfloat16",
         max_model_len=4096,
         gpu_memory_utilization=0.5,
-        max_num_seqs=1,
+        max_num_seqs=ns.batch,
         skip_tokenizer_init=True,
     )
     runner = llm.llm_engine.core.runner
     model = runner.model
     gr = runner.graph_runner
-    prompt = [[(7 * i) % 10000 for i in range(ns.prompt_len)]]
+    if ns.batch < 1:
+        p.error("--batch: at least 1")
+    prompt = [[(7 * i + b) % 10000 for i in range(ns.prompt_len)] for b in range(ns.batch)]
     sp = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompt, sp, use_tqdm=False)
     res: dict = {
         "model": ns.model,
         "gpu": torch.cuda.get_device_name(),
+        "batch": ns.batch,
         "seq_len": int(gr.seq_lens[0]),
         "graph_s": {},  # per ablation: the median over its captures
         "graph_runs": [],  # [name, seconds] per capture, in order (spread between captures)
     }
-    hid = gr.outputs[1]
+    hid = gr.outputs[ns.batch]
     res["logits_argmax_s"] = timed(lambda: model.compute_logits(hid).argmax(-1), ns.iters)
     from pagoda.kernels import triton_fused_mlp
 
@@ -144,11 +152,13 @@ def main() -> int:
             fused_calls.clear()
             gr.capture()
         if "fmlp" in parts:
-            # warm-up twice, then the capture: three passes over the layers
-            res["fmlp_layers"] = len(fused_calls) / 3
-        t = timed(gr.graphs[1].replay, ns.iters)
+            # per graph size: warm-up twice, then the capture (three passes over the layers)
+            res["fmlp_calls_per_layer_and_pass"] = len(fused_calls) / (
+                3 * len(gr.graphs) * len(model.model.layers)
+            )
+        t = timed(gr.graphs[ns.batch].replay, ns.iters)
         if name in ("none", "fmlp"):  # real graphs both: the same hidden states, to rounding
-            outs[name] = gr.outputs[1].float().clone()
+            outs[name] = gr.outputs[ns.batch].float().clone()
         res["graph_runs"].append([name, t])
         print(f"{name:20s} {t * 1e6:8.1f} us", flush=True)
     if len(outs) == 2:

@@ -772,7 +772,7 @@ step_ab18() {
 # fused_mlp_decode`, off by default): bf16 as one launch (residual add + norm, gate_up, SiLU,
 # down; a grid barrier between the GEMVs), W4A16 as norm + gate_up + SiLU, then down's GEMV.
 # Its GPU tests (Qwen shapes, CUDA graphs, engine vs transformers), then the batch-1 graph
-# with and without it, alternating, 3B and 7B, bf16 and W4A16
+# with and without it, alternating, 3B and 7B, bf16 and W4A16 (fmlp20b: W4A16 at batch 8 too)
 step_fmlp20() {
   run fmlp_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_triton_fused_mlp.py
@@ -780,6 +780,15 @@ step_fmlp20() {
 }
 step_fmlp20b() {
   fmlp_ab "7b_w4a16:$CFG7:w4a16" "7b_bf16:$CFG7"
+  BATCH=8 fmlp_ab "3b_w4a16_b8:$CFG3:w4a16" "7b_w4a16_b8:$CFG7:w4a16"
+}
+fmlp_ab() {
+  local spec
+  for spec in "$@"; do
+    run "fmlp_ab_${spec%%:*}" 120 python3 benchmarks/ablate_decode.py "config:${spec#*:}" \
+      --batch "${BATCH:-1}" --ablations none,fmlp,none,fmlp,none,fmlp \
+      --out "$R/fmlp_ab_${spec%%:*}.json"
+  done
 }
 # the MLP half per layer, unfused chain vs fused, with a config sweep (3B / 7B, bf16 / W4A16)
 step_fmlp20c() {

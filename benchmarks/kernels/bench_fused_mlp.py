@@ -113,7 +113,9 @@ def bench_dense(name: str, bw: float, configs: list, device: str = "cuda") -> li
     return rows
 
 
-def bench_w4(name: str, bw: float, configs: list, zp: bool, device: str = "cuda") -> list[dict]:
+def bench_w4(
+    name: str, bw: float, configs: list, zp: bool, device: str = "cuda", rows: int = 1
+) -> list[dict]:
     from pagoda.bench.common import graph_time_per_call
     from pagoda.kernels import fused_ops
     from pagoda.kernels import triton_w4a16_mma as mm
@@ -136,7 +138,7 @@ def bench_w4(name: str, bw: float, configs: list, zp: bool, device: str = "cuda"
     copies = _copies(nbytes)
     gu = [layer(2 * inter, h) for _ in range(copies)]
     dn = [layer(h, inter) for _ in range(copies)]
-    hid, res = (torch.randn(1, h, device=dev, dtype=dt) for _ in range(2))
+    hid, res = (torch.randn(rows, h, device=dev, dtype=dt) for _ in range(2))
     nw = 1 + 0.1 * torch.randn(h, device=dev, dtype=dt)
     ws = SplitKWorkspace()
 
@@ -150,20 +152,21 @@ def bench_w4(name: str, bw: float, configs: list, zp: bool, device: str = "cuda"
         g = mm.wna16_mma_gemv(x, w, s, 2 * inter, group, zero_pairs=z, workspace=ws)
         return down(fused_ops.silu_and_mul(g), i), r
 
-    rows = []
+    results = []
     ref = unfused(0)[0].float()
     t_un = graph_time_per_call(unfused, copies)
-    base = {"shape": name, "kind": "w4a16", "zp": zp, "hidden": h, "inter": inter}
+    base = {"shape": name, "kind": "w4a16", "zp": zp, "rows": rows, "hidden": h, "inter": inter}
     base["copies"] = copies
-    rows.append(base | {"variant": "unfused", "us": t_un * 1e6, "bw_frac": nbytes / t_un / bw})
-    act = ws.scratch(dev, inter, dt, "act")
+    results.append(base | {"variant": "unfused", "us": t_un * 1e6, "bw_frac": nbytes / t_un / bw})
+    act = ws.scratch(dev, rows * inter, dt, "act")
     for cfg in configs:
-        xs = ws.scratch(dev, norm_gate_up_silu_w4a16_programs(hid, inter, cfg) * h, dt, "xs")
+        slots = norm_gate_up_silu_w4a16_programs(hid, inter, cfg)
+        xs = ws.scratch(dev, slots * rows * h, dt, "xs")
 
         def fused(i, cfg=cfg, xs=xs):
             w, s, z = gu[i]
             r = norm_gate_up_silu_w4a16(hid, res, nw, 1e-6, w, s, group, z, act, xs, cfg)
-            return down(act[:inter].view(1, inter), i), r
+            return down(act[: rows * inter].view(rows, inter), i), r
 
         try:
             diff = float((fused(0)[0].float() - ref).abs().max())
@@ -171,7 +174,7 @@ def bench_w4(name: str, bw: float, configs: list, zp: bool, device: str = "cuda"
         except Exception as e:  # noqa: BLE001 - a config that fails is reported, skipped
             print(f"  {name} {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
-        rows.append(
+        results.append(
             base
             | {
                 "variant": "fused",
@@ -183,7 +186,7 @@ def bench_w4(name: str, bw: float, configs: list, zp: bool, device: str = "cuda"
                 "ref_max_abs": float(ref.abs().max()),
             }
         )
-    return rows
+    return results
 
 
 def main() -> int:
@@ -192,8 +195,12 @@ def main() -> int:
     p.add_argument("--shapes", default="3b,7b")
     p.add_argument("--kinds", default="bf16,w4a16", help="bf16, w4a16, w4a16_zp")
     p.add_argument("--defaults-only", action="store_true", help="no config sweep")
+    p.add_argument("--rows", default="1,8", help="W4A16 batch rows (1-8); bf16 takes 1 only")
     ns = p.parse_args()
     shapes = ns.shapes.split(",")
+    row_list = [int(r) for r in ns.rows.split(",")]
+    if not all(1 <= r <= 8 for r in row_list):
+        p.error("--rows: values 1-8")
     kinds = ns.kinds.split(",")
     for s in shapes:
         if s not in SHAPES:
@@ -217,13 +224,14 @@ def main() -> int:
                 )
             else:
                 cfgs = w4_configs()[:1] if ns.defaults_only else w4_configs()
-                rows += bench_w4(s, bw, cfgs, zp=k == "w4a16_zp")
+                for m in row_list:
+                    rows += bench_w4(s, bw, cfgs, zp=k == "w4a16_zp", rows=m)
             for r in rows:
-                if r["shape"] == s and r["kind"] == k.split("_")[0] and "printed" not in r:
+                if "printed" not in r:
                     r["printed"] = True
                     ratio = r.get("fused_over_unfused")
                     print(
-                        f"{s:3s} {k:9s} {r['variant']:13s} {r['us']:8.2f} us "
+                        f"{s:3s} {k:9s} M={r.get('rows', 1)} {r['variant']:13s} {r['us']:8.2f} us "
                         f"bw {r['bw_frac']:.2f} "
                         + (
                             f"x{ratio:.3f} diff {r['max_abs_diff']:.3g} {r['config']}"
