@@ -53,6 +53,31 @@ def w4_configs():
     ]
 
 
+def _measure(fn, ref, copies: int, label: str) -> tuple[float, float] | None:
+    """(seconds a call in the graph, max |fn(0) - ref|), or None (printed) where it fails."""
+    from pagoda.bench.common import graph_time_per_call
+
+    try:
+        diff = float((fn(0)[0].float() - ref).abs().max())
+        return graph_time_per_call(fn, copies), diff
+    except Exception as e:  # noqa: BLE001 - a config that fails is reported, skipped
+        print(f"  {label}: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def _timed(variant, cfg, t, diff, t_unfused, nbytes, bw, ref) -> dict:
+    """A fused variant's row: time, bandwidth fraction, ratio to the unfused chain, error."""
+    return {
+        "variant": variant,
+        "config": vars(cfg),
+        "us": t * 1e6,
+        "bw_frac": nbytes / t / bw,
+        "fused_over_unfused": t / t_unfused,
+        "max_abs_diff": diff,
+        "ref_max_abs": float(ref.abs().max()),
+    }
+
+
 def _copies(nbytes: int) -> int:
     return max(3, min(32, -(-(600 << 20) // nbytes)))
 
@@ -92,24 +117,10 @@ def bench_dense(name: str, bw: float, configs: list, device: str = "cuda") -> li
             def fused(i, cfg=cfg, two=two):
                 return fused_mlp_decode(hid, res, nw, 1e-6, wgu[i], wd[i], act, bar, cfg, two)
 
-            try:
-                diff = float((fused(0)[0].float() - ref).abs().max())
-                t = graph_time_per_call(fused, copies)
-            except Exception as e:  # noqa: BLE001 - a config that fails is reported, skipped
-                print(f"  {name} {cfg} two={two}: {type(e).__name__}: {e}", file=sys.stderr)
-                continue
-            rows.append(
-                base
-                | {
-                    "variant": "two_launches" if two else "one_launch",
-                    "config": vars(cfg),
-                    "us": t * 1e6,
-                    "bw_frac": nbytes / t / bw,
-                    "fused_over_unfused": t / t_un,
-                    "max_abs_diff": diff,
-                    "ref_max_abs": float(ref.abs().max()),
-                }
-            )
+            got = _measure(fused, ref, copies, f"{name} {cfg} two={two}")
+            if got is not None:
+                variant = "two_launches" if two else "one_launch"
+                rows.append(base | _timed(variant, cfg, *got, t_un, nbytes, bw, ref))
     return rows
 
 
@@ -168,24 +179,9 @@ def bench_w4(
             r = norm_gate_up_silu_w4a16(hid, res, nw, 1e-6, w, s, group, z, act, xs, cfg)
             return down(act[: rows * inter].view(rows, inter), i), r
 
-        try:
-            diff = float((fused(0)[0].float() - ref).abs().max())
-            t = graph_time_per_call(fused, copies)
-        except Exception as e:  # noqa: BLE001 - a config that fails is reported, skipped
-            print(f"  {name} {cfg}: {type(e).__name__}: {e}", file=sys.stderr)
-            continue
-        results.append(
-            base
-            | {
-                "variant": "fused",
-                "config": vars(cfg),
-                "us": t * 1e6,
-                "bw_frac": nbytes / t / bw,
-                "fused_over_unfused": t / t_un,
-                "max_abs_diff": diff,
-                "ref_max_abs": float(ref.abs().max()),
-            }
-        )
+        got = _measure(fused, ref, copies, f"{name} {cfg}")
+        if got is not None:
+            results.append(base | _timed("fused", cfg, *got, t_un, nbytes, bw, ref))
     return results
 
 

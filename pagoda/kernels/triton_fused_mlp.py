@@ -44,7 +44,7 @@ from pagoda import envs, platform
 from pagoda.kernels.fused_ops import MAX_HIDDEN
 from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_fused_ops import _drop_bits, _round
-from pagoda.kernels.triton_w4a16_mma import _INTERPRET, _tile_mma, mma_supported
+from pagoda.kernels.triton_w4a16_mma import _INTERPRET, _tile_mma, load_tiles, mma_supported
 
 
 @triton.jit
@@ -78,10 +78,10 @@ def _fused_mlp_kernel(
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     if PHASES != 2:
         cols = tl.arange(0, BLOCK_H)
         col_ok = cols < H
@@ -92,37 +92,26 @@ def _fused_mlp_kernel(
             tl.store(r_out_ptr + cols, s.to(r_out_ptr.dtype.element_ty), mask=col_ok)
         rstd = tl.rsqrt(tl.sum(s * s, axis=0) / H + eps)
 
-        n_tasks = tl.cdiv(INTER, BLOCK_I)
         kt_n = tl.cdiv(H, BLOCK_K)
-        mine = tl.maximum(n_tasks - pid + num_programs - 1, 0) // num_programs
-        rows = tl.arange(0, BLOCK_I)
-        offs_k = tl.arange(0, BLOCK_K)
+        nt = _task_count(tl.cdiv(INTER, BLOCK_I), pid, num_programs) * kt_n
         acc_g = tl.zeros([BLOCK_I, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_I, BLOCK_K], dtype=tl.float32)
-        for t in tl.range(0, mine * kt_n, num_stages=NUM_STAGES):
-            task = pid + (t // kt_n) * num_programs
-            kt = t % kt_n
-            k = kt * BLOCK_K + offs_k
-            k_ok = k < H
-            i = task * BLOCK_I + rows
-            i_ok = i < INTER
+        for t in tl.range(0, nt, num_stages=NUM_STAGES):
+            i, k, mask, last = _task_tile(t, pid, num_programs, kt_n, INTER, H, BLOCK_I, BLOCK_K)
             # the normalised input of this K tile: (h + r) * rstd, rounded, times the weight
+            k_ok = k < H
             hk = tl.load(h_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             rk = tl.load(r_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             wk = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             xk = _round(wk * _round(_round(hk + rk, DROP) * rstd, DROP), DROP)
-            mask = i_ok[:, None] & k_ok[None, :]
-            g_rows = wgu_ptr + i.to(tl.int64)[:, None] * stride_gu
-            u_rows = wgu_ptr + (i + INTER).to(tl.int64)[:, None] * stride_gu
-            g = tl.load(g_rows + k[None, :], mask=mask, other=0.0)
-            u = tl.load(u_rows + k[None, :], mask=mask, other=0.0)
-            acc_g += g.to(tl.float32) * xk[None, :]
-            acc_u += u.to(tl.float32) * xk[None, :]
-            if kt == kt_n - 1:
+            acc_g += _weight_tile(wgu_ptr, i, k, mask, stride_gu) * xk[None, :]
+            acc_u += _weight_tile(wgu_ptr, i + INTER, k, mask, stride_gu) * xk[None, :]
+            if last:
                 gate = _round(tl.sum(acc_g, axis=1), DROP)
                 up = _round(tl.sum(acc_u, axis=1), DROP)
                 act = _round(gate / (1.0 + tl.exp(-gate)), DROP)
-                tl.store(act_ptr + i, _round(act * up, DROP).to(act_ptr.dtype.element_ty), i_ok)
+                act = _round(act * up, DROP).to(act_ptr.dtype.element_ty)
+                tl.store(act_ptr + i, act, mask=i < INTER)
                 acc_g = tl.zeros([BLOCK_I, BLOCK_K], dtype=tl.float32)
                 acc_u = tl.zeros([BLOCK_I, BLOCK_K], dtype=tl.float32)
     if PHASES == 3:
@@ -130,30 +119,41 @@ def _fused_mlp_kernel(
     if USE_PDL:  # every program is resident and past its reads of the inputs
         tl.extra.cuda.gdc_launch_dependents()
     if PHASES != 1:
-        n_tasks2 = tl.cdiv(H, BLOCK_N)
         kt_n2 = tl.cdiv(INTER, BLOCK_K2)
-        mine2 = tl.maximum(n_tasks2 - pid + num_programs - 1, 0) // num_programs
-        rows2 = tl.arange(0, BLOCK_N)
-        offs_k2 = tl.arange(0, BLOCK_K2)
+        nt2 = _task_count(tl.cdiv(H, BLOCK_N), pid, num_programs) * kt_n2
         acc = tl.zeros([BLOCK_N, BLOCK_K2], dtype=tl.float32)
-        for t in tl.range(0, mine2 * kt_n2, num_stages=NUM_STAGES):
-            task = pid + (t // kt_n2) * num_programs
-            kt = t % kt_n2
-            k = kt * BLOCK_K2 + offs_k2
-            k_ok = k < INTER
-            n = task * BLOCK_N + rows2
-            n_ok = n < H
-            w = tl.load(
-                wd_ptr + n.to(tl.int64)[:, None] * stride_d + k[None, :],
-                mask=n_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
+        for t in tl.range(0, nt2, num_stages=NUM_STAGES):
+            n, k, mask, last = _task_tile(t, pid, num_programs, kt_n2, H, INTER, BLOCK_N, BLOCK_K2)
             # written by other programs: the barrier's acquire makes their stores visible
-            a = tl.load(act_ptr + k, mask=k_ok, other=0.0)
-            acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-            if kt == kt_n2 - 1:
-                tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), n_ok)
+            a = tl.load(act_ptr + k, mask=k < INTER, other=0.0)
+            acc += _weight_tile(wd_ptr, n, k, mask, stride_d) * a.to(tl.float32)[None, :]
+            if last:
+                tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), n < H)
                 acc = tl.zeros([BLOCK_N, BLOCK_K2], dtype=tl.float32)
+
+
+@triton.jit
+def _task_count(n_tasks, pid, num_programs):
+    """Tasks pid, pid + P, ... below n_tasks: how many program pid has."""
+    return tl.maximum(n_tasks - pid + num_programs - 1, 0) // num_programs
+
+
+@triton.jit
+def _task_tile(t, pid, num_programs, kt_n, R_LIM, K_LIM, BR: tl.constexpr, BK: tl.constexpr):
+    """Step t of a program's (task, K tile) sequence: the task's BR rows, the tile's BK columns,
+    their in-bounds mask and whether it is the task's last K tile."""
+    task = pid + (t // kt_n) * num_programs
+    kt = t % kt_n
+    r = task * BR + tl.arange(0, BR)
+    k = kt * BK + tl.arange(0, BK)
+    return r, k, (r < R_LIM)[:, None] & (k < K_LIM)[None, :], kt == kt_n - 1
+
+
+@triton.jit
+def _weight_tile(w_ptr, r, k, mask, stride):
+    """Rows r x columns k of a row-major weight, as fp32 (masked lanes 0)."""
+    w = tl.load(w_ptr + r.to(tl.int64)[:, None] * stride + k[None, :], mask=mask, other=0.0)
+    return w.to(tl.float32)
 
 
 @dataclass(frozen=True)
@@ -285,18 +285,8 @@ def _w4_task_load(q, pid, num_programs, steps, n_tasks, groups_i, kb_total, n_gr
     task = tl.minimum(pid + (q // steps) * num_programs, n_tasks - 1)
     ng = which * groups_i + task * G + g  # [R, 1]
     kb = (q % steps) * KT + kt  # [R, 1]
-    words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
-    if GROUP_TILES > 0:
-        grp = kb // GROUP_TILES
-    else:
-        grp = kb * 0
-    pair_off = ((ng * n_groups_s + grp) * 8 + j // 16) * 4 + j % 4
-    sp = tl.load(sp_ptr + pair_off)
-    if HAS_ZP:
-        zp = tl.load(zp_ptr + pair_off)
-    else:
-        zp = sp
-    return words, sp, zp
+    return load_tiles(ng, kb, kb_total, n_groups_s, j, w_ptr, sp_ptr, zp_ptr, GROUP_TILES,
+                      HAS_ZP)  # fmt: skip
 
 
 @triton.jit
@@ -357,7 +347,7 @@ def _norm_gate_up_silu_w4_kernel(
     steps = kb_total // KT
     groups_i = INTER // 16
     n_tasks = groups_i // G
-    nq = (tl.maximum(n_tasks - pid + num_programs - 1, 0) // num_programs) * steps
+    nq = _task_count(n_tasks, pid, num_programs) * steps
     R: tl.constexpr = 2 * G * KT
     rr = tl.arange(0, R)[:, None]
     which = rr // (G * KT)

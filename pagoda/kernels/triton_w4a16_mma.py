@@ -352,7 +352,16 @@ def _load_w(ng, pos, kb_total, n_groups_s, r, j, w_ptr, sp_ptr, zp_ptr, KT: tl.c
     """Words, scale pairs and (HAS_ZP) zero pairs [KT, 128] of step `pos` of column group ng, r
     the K tile of each row: the HBM stream. No masks: the caller keeps pos valid and K tiles
     per step divide K / 64. Without zero points the scale pairs stand in for them (unused)."""
-    kb = pos * KT + r  # [KT, 1]
+    return load_tiles(ng, pos * KT + r, kb_total, n_groups_s, j, w_ptr, sp_ptr, zp_ptr,
+                      GROUP_TILES, HAS_ZP)  # fmt: skip
+
+
+@triton.jit
+def load_tiles(ng, kb, kb_total, n_groups_s, j, w_ptr, sp_ptr, zp_ptr,
+               GROUP_TILES: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
+    """Words, scale pairs and (HAS_ZP) zero pairs [rows, 128] of K tile kb of column group ng
+    (each a scalar or a [rows, 1] column; j = arange(128)[None, :]). Without zero points the
+    scale pairs stand in for them (unused)."""
     words = tl.load(w_ptr + (ng * kb_total + kb) * 128 + j)
     if GROUP_TILES > 0:
         grp = kb // GROUP_TILES
