@@ -136,10 +136,11 @@ def test_gemm_matches_the_dequantized_matmul_gpu(m, group, zp, bias):
 @pytest.mark.parametrize("group,zp,bias", [(128, False, False), (64, True, True)])
 def test_one_slab_configs_match_the_dequantized_matmul_gpu(m, group, zp, bias):
     """One 64-row slab a warpgroup (wgmma's N up to 256, two K steps a loop trip): 256-row
-    tiles whole and split (the split rounded to even K steps), 128 and 64-row tiles; N = 400 (a
-    partial last CTA), K = 512."""
+    tiles whole and split (the split rounded to even K steps), 128 and 64-row tiles, one
+    warpgroup of one slab split 4 and 8 (the sweep's small-layer CTAs); N = 400 (a partial last
+    CTA), K = 512."""
     configs = ((256, 2, 1, 4, 1), (256, 2, 3, 4, 1), (128, 2, 2, 4, 1), (64, 1, 1, 4, 1),
-               (256, 2, 5, 4, 1))  # fmt: skip
+               (256, 2, 5, 4, 1), (128, 1, 4, 4, 1), (64, 1, 8, 4, 1))  # fmt: skip
     check_configs(tk.wna16_wgmma_tma, configs, m, 400, 512, group, zp, bias)
 
 
