@@ -10,7 +10,8 @@
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
 # Next GPU session, in this order: fmlp20 + fmlp20b + fmlp20c (the batch-1 MLP in fewer
-#   launches: GPU tests, the 3B / 7B graphs with and without it, per layer with configs),
+#   launches: GPU tests, the 3B / 7B graphs with and without it, per layer with configs; the
+#   TMA GEMM's new small-layer CTAs),
 #   ncu17 (why the TMA GEMM runs compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a
 #   batch-64 / 128 decode step goes), vl18, check18, ab18.
 # Steps (session 20, no device: built, not yet run): fmlp20 fmlp20b fmlp20c
@@ -790,9 +791,15 @@ fmlp_ab() {
       --out "$R/fmlp_ab_${spec%%:*}.json"
   done
 }
-# the MLP half per layer, unfused chain vs fused, with a config sweep (3B / 7B, bf16 / W4A16)
+# the MLP half per layer, unfused chain vs fused, with a config sweep (3B / 7B, bf16 / W4A16);
+# then the TMA GEMM's sweep on the small layers (qkv, o), now with CTAs of one warpgroup and
+# one slab split 2-8 (`python benchmarks/quant/tma_table.py` turns it into table entries,
+# verified by a later run's `--sweep none` at and between the swept M, with zero points too)
 step_fmlp20c() {
   run fmlp_layer 300 python3 benchmarks/kernels/bench_fused_mlp.py --out "$R/fused_mlp.json"
+  run tma_small 240 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
+    --layers qkv,o --ms 64,128,256 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
+    --out "$R/tma_small"
 }
 fmlp_ab() {
   local spec
