@@ -1,5 +1,6 @@
-"""The decoder's MLP half at batch 1 in one launch: residual add + RMSNorm, gate_up, SiLU-and-mul,
-down_proj (dense bf16 / fp16 weights).
+"""The decoder's MLP half of a decode step in fewer launches: residual add + RMSNorm, gate_up,
+SiLU-and-mul, down_proj. Dense bf16 / fp16 weights at batch 1: one launch; W4A16 at batch 1-8:
+two (below).
 
 Unfused, a batch-1 decode step runs four kernels for it (the fused add-RMSNorm, the gate_up GEMV,
 SiLU-and-mul, the down GEMV), each paying its launch and ramp-up. An earlier attempt put the norm
@@ -14,7 +15,7 @@ norm. Here a fixed set of P programs (about one an SM) does everything:
    scratch row of I values;
 3. a grid barrier (every program must be resident: the launch is cooperative);
 4. phase 2: down_proj's output rows go to the programs in tasks of BLOCK_N, each reading the
-   whole scratch row (through the L2: it was written by other SMs).
+   whole scratch row (written by other programs: visible through the barrier's acquire).
 
 Each program's tasks run as one flat loop over (task, K tile), so the software pipeline streams
 the weights across task boundaries without draining. Rounding follows the unfused kernels step
@@ -23,10 +24,10 @@ sums, silu and the product each rounded), so the result equals them up to the or
 sums. `two_launches` runs phase 1, then phase 2 as a second launch (no barrier): the CPU
 interpreter runs programs one after the other, so it checks the barrier with one program only.
 
-W4A16 (`norm_gate_up_silu_w4a16`, gate_up in `triton_w4a16_mma`'s tensor-core layout): steps 1
-and 2 in one launch of a fixed set of programs (no barrier: each writes the normalised row into
-its own scratch slot, which its MMAs read back in their lane order), and down_proj keeps its own
-tensor-core GEMV: two launches instead of four.
+W4A16 (`norm_gate_up_silu_w4a16`, gate_up in `triton_w4a16_mma`'s tensor-core layout, 1-8
+rows): steps 1 and 2 in one launch of a fixed set of programs (no barrier: each writes the
+normalised rows into its own scratch slot, which its MMAs read back in their lane order), and
+down_proj keeps its own tensor-core GEMV: two launches instead of four.
 
 Torch reference: `fused_mlp_ref`. Used by `DecoderMLP.fused_decode` when
 `DecoderLayer.fused_mlp_decode` is on (off by default until measured on a GPU).
