@@ -227,9 +227,9 @@ def _fused_mlp_kernels() -> ModuleType | None:
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the following RMSNorm."""
 
-    # The batch-1 MLP half (residual add, norm, gate_up, SiLU, down) in fewer launches
-    # (`DecoderMLP.fused_decode`): off until it is measured on a GPU; benchmarks/ablate_decode.py
-    # turns it on for its "fmlp" graph.
+    # The decode MLP half (residual add, norm, gate_up, SiLU, down; dense at batch 1, W4A16 at
+    # 1-8) in fewer launches (`DecoderMLP.fused_decode`): off until it is measured on a GPU;
+    # benchmarks/ablate_decode.py turns it on for its "fmlp" graph.
     fused_mlp_decode = False
 
     def __init__(
