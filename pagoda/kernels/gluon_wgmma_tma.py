@@ -14,8 +14,7 @@ how many weight rows share one activation tile:
   into a ring of NUM_STAGES stages, completing on an mbarrier per stage; the consumers release a
   stage through a second mbarrier once both MMAs that read it have retired.
 - The consumers turn each lane's 4 words (16 bytes) into its A fragments: the quad transpose
-  (`_QUAD_T`) gives natural K order (x copied into the layout's slot order instead, with no
-  transpose, measured slower on the H200 in session 19 and was deleted), then `_DEQUANT`
+  (`_QUAD_T`) gives natural K order, then `_DEQUANT`
   (lop3 to 128 + u, add the zero offset, mul by the scale: the reference's bf16 exactly).
   Slab 0 of step i is dequantized while slab 1 of step i - 1 is still on the tensor cores and
   the other way round: one wait for one group before each slab keeps a single MMA in flight

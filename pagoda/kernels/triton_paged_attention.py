@@ -22,9 +22,9 @@ from pagoda.kernels.paged_attention import check_sliding_window
 from pagoda.kernels.pdl import pdl_launch_args
 
 _LOG2E = 1.4426950408889634
-# Split-KV tuning, measured on an H200 (132 SMs, Qwen2.5-7B shapes, CUDA-graph timing): the
-# best split count put about 2 programs per SM (B=1..16, context 1k..32k), and splits down to
-# one 128-key tile still paid off (B=1, 1k context: 8 splits, 7.7 us vs 20 us unsplit).
+# Split-KV tuning on an H200 (132 SMs, Qwen2.5-7B shapes, CUDA-graph timing): the best split
+# count put about 2 programs per SM (B=1..16, context 1k..32k), and splits down to one 128-key
+# tile still paid off (figures: BENCHMARKS.md, "Tuning figures moved out of the code").
 _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 64
@@ -402,14 +402,14 @@ def _launch_config(
     if max_query_len * num_queries_per_kv <= 16 or max_query_len == 1:
         # Decode: M is just the GQA group (tl.dot needs M >= 16); memory bound. 128-key tiles
         # with 3 stages keep more bytes in flight per program, which wins when a program reads
-        # many keys (64 x 4k: 127 vs 154 us); on short contexts the lighter 64-key tile wins
-        # (256 x 512: 70 vs 75 us).
+        # many keys; on short contexts the lighter 64-key tile wins (BENCHMARKS.md, "Tuning
+        # figures moved out of the code").
         block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
         if max_seq_len >= 4096 or num_splits > 1:
             return block_m, 128, 4, 3
         return block_m, 64, 4, 2
     # Prefill / mixed: 64 x 64 tiles with 4 warps beat 128 x 64 with 8 warps on 8k causal
-    # prefill (351 vs 327 TFLOP/s) and waste fewer rows on decodes mixed into the batch.
+    # prefill (BENCHMARKS.md, same section) and waste fewer rows on decodes mixed in.
     return max(64, triton.next_power_of_2(num_queries_per_kv)), 64, 4, 2
 
 

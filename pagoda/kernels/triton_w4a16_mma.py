@@ -727,10 +727,10 @@ def default_mma_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
 
 
 def default_shared_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
-    """(K tiles per step, split-K, warps) of the shared-dequantization kernel (M = 9-32),
-    measured on the H200 (`bench_w4a16_mma.py --shared-only`, session 6 run 2, µs at M = 16 /
-    32): gate_up (4, 1, 2) 43.2 / 67.0; down (2, 8, 2) 21.8 then (4, 3, 2) 42.9; qkv (4, 4, 2)
-    10.3 then (4, 2, 2) 16.1; o (4, 4, 2) 10.0 then (4, 3, 2) 13.6."""
+    """(K tiles per step, split-K, warps) of the shared-dequantization kernel (M = 9-32), the
+    best of an H200 sweep (`bench_w4a16_mma.py --shared-only`; the figures: BENCHMARKS.md,
+    "Tuning figures moved out of the code"): one program a column group and K on gate_up-sized
+    layers, split-K on the others, more splits at 16 rows than at 32."""
     groups = n // TILE_N
     if groups >= 8 * num_sms:
         return (4, 1, 2)

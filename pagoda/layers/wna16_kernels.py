@@ -389,11 +389,10 @@ class _HopperGemm(_MmaLayout):
 class MmaWgmmaTma(_HopperGemm):
     """Hopper `wgmma` GEMM fed by bulk tensor copies (TMA) from a producer warp, 128 weight rows
     a CTA (`gluon_wgmma_tma`). First in the priority list; its band, where it is the best
-    kernel (BENCHMARKS.md, sessions 15 and 16): gate_up-sized layers (N >= 16 Ki) 17-512 rows;
-    down projections (K >= 4 N) 33-512 at N >= 3 Ki
-    (7B), 65-256 below (3B; session 19: with the tuned table 8-12 % faster than the cp.async
-    wgmma GEMM at 96 and 128 rows); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the
-    session-14 wgmma GEMM (to 64 / 128 rows), then dequant + cuBLAS."""
+    kernel (BENCHMARKS.md, sessions 15, 16 and 19): gate_up-sized layers (N >= 16 Ki) 17-512
+    rows; down projections (K >= 4 N) 33-512 at N >= 3 Ki (7B), 65-256 below (3B, with the
+    tuned table); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the session-14 wgmma
+    GEMM (to 64 / 128 rows), then dequant + cuBLAS."""
 
     name = "mma_wgmma_tma"
     module = "pagoda.kernels.gluon_wgmma_tma"
