@@ -3,9 +3,9 @@ SiLU-and-mul, down_proj. Dense bf16 / fp16 weights at batch 1: one launch; W4A16
 two (below).
 
 Unfused, a batch-1 decode step runs four kernels for it (the fused add-RMSNorm, the gate_up GEMV,
-SiLU-and-mul, the down GEMV), each paying its launch and ramp-up. An earlier attempt put the norm
-into every GEMV program's prologue and measured slower: thousands of programs each recomputed the
-norm. Here a fixed set of P programs (about one an SM) does everything:
+SiLU-and-mul, the down GEMV), each paying its launch and ramp-up. Folding the norm into a GEMV's
+prologue makes each of its thousands of programs recompute it; here a fixed set of P programs
+(about one an SM) does everything, computing it once each:
 
 1. every program adds the residual and takes the RMS statistics of the row (H values from the
    L2); program 0 stores the new residual;
