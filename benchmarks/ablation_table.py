@@ -1,11 +1,12 @@
 """The decode-graph ablations of `ablate_decode.py` as a markdown table (and a bar chart).
 
-Each JSON holds every capture of the batch-1 graph in order (`graph_runs`, some ablations
-captured more than once to show the capture-to-capture spread) and the step's LM head +
-argmax. The table gives, per ablation, the median graph time, its spread, the step (graph +
-logits) in tok/s and the difference to the real graph ('none') per decoder layer; with a
-weights byte count (`--weights-gb`, what a step reads) and the copy bandwidth (`--copy-tbs`,
-measured in the same run) it adds the fraction of the copy bandwidth (acceptance 3's MBU).
+Each JSON holds every capture of the decode graph (batch 1, or `--batch` B) in order
+(`graph_runs`, some ablations captured more than once to show the capture-to-capture spread)
+and the step's LM head + argmax. The table gives, per ablation, the median graph time, its
+spread, the step (graph + logits) in tok/s (B tokens a step) and the difference to the real
+graph ('none') per decoder layer; with a weights byte count (`--weights-gb`, what a step reads)
+and the copy bandwidth (`--copy-tbs`, measured in the same run) it adds the fraction of the copy
+bandwidth (acceptance 3's MBU).
 
     python benchmarks/ablation_table.py RUN/ablate_ab_3b_w4a16.json [...] [--layers 36]
         [--weights-gb 6.19 --copy-tbs 4.2] [--plot out.png]
@@ -39,7 +40,7 @@ def rows(result: dict, layers: int, weights_gb: float | None, copy_tbs: float | 
             "captures": len(times),
             "graph_us": t * 1e6,
             "spread_us": (max(times) - min(times)) * 1e6,
-            "step_tok_s": 1.0 / step,
+            "step_tok_s": result.get("batch", 1) / step,  # every sequence's token a step
             "vs_none_per_layer_us": (t - base) * 1e6 / layers,
         }
         if weights_gb and copy_tbs:

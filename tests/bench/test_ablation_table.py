@@ -33,6 +33,14 @@ def test_rows_median_spread_per_layer_and_mbu():
     assert "| nokv | 1 | 1,200.0 (0.0) | 769.2 | +15.00 | 84.6 % |" in table
 
 
+def test_a_batch_graph_counts_a_token_per_sequence():
+    """`ablate_decode.py --batch 8`: a step of the graph yields 8 tokens."""
+    none, fmlp = ablation_table.rows({**RESULT, "batch": 8, "graph_runs": [["none", 1.9e-3],
+                                      ["fmlp", 1.8e-3]]}, 10, None, None)  # fmt: skip
+    assert none["step_tok_s"] == pytest.approx(8 / 2.0e-3)
+    assert fmlp["vs_none_per_layer_us"] == pytest.approx(-10.0)
+
+
 def test_cli_rejects_results_without_the_real_graph(tmp_path):
     path = tmp_path / "ablate.json"
     path.write_text(json.dumps({**RESULT, "graph_runs": [["nokv", 1e-3]]}))
