@@ -801,13 +801,6 @@ step_fmlp20c() {
     --layers qkv,o --ms 64,128,256 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
     --out "$R/tma_small"
 }
-fmlp_ab() {
-  local spec
-  for spec in "$@"; do
-    run "fmlp_ab_${spec%%:*}" 120 python3 benchmarks/ablate_decode.py "config:${spec#*:}" \
-      --ablations none,fmlp,none,fmlp,none,fmlp --out "$R/fmlp_ab_${spec%%:*}.json"
-  done
-}
 ab_ablate() {
   run "ablate_ab_$1" 110 python3 benchmarks/ablate_decode.py "$2" \
     --ablations none,nokv,none,nokv,none,nokv --out "$R/ablate_ab_$1.json"
