@@ -216,6 +216,21 @@ def fused_mlp_supported(
     return True, ""
 
 
+def _check_norm_inputs(
+    hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor
+) -> None:
+    """The residual as hidden's shape and dtype, the norm weight one contiguous [H] of it: the
+    kernels index both by hidden's H, so a mismatch would read past them."""
+    if residual.shape != hidden.shape or residual.dtype != hidden.dtype:
+        raise ValueError(f"residual must be {list(hidden.shape)} {hidden.dtype}")
+    h = hidden.shape[1]
+    if norm_weight.shape != (h,) or norm_weight.dtype != hidden.dtype or norm_weight.stride(0) != 1:
+        raise ValueError(
+            f"norm weight must be a contiguous [{h}] {hidden.dtype} tensor, got "
+            f"{list(norm_weight.shape)} {norm_weight.dtype}"
+        )
+
+
 def fused_mlp_decode(
     hidden: torch.Tensor,  # [1, H] (o_proj's output)
     residual: torch.Tensor,  # [1, H]
@@ -231,8 +246,7 @@ def fused_mlp_decode(
     ok, why = fused_mlp_supported(hidden, w_gate_up, w_down)
     if not ok:
         raise ValueError(f"fused_mlp_decode: {why}")
-    if residual.shape != hidden.shape or residual.dtype != hidden.dtype:
-        raise ValueError(f"residual must be {list(hidden.shape)} {hidden.dtype}")
+    _check_norm_inputs(hidden, residual, norm_weight)
     h = hidden.shape[1]
     inter = w_gate_up.shape[0] // 2
     if act.numel() < inter or act.dtype != hidden.dtype or not act.is_contiguous():
@@ -448,8 +462,7 @@ def norm_gate_up_silu_w4a16(
     m, h = hidden.shape
     n = 2 * (words.numel() * 8 // (2 * h))
     inter = n // 2
-    if residual.shape != hidden.shape or residual.dtype != hidden.dtype:
-        raise ValueError(f"residual must be {list(hidden.shape)} {hidden.dtype}")
+    _check_norm_inputs(hidden, residual, norm_weight)
     if words.numel() * 8 != n * h or not mma_supported(n, h, group_size, 4, zero_pairs is not None):
         raise ValueError(f"gate_up words of {words.numel()} int32 do not hold a [2I, {h}] layout")
     cfg = config or FusedW4Config()

@@ -121,6 +121,8 @@ def test_fused_mlp_errors() -> None:
         call(barrier=bar.long())
     with pytest.raises(ValueError, match="residual must be"):
         call(residual=residual.half())
+    with pytest.raises(ValueError, match=r"norm weight must be a contiguous \[32\]"):
+        call(norm_weight=norm_w[:16])
     with pytest.raises(ValueError, match="block_k2=48: a power of two"):
         FusedMlpConfig(block_k2=48)
 
@@ -318,6 +320,8 @@ def test_norm_gate_up_silu_w4a16_errors() -> None:
         call(hidden=hidden.expand(9, -1), residual=residual.expand(9, -1))
     with pytest.raises(ValueError, match="residual must be"):
         call(residual=residual[:, :64])
+    with pytest.raises(ValueError, match="norm weight must be"):
+        call(norm_weight=norm_w.float())
     with pytest.raises(ValueError, match="do not hold"):
         call(words=words[:-128])
     with pytest.raises(ValueError, match="act: >= 1 x 64"):
