@@ -461,7 +461,7 @@ step_e2e12() {
 # GEMV, dequant + cuBLAS and bf16 in the same run (7B and 3B shapes, symmetric), and the
 # defaults with zero points
 step_tma15() {
-  run tma_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  run tma_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_gluon_wgmma_tma.py
   run tma_sweep 300 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
     --ms 16,32,64,96,128,192,256,512 --sweep tma --sweep-ms 16,32,64,128,256 --out "$R/tma_sweep"
@@ -737,6 +737,17 @@ step_s19b() {
     -k "not qwen7b and (qwen or one_slab or decode or gemv or graph)"
   run tuned 150 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0,1 \
     --ms 64,96,128,160,192,256 --sweep none --skip tc,gemv --out "$R/tuned"
+}
+# session 21: the TMA table with session 21's qkv / o entries (1-warpgroup 1-slab CTAs split
+# 2-8, swept by fmlp20c's tma_small): its GPU tests, the table against the heuristic at and
+# between the swept M with / without zero points, then bf16 vs W4A16 through `LLM`
+step_s21a() {
+  run tma_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/kernels/test_gluon_wgmma_tma.py -k "one_slab or tuned"
+  run tuned_small 120 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0,1 \
+    --layers qkv,o --ms 64,96,128,160,192,256 --sweep none --skip tc,gemv --out "$R/tuned_small"
+  compare16 compare3b_e2e 150 "$CFG3" Qwen2.5-3B 100 compare_3b
+  compare16 compare7b_e2e 150 "$CFG7" Qwen2.5-7B 100 compare_7b
 }
 # session 19, third call: bf16 vs W4A16 through `LLM` (batch 1 / 8 / 64 / 128, the protocol's
 # 256 requests) on 3B and 7B, then 3B bf16 batch-1 latency with MBU (acceptance 3)

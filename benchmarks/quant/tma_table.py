@@ -17,6 +17,9 @@ dropped (the heuristic).
     python benchmarks/quant/tma_table.py \
         benchmarks/results/h200_session19/run1/tma_sweep/w4a16_tc.json \
         --verify benchmarks/results/h200_session19/run2/tuned/w4a16_tc.json
+
+`--merge TABLE`: a sweep of some layers only (session 21: qkv and o at 64-256 rows) replaces
+TABLE's entries of the same (N, K, M) and keeps the others.
 """
 
 from __future__ import annotations
@@ -92,6 +95,14 @@ def verify(entries: list[dict], rows: list[dict]) -> int:
     return dropped
 
 
+def merge(old: list[dict], new: list[dict]) -> tuple[list[dict], int]:
+    """`new`'s entries, and `old`'s of every (N, K, M) that `new` has none of; how many of
+    `old`'s were kept."""
+    swept = {(e["n"], e["k"], e["m"]) for e in new}
+    kept = [e for e in old if (e["n"], e["k"], e["m"]) not in swept]
+    return sorted(kept + new, key=lambda e: (e["n"], e["k"], e["m"])), len(kept)
+
+
 def _read(path: str) -> dict:
     """A bench_w4a16_tc.py result, or exit naming what is wrong with the file."""
     try:
@@ -105,12 +116,28 @@ def _read(path: str) -> dict:
     return data
 
 
+def _read_table(path: str, gpu: str) -> dict:
+    """A table this script wrote, for the sweep's GPU, or exit naming what is wrong."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read it ({e.strerror})") from None
+    except ValueError as e:
+        raise SystemExit(f"{path}: not JSON ({e})") from None
+    if not isinstance(table, dict) or not isinstance(table.get("entries"), list):
+        raise SystemExit(f"{path}: no 'entries' list: not a tuned TMA table")
+    if table.get("gpu") != gpu:
+        raise SystemExit(f"{path}: a table for {table.get('gpu')!r}, the sweep ran on {gpu!r}")
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("sweep", help="w4a16_tc.json of a --sweep tma run")
     ap.add_argument("--min-gain", type=float, default=0.05, help="fraction faster (0.05: 5 %%)")
     ap.add_argument("--group-size", type=int, default=128, help="the run's group size")
     ap.add_argument("--verify", default=None, help="a later run with the table (see above)")
+    ap.add_argument("--merge", default=None, help="an existing table to update (see above)")
     ap.add_argument("--out", default=str(TABLE))
     args = ap.parse_args()
     data = _read(args.sweep)
@@ -123,6 +150,11 @@ def main() -> None:
         rows = _read(args.verify)["rows"]
         print(f"--verify: {verify(entries, rows)} config(s) dropped")
         source += f", verified by {Path(args.verify).resolve().relative_to(ROOT)}"
+    if args.merge:
+        old = _read_table(args.merge, gpu)
+        entries, kept = merge(old["entries"], entries)
+        source = f"{old['source']}; then {source}"
+        print(f"--merge: {kept} entries kept from {args.merge}")
     table = {
         "source": f"{source} (bench_w4a16_tc.py --sweep tma, "
         f"CUDA-graph timings, symmetric, group {args.group_size}; a config where >= "

@@ -53,6 +53,23 @@ def test_verify_drops_a_config_slower_anywhere_in_its_band():
     assert entries[1]["config"] is None and "M=96 zp=1" in entries[1]["dropped"]
 
 
+def test_merge_replaces_the_swept_shapes_and_keeps_the_rest():
+    old = tt.best_entries(
+        [_row(64, 10.0, **{"[64, 1, 3, 4]": 8.0}), _row(128, 10.0, **{"[128, 1, 4, 4]": 8.0})],
+        0.05,
+        128,
+    )
+    old.append({**old[0], "n": 2048, "k": 2048, "layer": "3b o"})  # another shape: kept
+    new = tt.best_entries([_row(128, 10.0, **{"[128, 1, 2, 4, 1]": 7.0})], 0.05, 128)
+    entries, kept = tt.merge(old, new)
+    assert kept == 2
+    assert [(e["n"], e["m"], e["config"]) for e in entries] == [
+        (2048, 64, [64, 1, 3, 4]),
+        (3584, 64, [64, 1, 3, 4]),
+        (3584, 128, [128, 1, 2, 4, 1]),
+    ]
+
+
 def test_bad_files_name_the_problem(tmp_path):
     import pytest
 
@@ -64,3 +81,6 @@ def test_bad_files_name_the_problem(tmp_path):
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(SystemExit, match="no 'rows' list"):
         tt._read(str(tmp_path / "list.json"))
+    (tmp_path / "table.json").write_text('{"gpu": "NVIDIA H100", "entries": []}')
+    with pytest.raises(SystemExit, match="a table for 'NVIDIA H100', the sweep ran on"):
+        tt._read_table(str(tmp_path / "table.json"), "NVIDIA H200")
