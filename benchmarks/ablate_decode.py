@@ -18,11 +18,6 @@ Ablations (cumulative names are joined with '+'):
     attn     attention returns q: no RoPE / cache write / attention / split-KV reduce kernels
     nokv     the decode attention does not prefetch its first cache blocks before its wait
              (`PAGODA_DISABLED_KERNELS=kv_prefetch`)
-    fmlp     not a removal: the MLP half of every layer (residual add, norm, gate_up, SiLU,
-             down) in fewer launches (`DecoderLayer.fused_mlp_decode`, off by default): one for
-             bf16, two for W4A16 (norm + gate_up + SiLU, then down's GEMV); the output counts
-             the fused launches captured ("fmlp_calls_per_layer_and_pass": 1.0 when every
-             layer of every captured graph size took it)
 """
 
 from __future__ import annotations
@@ -56,12 +51,9 @@ def ablated(parts: set[str]) -> Iterator[None]:
     from pagoda.layers import attention
     from pagoda.layers.activation import SiluAndMul
     from pagoda.layers.norm import RMSNorm
-    from pagoda.models.llama import DecoderAttention, DecoderLayer
+    from pagoda.models.llama import DecoderAttention
 
     saved = (RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward)
-    fused_mlp = DecoderLayer.fused_mlp_decode
-    if "fmlp" in parts:
-        DecoderLayer.fused_mlp_decode = True
     kv_prefetch = attention._kv_prefetch
     if "nokv" in parts:
         attention._kv_prefetch = lambda: False
@@ -84,7 +76,6 @@ def ablated(parts: set[str]) -> Iterator[None]:
     finally:
         RMSNorm.forward, SiluAndMul.forward, DecoderAttention.forward = saved
         attention._kv_prefetch = kv_prefetch
-        DecoderLayer.fused_mlp_decode = fused_mlp
 
 
 def main() -> int:
@@ -103,7 +94,7 @@ def main() -> int:
     names = ns.ablations.split(",")
     for name in names:
         for part in [] if name == "none" else name.split("+"):
-            if part not in ("norm", "silu", "attn", "nokv", "fmlp"):
+            if part not in ("norm", "silu", "attn", "nokv"):
                 p.error(f"--ablations: unknown part {part!r} in {name!r}")
     llm = LLM(
         ns.model,
@@ -131,40 +122,14 @@ def main() -> int:
     }
     hid = gr.outputs[ns.batch]
     res["logits_argmax_s"] = timed(lambda: model.compute_logits(hid).argmax(-1), ns.iters)
-    from pagoda.kernels import triton_fused_mlp
-
-    fused_calls = []
-
-    def counted(fn):
-        def call(*args, **kwargs):
-            fused_calls.append(1)
-            return fn(*args, **kwargs)
-
-        return call
-
-    for entry in ("fused_mlp_decode", "norm_gate_up_silu_w4a16"):
-        setattr(triton_fused_mlp, entry, counted(getattr(triton_fused_mlp, entry)))
-    outs: dict[str, torch.Tensor] = {}
     for name in names:
         parts = set() if name == "none" else set(name.split("+"))
         with ablated(parts):
             gr.graphs.clear()
-            fused_calls.clear()
             gr.capture()
-        if "fmlp" in parts:
-            # per graph size: warm-up twice, then the capture (three passes over the layers)
-            res["fmlp_calls_per_layer_and_pass"] = len(fused_calls) / (
-                3 * len(gr.graphs) * len(model.model.layers)
-            )
         t = timed(gr.graphs[ns.batch].replay, ns.iters)
-        if name in ("none", "fmlp"):  # real graphs both: the same hidden states, to rounding
-            outs[name] = gr.outputs[ns.batch].float().clone()
         res["graph_runs"].append([name, t])
         print(f"{name:20s} {t * 1e6:8.1f} us", flush=True)
-    if len(outs) == 2:
-        diff = (outs["fmlp"] - outs["none"]).abs().max().item()
-        res["fmlp_vs_none_max_abs_diff"] = diff
-        res["none_max_abs"] = outs["none"].abs().max().item()
     for name in dict.fromkeys(n for n, _ in res["graph_runs"]):
         res["graph_s"][name] = statistics.median(t for n, t in res["graph_runs"] if n == name)
     base = res["graph_s"].get("none")

@@ -4,8 +4,7 @@ A split-K GEMV's programs add fp32 partials into a workspace and count arrivals 
 the last program of a tile reads the sums back, stores the output and zeroes what it used, so
 the buffers stay zero between calls and one pair serves every layer of a stream (CUDA graphs
 included). The model runner owns one `SplitKWorkspace` and binds it to its linear layers
-(`layer.split_k_workspace`); kernels take it as `workspace=`. It also holds the fused decode
-MLP's scratch row and grid-barrier pair (`scratch`, `barrier`), shared by its layers the same way.
+(`layer.split_k_workspace`); kernels take it as `workspace=`.
 """
 
 from __future__ import annotations
@@ -19,9 +18,6 @@ class SplitKWorkspace:
     def __init__(self) -> None:
         # (device type, index) -> every pair ever allocated: captured graphs point at old ones.
         self._pairs: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        # (device type, index, dtype, name) -> every scratch buffer; (type, index) -> the barrier
-        self._scratch: dict[tuple[str, int, torch.dtype, str], list[torch.Tensor]] = {}
-        self._barriers: dict[tuple[str, int], torch.Tensor] = {}
 
     @staticmethod
     def _key(device: torch.device) -> tuple[str, int]:
@@ -33,31 +29,6 @@ class SplitKWorkspace:
     @staticmethod
     def _capturing(device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-    def scratch(
-        self, device: torch.device, numel: int, dtype: torch.dtype, name: str
-    ) -> torch.Tensor | None:
-        """The contiguous buffer `name` of >= `numel` elements (contents undefined; distinct
-        names never share memory); None while a CUDA graph is being captured and the current
-        one is too small."""
-        rows = self._scratch.setdefault((*self._key(device), dtype, name), [])
-        if rows and rows[-1].numel() >= numel:
-            return rows[-1]
-        if self._capturing(device):
-            return None
-        size = max(numel, 2 * (rows[-1].numel() if rows else 0))
-        rows.append(torch.empty(size, device=device, dtype=dtype))
-        return rows[-1]
-
-    def barrier(self, device: torch.device) -> torch.Tensor | None:
-        """int32 [2] (arrivals, generation) of a grid barrier that leaves the arrivals at zero
-        (`triton_fused_mlp._grid_barrier`); None while capturing before it exists."""
-        key = self._key(device)
-        if key not in self._barriers:
-            if self._capturing(device):
-                return None
-            self._barriers[key] = torch.zeros(2, device=device, dtype=torch.int32)
-        return self._barriers[key]
 
     def buffers(
         self, device: torch.device, numel: int, tiles: int

@@ -8,16 +8,13 @@ Module names mirror Hugging Face so checkpoints load by name; q/k/v and gate/up 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagoda import platform
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention, AttentionMetadata
 from pagoda.layers.embedding import LMHead, VocabEmbedding
@@ -26,7 +23,6 @@ from pagoda.layers.linear import (
     MergedColumnLinear,
     QKVLinear,
     ReplicatedLinear,
-    UnquantizedLinearMethod,
     default_linear_method_factory,
 )
 from pagoda.layers.norm import RMSNorm
@@ -158,79 +154,9 @@ class DecoderMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
-    def fused_decode(
-        self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`(self(norm(hidden, residual)[0]), hidden + residual)` with fewer launches
-        (`kernels/triton_fused_mlp`) on CUDA without bias or LoRA: one row of dense weights in
-        one launch; up to 8 rows of W4A16 whose gate_up runs the tensor-core GEMV there as the
-        norm + gate_up + SiLU launch, then down_proj's own kernel. None where neither applies
-        (the caller runs the unfused path)."""
-        gate_up, down = self.gate_up_proj, self.down_proj
-        rows = hidden.shape[0]
-        if not hidden.is_cuda or rows > 8 or norm.weight.dtype != hidden.dtype:
-            return None
-        if gate_up.bias is not None or down.bias is not None:
-            return None
-        kernels = _fused_mlp_kernels()
-        workspace = getattr(down, "split_k_workspace", None)  # bound by the model runner
-        if kernels is None or workspace is None:
-            return None
-        dev, inter = hidden.device, down.in_features
-        dense = all(type(x.linear_method) is UnquantizedLinearMethod for x in (gate_up, down))
-        if dense:
-            if rows != 1 or not kernels.fused_mlp_supported(hidden, gate_up.weight, down.weight)[0]:
-                return None
-            act = workspace.scratch(dev, inter, hidden.dtype, "fused_mlp_act")
-            barrier = workspace.barrier(dev)
-            if act is None or barrier is None:  # capturing before a warm-up made them
-                return None
-            return kernels.fused_mlp_decode(
-                hidden, residual, norm.weight, norm.eps, gate_up.weight, down.weight, act, barrier
-            )
-        if not _w4a16_gemv_layer(gate_up, rows) or hidden.dtype != torch.bfloat16:
-            return None
-        # sized for 8 rows at once, so that every batch size's graph finds them made
-        slots = kernels.norm_gate_up_silu_w4a16_programs(hidden, inter)
-        act = workspace.scratch(dev, 8 * inter, hidden.dtype, "fused_mlp_act")
-        xs = workspace.scratch(dev, slots * 8 * hidden.shape[1], hidden.dtype, "fused_mlp_rows")
-        if act is None or xs is None:
-            return None
-        new_residual = kernels.norm_gate_up_silu_w4a16(
-            hidden, residual, norm.weight, norm.eps, gate_up.mma_words, gate_up.mma_scales,
-            gate_up.wna16_group_size, gate_up.mma_zeros, act, xs,
-        )  # fmt: skip
-        return down(act[: rows * inter].view(rows, inter)), new_residual
-
-
-def _w4a16_gemv_layer(layer: nn.Module, rows: int) -> bool:
-    """A W4A16 layer (no LoRA, no act-order permutation) whose kernel for `rows` is the
-    tensor-core GEMV on the MMA layout."""
-    from pagoda.layers.quantized_linear import WNA16LinearMethod
-
-    if type(layer.linear_method) is not WNA16LinearMethod or layer.input_perm is not None:
-        return False
-    table = getattr(layer, "wna16_kernels", None)
-    return table is not None and layer.wna16_bits == 4 and table.pick(rows).name == "mma_gemv"
-
-
-@functools.cache
-def _fused_mlp_kernels() -> ModuleType | None:
-    """`pagoda.kernels.triton_fused_mlp`, or None without Triton (imported only here)."""
-    if not platform.triton_available():
-        return None
-    from pagoda.kernels import triton_fused_mlp
-
-    return triton_fused_mlp
-
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the following RMSNorm."""
-
-    # The decode MLP half (residual add, norm, gate_up, SiLU, down; dense at batch 1, W4A16 at
-    # 1-8) in fewer launches (`DecoderMLP.fused_decode`): off until it is measured on a GPU;
-    # benchmarks/ablate_decode.py turns it on for its "fmlp" graph.
-    fused_mlp_decode = False
 
     def __init__(
         self,
@@ -261,10 +187,6 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, attn_metadata)
-        if self.fused_mlp_decode:
-            fused = self.mlp.fused_decode(hidden, residual, self.post_attention_layernorm)
-            if fused is not None:
-                return fused
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -35,10 +35,10 @@ def test_rows_median_spread_per_layer_and_mbu():
 
 def test_a_batch_graph_counts_a_token_per_sequence():
     """`ablate_decode.py --batch 8`: a step of the graph yields 8 tokens."""
-    none, fmlp = ablation_table.rows({**RESULT, "batch": 8, "graph_runs": [["none", 1.9e-3],
-                                      ["fmlp", 1.8e-3]]}, 10, None, None)  # fmt: skip
+    none, nokv = ablation_table.rows({**RESULT, "batch": 8, "graph_runs": [["none", 1.9e-3],
+                                      ["nokv", 1.8e-3]]}, 10, None, None)  # fmt: skip
     assert none["step_tok_s"] == pytest.approx(8 / 2.0e-3)
-    assert fmlp["vs_none_per_layer_us"] == pytest.approx(-10.0)
+    assert nokv["vs_none_per_layer_us"] == pytest.approx(-10.0)
 
 
 def test_cli_rejects_results_without_the_real_graph(tmp_path):
