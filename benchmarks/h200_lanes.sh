@@ -9,12 +9,13 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Next GPU session, in this order: fmlp20 + fmlp20b + fmlp20c (the batch-1 MLP in fewer
-#   launches: GPU tests, the 3B / 7B graphs with and without it, per layer with configs; the
-#   TMA GEMM's new small-layer CTAs),
-#   ncu17 (why the TMA GEMM runs compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a
-#   batch-64 / 128 decode step goes), vl18, check18, ab18.
-# Steps (session 20, no device: built, not yet run): fmlp20 fmlp20b fmlp20c
+# Next GPU session, in this order: s21b (the one-slab TMA heuristic, after putting it in place),
+#   then s21a's tuned_small again on an H200 (--verify for session 21's table entries), ncu17
+#   (why the TMA GEMM runs compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a batch-64 /
+#   128 decode step goes), vl18, check18, ab18.
+# Steps (session 21): s21a (the TMA table's new small-layer entries; bf16 vs W4A16 through
+#   `LLM`; it ran on an H100), s21b (queued). Session 20's fmlp20 / fmlp20b / fmlp20c
+#   ran in session 21; the fused MLP measured slower and was deleted with them
 # Steps (session 19): s19a (engine GPU tests, the TMA GEMM sweep incl. slot order, which
 #   measured slower and was deleted), s19b (GPU tests after deleting session 18's batch-1
 #   prologues and L2 weight prefetch, with their steps pro17, pf18 and pf18b; the tuned TMA
@@ -749,6 +750,18 @@ step_s21a() {
   compare16 compare3b_e2e 150 "$CFG3" Qwen2.5-3B 100 compare_3b
   compare16 compare7b_e2e 150 "$CFG7" Qwen2.5-7B 100 compare_7b
 }
+# session 21, queued (no device time was left): a TMA heuristic with one-slab CTAs on the small
+# layers (BENCHMARKS.md, session 21: put the candidate `default_tma_config` in place first).
+# qkv / o at 64-256 rows with every config either heuristic picks swept (the current picks are
+# two-slab splits, all swept), then `benchmarks/quant/heuristic_ab.py RUN --old OLD.py` pairs
+# the picks; then bf16 vs W4A16 through `LLM` at 64 / 128 rows and the protocol
+step_s21b() {
+  run heur_sweep 200 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0 \
+    --layers qkv,o --ms 64,96,128,192,256 --sweep tma --sweep-ms 64,96,128,192,256 \
+    --skip tc,gemv,dequant+cublas --out "$R/heur_sweep"
+  compare16 compare3b_hi 120 "$CFG3" Qwen2.5-3B 100 compare_3b_hi 64,128
+  compare16 compare7b_hi 120 "$CFG7" Qwen2.5-7B 100 compare_7b_hi 64,128
+}
 # session 19, third call: bf16 vs W4A16 through `LLM` (batch 1 / 8 / 64 / 128, the protocol's
 # 256 requests) on 3B and 7B, then 3B bf16 batch-1 latency with MBU (acceptance 3)
 step_s19c() {
@@ -779,38 +792,6 @@ step_ab18() {
   latrun 3b_off "config:$CFG3" PAGODA_DISABLED_KERNELS=kv_prefetch
   latrun 3b_w4a16_on "config:$CFG3:w4a16"
   latrun 3b_w4a16_off "config:$CFG3:w4a16" PAGODA_DISABLED_KERNELS=kv_prefetch
-}
-# session 20 (built without a device): the decode MLP in fewer launches (`DecoderLayer.
-# fused_mlp_decode`, off by default): bf16 as one launch (residual add + norm, gate_up, SiLU,
-# down; a grid barrier between the GEMVs), W4A16 as norm + gate_up + SiLU, then down's GEMV.
-# Its GPU tests (Qwen shapes, CUDA graphs, engine vs transformers), then the batch-1 graph
-# with and without it, alternating, 3B and 7B, bf16 and W4A16 (fmlp20b: W4A16 at batch 8 too)
-step_fmlp20() {
-  run fmlp_tests 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/kernels/test_triton_fused_mlp.py
-  fmlp_ab "3b_w4a16:$CFG3:w4a16" "3b_bf16:$CFG3"
-}
-step_fmlp20b() {
-  fmlp_ab "7b_w4a16:$CFG7:w4a16" "7b_bf16:$CFG7"
-  BATCH=8 fmlp_ab "3b_w4a16_b8:$CFG3:w4a16" "7b_w4a16_b8:$CFG7:w4a16"
-}
-fmlp_ab() {
-  local spec
-  for spec in "$@"; do
-    run "fmlp_ab_${spec%%:*}" 120 python3 benchmarks/ablate_decode.py "config:${spec#*:}" \
-      --batch "${BATCH:-1}" --ablations none,fmlp,none,fmlp,none,fmlp \
-      --out "$R/fmlp_ab_${spec%%:*}.json"
-  done
-}
-# the MLP half per layer, unfused chain vs fused, with a config sweep (3B / 7B, bf16 / W4A16);
-# then the TMA GEMM's sweep on the small layers (qkv, o), now with CTAs of one warpgroup and
-# one slab split 2-8 (`python benchmarks/quant/tma_table.py` turns it into table entries,
-# verified by a later run's `--sweep none` at and between the swept M, with zero points too)
-step_fmlp20c() {
-  run fmlp_layer 300 python3 benchmarks/kernels/bench_fused_mlp.py --out "$R/fused_mlp.json"
-  run tma_small 240 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
-    --layers qkv,o --ms 64,128,256 --sweep tma --sweep-ms 64,128,256 --skip tc,gemv \
-    --out "$R/tma_small"
 }
 ab_ablate() {
   run "ablate_ab_$1" 110 python3 benchmarks/ablate_decode.py "$2" \

@@ -132,9 +132,10 @@ def tma_sweep(m: int, n: int, k: int, num_sms: int) -> list[tk.TmaConfig]:
     default split; past 128 rows, 256-row tiles of one slab a warpgroup (half the
     dequantization per MMA); at 65-128 rows the 128-row tile on two warpgroups of one slab
     each; on layers of N < 8192 (qkv, o: latency-bound from 64 rows, session 19) CTAs of one
-    warpgroup and one slab (64 weight rows: twice the CTAs) split 2, 4 or 8 ways."""
+    warpgroup and one slab (64 weight rows: twice the CTAs) split 1-8 ways and as the default
+    splits (the default may itself be one slab, session 21)."""
     d = tuple(int(v) for v in tk.default_tma_config(m, n, k, num_sms))
-    bm, _, split, _ = d
+    bm, _, split, _ = d[:4]
     out = [(bm, 1, sp, 4) for sp in (1, 2, 3, 4, 6, 8, 12, 16) if sp <= max(1, k // 64 // 4)]
     out += [(max(tk.BLOCK_MS[0], bm // 2), 1, split, 4), (bm, 2, split, 4), (bm, 1, split, 6)]
     if m > 128 and k // 64 % 2 == 0:
@@ -142,7 +143,8 @@ def tma_sweep(m: int, n: int, k: int, num_sms: int) -> list[tk.TmaConfig]:
     elif bm == 128 and k // 64 % 2 == 0:  # the same tile on two warpgroups of one slab each
         out += [(128, 2, split, 4, 1)]
     if n < 8192 and m >= 64 and k // 64 % 2 == 0:  # more, smaller CTAs on the small layers
-        out += [(bm, 1, sp, 4, 1) for sp in (2, 4, 8) if sp <= k // 64 // 4]
+        out += [(bm, 1, sp, 4, 1) for sp in (1, 2, 3, 4, 6, 8, split) if sp <= k // 64 // 4]
+        out += [(bm, 1, split, 4)]  # the two-slab tile at the default's split
     fits = [c for c in out if tk.smem_bytes(c[0], c[1], c[3], True, *c[4:]) <= tk.SMEM_BYTES]
     return [c for c in dict.fromkeys(fits) if c != d]
 
