@@ -9,7 +9,7 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
-# Next GPU session, in this order: s21b (the one-slab TMA heuristic, after putting it in place),
+# Next GPU session, in this order: s21b (the TMA band on 7B o / qkv; a one-slab heuristic),
 #   then s21a's tuned_small again on an H200 (--verify for session 21's table entries), ncu17
 #   (why the TMA GEMM runs compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a batch-64 /
 #   128 decode step goes), vl18, check18, ab18.
@@ -750,15 +750,16 @@ step_s21a() {
   compare16 compare3b_e2e 150 "$CFG3" Qwen2.5-3B 100 compare_3b
   compare16 compare7b_e2e 150 "$CFG7" Qwen2.5-7B 100 compare_7b
 }
-# session 21, queued (no device time was left): a TMA heuristic with one-slab CTAs on the small
-# layers (BENCHMARKS.md, session 21: put the candidate `default_tma_config` in place first).
-# qkv / o at 64-256 rows with every config either heuristic picks swept (the current picks are
-# two-slab splits, all swept), then `benchmarks/quant/heuristic_ab.py RUN --old OLD.py` pairs
-# the picks; then bf16 vs W4A16 through `LLM` at 64 / 128 rows and the protocol
+# session 21, queued (no device time was left): whether the TMA GEMM's band should take 7B o at
+# 33-64 rows and 7B qkv at 129-256 (single points of session 21 measured it 19 % / 11 % ahead of
+# the registry's kernel there; BENCHMARKS.md, session 21): 7B qkv / o at the rows between, every
+# TMA config swept, next to mwg and dequant + cuBLAS; `benchmarks/quant/heuristic_ab.py` pairs a
+# candidate heuristic's picks with today's over the same sweep (put the candidate in place
+# first). Then bf16 vs W4A16 through `LLM` at 64 / 128 rows
 step_s21b() {
-  run heur_sweep 200 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0 \
-    --layers qkv,o --ms 64,96,128,192,256 --sweep tma --sweep-ms 64,96,128,192,256 \
-    --skip tc,gemv,dequant+cublas --out "$R/heur_sweep"
+  run heur_sweep 200 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b --zp 0 \
+    --layers qkv,o --ms 33,48,64,96,128,192,256 --sweep tma --sweep-ms 33,48,64,96,128,192,256 \
+    --skip tc,gemv --out "$R/heur_sweep"
   compare16 compare3b_hi 120 "$CFG3" Qwen2.5-3B 100 compare_3b_hi 64,128
   compare16 compare7b_hi 120 "$CFG7" Qwen2.5-7B 100 compare_7b_hi 64,128
 }
