@@ -103,29 +103,27 @@ def merge(old: list[dict], new: list[dict]) -> tuple[list[dict], int]:
     return sorted(kept + new, key=lambda e: (e["n"], e["k"], e["m"])), len(kept)
 
 
-def _read(path: str) -> dict:
-    """A bench_w4a16_tc.py result, or exit naming what is wrong with the file."""
+def _load(path: str, key: str, what: str) -> dict:
+    """A JSON object with a list under `key`, or exit naming what is wrong with the file."""
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
         raise SystemExit(f"{path}: cannot read it ({e.strerror})") from None
     except ValueError as e:
         raise SystemExit(f"{path}: not JSON ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-        raise SystemExit(f"{path}: no 'rows' list: not a bench_w4a16_tc.py result")
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        raise SystemExit(f"{path}: no '{key}' list: not {what}")
     return data
+
+
+def _read(path: str) -> dict:
+    """A bench_w4a16_tc.py result, or exit naming what is wrong with the file."""
+    return _load(path, "rows", "a bench_w4a16_tc.py result")
 
 
 def _read_table(path: str, gpu: str) -> dict:
     """A table this script wrote, for the sweep's GPU, or exit naming what is wrong."""
-    try:
-        table = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise SystemExit(f"{path}: cannot read it ({e.strerror})") from None
-    except ValueError as e:
-        raise SystemExit(f"{path}: not JSON ({e})") from None
-    if not isinstance(table, dict) or not isinstance(table.get("entries"), list):
-        raise SystemExit(f"{path}: no 'entries' list: not a tuned TMA table")
+    table = _load(path, "entries", "a tuned TMA table")
     if table.get("gpu") != gpu:
         raise SystemExit(f"{path}: a table for {table.get('gpu')!r}, the sweep ran on {gpu!r}")
     return table
