@@ -17,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def config_times(row: dict) -> dict[tuple, float]:
@@ -39,6 +40,28 @@ def pick_time(row: dict, config: tuple, new_default: tuple) -> float | None:
     return None
 
 
+def load_heuristic(path: str):
+    """The module at `path`, which must define `default_tma_config`, or exit saying why not."""
+    if not Path(path).is_file():
+        raise SystemExit(f"--old {path}: no such file")
+    spec = importlib.util.spec_from_file_location("old_tk", path)
+    old = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(old)
+    except Exception as e:  # noqa: BLE001 - any failure to import it is the file's problem
+        raise SystemExit(f"--old {path}: cannot import it ({type(e).__name__}: {e})") from None
+    if not callable(getattr(old, "default_tma_config", None)):
+        raise SystemExit(f"--old {path}: defines no default_tma_config")
+    return old
+
+
+def load_run(path: str) -> dict:
+    """A `bench_w4a16_tc.py` result, or exit naming what is wrong with the file."""
+    import tma_table  # this folder's table writer reads the same files
+
+    return tma_table._read(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run")
@@ -47,10 +70,8 @@ def main() -> None:
     ns = ap.parse_args()
     from pagoda.kernels import gluon_wgmma_tma as tk
 
-    spec = importlib.util.spec_from_file_location("old_tk", ns.old)
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    data = json.loads(Path(ns.run).read_text())
+    old = load_heuristic(ns.old)
+    data = load_run(ns.run)
     print(f"{data.get('env', {}).get('gpu')}: µs, new / old < 1 is faster")
     tot_new = tot_old = 0.0
     out = []

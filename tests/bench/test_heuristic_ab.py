@@ -24,3 +24,19 @@ def test_pick_time():
     assert hab.pick_time(ROW, default, default) == 20.0  # the run's default column
     assert hab.pick_time({**ROW, "tma_heur_us": 25.0}, default, default) == 25.0  # table ran
     assert hab.pick_time(ROW, (64, 1, 1, 4), default) is None  # neither: unknown
+
+
+def test_bad_files_name_the_problem(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit, match="no such file"):
+        hab.load_heuristic(str(tmp_path / "missing.py"))
+    (tmp_path / "broken.py").write_text("def (")
+    with pytest.raises(SystemExit, match="cannot import it"):
+        hab.load_heuristic(str(tmp_path / "broken.py"))
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(SystemExit, match="defines no default_tma_config"):
+        hab.load_heuristic(str(tmp_path / "empty.py"))
+    (tmp_path / "run.json").write_text("[]")
+    with pytest.raises(SystemExit, match="no 'rows' list"):
+        hab.load_run(str(tmp_path / "run.json"))
