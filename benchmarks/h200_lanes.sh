@@ -9,6 +9,8 @@
 # Steps (session 11): check11 gemv11 cfg11 last11 structured (the last call: host-side changes)
 #   (next: serve_ab to name what still compiles mid-serving after a rotary / LM-head warm-up;
 #   profile3b after any per-layer fusion; mma_sweep at M = 8 on 7B before adopting (8, 1, 4))
+# Session 22 (an H100; its step s22a ran typed-in variants): PDL on the wgmma GEMMs and the
+#   dequantization measured slower on 3B at 128 rows and was not merged (BENCHMARKS.md)
 # Next GPU session, in this order: s21b (the TMA band on 7B o / qkv; a one-slab heuristic),
 #   then s21a's tuned_small again on an H200 (--verify for session 21's table entries), ncu17
 #   (why the TMA GEMM runs compute-bound M at ~80 % of cuBLAS bf16), prof18 (where a batch-64 /
