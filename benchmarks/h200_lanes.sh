@@ -840,7 +840,8 @@ else
   lane 0 "$*"
 fi
 # The device's copy of .git can be stale and `.run_commit` is git-ignored (not carried unless
-# named in the call's `carry`): pass RUN_COMMIT=$(git rev-parse HEAD) on the command line.
+# named in the call's `carry`): type the hash into the command, RUN_COMMIT=abc1234 (a
+# RUN_COMMIT=$(git rev-parse HEAD) there is expanded on the device, from that stale .git).
 if [ -n "${RUN_COMMIT:-}" ]; then
   echo "$RUN_COMMIT" >"$R/commit.txt"
 else
