@@ -91,13 +91,13 @@ step_dense_gemv() {
 latrun() {
   local name=$1 spec=$2
   shift 2
-  run "ab_$name" 90 env "$@" python3 -m pagoda.entrypoints.cli bench latency "$spec" \
+  run "ab_$name" 90 env "$@" python3 -m pagoda.cli bench latency "$spec" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
     --out "$R/lat_$name.json"
 }
 # batch-1 decode A/B in one run: every new piece on (the default), then each one off
 step_latency() {
-  run latency 170 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
+  run latency 170 python3 -m pagoda.cli bench latency "config:$CFG7" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 \
     --out "$R/latency_qwen2.5-7b_h200.json" ${LATENCY_ARGS:-}
 }
@@ -109,7 +109,7 @@ step_gpu_tests_core() {
 # batch-1 decode, async scheduling (the default) vs in-order, same script run
 step_latency_ab() {
   step_latency
-  run latency_sync 120 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
+  run latency_sync 120 python3 -m pagoda.cli bench latency "config:$CFG7" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 3 --baseline none \
     --no-async-scheduling --out "$R/latency_qwen2.5-7b_h200_sync.json"
 }
@@ -128,7 +128,7 @@ step_lora_fused() {
     --out "$R/lora_qwen2.5-3b_fused_h200.json"
 }
 step_throughput_async() {
-  run throughput_async 120 python3 -m pagoda.entrypoints.cli bench throughput "config:$CFG3" \
+  run throughput_async 120 python3 -m pagoda.cli bench throughput "config:$CFG3" \
     --dtype bfloat16 --gpu-memory-utilization 0.5 --baseline none \
     --out "$R/throughput_qwen2.5-3b_h200_async.json"
 }
@@ -146,7 +146,7 @@ step_lora() {
   run lora 150 python3 benchmarks/lora/bench_lora.py --out "$R/lora_qwen2.5-3b_h200.json"
 }
 step_throughput() {
-  run throughput 420 python3 -m pagoda.entrypoints.cli bench throughput "config:$CFG3" \
+  run throughput 420 python3 -m pagoda.cli bench throughput "config:$CFG3" \
     --dtype bfloat16 --gpu-memory-utilization 0.5 --out "$R/throughput_qwen2.5-3b_h200.json"
 }
 step_vl() {
@@ -161,7 +161,7 @@ step_serve() {
   }
   local port=$((8100 + ${CUDA_VISIBLE_DEVICES:-0}))
   local serve_args=(--max-model-len 4096 --gpu-memory-utilization 0.5 --max-num-seqs 256)
-  PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m pagoda.entrypoints.cli serve "config:$CFG3" \
+  PYTHONPATH=/tmp/site:$PYTHONPATH python3 -m pagoda.cli serve "config:$CFG3" \
     --port "$port" --no-access-log "${serve_args[@]}" >"$R/serve_server.log" 2>&1 &
   local pid=$!
   local ok=0
@@ -181,7 +181,7 @@ step_serve() {
   for c in 1 64; do
     local n=512
     ((c == 1)) && n=16
-    PYTHONPATH=/tmp/site:$PYTHONPATH run "serve_c$c" 150 python3 -m pagoda.entrypoints.cli \
+    PYTHONPATH=/tmp/site:$PYTHONPATH run "serve_c$c" 150 python3 -m pagoda.cli \
       bench serve --url "http://127.0.0.1:$port" --concurrency "$c" \
       --token-prompts --num-prompts "$n" --input-len 512 --output-len 128 \
       --out "$R/serve_c${c}_h200.json"
@@ -194,7 +194,7 @@ step_serve() {
   step_serve_offline64
 }
 step_quant7b() {
-  run quant7b 560 python3 -m pagoda.entrypoints.cli quantize "config:$CFG7" --out /tmp/q7b \
+  run quant7b 560 python3 -m pagoda.cli quantize "config:$CFG7" --out /tmp/q7b \
     --dataset random --num-samples 256 --max-seq-len 2048 --group-size 128 \
     --report "$R/quantize_qwen2.5-7b_h200.json" --no-progress
 }
@@ -202,7 +202,7 @@ compare() {
   local size=$1
   local name
   name="Qwen2.5-$(echo "$size" | tr a-z A-Z)"
-  run "compare$size" 285 python3 -m pagoda.entrypoints.cli compare \
+  run "compare$size" 285 python3 -m pagoda.cli compare \
     "config:benchmarks/configs/qwen2.5-$size.json" "config:benchmarks/configs/qwen2.5-$size.json:w4a16" \
     --labels "$name bf16,$name W4A16" --dtype bfloat16 --max-model-len 4096 \
     --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
@@ -212,7 +212,7 @@ compare() {
 step_compare3b() { compare 3b; }
 # Qwen2.5-7B bf16 vs W4A16 vs W4A16 with the lm_head quantized too, transformers as baseline
 step_compare7b_lm() {
-  run compare7b_lm 420 python3 -m pagoda.entrypoints.cli compare \
+  run compare7b_lm 420 python3 -m pagoda.cli compare \
     "config:$CFG7" "config:$CFG7:w4a16" "config:$CFG7:w4a16-lm_head" \
     --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16,Qwen2.5-7B W4A16 + lm_head" --dtype bfloat16 \
     --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
@@ -244,11 +244,11 @@ step_ab7b_final() {
   latrun w4a16_lm_head "config:$CFG7:w4a16-lm_head"
 }
 step_compare7b() { compare 7b; }
-# session 5: the tensor-core W4A16 GEMV (pagoda/kernels/triton_w4a16_mma.py)
+# session 5: the tensor-core W4A16 GEMV (pagoda/kernels/wna16/triton_w4a16_mma.py)
 batchrun() {
   local name=$1 spec=$2 b=$3
   shift 3
-  run "b${b}_$name" 90 env "$@" python3 -m pagoda.entrypoints.cli bench latency "$spec" \
+  run "b${b}_$name" 90 env "$@" python3 -m pagoda.cli bench latency "$spec" \
     --dtype bfloat16 --prompt-len 512 --output-len 128 --batch-size "$b" --iters 2 \
     --baseline none --out "$R/lat_b${b}_$name.json"
 }
@@ -261,7 +261,7 @@ step_gpu8() {
     tests/kernels/test_triton_paged_attention.py tests/worker
 }
 step_e2e7b() {
-  run e2e7b 240 python3 -m pagoda.entrypoints.cli compare \
+  run e2e7b 240 python3 -m pagoda.cli compare \
     "config:$CFG7" "config:$CFG7:w4a16" "config:$CFG7:awq" \
     --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16 (GPTQ sym),Qwen2.5-7B AWQ (zero points)" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
@@ -309,10 +309,10 @@ step_no_triton_vl() {
   run no_triton_vl 120 python3 benchmarks/deploy/no_triton_vl.py --out "$R/no_triton_vl_h200.json"
 }
 step_bw() {
-  run lat3b_bf16 80 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG3" \
+  run lat3b_bf16 80 python3 -m pagoda.cli bench latency "config:$CFG3" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 2 --baseline none \
     --out "$R/lat_3b_bf16.json"
-  run lat7b_bf16 80 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG7" \
+  run lat7b_bf16 80 python3 -m pagoda.cli bench latency "config:$CFG7" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 2 --baseline none \
     --out "$R/lat_7b_bf16.json"
 }
@@ -327,7 +327,7 @@ step_startup7b() {
 # the generic (non-Hopper) dispatch forced on the H200: a table row (issue 16, acc. 4)
 step_generic_e2e() {
   PAGODA_DISABLED_KERNELS=mma_wgmma_tma,mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_e2e 150 python3 -m \
-    pagoda.entrypoints.cli compare "config:$CFG7:w4a16" --labels "Qwen2.5-7B W4A16 generic" \
+    pagoda.cli compare "config:$CFG7:w4a16" --labels "Qwen2.5-7B W4A16 generic" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
     --baseline none --timeout 100 --out "$R/compare_7b_generic"
@@ -355,7 +355,7 @@ step_engine_process_gpu() {
 step_check10() {
   step_serve_ab
   step_structured
-  run lat3b_bf16 80 python3 -m pagoda.entrypoints.cli bench latency "config:$CFG3" \
+  run lat3b_bf16 80 python3 -m pagoda.cli bench latency "config:$CFG3" \
     --dtype bfloat16 --prompt-len 512 --output-len 256 --iters 2 --baseline none \
     --out "$R/lat_3b_bf16.json"
 }
@@ -377,7 +377,7 @@ step_check11() {
 step_gemv11() {
   run gemv_tests 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_triton_gemv.py tests/entrypoints/test_gpu_engine.py
-  run compare3b_11 200 python3 -m pagoda.entrypoints.cli compare \
+  run compare3b_11 200 python3 -m pagoda.cli compare \
     "config:$CFG3" "config:$CFG3:w4a16" --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
@@ -391,12 +391,12 @@ step_cfg11() {
   run mma_tests 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/kernels/test_triton_w4a16_mma.py tests/layers/test_wna16_kernels.py \
     tests/kernels/test_wna16_gemv_bias_pdl.py
-  run compare3b_cfg 160 python3 -m pagoda.entrypoints.cli compare \
+  run compare3b_cfg 160 python3 -m pagoda.cli compare \
     "config:$CFG3" "config:$CFG3:w4a16" --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
     --baseline none --timeout 100 --out "$R/compare_3b"
-  run compare7b_cfg 200 python3 -m pagoda.entrypoints.cli compare \
+  run compare7b_cfg 200 python3 -m pagoda.cli compare \
     "config:$CFG7" "config:$CFG7:w4a16" --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
@@ -422,7 +422,7 @@ step_mwg12() {
     tests/kernels/test_gluon_mma_wgmma.py
   run mwg_table 250 python3 benchmarks/quant/bench_w4a16_tc.py --models 7b,3b --zp 0 \
     --ms 1,8,16,24,32,48,64,96,128,192,256 --sweep mwg --out "$R/mwg_table"
-  run compare3b_12 160 python3 -m pagoda.entrypoints.cli compare \
+  run compare3b_12 160 python3 -m pagoda.cli compare \
     "config:$CFG3" "config:$CFG3:w4a16" --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
@@ -440,13 +440,13 @@ step_mwg12b() {
 # session 12, last call: end to end with the wgmma GEMM in the registry, bf16 vs W4A16 (GPTQ
 # symmetric) vs AWQ (zero points), decode at batch 1-64 and the nano-vllm throughput protocol
 step_e2e12() {
-  run compare3b_e2e 200 python3 -m pagoda.entrypoints.cli compare \
+  run compare3b_e2e 200 python3 -m pagoda.cli compare \
     "config:$CFG3" "config:$CFG3:w4a16" "config:$CFG3:awq" \
     --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16,Qwen2.5-3B AWQ" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,16,32,64 --iters 2 --gpu-memory-utilization 0.85 \
     --throughput-requests 256 --baseline none --timeout 120 --out "$R/compare_3b"
-  run compare7b_e2e 160 python3 -m pagoda.entrypoints.cli compare \
+  run compare7b_e2e 160 python3 -m pagoda.cli compare \
     "config:$CFG7" "config:$CFG7:w4a16" --labels "Qwen2.5-7B bf16,Qwen2.5-7B W4A16" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,32,64 --iters 2 --gpu-memory-utilization 0.85 \
@@ -497,7 +497,7 @@ step_e2e15() {
 }
 # sm89_3b NAME LIMIT: 3B W4A16 at batch 1 / 8 / 64 with the sm_80-89 table (capability 8.9)
 sm89_3b() {
-  PAGODA_EMULATE_CAPABILITY=8.9 run "$1" "$2" python3 -m pagoda.entrypoints.cli compare \
+  PAGODA_EMULATE_CAPABILITY=8.9 run "$1" "$2" python3 -m pagoda.cli compare \
     "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 sm_89 dispatch" --dtype bfloat16 \
     --max-model-len 4096 --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
@@ -511,7 +511,7 @@ sm89_3b() {
 step_chk15() {
   run chk_layers 60 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b --zp 0 \
     --ms 96,128,192,256 --sweep tma --sweep-ms 128,256 --skip tc,gemv --out "$R/chk_layers"
-  run chk_e2e 200 python3 -m pagoda.entrypoints.cli compare "config:$CFG3" "config:$CFG3:w4a16" \
+  run chk_e2e 200 python3 -m pagoda.cli compare "config:$CFG3" "config:$CFG3:w4a16" \
     --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" --dtype bfloat16 --max-model-len 4096 \
     --prompt-len 512 --output-len 256 --batch-sizes 64,128 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline none --timeout 90 \
@@ -519,7 +519,7 @@ step_chk15() {
 }
 # compare15 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: compare3 at batch 1-128
 compare15() {
-  run "$1" "$2" python3 -m pagoda.entrypoints.cli compare "config:$3" "config:$3:w4a16" \
+  run "$1" "$2" python3 -m pagoda.cli compare "config:$3" "config:$3:w4a16" \
     "config:$3:awq" --labels "$4 bf16,$4 W4A16,$4 AWQ" --dtype bfloat16 --max-model-len 4096 \
     --prompt-len 512 --output-len 256 --batch-sizes 1,8,64,128 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline none --timeout "$5" \
@@ -568,7 +568,7 @@ step_e2e14() {
   run w4a16_table 100 python3 benchmarks/quant/bench_w4a16_tc.py --models 3b,7b --zp 0,1 \
     --ms 1,8,16,32,48,64,96,128,256 --sweep none --out "$R/w4a16_table"
   PAGODA_DISABLED_KERNELS=mma_wgmma_tma,mma_wgmma,mma_gemv,mma_gemm,mma_dequant run generic_e2e 100 python3 -m \
-    pagoda.entrypoints.cli compare "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 generic" \
+    pagoda.cli compare "config:$CFG3:w4a16" --labels "Qwen2.5-3B W4A16 generic" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,64 --iters 2 --gpu-memory-utilization 0.85 --throughput-requests 0 \
     --baseline none --timeout 90 --out "$R/compare_3b_generic"
@@ -578,7 +578,7 @@ step_e2e14() {
 # table with zero points, then the GPU tests of the engine against transformers
 # compare3 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR: bf16 vs W4A16 (GPTQ sym) vs AWQ (zero points)
 compare3() {
-  run "$1" "$2" python3 -m pagoda.entrypoints.cli compare "config:$3" "config:$3:w4a16" \
+  run "$1" "$2" python3 -m pagoda.cli compare "config:$3" "config:$3:w4a16" \
     "config:$3:awq" --labels "$4 bf16,$4 W4A16,$4 AWQ" --dtype bfloat16 --max-model-len 4096 \
     --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 256 --baseline none --timeout "$5" \
@@ -603,7 +603,7 @@ step_gpu13() {
 }
 # the same, shortest: Qwen2.5-3B bf16 vs W4A16 only (little device time left)
 step_e2e12s() {
-  run compare3b_e2e 190 python3 -m pagoda.entrypoints.cli compare \
+  run compare3b_e2e 190 python3 -m pagoda.cli compare \
     "config:$CFG3" "config:$CFG3:w4a16" --labels "Qwen2.5-3B bf16,Qwen2.5-3B W4A16" \
     --dtype bfloat16 --max-model-len 4096 --prompt-len 512 --output-len 256 \
     --batch-sizes 1,8,16,32,64 --iters 2 --gpu-memory-utilization 0.85 \
@@ -655,7 +655,7 @@ step_tma16c() {
 # session 16, fourth call (run 4, typed as one command; these are its steps): AWQ (zero
 # points) against symmetric W4A16 on 3B at batch 1 / 8 / 64, and the sm_80-89 dispatch
 step_tma16d() {
-  run awq 150 python3 -m pagoda.entrypoints.cli compare "config:$CFG3:w4a16" "config:$CFG3:awq" \
+  run awq 150 python3 -m pagoda.cli compare "config:$CFG3:w4a16" "config:$CFG3:awq" \
     --labels "Qwen2.5-3B W4A16,Qwen2.5-3B AWQ" --dtype bfloat16 --max-model-len 4096 \
     --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests 0 --baseline none --timeout 60 \
@@ -815,7 +815,7 @@ step_prof18() {
 # compare16 NAME LIMIT CONFIG LABEL TIMEOUT OUTDIR [BATCHES] [REQUESTS]: bf16 vs W4A16 at
 # batch 1-128 (or BATCHES) + the protocol's 256 requests (or REQUESTS)
 compare16() {
-  run "$1" "$2" python3 -m pagoda.entrypoints.cli compare "config:$3" "config:$3:w4a16" \
+  run "$1" "$2" python3 -m pagoda.cli compare "config:$3" "config:$3:w4a16" \
     --labels "$4 bf16,$4 W4A16" --dtype bfloat16 --max-model-len 4096 \
     --prompt-len 512 --output-len 256 --batch-sizes "${7:-1,8,64,128}" --iters 2 \
     --gpu-memory-utilization 0.85 --throughput-requests "${8:-256}" --baseline none \

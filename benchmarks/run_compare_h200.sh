@@ -21,7 +21,7 @@ for run in "${runs[@]}"; do
   if [ "$run" = "3b-12gib" ]; then
     extra=(--gpu-memory-utilization 0.0858 --throughput-requests 256)
   fi
-  timeout 295 python3 -m pagoda.entrypoints.cli compare "$cfg" "$cfg:w4a16" \
+  timeout 295 python3 -m pagoda.cli compare "$cfg" "$cfg:w4a16" \
     --labels "$name bf16,$name W4A16" --dtype bfloat16 --max-model-len 4096 \
     --prompt-len 512 --output-len 256 --batch-sizes 1,8,64 --iters 2 "${extra[@]}" \
     --timeout 120 --out "$OUT/compare_qwen2.5-${run}_h200" \

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagoda.bench.common import cuda_device, environment, write_result  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
-from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton  # noqa: E402
-from pagoda.kernels.triton_paged_attention import choose_num_splits  # noqa: E402
+from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton  # noqa: E402
+from pagoda.kernels.attention.triton_paged_attention import choose_num_splits  # noqa: E402
 
 MODELS = {"3b": (16, 2, 36), "7b": (28, 4, 28)}  # query heads, KV heads, layers (head size 128)
 HEAD_DIM = 128

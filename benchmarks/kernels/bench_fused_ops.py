@@ -19,13 +19,13 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from pagoda.kernels.fused_ops import (
+from pagoda.kernels.norm_act.ops import (
     apply_rotary_ref,
     fused_add_rms_norm_ref,
     rms_norm_ref,
     silu_and_mul_ref,
 )
-from pagoda.kernels.triton_fused_ops import (
+from pagoda.kernels.norm_act.triton_fused_ops import (
     apply_rotary_triton,
     fused_add_rms_norm_triton,
     rms_norm_triton,

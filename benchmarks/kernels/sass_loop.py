@@ -23,7 +23,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
 
-from pagoda.kernels import gluon_wgmma_tma as tk  # noqa: E402
+from pagoda.kernels.wna16 import gluon_wgmma_tma as tk  # noqa: E402
 
 # (label, (BLOCK_M, warpgroups, stages, zero points, one split, slabs))
 VARIANTS = (

@@ -127,12 +127,13 @@ def bench_shape(
 ) -> dict:
     """Times the `columns` of one linear at one token count (after checking the LoRA results
     against the torch reference)."""
-    from pagoda.kernels.lora import lora_shrink_expand_ref, lora_workspace
-    from pagoda.kernels.triton_lora import (
+    from pagoda.kernels.lora.ops import lora_shrink_expand_ref
+    from pagoda.kernels.lora.triton_lora import (
         choose_config,
         lora_gemm_triton,
         lora_shrink_expand_triton,
     )
+    from pagoda.kernels.lora.workspace import lora_workspace
 
     n_in, n_out, rank_space = shape
     dtype = torch.bfloat16

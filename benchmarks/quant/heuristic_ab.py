@@ -2,7 +2,7 @@
 the config each heuristic picks and its time in that run, side by side with the sweep's best
 and bf16 (the run's own columns; both picks must be among the swept configs or the row's
 default). `--old FILE`: a copy of `gluon_wgmma_tma.py` whose `default_tma_config` is the
-heuristic to compare against (e.g. `git show REV:pagoda/kernels/gluon_wgmma_tma.py > old.py`).
+heuristic to compare against (e.g. `git show REV:pagoda/kernels/wna16/gluon_wgmma_tma.py > old.py`).
 
     python benchmarks/quant/heuristic_ab.py RUN/w4a16_tc.json --old old.py [--sms 132]
 """
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--old", required=True, help="a gluon_wgmma_tma.py with the other heuristic")
     ap.add_argument("--sms", type=int, default=132)
     ns = ap.parse_args()
-    from pagoda.kernels import gluon_wgmma_tma as tk
+    from pagoda.kernels.wna16 import gluon_wgmma_tma as tk
 
     old = load_heuristic(ns.old)
     data = load_run(ns.run)

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.quant.bench_w4a16_tc import GROUP, SHAPES, WS, Layer  # noqa: E402
 from pagoda.bench.common import cuda_device  # noqa: E402
-from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+from pagoda.kernels.wna16 import triton_w4a16_mma as mma  # noqa: E402
 
 
 def main() -> int:
@@ -48,11 +48,11 @@ def main() -> int:
         args = (x, layer.words[i], layer.pairs[i], n, GROUP)
         kw = dict(zero_pairs=layer.z(i), workspace=WS)
         if ns.kernel == "tma":
-            from pagoda.kernels import gluon_wgmma_tma as tk
+            from pagoda.kernels.wna16 import gluon_wgmma_tma as tk
 
             return tk.wna16_wgmma_tma(*args, **kw)
         if ns.kernel == "mwg":
-            from pagoda.kernels import gluon_mma_wgmma as mwg
+            from pagoda.kernels.wna16 import gluon_mma_wgmma as mwg
 
             return mwg.wna16_mma_wgmma(*args, **kw)
         return mma.wna16_mma_gemv(*args, **kw)

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagoda.kernels import gluon_mma_wgmma as mwg  # noqa: E402
-from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+from pagoda.kernels.wna16 import gluon_mma_wgmma as mwg  # noqa: E402
+from pagoda.kernels.wna16 import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 
 

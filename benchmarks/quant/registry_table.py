@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pagoda.kernels import gluon_mma_wgmma as mwg  # noqa: E402
-from pagoda.kernels import gluon_wgmma_tma as tk  # noqa: E402
-from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+from pagoda.kernels.wna16 import gluon_mma_wgmma as mwg  # noqa: E402
+from pagoda.kernels.wna16 import gluon_wgmma_tma as tk  # noqa: E402
+from pagoda.kernels.wna16 import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.layers import wna16_kernels as wk  # noqa: E402
 
 NUM_SMS = 132

@@ -14,10 +14,10 @@ timeout 240 python3 benchmarks/quant/bench_w4a16_gemm.py --out "$OUT/w4a16_gemm_
   2>&1 | tail -60 | tee "$OUT/w4a16_gemm.log"
 for spec in "$CFG" "$CFG:w4a16"; do
   tag=$([[ $spec == *w4a16 ]] && echo w4a16 || echo bf16)
-  timeout 150 python3 -m pagoda.entrypoints.cli bench latency "config:$spec" --dtype bfloat16 \
+  timeout 150 python3 -m pagoda.cli bench latency "config:$spec" --dtype bfloat16 \
     --prompt-len 512 --output-len 256 --iters 3 --baseline none \
     --out "$OUT/latency_qwen2.5-7b_$tag.json" 2>&1 | grep -v Warning | tail -8 | tee -a "$OUT/latency.log"
 done
-timeout 900 python3 -m pagoda.entrypoints.cli quantize "config:$CFG" --out /tmp/q7b --dataset random \
+timeout 900 python3 -m pagoda.cli quantize "config:$CFG" --out /tmp/q7b --dataset random \
   --num-samples 256 --max-seq-len 2048 --group-size 128 --report "$OUT/quantize_qwen2.5-7b_h200.json" \
   --no-progress 2>&1 | tail -40 | tee "$OUT/quantize_7b.log"

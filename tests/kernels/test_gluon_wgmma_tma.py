@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from pagoda.kernels import gluon_wgmma_tma as tk
+from pagoda.kernels.wna16 import gluon_wgmma_tma as tk
 
 pytest.importorskip("triton")  # the layout (`repack_mma`) lives with the Triton GEMV
 from tests.kernels.test_gluon_mma_wgmma import (  # noqa: E402

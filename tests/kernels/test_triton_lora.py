@@ -17,12 +17,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagoda.kernels.lora import (  # noqa: E402
+from pagoda.kernels.lora.ops import (  # noqa: E402
     lora_sgmv_ref,
     lora_shrink_expand,
     lora_shrink_expand_ref,
-    lora_workspace,
 )
+from pagoda.kernels.lora.workspace import lora_workspace  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -50,7 +50,7 @@ def test_reference_equals_per_token_matmul() -> None:
 
 
 triton = pytest.importorskip("triton")
-from pagoda.kernels.triton_lora import (  # noqa: E402
+from pagoda.kernels.lora.triton_lora import (  # noqa: E402
     LoRAKernelConfig,
     choose_config,
     fused_fits,

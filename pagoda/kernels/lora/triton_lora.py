@@ -19,7 +19,7 @@ programs draw tickets; the first ones run the split shrink into the workspace, t
 prefetch their `y` and `B` tiles, wait until every shrink item is done, and expand. The last
 program to finish zeroes what was used.
 
-Torch references: `pagoda.kernels.lora.lora_sgmv_ref` / `lora_shrink_expand_ref`.
+Torch references: `pagoda.kernels.lora.ops.lora_sgmv_ref` / `lora_shrink_expand_ref`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from pagoda import envs
-from pagoda.kernels.lora import LoRAWorkspace
+from pagoda.kernels.lora.workspace import LoRAWorkspace
 
 
 @triton.jit
@@ -562,7 +562,7 @@ def lora_sgmv_triton(
     add: bool,
     workspace: LoRAWorkspace | None = None,
 ) -> torch.Tensor:
-    """See `pagoda.kernels.lora.lora_sgmv`: the segment table expanded to token slots (a few
+    """See `pagoda.kernels.lora.ops.lora_sgmv`: the segment table expanded to token slots (a few
     small device ops), then `lora_gemm_triton`. `max_seg_len` is no longer needed."""
     del max_seg_len
     if num_segs == 0 or x.shape[0] == 0:
