@@ -182,6 +182,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias, in [-100, 100])
+    logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
     # stop_token_ids plus the model's EOS ids (see update_from_generation_config)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -280,6 +282,22 @@ class SamplingParams:
             if any(i < 0 for i in ids):
                 raise ValueError(f"allowed_token_ids must be token ids >= 0, got {ids}")
             self.allowed_token_ids = ids
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(
+                    f"logit_bias must be a dict of token id -> bias, got "
+                    f"{type(self.logit_bias).__name__}"
+                )
+            bias: dict[int, float] = {}
+            for tid, value in self.logit_bias.items():
+                tid = _check_int("logit_bias key", int(tid) if isinstance(tid, str) else tid)
+                value = _check_float(f"logit_bias[{tid}]", value)
+                if tid < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {tid}")
+                if not -100.0 <= value <= 100.0:
+                    raise ValueError(f"logit_bias[{tid}] must be in [-100, 100], got {value}")
+                bias[tid] = value
+            self.logit_bias = bias or None
         if self.truncate_prompt_tokens is not None:
             k = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
             if k < 1 and k != -1:

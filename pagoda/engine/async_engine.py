@@ -50,6 +50,10 @@ class EngineStats:
     prefix_cache_hits: int  # of which served from it
     num_steps: int
     timestamp: float
+    num_preemptions: int = 0
+    # steps per bucket of core.ITERATION_TOKENS_BUCKETS (+ one for larger), and their tokens
+    iteration_token_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -404,4 +408,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         prefix_cache_hits=hits,
         num_steps=core.num_steps,
         timestamp=time.time(),
+        num_preemptions=core.num_preemptions,
+        iteration_token_counts=tuple(core.iteration_token_counts),
+        iteration_tokens_sum=core.iteration_tokens_sum,
     )

@@ -7,6 +7,7 @@ reference to any front end, so it could move to its own process unchanged.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
@@ -16,6 +17,9 @@ from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
 from pagoda.step import SchedulerOutput
 from pagoda.worker.memory import MemoryReport
 from pagoda.worker.model_runner import ModelRunner, PendingOutput
+
+# Upper bounds of the tokens-per-step histogram (vLLM's `vllm:iteration_tokens_total` buckets).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 if TYPE_CHECKING:
     from pagoda.structured_output import StructuredOutputManager
@@ -53,7 +57,16 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
         self.num_preemptions = 0
+        # Steps per bucket of ITERATION_TOKENS_BUCKETS (the last counts the larger ones).
+        self.iteration_token_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         self.closed = False
+
+    def _count_step(self, sched_out: SchedulerOutput) -> None:
+        self.num_steps += 1
+        n = sched_out.total_num_scheduled_tokens
+        self.iteration_token_counts[bisect_left(ITERATION_TOKENS_BUCKETS, n)] += 1
+        self.iteration_tokens_sum += n
 
     def shutdown(self) -> None:
         """Drop the step in flight and free the runner's device memory (idempotent)."""
@@ -100,14 +113,14 @@ class EngineCore:
                 return outputs
             pending = self.runner.launch(sched_out)
             self._sample_constrained(pending)
-            self.num_steps += 1
+            self._count_step(sched_out)
             return outputs + self.scheduler.update_from_output(sched_out, pending.result())
         sched_out = self.scheduler.schedule()
         self.num_preemptions += len(sched_out.preempted_req_ids)
         launched = None
         if sched_out.scheduled:
             launched = (sched_out, self.runner.launch(sched_out))
-            self.num_steps += 1
+            self._count_step(sched_out)
         outputs = self._drain() + self.scheduler.pop_aborted_outputs()
         if launched is not None:
             self._sample_constrained(launched[1])

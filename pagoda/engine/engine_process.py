@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -360,7 +361,8 @@ class EngineProcess(RequestAPI):
         from pagoda.engine.llm_engine import load_engine_tokenizer, make_input_processor
 
         # Bad arguments fail here, before a process starts, with the in-process engine's error.
-        source, model_config, _, _, runner_config = args.create_configs()
+        source, model_config, cache_config, _, runner_config = args.create_configs()
+        self.cache_config = cache_config
         tokenizer = load_engine_tokenizer(args, source)
         processor = make_input_processor(tokenizer, model_config, runner_config)
         self.frontend = EngineFrontend(source, model_config, tokenizer, processor)
@@ -424,8 +426,25 @@ class EngineProcess(RequestAPI):
         return self._dead is None and not self._stopping and self._proc.poll() is None
 
     def stats(self) -> EngineStats:
-        """The latest snapshot the engine process sent (one comes with every step)."""
-        return self._stats
+        """The latest snapshot the engine process sent (one comes with every step). Once the
+        process is gone nothing runs or waits: its load reads zero (never a stale gauge), while
+        the cumulative counters keep their last values."""
+        s = self._stats
+        if self._dead is None and self._proc.poll() is None:
+            return s
+        return dataclasses.replace(
+            s,
+            num_running=0,
+            num_waiting=0,
+            num_unfinished=0,
+            num_free_blocks=s.num_blocks,
+            kv_cache_usage=0.0,
+            timestamp=time.time(),
+        )
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     # ------------------------------------------------------------------ requests
 
@@ -684,5 +703,48 @@ def _reap(proc: subprocess.Popen, conn: Any) -> None:
             _wait(proc, 5.0)
 
 
+class RestartingEngine:
+    """An `EngineProcess` that `restart()` replaces with a new one (`--restart-engine`).
+
+    Everything else is the current engine's: requests made while it is dead or restarting get
+    its `EngineDeadError` (a 503), and the server's gauges read the new engine once it runs.
+    """
+
+    runs_in_process = True
+
+    def __init__(self, engine: EngineProcess, start: Callable[[], Any]) -> None:
+        self._engine = engine
+        self._start = start
+        self._stopping = False
+        self.num_restarts = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def is_running(self) -> bool:
+        return self._engine.is_running
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def restart(self) -> None:
+        """Reap the dead engine process and start a new one (blocks while the model loads)."""
+        old = self._engine
+        logger.error("the engine process died (%s); starting a new one", old._exit_text())
+        old.shutdown(timeout=5.0)
+        self._engine = self._start()
+        self.num_restarts += 1
+        logger.info("the engine process runs again (restart %d)", self.num_restarts)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        self._stopping = True
+        self._engine.shutdown(timeout)
+
+
 # What the server holds: either engine, with one interface.
-ServerEngine = AsyncLLMEngine | EngineProcess
+ServerEngine = AsyncLLMEngine | EngineProcess | RestartingEngine

@@ -75,6 +75,7 @@ class LLMEngine:
         # Triton compiles on CUDA only (the interpreter and the CPU paths compile nothing).
         kernels_before = triton_cache_entries() if _wants_cuda(args.device) else None
         source, model_config, cache_config, sched_config, runner_config = args.create_configs()
+        self.cache_config = cache_config
         self.source = source
         self.model_config = model_config
         self.scheduler_config = sched_config
@@ -146,6 +147,9 @@ class LLMEngine:
         bad = [t for t in params.allowed_token_ids or [] if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"allowed_token_ids {bad} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.logit_bias or {} if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias keys {bad[:5]} are outside the vocabulary [0, {vocab})")
         if params.bad_words:
             if self.tokenizer is None:
                 raise ValueError("bad_words need a tokenizer (this model has none)")

@@ -7,6 +7,8 @@ Shared by every command that builds an engine (`pagoda generate/chat/serve/bench
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from typing import Any
 
 
@@ -38,25 +40,66 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
             help="model directory, .gguf file or config:PATH.json "
             "(default: the embedded SmolLM2-135M-Instruct)",
         )
-    g = parser.add_argument_group("engine")
+    g = parser.add_argument_group("engine (vLLM's flags and meanings)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument(
+        "--max-model-len", type=human_readable_int, default=None, help="context length (e.g. 32k)"
+    )
+    g.add_argument(
+        "--gpu-memory-utilization", "--device-memory-utilization", type=float, default=0.9
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        "--kv-cache-memory",
+        dest="kv_cache_memory",
+        type=human_readable_int,
+        default=None,
+        help="KV cache size in bytes (e.g. 4G); overrides --gpu-memory-utilization",
+    )
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of shared prompt prefixes (default: on)",
+    )
+    g.add_argument("--disable-prefix-caching", "--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts over several steps (default: on)",
+    )
+    g.add_argument("--disable-chunked-prefill", action="store_true")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
     add_async_scheduling_arg(g)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
     g.add_argument(
         "--quantization",
+        "-q",
         default=None,
         help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from it)",
     )
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False)
+    g.add_argument(
+        "--trust-remote-code",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="accepted: pagoda never runs code from a checkpoint (its own model code loads it)",
+    )
+    g.add_argument(
+        "--limit-mm-per-prompt",
+        type=json_object,
+        default=None,
+        help="images per prompt for vision models, as JSON (e.g. '{\"image\": 2}')",
+    )
+    g.add_argument("--mm-processor-kwargs", type=json_object, default=None)
     g.add_argument(
         "--cpu-offload-gb",
         type=float,
@@ -65,22 +108,59 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     )
 
 
+def human_readable_int(text: str) -> int:
+    """`4096`, `32k` (10**3), `4G` (2**30): vLLM's human-readable integers."""
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k or 4G: {text!r}")
+    number, suffix = match.groups()
+    if not suffix:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        return int(number)
+    if suffix.islower():
+        return int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
+    if "." in number:
+        raise argparse.ArgumentTypeError(
+            f"no decimals with binary suffixes: {text!r} (use {suffix.lower()} for powers of 10)"
+        )
+    return int(number) << (10 * ("KMGT".index(suffix) + 1))
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A flag whose value is a JSON object (vLLM's dict-valued flags)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=ns.model,
+        tokenizer=ns.tokenizer,
         dtype=ns.dtype,
         device=ns.device,
         max_model_len=ns.max_model_len,
         gpu_memory_utilization=ns.gpu_memory_utilization,
         kv_cache_memory=ns.kv_cache_memory,
+        num_gpu_blocks_override=ns.num_gpu_blocks_override,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         block_size=ns.block_size,
-        enable_prefix_caching=not ns.no_prefix_caching,
+        enable_prefix_caching=ns.enable_prefix_caching and not ns.disable_prefix_caching,
+        enable_chunked_prefill=ns.enable_chunked_prefill and not ns.disable_chunked_prefill,
         enforce_eager=ns.enforce_eager,
         async_scheduling=ns.async_scheduling,
         seed=ns.seed,
         load_format=ns.load_format,
         quantization=ns.quantization,
+        skip_tokenizer_init=ns.skip_tokenizer_init,
+        limit_mm_per_prompt=ns.limit_mm_per_prompt,
+        mm_processor_kwargs=ns.mm_processor_kwargs,
         cpu_offload_gb=ns.cpu_offload_gb,
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagoda.engine.args import EngineArgs
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.vllm_compat import check_llm_kwargs
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.worker.memory import MemoryReport
@@ -23,20 +24,24 @@ logger = logging.getLogger("pagoda")
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        unknown = (
-            set(kwargs)
-            - EngineArgs.field_names()
-            - {"tensor_parallel_size", "trust_remote_code", "print_memory_report"}
-        )
-        if unknown:
-            raise TypeError(
-                f"LLM() got unknown argument(s) {', '.join(sorted(unknown))}; supported: "
-                f"{', '.join(sorted(EngineArgs.field_names()))}"
-            )
+        # vLLM's keyword arguments: implemented, accepted where their value has a meaning
+        # here (tensor_parallel_size=1), or a ValueError naming them and why (vllm_compat).
+        supported = EngineArgs.field_names() | {
+            "tensor_parallel_size",
+            "trust_remote_code",
+            "print_memory_report",
+            "kv_cache_memory_bytes",
+        }
+        kwargs = check_llm_kwargs(kwargs, supported)
         tp = kwargs.pop("tensor_parallel_size", 1)
         if tp != 1:
-            raise ValueError(f"tensor_parallel_size={tp} is not supported yet (only 1)")
-        kwargs.pop("trust_remote_code", None)
+            raise ValueError(
+                f"LLM(tensor_parallel_size={tp}) is not supported by pagoda (it runs a model on "
+                "one device); accepted: 1"
+            )
+        kwargs.pop("trust_remote_code", None)  # pagoda never runs code from a checkpoint
+        if "kv_cache_memory_bytes" in kwargs:  # vLLM's name of kv_cache_memory
+            kwargs["kv_cache_memory"] = kwargs.pop("kv_cache_memory_bytes")
         show = kwargs.pop("print_memory_report", True)
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         if show:

@@ -964,6 +964,21 @@ LLM_ONLY_REFUSED = {
     "mamba_config": "pagoda has no Mamba/state-space models",
 }
 
+# vLLM LLM(...) arguments that pagoda implements in `pagoda serve` only.
+LLM_SERVER_ONLY = {
+    "chat_template": "pass chat_template to LLM.chat(...) (the server takes --chat-template)",
+    "generation_config": "LLM(...) samples with the SamplingParams given to generate(); the "
+    "server applies generation_config.json defaults (--generation-config)",
+    "override_generation_config": "LLM(...) samples with the SamplingParams given to "
+    "generate(); the server takes --override-generation-config",
+    "log_level": "configure Python's logging module (the server takes --log-level)",
+    "max_logprobs": "LLM(...) allows up to 20 log-probs per token (the server takes "
+    "--max-logprobs)",
+    "reasoning_parser": "reasoning is split from content by the server (--reasoning-parser)",
+    "served_model_name": "served names only exist in the server (--served-model-name)",
+    "shutdown_timeout": "only the server drains requests on shutdown (--shutdown-timeout)",
+}
+
 
 def _flag_list(options: str) -> list[str]:
     return options.split()
@@ -1009,6 +1024,7 @@ class _Checked(argparse.Action):
                 f"{option_string} {values} is not supported by pagoda ({self.reason}); "
                 f"accepted: {', '.join(self.allowed)}"
             )
+        setattr(ns, self.dest, values)
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
@@ -1050,8 +1066,12 @@ def check_llm_kwargs(kwargs: dict[str, Any], supported: set[str]) -> dict[str, A
                 )
         elif name in EQUIVALENT:
             logger.info("LLM(%s=...): %s", name, EQUIVALENT[name][1])
-        elif name in REFUSED or name in LLM_ONLY_REFUSED:
-            reason = REFUSED[name][1] if name in REFUSED else LLM_ONLY_REFUSED[name]
+        elif name in REFUSED or name in LLM_ONLY_REFUSED or name in LLM_SERVER_ONLY:
+            reason = (
+                REFUSED[name][1]
+                if name in REFUSED
+                else LLM_ONLY_REFUSED.get(name) or LLM_SERVER_ONLY[name]
+            )
             raise ValueError(
                 f"LLM({name}=...) (a vLLM argument) is not supported by pagoda: {reason}"
             )

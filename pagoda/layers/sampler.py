@@ -1,6 +1,7 @@
 """Turn a batch of next-token logits into sampled token ids (+ logprobs), vLLM semantics.
 
-Order: grammar bitmask → raw logprobs → allowed_token_ids / bad_words / min_tokens masks →
+Order: grammar bitmask → raw logprobs → allowed_token_ids / bad_words masks → logit_bias →
+min_tokens mask →
 repetition/frequency/presence penalties → greedy argmax, or temperature → top-k → top-p → min-p →
 exponential race `argmax(p / q)`, `q ~ Exp(1)`. Seeded rows draw `q` from their own
 `torch.Generator`, so their tokens do not depend on the batch. No host sync happens here.
@@ -48,6 +49,8 @@ class SamplingMetadata:
     allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # row -> (bad word token id sequences, the row's output token ids so far)
     bad_words: dict[int, tuple[list[list[int]], list[int]]] = field(default_factory=dict)
+    # row -> {token id: bias added to its logit}
+    logit_bias: dict[int, dict[int, float]] = field(default_factory=dict)
 
     @property
     def no_penalties(self) -> bool:
@@ -112,6 +115,7 @@ class SamplingMetadata:
                 for i, p in enumerate(params)
                 if p.bad_words_token_ids
             },
+            logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
         )
 
 
@@ -183,6 +187,18 @@ def apply_grammar_bitmask(logits: torch.Tensor, md: SamplingMetadata) -> torch.T
         logits, md.grammar_bitmask, vocab_size=logits.shape[-1], indices=md.grammar_rows
     )
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Add each row's `logit_bias` to the logits of its tokens (OpenAI's semantics)."""
+    if not md.logit_bias:
+        return logits
+    device = logits.device
+    r = [row for row, bias in md.logit_bias.items() for _ in bias]
+    c = [t for bias in md.logit_bias.values() for t in bias]
+    v = [b for bias in md.logit_bias.values() for b in bias.values()]
+    index = (to_device(r, torch.int64, device), to_device(c, torch.int64, device))
+    return logits.index_put(index, to_device(v, torch.float32, device), accumulate=True)
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -326,6 +342,7 @@ class Sampler(nn.Module):
 
         logits = apply_allowed_token_ids(logits, md)
         logits = apply_bad_words(logits, md)
+        logits = apply_logit_bias(logits, md)
         logits = apply_min_tokens(logits, md)
         logits = apply_penalties(logits, md)
 

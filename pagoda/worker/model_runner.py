@@ -901,4 +901,5 @@ class ModelRunner:
                 for row, (p, r) in enumerate(zip(params, reqs, strict=True))
                 if p.bad_words_token_ids
             },
+            logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias},
         )

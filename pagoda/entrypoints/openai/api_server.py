@@ -8,11 +8,16 @@ the error handlers that turn every client mistake into an OpenAI-style 4xx. `run
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -20,7 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda import __version__
 from pagoda.engine.args import EngineArgs
 from pagoda.engine.async_engine import EngineDeadError
-from pagoda.engine.engine_process import ENGINE_MODES, ServerEngine, start_engine
+from pagoda.engine.engine_process import (
+    ENGINE_MODES,
+    RestartingEngine,
+    ServerEngine,
+    start_engine,
+)
 from pagoda.entrypoints.openai.errors import (
     APIError,
     error_response,
@@ -28,10 +38,13 @@ from pagoda.entrypoints.openai.errors import (
     validation_error,
 )
 from pagoda.entrypoints.openai.metrics import Metrics
-from pagoda.entrypoints.openai.middleware import ServerGuard
+from pagoda.entrypoints.openai.middleware import ServerGuard, ServerState
 from pagoda.entrypoints.openai.protocol import ModelCard, ModelList
+from pagoda.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagoda.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagoda.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagoda.entrypoints.openai.serving_engine import ServingOptions
+from pagoda.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagoda.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("pagoda")
@@ -46,8 +59,9 @@ class ServerArgs:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None  # None: the model's own name
+    api_key: str | tuple[str, ...] | None = None  # several: any of them
+    # None: the model's own name; several: all are accepted, responses carry the first
+    served_model_name: str | tuple[str, ...] | None = None
     max_concurrent_requests: int | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 10.0
@@ -64,6 +78,43 @@ class ServerArgs:
     # Where the engine loop runs: "process" (its own, so it holds its own GIL), "thread" (of
     # the server process) or "auto" (process where one can be started).
     engine_mode: str = "auto"
+    # An engine process that dies: the server exits non-zero (False) or starts a new one (True).
+    restart_engine: bool = False
+    uvicorn_log_level: str | None = None  # None: log_level
+    max_cpu_loras: int | None = None
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
+    # CORS (vLLM's defaults: no cross-origin access; methods and headers: any)
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    root_path: str | None = None
+    disable_fastapi_docs: bool = False
+    chat_template: str | None = None  # a file, or the template itself
+    enable_auto_tool_choice: bool | None = None
+    reasoning_parser: str | None = None
+    max_logprobs: int = 20
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        name = self.served_model_name
+        if name is None:
+            return ()
+        return (name,) if isinstance(name, str) else tuple(name)
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        key = self.api_key
+        if not key:
+            return ()
+        return (key,) if isinstance(key, str) else tuple(key)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -86,16 +137,46 @@ class ServerArgs:
             )
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for flag, path in (
+            ("--ssl-keyfile", self.ssl_keyfile),
+            ("--ssl-certfile", self.ssl_certfile),
+            ("--ssl-ca-certs", self.ssl_ca_certs),
+        ):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{flag} {path!r}: no such file")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0, 1 or 2, got {self.ssl_cert_reqs}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
+
+    def chat_template_text(self) -> str | None:
+        """--chat-template: a file's text, or the argument itself when it is a template."""
+        value = self.chat_template
+        if value is None:
+            return None
+        if os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+        if "{{" in value or "{%" in value:
+            return value
+        raise ValueError(f"--chat-template {value!r}: neither a file nor a Jinja template")
 
     def engine_overrides(self) -> dict[str, object]:
         """EngineArgs fields the server's options imply (LoRA serving)."""
         if not self.lora_modules:
             return {}
-        return dict(
+        kw: dict[str, object] = dict(
             enable_lora=True,
             max_loras=self.max_loras or min(len(self.lora_modules), 8),
             max_lora_rank=self.max_lora_rank,
         )
+        if self.max_cpu_loras is not None:
+            kw["max_cpu_loras"] = self.max_cpu_loras
+        return kw
 
 
 def build_app(
@@ -106,13 +187,20 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     lora_modules: dict[str, str] | None = None,
     tool_call_parser: str | None = None,
+    options: ServingOptions | None = None,
+    cors: dict[str, object] | None = None,
+    docs: bool = True,
+    root_path: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app. It does not own the engine: the caller shuts it down.
 
     `lora_modules` maps served names to PEFT adapter directories (the engine must have been
     built with `enable_lora=True`); a request's `model` field picks the adapter.
     `tool_call_parser` (hermes | llama3_json) overrides the parser chosen from the template.
+    `options`: the vLLM flags' endpoint settings; `cors`: CORSMiddleware's arguments (None: no
+    CORS headers); `docs`: /docs and /openapi.json; `root_path`: a reverse proxy's prefix.
     """
+    options = options or ServingOptions()
     if max_concurrent_requests is not None and max_concurrent_requests < 1:
         raise ValueError(f"max_concurrent_requests must be >= 1, got {max_concurrent_requests}")
     if max_body_bytes < 1:
@@ -126,13 +214,28 @@ def build_app(
             if name == served_model_name:
                 raise ValueError(f"adapter name {name!r} is the base model's served name")
             lora_requests[name] = LoRARequest(name, i, path)
+    for alias in options.aliases:
+        if alias in lora_requests:
+            raise ValueError(f"adapter name {alias!r} is also a served name of the base model")
     shared = (async_engine, served_model_name, metrics, lora_requests)
-    completion = OpenAIServingCompletion(*shared)
-    chat = OpenAIServingChat(*shared, tool_call_parser=tool_call_parser)
-    tokenization = OpenAIServingTokenization(*shared)
-    app = FastAPI(title="pagoda", summary="OpenAI-compatible LLM server", version=__version__)
+    completion = OpenAIServingCompletion(*shared, options=options)
+    chat = OpenAIServingChat(*shared, tool_call_parser=tool_call_parser, options=options)
+    responses = OpenAIServingResponses(*shared, tool_call_parser=tool_call_parser, options=options)
+    tokenization = OpenAIServingTokenization(*shared, options=options)
+    no_docs: dict[str, object] = (
+        {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    )
+    app = FastAPI(
+        title="pagoda",
+        summary="OpenAI-compatible LLM server",
+        version=__version__,
+        root_path=root_path or "",
+        **no_docs,
+    )
+    state = ServerState()
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.server = state
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> Response:
@@ -167,6 +270,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if state.draining:
+            return error_response(503, "the server is shutting down")
         if not async_engine.is_running:
             return error_response(503, "the engine is not running")
         return JSONResponse({"status": "ok"})
@@ -183,10 +288,11 @@ def build_app(
     def model_cards() -> list[ModelCard]:
         cards = [
             ModelCard(
-                id=served_model_name,
+                id=name,
                 root=async_engine.model_name,
                 max_model_len=async_engine.max_model_len,
             )
+            for name in (served_model_name, *options.aliases)
         ]
         cards += [
             ModelCard(
@@ -240,6 +346,10 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await chat.create(request)
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses.create(request)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return await tokenization.tokenize(request)
@@ -257,44 +367,173 @@ def build_app(
         api_key=api_key,
         max_body_bytes=max_body_bytes,
         max_concurrent_requests=max_concurrent_requests,
+        state=state,
     )
+    if cors is not None:  # outermost: a browser's preflight is answered before the API key check
+        app.add_middleware(CORSMiddleware, **cors)
     return app
 
 
 def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
-    """`pagoda serve`: load the model, serve until SIGINT/SIGTERM, then shut down cleanly."""
+    """`pagoda serve`: load the model, serve until SIGINT/SIGTERM, then shut down cleanly.
+
+    Returns the process's exit code: 0 after a signal, 1 when the engine process died (and
+    --restart-engine was not given), so that systemd, Kubernetes or Docker restart the server.
+    """
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from pagoda.entrypoints.openai.generation_config import sampling_defaults
+
+    level = getattr(logging, server_args.log_level.upper())
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagoda").setLevel(level)
     if server_args.gil_switch_interval_s is not None:
         sys.setswitchinterval(server_args.gil_switch_interval_s)
+    chat_template = server_args.chat_template_text()  # a bad path fails before the model loads
     engine = start_engine(engine_args, server_args.engine_mode)
+    if server_args.restart_engine:
+        if not engine.runs_in_process:
+            engine.shutdown()
+            raise ValueError("--restart-engine needs the engine in its own process")
+        engine = RestartingEngine(engine, lambda: start_engine(engine_args, "process"))
     try:
-        name = server_args.served_model_name or engine.model_name
+        names = server_args.served_model_names or (engine.model_name,)
         where = "in its own process" if engine.runs_in_process else "in a thread"
         print(
             f"pagoda: {engine.model_name} ready in {engine.startup_time_s:.1f} s (engine "
-            f"{where}), served as {name!r}\n{engine.memory_report}",
+            f"{where}), served as {', '.join(repr(n) for n in names)}\n{engine.memory_report}",
             file=sys.stderr,
+        )
+        options = ServingOptions(
+            aliases=tuple(names[1:]),
+            chat_template=chat_template,
+            enable_auto_tool_choice=server_args.enable_auto_tool_choice,
+            reasoning_parser=server_args.reasoning_parser,
+            max_logprobs=server_args.max_logprobs,
+            sampling_defaults=sampling_defaults(
+                server_args.generation_config,
+                _model_dir(engine),
+                server_args.override_generation_config,
+            ),
+            log_requests=server_args.enable_log_requests,
+            max_log_len=server_args.max_log_len,
+        )
+        cors = dict(
+            allow_origins=list(server_args.allowed_origins),
+            allow_credentials=server_args.allow_credentials,
+            allow_methods=list(server_args.allowed_methods),
+            allow_headers=list(server_args.allowed_headers),
         )
         app = build_app(
             engine,
-            name,
+            names[0],
             api_key=server_args.api_key,
             max_concurrent_requests=server_args.max_concurrent_requests,
             max_body_bytes=server_args.max_body_bytes,
             lora_modules=server_args.lora_modules,
             tool_call_parser=server_args.tool_call_parser,
+            options=options,
+            cors=cors,
+            docs=not server_args.disable_fastapi_docs,
+            root_path=server_args.root_path,
         )
+        ssl: dict[str, object] = {}
+        if server_args.ssl_keyfile is not None:
+            ssl = dict(
+                ssl_keyfile=server_args.ssl_keyfile,
+                ssl_certfile=server_args.ssl_certfile,
+                ssl_ca_certs=server_args.ssl_ca_certs,
+                ssl_cert_reqs=server_args.ssl_cert_reqs,
+            )
         config = uvicorn.Config(
             app,
             host=server_args.host,
             port=server_args.port,
-            log_level=server_args.log_level,
+            log_level=server_args.uvicorn_log_level or server_args.log_level,
             access_log=server_args.access_log,
             timeout_graceful_shutdown=server_args.shutdown_timeout,
+            **ssl,
         )
-        uvicorn.Server(config).run()  # handles SIGINT / SIGTERM: drains, then returns
+        server = _DrainingServer(config, app.state.server, server_args.shutdown_timeout)
+        watchdog = _EngineWatchdog(engine, server, server_args.restart_engine)
+        watchdog.start()
+        server.run()  # SIGINT / SIGTERM: drains (new requests 503), then returns
+        watchdog.stop()
     finally:
         engine.shutdown()
+    if watchdog.engine_died:
+        print("pagoda: the engine process died; exiting with status 1", file=sys.stderr)
+        return 1
     return 0
+
+
+class _DrainingServer:
+    """uvicorn's server, with a graceful SIGTERM: /health and new generation requests answer
+    503 at once (a load balancer takes the replica out), in-flight ones finish (at most
+    `timeout` seconds), then the server stops. A second signal stops it without waiting."""
+
+    def __new__(cls, config: object, state: ServerState, timeout: float) -> object:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: object) -> None:
+                if state.draining or sig not in (signal.SIGTERM, signal.SIGINT):
+                    super().handle_exit(sig, frame)
+                    return
+                state.draining = True
+                logger.info("draining: %d request(s) in flight, new ones get 503", state.in_flight)
+                threading.Thread(target=self._drain, name="pagoda-drain", daemon=True).start()
+
+            def _drain(self) -> None:
+                deadline = time.monotonic() + timeout
+                while state.in_flight > 0 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self.should_exit = True
+
+        return Server(config)
+
+
+class _EngineWatchdog:
+    """Watches the engine process: when it dies, the server exits (status 1) or, with
+    --restart-engine, a new engine is started while requests get 503."""
+
+    def __init__(self, engine: object, server: object, restart: bool) -> None:
+        self.engine = engine
+        self.server = server
+        self.restart = restart
+        self.engine_died = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagoda-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            engine = self.engine
+            if engine.is_running or getattr(engine, "stopping", False):
+                continue
+            if getattr(self.server, "should_exit", False):
+                return
+            if not self.restart:
+                logger.error("the engine process died; stopping the server (exit status 1)")
+                self.engine_died = True
+                self.server.should_exit = True
+                return
+            try:
+                engine.restart()
+            except Exception:
+                logger.exception("restarting the engine failed; stopping the server")
+                self.engine_died = True
+                self.server.should_exit = True
+                return
+
+
+def _model_dir(engine: object) -> str | None:
+    """Where the served model's files are (its generation_config.json), either engine kind."""
+    frontend = getattr(engine, "frontend", None) or getattr(engine, "engine", None)
+    source = getattr(frontend, "source", None)
+    return None if source is None else str(source.path)

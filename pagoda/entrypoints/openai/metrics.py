@@ -13,9 +13,15 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as prometheus_text
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from pagoda.engine.core import ITERATION_TOKENS_BUCKETS
 from pagoda.engine.engine_process import ServerEngine
 from pagoda.outputs import RequestOutput
 
@@ -25,7 +31,30 @@ _LATENCY_BUCKETS = (
     20.0, 40.0, 80.0, 160.0, 640.0,
 )
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 # fmt: on
+# vLLM labels every series with the served model and the engine's index (one engine here: 0).
+_LABELS = ["model_name", "engine"]
+ENGINE_INDEX = "0"
+
+
+def _cache_info(engine: ServerEngine) -> dict[str, str]:
+    """`vllm:cache_config_info`'s labels: the KV cache settings, as strings."""
+    config = getattr(engine, "cache_config", None)
+    if config is None:
+        config = getattr(getattr(engine, "engine", None), "cache_config", None)
+    info = {}
+    if config is not None:
+        info = {
+            "block_size": str(config.block_size),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "num_gpu_blocks_override": str(config.num_blocks_override),
+            "cache_dtype": "auto",
+        }
+    info["num_gpu_blocks"] = str(engine.stats().num_blocks)
+    info["engine"] = ENGINE_INDEX
+    return info
 
 
 class _EngineCollector(Collector):
@@ -37,11 +66,12 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
-        labels = [self.model_name]
+        pagoda_labels = [self.model_name]
+        labels = [self.model_name, ENGINE_INDEX]
         running = ("Samples being computed.", s.num_running)
         waiting = ("Samples waiting for a slot.", s.num_waiting)
         usage = ("Fraction of KV cache blocks in use (0-1).", s.kv_cache_usage)
-        gauges = [
+        pagoda_gauges = [
             ("pagoda_num_requests_running", *running),
             ("pagoda_num_requests_waiting", *waiting),
             ("pagoda_kv_cache_usage_perc", *usage),
@@ -52,27 +82,57 @@ class _EngineCollector(Collector):
                 "Prompt tokens served from the prefix cache (fraction, since start-up).",
                 s.prefix_cache_hit_rate,
             ),
+        ]
+        for name, doc, value in pagoda_gauges:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(pagoda_labels, value)
+            yield g
+        for name, doc, value in [
             ("vllm:num_requests_running", *running),
             ("vllm:num_requests_waiting", *waiting),
             ("vllm:kv_cache_usage_perc", *usage),
-        ]
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        ]:
+            g = GaugeMetricFamily(name, doc, labels=_LABELS)
             g.add_metric(labels, value)
             yield g
         queries = ("Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries)
         hits = ("Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
-        counters = [
+        for name, doc, value in [
             ("pagoda_prefix_cache_queries", *queries),
             ("pagoda_prefix_cache_hits", *hits),
             ("pagoda_engine_steps", "Engine steps (batches) run.", s.num_steps),
+        ]:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(pagoda_labels, value)
+            yield c
+        for name, doc, value in [
             ("vllm:prefix_cache_queries", *queries),
             ("vllm:prefix_cache_hits", *hits),
-        ]
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            (
+                "vllm:num_preemptions",
+                "Requests preempted (their KV cache freed, to be recomputed).",
+                s.num_preemptions,
+            ),
+        ]:
+            c = CounterMetricFamily(name, doc, labels=_LABELS)
             c.add_metric(labels, value)
             yield c
+        counts = s.iteration_token_counts or (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        buckets, total = [], 0
+        for bound, count in zip((*ITERATION_TOKENS_BUCKETS, float("inf")), counts):
+            total += count
+            buckets.append(("+Inf" if bound == float("inf") else str(float(bound)), total))
+        h = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Tokens per engine step.", labels=_LABELS
+        )
+        h.add_metric(labels, buckets, s.iteration_tokens_sum)
+        yield h
+        info = _cache_info(self.engine)
+        g = GaugeMetricFamily(
+            "vllm:cache_config_info", "The KV cache's configuration.", labels=list(info)
+        )
+        g.add_metric(list(info.values()), 1)
+        yield g
 
 
 class _Alias(Collector):
@@ -113,17 +173,17 @@ class Metrics:
             name: str, doc: str, aliases: tuple[str, ...] = (), buckets: tuple = _LATENCY_BUCKETS
         ) -> Histogram:
             parent = Histogram(
-                name, doc, buckets=buckets, registry=self.registry, labelnames=["model_name"]
+                name, doc, buckets=buckets, registry=self.registry, labelnames=_LABELS
             )
             if aliases:
                 self.registry.register(_Alias(parent, list(aliases)))
-            return parent.labels(model_name)
+            return parent.labels(model_name, ENGINE_INDEX)
 
         def counter(name: str, doc: str, aliases: tuple[str, ...] = ()) -> Counter:
-            parent = Counter(name, doc, registry=self.registry, labelnames=["model_name"])
+            parent = Counter(name, doc, registry=self.registry, labelnames=_LABELS)
             if aliases:
                 self.registry.register(_Alias(parent, list(aliases)))
-            return parent.labels(model_name)
+            return parent.labels(model_name, ENGINE_INDEX)
 
         self.ttft = hist(
             "vllm:time_to_first_token_seconds",
@@ -158,6 +218,29 @@ class Metrics:
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Generated tokens.", ("pagoda_generation_tokens",)
         )
+        self.queue_time = hist(
+            "vllm:request_queue_time_seconds", "Time a request waited before it first ran."
+        )
+        self.prefill_time = hist(
+            "vllm:request_prefill_time_seconds",
+            "Time from a request's first step to its first token.",
+        )
+        self.decode_time = hist(
+            "vllm:request_decode_time_seconds", "Time from a request's first token to its last."
+        )
+        self.inference_time = hist(
+            "vllm:request_inference_time_seconds", "Time from a request's first step to its end."
+        )
+        self.max_tokens_param = hist(
+            "vllm:request_params_max_tokens", "max_tokens of each request.", (), _TOKEN_BUCKETS
+        )
+        self.max_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Most tokens generated by one sample of each request.",
+            (),
+            _TOKEN_BUCKETS,
+        )
+        self.n_param = hist("vllm:request_params_n", "n of each request.", (), _N_BUCKETS)
         self._finished = Counter(
             "pagoda_requests_finished",
             "Finished requests (samples) by finish reason; abort: the client left.",
@@ -168,12 +251,12 @@ class Metrics:
             "vllm:request_success",
             "Finished requests (samples) by finish reason.",
             registry=self.registry,
-            labelnames=["model_name", "finished_reason"],
+            labelnames=[*_LABELS, "finished_reason"],
         )
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model_name, reason).inc()
-        self._success.labels(self._model_name, reason).inc()
+        self._success.labels(self._model_name, ENGINE_INDEX, reason).inc()
 
     def render(self) -> bytes:
         return prometheus_text(self.registry)
@@ -190,6 +273,24 @@ class RequestTracker:
         self.prompt_counted = False
         self.finished = False
         self.num_generated = 0
+        self.per_sample: dict[int, int] = {}
+
+    def _phases(self, rm: object) -> None:
+        """Queue, prefill, decode and inference times from the engine's own timestamps."""
+        if rm is None:
+            return
+        m = self.metrics
+        scheduled = getattr(rm, "first_scheduled_time", None)
+        first = getattr(rm, "first_token_time", None)
+        last = getattr(rm, "last_token_time", None) or getattr(rm, "finished_time", None)
+        if scheduled is not None:
+            m.queue_time.observe(max(0.0, scheduled - rm.arrival_time))
+            if first is not None:
+                m.prefill_time.observe(max(0.0, first - scheduled))
+            if last is not None:
+                m.inference_time.observe(max(0.0, last - scheduled))
+        if first is not None and last is not None:
+            m.decode_time.observe(max(0.0, last - first))
 
     def observe(self, out: RequestOutput) -> None:
         now = time.perf_counter()
@@ -208,10 +309,14 @@ class RequestTracker:
             self.last_token = now
             self.num_generated += new_tokens
             m.generation_tokens.inc(new_tokens)
+        for c in out.outputs:
+            self.per_sample[c.index] = self.per_sample.get(c.index, 0) + len(c.token_ids)
         if out.finished:
             self.finished = True
             m.e2e.observe(now - self.arrival)
             m.request_generation_tokens.observe(self.num_generated)
+            m.max_generation_tokens.observe(max(self.per_sample.values(), default=0))
+            self._phases(out.metrics)
             samples = max(len(out.outputs), 1)
             per_sample = self.num_generated / samples
             if self.first_token is not None and per_sample > 1:

@@ -11,7 +11,16 @@ from collections.abc import Awaitable, Callable
 
 from pagoda.entrypoints.openai.errors import error_body
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+
+
+class ServerState:
+    """What the guard and the shutdown share: in-flight generation requests, and whether the
+    server drains (SIGTERM: those finish, new ones get 503)."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining = False
 
 
 class ServerGuard:
@@ -24,15 +33,21 @@ class ServerGuard:
     def __init__(
         self,
         app: Callable[..., Awaitable[None]],
-        api_key: str | None,
+        api_key: str | tuple[str, ...] | None,
         max_body_bytes: int,
         max_concurrent_requests: int | None,
+        state: ServerState | None = None,
     ) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        self.api_keys = [k.encode() for k in keys if k]
         self.max_body_bytes = max_body_bytes
         self.max_concurrent = max_concurrent_requests
-        self.in_flight = 0
+        self.state = state or ServerState()
+
+    @property
+    def in_flight(self) -> int:
+        return self.state.in_flight
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -40,10 +55,13 @@ class ServerGuard:
             return
         path = scope["path"]
         headers = dict(scope["headers"])
-        if self.api_key is not None and path.startswith("/v1"):
+        if self.api_keys and path.startswith("/v1"):
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            token = token.strip()
+            # every key is compared (no early exit), so timing does not tell which one matched
+            ok = [hmac.compare_digest(token, key) for key in self.api_keys]
+            if scheme.lower() != b"bearer" or not any(ok):
                 await _send_error(
                     send,
                     401,
@@ -77,8 +95,13 @@ class ServerGuard:
                 if not message.get("more_body", False):
                     break
             receive = _replay(b"".join(chunks), receive)
-        if path in GENERATION_PATHS and self.max_concurrent is not None:
-            if self.in_flight >= self.max_concurrent:
+        if path in GENERATION_PATHS:
+            if self.state.draining:
+                await _send_error(
+                    send, 503, "the server is shutting down; retry on another replica"
+                )
+                return
+            if self.max_concurrent is not None and self.state.in_flight >= self.max_concurrent:
                 await _send_error(
                     send,
                     429,
@@ -87,11 +110,11 @@ class ServerGuard:
                     code="rate_limit_exceeded",
                 )
                 return
-            self.in_flight += 1
+            self.state.in_flight += 1
             try:
                 await self.app(scope, receive, send)
             finally:
-                self.in_flight -= 1
+                self.state.in_flight -= 1
             return
         await self.app(scope, receive, send)
 

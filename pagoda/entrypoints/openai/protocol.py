@@ -20,7 +20,7 @@ from pagoda.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 128  # samples per prompt
 MAX_PROMPTS = 256  # prompts per completions request
-MAX_STOP = 16  # stop strings per request
+MAX_STOP_BYTES = 64 << 10  # all stop strings of a request together (UTF-8)
 MAX_STOP_TOKEN_IDS = 256
 MAX_TOP_K = 1 << 20
 MAX_BAD_WORDS = 256
@@ -173,12 +173,19 @@ class _SamplingRequest(_TopLevel):
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingRequest:
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
-            raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(self.stop)}")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        size = sum(len(s.encode()) for s in stops)
+        if size > MAX_STOP_BYTES:
+            raise ValueError(
+                f"stop: the stop strings take {size} bytes together; the limit is {MAX_STOP_BYTES}"
+            )
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported (use allowed_token_ids or bad_words)")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias: keys are token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias: values must be in [-100, 100], got {value}")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of: must equal n ({self.n}) if given, got {self.best_of}")
         if self.use_beam_search:
@@ -288,6 +295,8 @@ class _SamplingRequest(_TopLevel):
             kw["bad_words"] = list(self.bad_words)
         if self.allowed_token_ids is not None:
             kw["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.logit_bias:
+            kw["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()}
         return kw
 
 
@@ -760,6 +769,9 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    # --reasoning-parser: vLLM 0.34's field name, and the older one many clients read
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -799,6 +811,8 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

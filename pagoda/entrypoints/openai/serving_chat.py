@@ -19,6 +19,8 @@ from fastapi.responses import Response
 from pagoda.engine.async_engine import RequestStream
 from pagoda.engine.engine_process import ServerEngine
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.openai.errors import APIError
+from pagoda.entrypoints.openai.generation_config import apply_defaults
 from pagoda.entrypoints.openai.metrics import Metrics, RequestTracker
 from pagoda.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -34,8 +36,14 @@ from pagoda.entrypoints.openai.protocol import (
     ToolCallOut,
     random_id,
 )
+from pagoda.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    get_reasoning_parser,
+    thinking_disabled,
+)
 from pagoda.entrypoints.openai.serving_engine import (
     OpenAIServing,
+    ServingOptions,
     Usage,
     chat_logprobs,
     check_stop_token_ids,
@@ -82,8 +90,10 @@ class OpenAIServingChat(OpenAIServing):
         metrics: Metrics,
         lora_requests: dict[str, Any] | None = None,
         tool_call_parser: str | None = None,
+        options: ServingOptions | None = None,
     ) -> None:
-        super().__init__(engine, model_name, metrics, lora_requests)
+        super().__init__(engine, model_name, metrics, lora_requests, options)
+        self.reasoning = get_reasoning_parser(self.options.reasoning_parser)
         # Checked now: a bad --tool-call-parser fails at start-up, not on the first request.
         self.tool_call_parser = tool_call_parser
         if tool_call_parser is not None:
@@ -106,6 +116,24 @@ class OpenAIServingChat(OpenAIServing):
         req = await parse_body(request, ChatCompletionRequest)
         lora = self.check_model(req.model)
         self.warn_ignored(req, "chat/completions")
+        if (
+            self.options.enable_auto_tool_choice is False
+            and req.tools
+            and req.tool_call_mode == "auto"
+        ):
+            raise APIError(
+                400,
+                'tool_choice "auto" needs --enable-auto-tool-choice (this server was started '
+                "with --disable-auto-tool-choice)",
+                param="tool_choice",
+            )
+        self.check_logprobs(
+            top_logprobs=req.top_logprobs if req.logprobs else None,
+            prompt_logprobs=req.prompt_logprobs,
+        )
+        apply_defaults(req, self.options.sampling_defaults)
+        default_max_tokens = self.options.sampling_defaults.get("max_tokens")
+        chat_template = req.chat_template or self.options.chat_template
         if req.stream and req.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not available when stream is true")
         messages = [m.to_dict() for m in req.messages]
@@ -113,13 +141,14 @@ class OpenAIServingChat(OpenAIServing):
         limit = self.engine.max_model_len
         req.to_sampling_params(max_tokens=None)  # validate before touching the engine
         template_used: list[str | None] = [None]
+        rid = req.request_id or random_id("chatcmpl")
 
         def prepare(engine: LLMEngine) -> list:
             check_stop_token_ids(req.stop_token_ids, engine.input_processor.vocab_size)
             processed = process_chat_prompt(
                 engine,
                 messages,
-                chat_template=req.chat_template,
+                chat_template=chat_template,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 template_kwargs=req.template_kwargs(),
@@ -127,22 +156,26 @@ class OpenAIServingChat(OpenAIServing):
                 truncate=req.truncate_prompt_tokens,
             )
             tokenizer = engine.tokenizer
-            template_used[0] = req.chat_template or getattr(tokenizer, "chat_template", None)
+            template_used[0] = chat_template or getattr(tokenizer, "chat_template", None)
             n_prompt = len(processed.prompt_token_ids)
-            params = req.to_sampling_params(max_tokens_for(n_prompt, requested, None, limit))
+            max_tokens = max_tokens_for(n_prompt, requested, default_max_tokens, limit)
+            params = req.to_sampling_params(max_tokens)
+            self.log_request(rid, processed.prompt or processed.prompt_token_ids, params)
             return [(processed, params)]
 
-        rid = req.request_id or random_id("chatcmpl")
         arrival = time.perf_counter()
         streams = await self.add(prepare, rid, lora)
         trackers = [RequestTracker(self.metrics, arrival)]
         parser = self._parser(req, template_used[0])
+        reasoning = self.reasoning
+        if reasoning is not None and thinking_disabled(req.chat_template_kwargs):
+            reasoning = None
         echo = ""
         last = req.messages[-1]
         if req.echo and last.role == "assistant" and isinstance(last.content, str):
             echo = last.content
         if req.stream:
-            return EventStream(self._stream(req, rid, streams, trackers, parser, echo))
+            return EventStream(self._stream(req, rid, streams, trackers, parser, echo, reasoning))
         result = await unless_disconnected(request, collect(streams, trackers, req.n))
         if result is None:
             return Response(status_code=499)
@@ -151,13 +184,19 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         for j, ch in enumerate(per_stream):
             text = echo + "".join(ch.text)
+            thought = None
+            if reasoning is not None:
+                thought, content = reasoning.extract(text)
+                text = content or ""
             calls: list[ParsedToolCall] = []
             if parser is not None:
                 parsed = parser.parse(text)
                 text, calls = parsed.content, parsed.tool_calls
             message = ChatResponseMessage(
-                content=text if text or not calls else None,
+                content=text if text or not (calls or thought) else None,
                 tool_calls=[_tool_call(c) for c in calls],
+                reasoning=thought,
+                reasoning_content=thought,
             )
             choices.append(
                 ChatCompletionChoice(
@@ -191,6 +230,7 @@ class OpenAIServingChat(OpenAIServing):
         trackers: list[RequestTracker],
         parser: ToolParser | None,
         echo: str,
+        reasoning: ReasoningParser | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         usage = Usage()
@@ -198,6 +238,7 @@ class OpenAIServingChat(OpenAIServing):
         done: set[int] = set()
         ids_wanted = req.return_token_ids
         parsers = [parser.streaming() if parser is not None else None for _ in range(req.n)]
+        thinkers = [reasoning.stream() if reasoning is not None else None for _ in range(req.n)]
         num_calls = [0] * req.n
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
@@ -253,11 +294,16 @@ class OpenAIServingChat(OpenAIServing):
                         lp = chat_logprobs(c.token_ids, c.logprobs, k)
                     final = c.finish_reason is not None
                     text = pending_echo.pop(c.index, "") + c.text
+                    thought = None
+                    thinker = thinkers[c.index]
+                    if thinker is not None:
+                        thought, text = thinker.feed(text, final)
                     content, calls = deltas(c.index, text, final)
                     if final:
                         done.add(c.index)
                     elif (
                         content is None
+                        and not thought
                         and not calls
                         and lp is None
                         and not (ids_wanted and c.token_ids)
@@ -266,7 +312,12 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk(
                         ChatCompletionStreamChoice(
                             index=c.index,
-                            delta=DeltaMessage(content=content, tool_calls=calls or None),
+                            delta=DeltaMessage(
+                                content=content,
+                                tool_calls=calls or None,
+                                reasoning=thought or None,
+                                reasoning_content=thought or None,
+                            ),
                             logprobs=lp,
                             finish_reason=_finish_reason(c.finish_reason, num_calls[c.index]),
                             stop_reason=c.stop_reason,

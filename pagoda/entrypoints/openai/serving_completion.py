@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from pagoda.engine.async_engine import RequestStream
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.entrypoints.openai.generation_config import apply_defaults
 from pagoda.entrypoints.openai.metrics import RequestTracker
 from pagoda.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -55,6 +56,8 @@ class OpenAIServingCompletion(OpenAIServing):
         req = await parse_body(request, CompletionRequest)
         lora = self.check_model(req.model)
         self.warn_ignored(req, "completions")
+        self.check_logprobs(logprobs=req.logprobs, prompt_logprobs=req.prompt_logprobs)
+        apply_defaults(req, self.options.sampling_defaults)
         if req.stream and req.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not available when stream is true")
         prompts = req.prompt_list()
@@ -64,6 +67,7 @@ class OpenAIServingCompletion(OpenAIServing):
         req.to_sampling_params(max_tokens=None)  # validate before touching the engine
         echo_texts: list[str] = []
         first_tokens: list[str] = []  # the first prompt token's text (it has no log-prob)
+        rid = req.request_id or random_id("cmpl")
 
         def prepare(engine: LLMEngine) -> list:
             check_stop_token_ids(req.stop_token_ids, engine.input_processor.vocab_size)
@@ -76,7 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 ids = processed.prompt_token_ids
                 requested = (1 if score_only else req.max_tokens) if explicit else None
-                default = None if explicit else 16
+                default = None if explicit else self.options.sampling_defaults.get("max_tokens", 16)
                 params = req.to_sampling_params(max_tokens_for(len(ids), requested, default, limit))
                 if req.echo:
                     text = processed.prompt
@@ -88,9 +92,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     tok = engine.tokenizer
                     first_tokens.append(tok.decode(ids[:1]) if tok is not None else "")
                 items.append((processed, params))
+                self.log_request(rid, prompt, params)
             return items
 
-        rid = req.request_id or random_id("cmpl")
         arrival = time.perf_counter()
         streams = await self.add(prepare, rid, lora)
         trackers = [RequestTracker(self.metrics, arrival) for _ in streams]

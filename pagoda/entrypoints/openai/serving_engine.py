@@ -152,6 +152,24 @@ def max_tokens_for(prompt_len: int, requested: int | None, default: int | None, 
     return requested
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """Server-wide settings of the endpoints (from `pagoda serve`'s vLLM flags)."""
+
+    aliases: tuple[str, ...] = ()  # more names of the base model (--served-model-name a b)
+    chat_template: str | None = None  # --chat-template (None: the model's)
+    enable_auto_tool_choice: bool | None = None  # False: tool_choice "auto" is a 400
+    reasoning_parser: str | None = None  # qwen3 | deepseek_r1
+    max_logprobs: int = 20
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # --generation-config
+    log_requests: bool = False
+    max_log_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+
+
 class OpenAIServing:
     """The state every endpoint shares: engine, served names (base + adapters) and metrics."""
 
@@ -161,19 +179,48 @@ class OpenAIServing:
         model_name: str,
         metrics: Metrics,
         lora_requests: dict[str, Any] | None = None,
+        options: ServingOptions | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.lora_requests = lora_requests or {}
+        self.options = options or ServingOptions()
+
+    def check_logprobs(self, **asked: int | None) -> None:
+        """A 400 naming the field when a request asks for more log-probs than --max-logprobs."""
+        limit = self.options.max_logprobs
+        for name, k in asked.items():
+            if k is not None and k > limit:
+                raise APIError(
+                    400,
+                    f"{name}: {k} log-probs asked for; this server allows at most {limit} "
+                    "(--max-logprobs)",
+                    param=name,
+                )
+
+    def log_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        """Record an engine request's parameters (vllm:request_params_*) and, with
+        --enable-log-requests, log it (the prompt cut to --max-log-len characters)."""
+        self.metrics.n_param.observe(params.n)
+        if params.max_tokens is not None:
+            self.metrics.max_tokens_param.observe(params.max_tokens)
+        if not self.options.log_requests:
+            return
+        text = str(prompt)
+        if self.options.max_log_len is not None:
+            text = text[: self.options.max_log_len]
+        logger.info("request %s: prompt %r, params %s", request_id, text, params)
 
     def check_model(self, model: str | None) -> Any:
         """The LoRARequest the model name selects (None for the base model), or 404."""
-        if model is None or model == self.model_name:  # no model: the served one, as vLLM
-            return None
+        if model is None or model == self.model_name or model in self.options.aliases:
+            return None  # no model: the served one, as vLLM
         if model in self.lora_requests:
             return self.lora_requests[model]
-        names = ", ".join(repr(n) for n in [self.model_name, *self.lora_requests])
+        names = ", ".join(
+            repr(n) for n in [self.model_name, *self.options.aliases, *self.lora_requests]
+        )
         raise APIError(
             404,
             f"the model {model!r} does not exist; this server serves {names}",

@@ -68,7 +68,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 processed = process_chat_prompt(
                     engine,
                     [m.to_dict() for m in req.messages],
-                    chat_template=req.chat_template,
+                    chat_template=req.chat_template or self.options.chat_template,
                     add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message,
                     template_kwargs=kwargs,

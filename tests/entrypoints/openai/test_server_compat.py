@@ -427,7 +427,6 @@ def test_lenient_numbers_missing_model_and_refusals(server, caplog):
     assert r.status_code == 400
     for field, value in [
         ("use_beam_search", True),
-        ("logit_bias", {"1": 2.0}),
         ("functions", []),
         ("logits_processors", ["x"]),
     ]:
