@@ -395,5 +395,5 @@ def test_serve_cli_parses():
             "256",
         ]
     )
-    assert (ns.host, ns.port, ns.api_key, ns.served_model_name) == ("127.0.0.1", 0, "k", "m")
+    assert (ns.host, ns.port, ns.api_key, ns.served_model_name) == ("127.0.0.1", 0, ["k"], ["m"])
     assert ns.max_concurrent_requests == 4 and ns.max_model_len == 256 and ns.model is None
