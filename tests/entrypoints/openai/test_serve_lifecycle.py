@@ -50,7 +50,7 @@ def _long_stream(client, results: list, i: int) -> None:
         stream = client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": f"Count to {100 + i}."}],
-            max_tokens=48,
+            max_tokens=24,
             stream=True,
             extra_body={"ignore_eos": True},
         )
@@ -113,6 +113,7 @@ def test_restart_engine_serves_again_and_reasoning():
                 {"role": "assistant", "content": "<think>2 and 2 make 4.</think>The answer"},
             ],
             max_tokens=3,
+            temperature=0.0,
             extra_body={
                 "continue_final_message": True,
                 "add_generation_prompt": False,
@@ -129,6 +130,7 @@ def test_restart_engine_serves_again_and_reasoning():
                 {"role": "assistant", "content": "<think>2 and 2 make 4.</think>The answer"},
             ],
             max_tokens=3,
+            temperature=0.0,
             stream=True,
             extra_body={
                 "continue_final_message": True,
