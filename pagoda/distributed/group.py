@@ -9,6 +9,7 @@ closed connection); `timeout_s` bounds a collective that waits on a stuck peer.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,10 +112,9 @@ class TensorParallelGroup:
         for pg in (self.pg, self.cpu_pg):
             shutdown = getattr(pg, "shutdown", None) or getattr(pg, "abort", None)
             if shutdown is not None:
-                try:
+                # A peer already gone leaves nothing to release on its side.
+                with contextlib.suppress(RuntimeError):
                     shutdown()
-                except RuntimeError:
-                    pass  # a peer already gone: nothing left to release on its side
         self.pg = self.cpu_pg = None
         self.store = None
 

@@ -149,7 +149,7 @@ class ModelSharder:
 
     def prepare(self, model: nn.Module) -> None:
         """Wrap the loaders and insert the collectives (call before the weights load)."""
-        rank, world = self.group.rank, self.group.world_size
+        rank = self.group.rank
         vocab_params: set[int] = set()
         for name, module in model.named_modules():
             if isinstance(module, VocabEmbedding):

@@ -11,6 +11,7 @@ pipe close); the executor then raises `RankFailure` naming the rank and how it e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -145,20 +146,16 @@ def _worker_main(
                 conn.send(("ok", None))
     except BaseException as e:  # noqa: BLE001 (reported to rank 0, then this rank ends)
         msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"
-        try:
+        with contextlib.suppress(OSError, EOFError):
             conn.send(("error", msg))
-        except (OSError, EOFError):
-            pass
         raise SystemExit(1) from None
     finally:
         if runner is not None:
             runner.shutdown()
         if group is not None:
             group.close()
-    try:
+    with contextlib.suppress(OSError, EOFError):
         conn.send(("ok", None))
-    except (OSError, EOFError):
-        pass
 
 
 # ---------------------------------------------------------------------- rank 0
@@ -374,10 +371,8 @@ class TensorParallelExecutor:
     def _stop_ranks(self) -> None:
         payload = pickle.dumps(("shutdown", (), False))
         for r in self._ranks:
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 r.conn.send_bytes(payload)
-            except (OSError, ValueError):
-                pass
         for r in self._ranks:
             r.process.join(_EXIT_WAIT_S)
             if r.process.is_alive():
