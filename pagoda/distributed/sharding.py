@@ -26,6 +26,7 @@ from pagoda.config import ModelConfig
 from pagoda.distributed.group import TensorParallelGroup
 from pagoda.layers.embedding import LMHead, VocabEmbedding
 from pagoda.layers.linear import LinearBase
+from pagoda.model_files import transformers_config
 
 # Decoder projections whose input is split across ranks (their partial outputs are summed).
 _ROW_PARALLEL = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)$")
@@ -75,8 +76,6 @@ def rank_model_config(model_config: ModelConfig, world_size: int) -> ModelConfig
     if world_size == 1:
         return model_config
     # A cached GGUF config is a read-only view: shard a copy of the transformers config.
-    from pagoda.model_files import transformers_config
-
     hf_config = copy.deepcopy(transformers_config(model_config.hf_config))
     cfg = getattr(hf_config, "text_config", None) or hf_config
     head_dim = model_config.head_dim

@@ -63,6 +63,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default=0.0,
         help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over N ranks (processes; one GPU each on CUDA, gloo on the CPU)",
+    )
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -83,4 +90,5 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         load_format=ns.load_format,
         quantization=ns.quantization,
         cpu_offload_gb=ns.cpu_offload_gb,
+        tensor_parallel_size=ns.tensor_parallel_size,
     )
