@@ -55,7 +55,11 @@ def check_tensor_parallel_size(hf_config: Any, world_size: int) -> None:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     width = cfg.intermediate_size
     if heads % world_size:
-        ok = [d for d in _divisors(heads) if kv_heads % d == 0 or d % kv_heads == 0]
+        ok = [
+            d
+            for d in _divisors(heads)
+            if (kv_heads % d == 0 or d % kv_heads == 0) and width % d == 0
+        ]
         raise ValueError(
             f"tensor_parallel_size={world_size} does not divide the model's {heads} attention "
             f"heads; sizes this model supports: {', '.join(map(str, ok))}"
@@ -202,6 +206,10 @@ class ModelSharder:
                 original(p, full, shard_id)
 
         return load
+
+    def shard(self, full: torch.Tensor, local_shape: tuple[int, ...], name: str) -> torch.Tensor:
+        """This rank's slice of `full` for a tensor of `local_shape` (LoRA adapters)."""
+        return shard_tensor(full, local_shape, self.group.rank, self.group.world_size, name)
 
     def _sum_partials(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(out)

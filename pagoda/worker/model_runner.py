@@ -300,6 +300,8 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
+            if self.sharder is not None:
+                self.lora_manager.shard_tensor = self.sharder.shard
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.weights_bytes = torch.cuda.memory_allocated(self.device) - before

@@ -3,10 +3,10 @@
 The engine core calls `TensorParallelExecutor` exactly as it calls a `ModelRunner`. Rank 0's
 runner lives in the engine's process; each other rank is a spawned process with its own runner
 over its shard of the model. Each call (load, KV-cache sizing, one step) is pickled once and
-written to every rank's pipe; all ranks then run it together, meeting in the model's
+written to every rank's socket; all ranks then run it together, meeting in the model's
 collectives. Only rank 0's sampled tokens are used (steps are scheduled in order, so every
 input token comes from rank 0's host). A rank that dies makes the next collective fail (or its
-pipe close); the executor then raises `RankFailure` naming the rank and how it ended.
+socket close); the executor then raises `RankFailure` naming the rank and how it ended.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import multiprocessing as mp
 import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -115,19 +118,21 @@ _OPS = {
 }
 
 
-def _worker_main(
-    rank: int,
-    address: GroupAddress,
-    model_config: ModelConfig,
-    cache_config: CacheConfig,
-    runner_config: RunnerConfig,
-    conn: Connection,
-) -> None:
-    """A rank > 0: join the groups, build the runner, then run what rank 0 sends until told to
-    stop (or until rank 0's pipe closes). Any error is sent back before exiting."""
+# A rank runs this with rank 0's sys.path: a fresh interpreter (CUDA cannot be initialised in
+# a forked child) that, unlike multiprocessing's spawn, does not re-import the user's __main__
+# (a script without a main guard would start its engine again in every rank).
+_BOOT = "import sys; sys.path[:] = {path!r}; import {mod} as m; m.rank_main({fd})"
+
+
+def rank_main(fd: int) -> None:
+    """A rank > 0: read its arguments from the socket, join the groups, build the runner, then
+    run what rank 0 sends until told to stop (or until rank 0's end closes). Any error is sent
+    back before exiting."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to rank 0, which stops us
+    conn = Connection(fd)
     group = runner = None
     try:
+        rank, address, model_config, cache_config, runner_config = pickle.loads(conn.recv_bytes())
         rc = _rank_runner_config(runner_config, rank)
         device = resolve_device(rc.device)
         if device.type == "cuda":
@@ -164,9 +169,12 @@ def _worker_main(
 @dataclasses.dataclass
 class _Rank:
     rank: int
-    process: Any  # multiprocessing Process
+    process: subprocess.Popen
     conn: Connection
     error: str | None = None
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
 
 class TensorParallelExecutor:
@@ -188,20 +196,18 @@ class TensorParallelExecutor:
         rc0 = _rank_runner_config(runner_config, 0)
         store = create_store(world)
         address = GroupAddress("127.0.0.1", store.port, world, _COLLECTIVE_TIMEOUT_S)
-        ctx = mp.get_context("spawn")
         self._ranks: list[_Rank] = []
-        for rank in range(1, world):
-            parent, child = ctx.Pipe()
-            process = ctx.Process(
-                target=_worker_main,
-                args=(rank, address, model_config, cache_config, runner_config, child),
-                name=f"pagoda-tp-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            child.close()
-            self._ranks.append(_Rank(rank, process, parent))
         try:
+            for rank in range(1, world):
+                ours, theirs = socket.socketpair()
+                fd = theirs.fileno()
+                boot = _BOOT.format(path=sys.path, mod=__name__, fd=fd)
+                process = subprocess.Popen([sys.executable, "-c", boot], pass_fds=(fd,))
+                theirs.close()  # else our copy keeps it open and a dead rank is never seen
+                conn = Connection(ours.detach())
+                self._ranks.append(_Rank(rank, process, conn))
+                args = (rank, address, model_config, cache_config, runner_config)
+                conn.send_bytes(pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL))
             self.group = self._join(address, store, resolve_device(rc0.device))
             self.runner = _rank_runner(model_config, cache_config, rc0, self.group)
         except BaseException:
@@ -243,8 +249,8 @@ class TensorParallelExecutor:
                     r.error = msg
             if r.error is not None:
                 raise RankFailure(f"tensor-parallel rank {r.rank} failed: {r.error}")
-            if not r.process.is_alive():
-                code = r.process.exitcode
+            if not r.alive():
+                code = r.process.returncode
                 how = (
                     f"was killed by signal {signal.Signals(-code).name}"
                     if code is not None and code < 0
@@ -258,7 +264,9 @@ class TensorParallelExecutor:
         try:
             # A peer's death reaches rank 0 as a collective error a moment before its exit
             # code is set: give the others a moment to be reaped.
-            wait([r.process.sentinel for r in self._ranks], timeout=1.0)
+            deadline = time.monotonic() + 1.0
+            while all(r.alive() for r in self._ranks) and time.monotonic() < deadline:
+                time.sleep(0.02)
             self._check_ranks()
         except RankFailure as failure:
             self.shutdown()
@@ -288,17 +296,15 @@ class TensorParallelExecutor:
     def _wait_replies(self) -> None:
         pending = {r.conn: r for r in self._ranks}
         while pending:
-            ready = wait([*pending, *(r.process.sentinel for r in pending.values())])
-            for obj in ready:
-                r = pending.get(obj)  # type: ignore[call-overload]
-                if r is None:  # a sentinel: that rank ended
-                    self._check_ranks()
-                    continue
+            # A rank that dies closes its end of the socket: its connection becomes ready.
+            for obj in wait(list(pending)):
+                r = pending[obj]  # type: ignore[index]
                 try:
                     status, msg = r.conn.recv()
                 except (EOFError, OSError):
+                    r.process.wait(_EXIT_WAIT_S)
                     self._check_ranks()
-                    raise RankFailure(f"tensor-parallel rank {r.rank} closed its pipe") from None
+                    raise RankFailure(f"tensor-parallel rank {r.rank} closed its socket") from None
                 if status == "error":
                     r.error = msg
                     self._check_ranks()
@@ -374,11 +380,12 @@ class TensorParallelExecutor:
             with contextlib.suppress(OSError, ValueError):
                 r.conn.send_bytes(payload)
         for r in self._ranks:
-            r.process.join(_EXIT_WAIT_S)
-            if r.process.is_alive():
+            try:
+                r.process.wait(_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
                 logger.warning("tensor-parallel rank %d did not exit; killing it", r.rank)
                 r.process.kill()
-                r.process.join(_EXIT_WAIT_S)
+                r.process.wait(_EXIT_WAIT_S)
             r.conn.close()
 
 
