@@ -316,7 +316,10 @@ class TensorParallelExecutor:
         self._call("load")
 
     def initialize_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
-        return self._call("initialize_kv_cache", max_num_seqs, max_num_batched_tokens)
+        report = self._call("initialize_kv_cache", max_num_seqs, max_num_batched_tokens)
+        # Rank 0's figures; every rank holds its own shard of the weights and the same blocks.
+        report.device = f"{report.device}, rank 0 of {self.world_size} (figures per rank)"
+        return report
 
     def capture_cuda_graphs(self, max_num_seqs: int) -> None:
         self._call("capture", max_num_seqs)

@@ -6,6 +6,7 @@ bounded by a timeout (tp_child.py), so a hang fails the test instead of stalling
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -138,3 +139,21 @@ def test_killed_rank_is_a_clear_error_within_seconds(tiny_llama: Path) -> None:
     assert result["error"] == "RankFailure: tensor-parallel rank 1 was killed by signal SIGKILL"
     assert result["seconds"] < 30, result  # a gloo peer's closed connection, not the timeout
     assert result["alive"] == [False]
+
+
+def test_engine_args_and_flags() -> None:
+    from pagoda.engine.args import EngineArgs
+    from pagoda.entrypoints.cli_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--model", "m", "--tensor-parallel-size", "2"])
+    assert engine_kwargs(ns)["tensor_parallel_size"] == 2
+    args = EngineArgs(tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling=True cannot be combined"):
+        args._async_scheduling(torch.device("cpu"))
+    assert EngineArgs(tensor_parallel_size=2)._async_scheduling(torch.device("cuda")) is False
+    from pagoda.config import RunnerConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        RunnerConfig(tensor_parallel_size=0)
