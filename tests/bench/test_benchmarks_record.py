@@ -1,7 +1,7 @@
 """The benchmark record stays a record of today's figures: `BENCHMARKS.md` is short, every
 benchmark script is named by the runbook or by a figure, every result path a figure names
-exists, and no tracked file speaks of the project's work history ("session 12") instead of
-dates, commits and devices."""
+exists, and no tracked file speaks of the project's work history (the word "session" and a
+number) instead of dates, commits and devices."""
 
 from __future__ import annotations
 
