@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagoda.bench.common import copy_bandwidth, environment  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
-from pagoda.kernels import gluon_mma_wgmma as mwg  # noqa: E402
-from pagoda.kernels import gluon_wgmma_tma as tk  # noqa: E402
-from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+from pagoda.kernels.wna16 import gluon_mma_wgmma as mwg  # noqa: E402
+from pagoda.kernels.wna16 import gluon_wgmma_tma as tk  # noqa: E402
+from pagoda.kernels.wna16 import triton_w4a16_mma as mma  # noqa: E402
 from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 
 SHAPES = {  # model: {layer: (N, K)}

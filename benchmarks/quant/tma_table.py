@@ -1,4 +1,4 @@
-"""Write `pagoda/kernels/tuned/w4a16_tma.json` from a `bench_w4a16_tc.py --sweep tma` run: for
+"""Write `pagoda/kernels/wna16/tuned/w4a16_tma.json` from a `bench_w4a16_tc.py --sweep tma` run: for
 every swept (layer shape, M), the fastest TMA GEMM config where it beats the heuristic
 (`default_tma_config`, the run's `tma` column) by at least `--min-gain`, else no entry config
 (the heuristic). Each entry holds M from the shape's previous swept M + 1 (the first: half its
@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLE = ROOT / "pagoda" / "kernels" / "tuned" / "w4a16_tma.json"
+TABLE = ROOT / "pagoda" / "kernels" / "wna16" / "tuned" / "w4a16_tma.json"
 CFG = re.compile(r"^tma(\[[0-9, ]+\])_us$")
 
 

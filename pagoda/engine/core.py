@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from pagoda.engine.kv_cache_manager import KVCacheManager
 from pagoda.engine.request import Request, RequestStatus
-from pagoda.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
+from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
+from pagoda.step import SchedulerOutput
 from pagoda.worker.memory import MemoryReport
 from pagoda.worker.model_runner import ModelRunner, PendingOutput
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.kernels.fused_ops import apply_rotary_ref
+from pagoda.kernels.norm_act.reference import apply_rotary_ref
 
 
 def write_kv_cache_ref(

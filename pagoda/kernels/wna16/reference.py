@@ -3,7 +3,7 @@
 `wna16_linear_ref` dequantizes and multiplies: the oracle of the Triton kernels and the CPU
 path; `dequantize_packed_t` is the oracle of `wna16_dequant`, and `large_m_threshold` the M
 from which the kernel registry sends a layer through it and cuBLAS instead of the Triton GEMM.
-(Int32 packing lives in `pagoda.quant.packing`.)
+(Int32 packing lives in `pagoda.quant.packing`, `dequantize_weight` in `pagoda.quant.dequant`.)
 """
 
 from __future__ import annotations
@@ -12,34 +12,8 @@ import math
 
 import torch
 
+from pagoda.quant.dequant import dequantize_weight
 from pagoda.quant.packing import unpack_from_int32
-
-
-def expand_groups(
-    per_group: torch.Tensor, in_features: int, group_size: int, g_idx: torch.Tensor | None
-) -> torch.Tensor:
-    """[out, num_groups] -> [out, in_features]: each input column gets its group's value."""
-    if g_idx is not None:
-        return per_group[:, g_idx.long()]
-    return per_group.repeat_interleave(group_size, dim=1)[:, :in_features]
-
-
-def dequantize_weight(
-    qweight: torch.Tensor,  # [out, in] int8 signed values
-    scale: torch.Tensor,  # [out, num_groups]
-    zero_point: torch.Tensor | None,  # [out, num_groups] int8, None when symmetric
-    group_size: int,  # in_features for per-channel
-    g_idx: torch.Tensor | None = None,  # [in] group of each input column (act-order "group")
-    dtype: torch.dtype | None = None,
-) -> torch.Tensor:  # [out, in]
-    """w = (q - zero_point) * scale, in `dtype` (default: the scale's dtype)."""
-    dtype = dtype or scale.dtype
-    in_features = qweight.shape[1]
-    q = qweight.to(torch.float32)
-    if zero_point is not None:
-        q = q - expand_groups(zero_point.to(torch.float32), in_features, group_size, g_idx)
-    w = q * expand_groups(scale.to(torch.float32), in_features, group_size, g_idx)
-    return w.to(dtype)
 
 
 def wna16_linear_ref(

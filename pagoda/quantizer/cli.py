@@ -1,6 +1,6 @@
 """`pagoda quantize MODEL --out DIR ...` and `pagoda eval perplexity MODEL --text FILE`.
 
-Discovered by `pagoda.entrypoints.cli` through `register(subparsers)`. Mistakes (bad scheme,
+Discovered by `pagoda.cli` through `register(subparsers)`. Mistakes (bad scheme,
 group size, calibration file, architecture) surface as ValueError and end as `error: ...`.
 """
 
@@ -19,7 +19,7 @@ def _group_size(text: str) -> int:
 
 def _ignore_list(ns: argparse.Namespace) -> list[str]:
     """--ignore patterns, with lm_head added unless --quantize-lm-head asks for it."""
-    from pagoda.quant.pipeline import matches_ignore
+    from pagoda.quantizer.pipeline import matches_ignore
 
     ignore = list(ns.ignore or [])
     if ns.quantize_lm_head:
@@ -34,7 +34,7 @@ def _ignore_list(ns: argparse.Namespace) -> list[str]:
 
 
 def _cmd_quantize(ns: argparse.Namespace) -> int:
-    from pagoda.quant.api import quantize
+    from pagoda.quantizer.api import quantize
 
     if ns.method != "rtn" and ns.dataset is None:
         # the API's message names its argument; the CLI user needs the flag
@@ -79,7 +79,7 @@ def _cmd_perplexity(ns: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from pagoda.quant.calibration import formats_help
+    from pagoda.quantizer.calibration import formats_help
 
     q = sub.add_parser(
         "quantize",

@@ -12,38 +12,13 @@ two kernel launches; its split-K shrink uses a `LoRAWorkspace` that every layer 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from pagoda import envs
+from pagoda.kernels.lora.workspace import LoRAWorkspace
 from pagoda.platform import triton_available
-
-
-@dataclass(frozen=True)
-class LoRAWorkspace:
-    """Scratch of the split-K shrink: zero before and after every launch (each launch returns
-    what it used to zero), so one instance serves every layer of a stream, graphs included."""
-
-    acc: torch.Tensor  # [max_rows, max_cols] float32: partial sums of rank-space rows
-    counters: torch.Tensor  # [n] int32: arrivals per (token tile, slot, output tile)
-    sync: torch.Tensor  # [4] int32: tickets and arrivals of the one-launch (fused) kernel
-
-
-def lora_workspace(
-    device: torch.device | str,
-    max_rows: int = 1024,
-    max_cols: int = 512,
-    num_counters: int = 1 << 14,
-) -> LoRAWorkspace:
-    """Allocate (zeroed) a workspace: split-K serves layer inputs of up to `max_rows` tokens
-    and rank spaces (S*R) of up to `max_cols`. Allocate it outside CUDA-graph capture."""
-    return LoRAWorkspace(
-        torch.zeros(max_rows, max_cols, dtype=torch.float32, device=device),
-        torch.zeros(num_counters, dtype=torch.int32, device=device),
-        torch.zeros(4, dtype=torch.int32, device=device),
-    )
 
 
 @functools.cache
@@ -52,7 +27,7 @@ def _triton_lora() -> ModuleType | None:
     read when the kernel module is imported)."""
     if not triton_available():
         return None
-    from pagoda.kernels import triton_lora
+    from pagoda.kernels.lora import triton_lora
 
     return triton_lora
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from pagoda import platform
 from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.tuned_tables import gpu_entries
+from pagoda.kernels.wna16.tuned_tables import gpu_entries
 from pagoda.kernels.workspace import SplitKWorkspace
 
 
@@ -703,7 +703,7 @@ def wna16_gemv(
 
 # ---------------------------------------------------------------- dequantize, then cuBLAS (large M)
 #
-# From some M on (`pagoda.kernels.wna16.large_m_threshold`) a layer is cheaper as one pass that
+# From some M on (`reference.large_m_threshold`) a layer is cheaper as one pass that
 # expands the packed weight into a dense [N, K] scratch matrix in x's dtype followed by cuBLAS
 # (`F.linear`) than as the Triton dequant-GEMM. The pass reads N*K*bits/8 bytes (+ scales) and
 # writes N*K*2, so it is bandwidth-bound and only has to keep both streams coalesced.
@@ -837,7 +837,7 @@ def wna16_dequant(
     config: DequantConfig | None = None,
 ) -> torch.Tensor:  # [N, K]: the weight `F.linear(x, w)` takes
     """The dense weight w[n, k] = (u - zero) * scale, rounded once to `dtype` (see the notes
-    above the kernel); bit-identical to `pagoda.kernels.wna16.dequantize_packed_t`.
+    above the kernel); bit-identical to `pagoda.kernels.wna16.reference.dequantize_packed_t`.
 
     Column slices of the inputs (a range of N) work as they are: the kernel takes all strides.
     """

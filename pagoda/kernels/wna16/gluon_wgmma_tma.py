@@ -38,7 +38,7 @@ import functools
 import torch
 
 from pagoda import platform
-from pagoda.kernels.tuned_tables import TUNED_DIR, gpu_entries
+from pagoda.kernels.wna16.tuned_tables import TUNED_DIR, gpu_entries
 from pagoda.kernels.workspace import SplitKWorkspace
 
 BLOCK_K = 64  # K per ring stage (one tile of the layout)
@@ -101,7 +101,7 @@ def _kernel():
         warpgroup_mma_wait,
     )
 
-    from pagoda.kernels.gluon_mma_wgmma import _QUAD_T, _SPLAT, fragment_parts
+    from pagoda.kernels.wna16.gluon_mma_wgmma import _QUAD_T, _SPLAT, fragment_parts
 
     barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # Triton 3.9 / 3.6
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.9 / 3.6
@@ -454,7 +454,7 @@ def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
     of one CTA an SM (a second resident CTA measured to add little), whole tiles `kt + 3` (the
     ring's fill, the epilogue), split ones `per + 5` (their fp32 partials); at least 4 K steps
     a split, at most 16 splits, no more partial bytes than int4 weight bytes (BENCHMARKS.md,
-    session 16)."""
+    W4A16 kernels)."""
     block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
     wgs, stages = 1, 4
     kt = k // BLOCK_K
@@ -597,7 +597,7 @@ def wna16_wgmma_tma(
     """y = x @ dequant(W).T (+ bias) for W stored by `repack_mma`, W = (u - z) * s per group."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from pagoda.kernels.gluon_mma_wgmma import check_inputs, split_k_scratch
+    from pagoda.kernels.wna16.gluon_mma_wgmma import check_inputs, split_k_scratch
 
     m, k = x.shape
     supported = tma_supported(n, k, group_size)

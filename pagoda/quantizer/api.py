@@ -1,4 +1,5 @@
-"""`pagoda.quant.quantize(...)`: a model directory or GGUF file in, a compressed-tensors dir out.
+"""`pagoda.quantizer.quantize(...)`: a model directory or GGUF file in, a compressed-tensors dir
+out.
 
 Validates the request at the edge (scheme, method, act-order, group size against every layer,
 architecture, calibration data), runs the sequential pipeline, and writes config.json with
@@ -38,16 +39,18 @@ from pagoda.model_files import (
 )
 from pagoda.models.registry import architectures_of, get_model_class
 from pagoda.platform import resolve_device
-from pagoda.quant.calibration import load_calibration_data
 from pagoda.quant.formats.autoawq import quantization_config as autoawq_quant_config
-from pagoda.quant.formats.compressed_tensors import (
+from pagoda.quant.schemes import SCHEMES, scheme_args
+from pagoda.quant.schemes import quantization_config as make_quant_config
+from pagoda.quantizer.calibration import load_calibration_data
+from pagoda.quantizer.checkpoint import (
     check_output_dir,
     copy_model_files,
     save_safetensors,
     staged_directory,
     write_config,
 )
-from pagoda.quant.pipeline import (
+from pagoda.quantizer.pipeline import (
     FORMATS,
     METHODS,
     QUANTIZABLE_ARCHITECTURES,
@@ -64,8 +67,6 @@ from pagoda.quant.pipeline import (
     quantize_layers,
     quantizes_lm_head,
 )
-from pagoda.quant.schemes import SCHEMES, scheme_args
-from pagoda.quant.schemes import quantization_config as make_quant_config
 
 _SKIPPED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 

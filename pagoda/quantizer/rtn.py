@@ -8,27 +8,9 @@ dtype it is stored in before any code is computed, so stored codes and scales ag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from pagoda.kernels.wna16 import dequantize_weight
-from pagoda.quant.scheme import WeightQuantArgs
-
-
-@dataclass
-class QuantizedWeight:
-    """A quantized [out, in] weight: signed integer codes and per-group parameters."""
-
-    qweight: torch.Tensor  # [out, in] int8
-    scale: torch.Tensor  # [out, groups] in the storage dtype
-    zero_point: torch.Tensor | None  # [out, groups] int8; None when symmetric
-    group_size: int  # columns per group (in_features when per channel)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
-        return dequantize_weight(
-            self.qweight, self.scale, self.zero_point, self.group_size, dtype=dtype
-        )
+from pagoda.quant.weights import QuantizedWeight, WeightQuantArgs
 
 
 def compute_qparams(

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.quant.rtn import compute_qparams, fake_quantize
-from pagoda.quant.scheme import WeightQuantArgs
+from pagoda.quant.weights import WeightQuantArgs
+from pagoda.quantizer.rtn import compute_qparams, fake_quantize
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.paged_attention import check_sliding_window
+from pagoda.kernels.attention.reference import check_sliding_window
 from pagoda.kernels.pdl import pdl_launch_args
 
 _LOG2E = 1.4426950408889634

@@ -1,9 +1,9 @@
 """Triton kernels for the decoder's elementwise ops: RMSNorm (+ residual add), RoPE, SiLU-and-mul.
 
-One launch per op replaces the 3-10 eager kernels of its torch reference in `fused_ops.py`, whose
+One launch per op replaces the 3-10 eager kernels of its torch reference in `reference.py`, whose
 float32 math and casts to the model dtype each kernel repeats step for step, so bf16/fp16
 results match eager torch (and Hugging Face) to the rounding of each step. Imported lazily by the
-dispatchers in `fused_ops.py`: `@triton.jit` reads TRITON_INTERPRET when this module is imported.
+dispatchers in `reference.py`: `@triton.jit` reads TRITON_INTERPRET when this module is imported.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.fused_ops import MAX_HIDDEN
+from pagoda.kernels.norm_act.reference import MAX_HIDDEN
 from pagoda.kernels.pdl import pdl_launch_args
 
 # float32 mantissa bits dropped when rounding to each model dtype (see `_round`).

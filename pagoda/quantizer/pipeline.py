@@ -35,7 +35,10 @@ from torch import nn
 from pagoda.layers.linear import LinearBase
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import get_rope
-from pagoda.quant.awq import (
+from pagoda.quant.formats.autoawq import pack_awq_gemm
+from pagoda.quant.formats.compressed_tensors import compress
+from pagoda.quant.weights import QuantizedWeight, WeightQuantArgs
+from pagoda.quantizer.awq import (
     AWQOptions,
     ScaleSearch,
     activation_mean,
@@ -43,11 +46,8 @@ from pagoda.quant.awq import (
     search_clip,
     search_scales,
 )
-from pagoda.quant.formats.autoawq import pack_awq_gemm
-from pagoda.quant.formats.compressed_tensors import compress
-from pagoda.quant.gptq import HessianAccumulator, gptq_quantize
-from pagoda.quant.rtn import QuantizedWeight, hessian_weighted_error, rtn_quantize
-from pagoda.quant.scheme import WeightQuantArgs
+from pagoda.quantizer.gptq import HessianAccumulator, gptq_quantize
+from pagoda.quantizer.rtn import hessian_weighted_error, rtn_quantize
 
 # Architectures whose decoder layers the pipeline knows how to run (the Llama skeleton).
 QUANTIZABLE_ARCHITECTURES = (

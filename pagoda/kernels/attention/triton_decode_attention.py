@@ -37,10 +37,8 @@ import triton
 import triton.language as tl
 
 from pagoda import platform
-from pagoda.kernels.paged_attention import check_sliding_window
-from pagoda.kernels.pdl import pdl_launch_args
-from pagoda.kernels.triton_fused_ops import _drop_bits, _round
-from pagoda.kernels.triton_paged_attention import (
+from pagoda.kernels.attention.reference import check_sliding_window
+from pagoda.kernels.attention.triton_paged_attention import (
     _LOG2E,
     _attn_range,
     _launch_config,
@@ -50,6 +48,8 @@ from pagoda.kernels.triton_paged_attention import (
     choose_num_splits,
     effective_kv_len,
 )
+from pagoda.kernels.norm_act.triton_fused_ops import _drop_bits, _round
+from pagoda.kernels.pdl import pdl_launch_args
 
 _KV_PF_BLOCKS = 4  # cache blocks a split prefetches before the wait (sm_90)
 KV_PF_BLOCKS = tl.constexpr(_KV_PF_BLOCKS)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.quant.rtn import QuantizedWeight, compute_qparams, fake_quantize, quantize_codes
-from pagoda.quant.scheme import WeightQuantArgs
+from pagoda.quant.weights import QuantizedWeight, WeightQuantArgs
+from pagoda.quantizer.rtn import compute_qparams, fake_quantize, quantize_codes
 
 
 class HessianAccumulator:
