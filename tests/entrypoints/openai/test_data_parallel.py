@@ -59,6 +59,8 @@ def test_200_concurrent_requests_use_both_replicas(dp_server) -> None:
     assert all(r.json()["choices"][0]["text"] is not None for r in responses)
     routed = [a - b for a, b in zip(engine.routed, before, strict=True)]
     assert sum(routed) == 200 and min(routed) > 0, routed
+    metrics = httpx.get(f"{url}/metrics").text
+    assert f'pagoda_replica_requests{{model_name="{NAME}",replica="1"}}' in metrics
 
 
 def _hits(engine: DataParallelEngine) -> list[int]:
