@@ -41,16 +41,12 @@ def check_tensor_parallel_size(hf_config: Any, world_size: int) -> None:
 
     Query heads and the MLP width must divide evenly; KV heads either divide evenly or, when a
     model has fewer KV heads than ranks, each KV head is replicated on `world_size / Hkv`
-    ranks (which must be a whole number). The vocabulary is padded, so it never limits.
+    ranks (which must be a whole number). The vocabulary is padded, so it never limits. A
+    vision tower (Qwen2.5-VL) is not split: its config is left as it is.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {world_size!r}")
     cfg = getattr(hf_config, "text_config", None) or hf_config
-    if getattr(hf_config, "vision_config", None) is not None and world_size > 1:
-        raise ValueError(
-            "tensor_parallel_size > 1 supports text decoders (Llama, Qwen2, Qwen3, Mistral); "
-            "vision-language models are not sharded yet"
-        )
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     width = cfg.intermediate_size

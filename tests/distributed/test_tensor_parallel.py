@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, several processes): greedy tokens equal to one rank's and
-log-probs within 1e-4, for dense, W4A16, AWQ, GGUF (the embedded model) and LoRA; clear errors
-for sizes a model cannot split and for a rank that dies. Each scenario runs in a child process
-bounded by a timeout (tp_child.py), so a hang fails the test instead of stalling the suite.
+log-probs within 1e-4, for dense, W4A16, AWQ, GGUF (the embedded model), LoRA and Qwen2.5-VL
+with an image; clear errors for sizes a model cannot split and for a rank that dies. Each
+scenario runs in a child process bounded by a timeout (tp_child.py), so a hang fails the test
+instead of stalling the suite.
 """
 
 from __future__ import annotations
@@ -130,6 +131,14 @@ def test_lora_tp2_matches_one_rank(tiny_llama: Path, tmp_path: Path) -> None:
 def test_embedded_gguf_model_tp3_matches_one_rank() -> None:
     # SmolLM2-135M: 9 query heads, 3 KV heads: 3 ranks of 3 + 1 heads each.
     _assert_same_as_one_rank(_run("compare", "default", "1", "3", timeout=900))
+
+
+@pytest.mark.slow
+def test_vision_language_tp2_matches_one_rank(tmp_path: Path) -> None:
+    from tests.models.test_qwen2_5_vl import save_tiny_vl
+
+    save_tiny_vl(tmp_path / "vl")
+    _assert_same_as_one_rank(_run("vl", str(tmp_path / "vl"), "1", "2", timeout=900))
 
 
 @pytest.mark.slow

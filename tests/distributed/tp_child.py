@@ -2,6 +2,7 @@
 with a timeout, so a hang fails the test instead of stalling the suite). Prints one JSON line.
 
 usage: python tp_child.py compare MODEL SIZES...   greedy tokens + top logprobs per size
+       python tp_child.py vl MODEL SIZES...        the same, chat with an image (Qwen2.5-VL)
        python tp_child.py kill MODEL SIZE          kill rank 1 between two generate calls
 """
 
@@ -17,15 +18,14 @@ PROMPTS = [{"prompt_token_ids": [3, 17, 42, 9]}, {"prompt_token_ids": [5, 6, 7, 
 
 
 def _llm(model: str | None, tp: int, **kwargs) -> LLM:
-    return LLM(
-        model,
-        tensor_parallel_size=tp,
+    options = dict(
         kv_cache_memory=32 << 20,
         max_model_len=256,
         print_memory_report=False,
         skip_tokenizer_init=True,
-        **kwargs,
     )
+    options.update(kwargs)
+    return LLM(model, tensor_parallel_size=tp, **options)
 
 
 def compare(model: str | None, sizes: list[int], lora: str | None) -> dict:
@@ -40,6 +40,29 @@ def compare(model: str | None, sizes: list[int], lora: str | None) -> dict:
 
                 lora_request = LoRARequest("adapter", 1, lora)
             res = llm.generate(PROMPTS, sp, use_tqdm=False, lora_request=lora_request)
+        out[str(tp)] = [
+            {
+                "tokens": list(r.outputs[0].token_ids),
+                "logprobs": [
+                    {str(k): v.logprob for k, v in lp.items()} for lp in r.outputs[0].logprobs
+                ],
+            }
+            for r in res
+        ]
+    return out
+
+
+def vision_language(model: str, sizes: list[int]) -> dict:
+    """Chat with an image (the vision tower replicated, the decoder split) and without."""
+    from tests.models.test_qwen2_5_vl import _conversation
+
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    out: dict = {}
+    for tp in sizes:
+        with _llm(
+            model, tp, limit_mm_per_prompt={"image": 2}, block_size=8, skip_tokenizer_init=False
+        ) as llm:
+            res = llm.chat([_conversation(["a"]), _conversation([])], sp, use_tqdm=False)
         out[str(tp)] = [
             {
                 "tokens": list(r.outputs[0].token_ids),
@@ -75,7 +98,9 @@ def kill(model: str | None, tp: int) -> dict:
 if __name__ == "__main__":
     mode, model = sys.argv[1], sys.argv[2]
     model = None if model == "default" else model
-    if mode == "compare":
+    if mode == "vl":
+        result = vision_language(model, [int(a) for a in sys.argv[3:]])
+    elif mode == "compare":
         sizes = [int(a) for a in sys.argv[3:] if not a.startswith("--lora=")]
         lora = next((a[7:] for a in sys.argv[3:] if a.startswith("--lora=")), None)
         result = compare(model, sizes, lora)
