@@ -25,6 +25,7 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _PREPROCESSOR_FILE = "preprocessor_config.json"
 _MAX_ASPECT_RATIO = 200
+_IMAGE_KWARGS = ("min_pixels", "max_pixels")
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,8 @@ class ImageProcessorConfig:
             values["image_std"] = tuple(float(x) for x in pre["image_std"])
         if pre.get("rescale_factor"):
             values["rescale_factor"] = float(pre["rescale_factor"])
-        values.update(processor_kwargs)
+        # The pixel bounds apply to images and video frames; other keys shape videos only.
+        values.update({k: v for k, v in processor_kwargs.items() if k in _IMAGE_KWARGS})
         return cls(**values)
 
 

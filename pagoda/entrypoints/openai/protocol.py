@@ -385,7 +385,16 @@ class ImageContent(_Request):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextContent | ImageContent, Field(discriminator="type")]
+class VideoURL(_Request):
+    url: str
+
+
+class VideoContent(_Request):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextContent | ImageContent | VideoContent, Field(discriminator="type")]
 
 
 class FunctionCall(_Request):
