@@ -227,6 +227,8 @@ class MultiModalProcessor:
         Each item's placeholder in `token_ids` is one image / video token (as the chat template
         and vLLM-style prompts write it) or already the item's full run of tokens.
         """
+        if videos and not self.video_supported:
+            raise ValueError("this model does not accept videos; send images (or frames) instead")
         for kind, given, limit in (
             ("image", images, self.limit),
             ("video", videos, self.video_limit),
