@@ -307,6 +307,13 @@ class MultiModalProcessor:
             )
             # Frames given as arrays were sampled by the caller at `fps` frames a second.
             fps = options.fps if video.sample_fps is None else video.sample_fps
+            count = video.frames.shape[0]
+            if count > options.max_frames:
+                raise ValueError(
+                    f"the video has {count} frames, more than max_frames={options.max_frames}; "
+                    "send fewer frames or raise the limit with mm_processor_kwargs="
+                    f"{{'max_frames': {count}}}"
+                )
             return preprocess_video(video.frames, fps, options, self.image_config)
         except (ValueError, TypeError) as e:
             raise type(e)(f"video {i}: {e}") from None

@@ -82,10 +82,12 @@ class VideoOptions:
                 values[key] = pre[key]
         names = {f.name for f in fields(cls)}
         values.update({k: v for k, v in processor_kwargs.items() if k in names})
-        lo = values.get("min_pixels", cls.min_pixels)
-        if "min_pixels" not in processor_kwargs and lo > values.get("max_pixels", lo):
-            # A user bound below the video default minimum (set for images, say) wins.
-            values["min_pixels"] = values["max_pixels"]
+        for lo_key, hi_key in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
+            lo = values.get(lo_key, getattr(cls, lo_key))
+            if lo_key not in processor_kwargs and lo > values.get(hi_key, lo):
+                # A user bound below the default minimum (a max_pixels set for images, say)
+                # lowers the minimum with it.
+                values[lo_key] = values[hi_key]
         return cls(**values)
 
 

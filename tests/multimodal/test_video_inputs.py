@@ -379,6 +379,9 @@ def test_process_rejects_bad_video_prompts():
     with pytest.raises(ValueError, match=r"video needs 8 tokens.*max_model_len is 20") as e:
         short.process([1] * 12 + [START, VIDEO, END], [], videos=[video])
     assert "max_frames" in str(e.value) and "total_pixels" in str(e.value)
+    few = _processor(kwargs={**SMALL, "max_frames": 2})
+    with pytest.raises(ValueError, match=r"4 frames, more than max_frames=2.*'max_frames': 4"):
+        few.process([START, VIDEO, END], [], videos=[video])
     no_video = _processor(limits={"image": 1, "video": 0})
     with pytest.raises(ValueError, match=r"limit_mm_per_prompt.*'video': 1"):
         no_video.process([START, VIDEO, END], [], videos=[video])
