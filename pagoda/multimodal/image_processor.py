@@ -84,6 +84,14 @@ class ImageProcessorConfig:
             ),
             "merge_size": int(getattr(vision_config, "spatial_merge_size", None) or 2),
         }
+        if str(getattr(vision_config, "model_type", "")).startswith("qwen3_vl"):
+            # Qwen3-VL's processor defaults (a checkpoint without preprocessor_config.json)
+            values.update(
+                image_mean=(0.5, 0.5, 0.5),
+                image_std=(0.5, 0.5, 0.5),
+                min_pixels=65536,
+                max_pixels=16777216,
+            )
         pre = _read_preprocessor_config(model_path)
         size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
         min_pixels = pre.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")

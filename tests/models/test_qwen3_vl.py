@@ -175,6 +175,15 @@ def test_engine_greedy_matches_transformers(tiny, variant):
     llm.shutdown()
 
 
+def test_processor_defaults_without_a_preprocessor_file(tiny):
+    from pagoda.multimodal.image_processor import ImageProcessorConfig
+
+    _, hf = tiny
+    cfg = ImageProcessorConfig.from_model(None, hf.config.vision_config, {})
+    assert (cfg.patch_size, cfg.factor, cfg.image_mean) == (16, 32, (0.5, 0.5, 0.5))
+    assert (cfg.min_pixels, cfg.max_pixels) == (65536, 16777216)
+
+
 def test_vision_tower_stays_unquantized_under_an_ignore_rule(tiny):
     """Every vision linear (DeepStack mergers included) goes through the factory by its
     transformers-5 name, so `re:.*visual.*` keeps the tower dense."""
