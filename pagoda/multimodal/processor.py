@@ -300,6 +300,11 @@ class MultiModalProcessor:
     def _load_video(self, i: int, source: Any, allow_local_paths: bool) -> ImageInput:
         options, tp = self.video_options, self.image_config.temporal_patch_size
         try:
+            if isinstance(source, (list, tuple)) and any(
+                isinstance(f, (str, bytes, os.PathLike)) for f in source
+            ):
+                # qwen-vl-utils' frame lists: each frame an image reference (same rules)
+                source = [self.loader.load(f, allow_local_paths) for f in source]
             video = self.video_loader.load(
                 source,
                 lambda total, fps: sample_frame_indices(total, fps, options, tp),

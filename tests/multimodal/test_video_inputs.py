@@ -366,6 +366,22 @@ def test_process_expands_video_placeholders_in_prompt_order():
     assert [h for _, _, h in mm.hash_ranges()] == [item.mm_hash for item in mm.items]
 
 
+def test_video_as_a_list_of_image_files(tmp_path):
+    """qwen-vl-utils' frame lists: image references, under the image access rules."""
+    proc = _processor(kwargs=SMALL)
+    frames = _frames(4, 56, 56, seed=3)
+    paths = []
+    for i, frame in enumerate(frames):
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(frame).save(paths[-1])
+    ids = [START, VIDEO, END]
+    _, from_files = proc.process(ids, [], allow_local_paths=True, videos=[paths])
+    _, from_array = proc.process(ids, [], videos=[frames])
+    assert from_files.items[0].mm_hash == from_array.items[0].mm_hash
+    with pytest.raises(ValueError, match="video 0: .*offline API"):
+        proc.process(ids, [], videos=[paths])  # a server: no local files
+
+
 def test_process_rejects_bad_video_prompts():
     proc = _processor(kwargs=SMALL)
     video = _frames(4, 56, 56)
