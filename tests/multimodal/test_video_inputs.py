@@ -437,3 +437,22 @@ def test_parse_chat_video_parts():
     assert inline[0]["content"].count(proc.video_placeholder) == 2
     with pytest.raises(ValueError, match="without a video"):
         proc.parse_chat([{"role": "user", "content": [{"type": "video_url"}]}])
+
+
+def test_command_line_flags():
+    import argparse
+
+    from pagoda.entrypoints.cli_args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(
+        ["--model", "m", "--limit-mm-per-prompt", '{"image": 3, "video": 2}',
+         "--mm-processor-kwargs", '{"fps": 1, "max_pixels": 100352}']
+    )  # fmt: skip
+    kwargs = engine_kwargs(ns)
+    assert kwargs["limit_mm_per_prompt"] == {"image": 3, "video": 2}
+    assert kwargs["mm_processor_kwargs"] == {"fps": 1, "max_pixels": 100352}
+    assert kwargs["allow_remote_images"] is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--limit-mm-per-prompt", "video=2"])
