@@ -274,14 +274,24 @@ class ModelRunner:
                 module.split_k_workspace = self.split_k_workspace
         if self.runner_config.multimodal is not None:
             from pagoda.multimodal.image_processor import ImageProcessorConfig
+            from pagoda.multimodal.video_processor import VideoOptions
             from pagoda.worker.encoder_runner import EncoderRunner
 
             mm, mc = self.runner_config.multimodal, self.model_config
             image_config = ImageProcessorConfig.from_model(
                 mc.model, mc.hf_config.vision_config, mm.processor_kwargs
             )
+            video_options = None
+            if getattr(self.model, "supports_video", False):
+                video_options = VideoOptions.from_model(mc.model, mm.processor_kwargs)
             self.encoder_runner = EncoderRunner(
-                self.model, image_config, mm, mc.max_model_len, self.device, self.dtype
+                self.model,
+                image_config,
+                mm,
+                mc.max_model_len,
+                self.device,
+                self.dtype,
+                video_options,
             )
         if self.runner_config.lora is not None:
             from pagoda.lora.manager import LoRAManager
@@ -358,8 +368,22 @@ class ModelRunner:
             in_use_at_start_bytes=snap.used_bytes if snap is not None else 0,
             cpu_offload_bytes=0 if self.offloader is None else self.offloader.host_bytes,
             offloaded_layers=0 if self.offloader is None else len(self.offloader.entries),
+            **self._encoder_memory(),
         )
         return self.memory_report
+
+    def _encoder_memory(self) -> dict[str, Any]:
+        """The vision encoder's share of the memory report (VL models)."""
+        er = self.encoder_runner
+        visual = getattr(self.model, "visual", None)
+        if er is None or visual is None:
+            return {}
+        weights = sum(p.numel() * p.element_size() for p in visual.parameters())
+        return dict(
+            encoder_weights_bytes=weights,
+            encoder_activation_bytes=er.profile_peak_bytes,
+            encoder_profile_input=er.profile_description(),
+        )
 
     def _profile(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int, int]:
         """(peak activation bytes, non-torch bytes, total bytes, budget bytes)."""
