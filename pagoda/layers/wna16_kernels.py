@@ -605,10 +605,11 @@ class TorchInt4pack(WNA16Kernel):
         group, sz = layer.int4pack_group, layer.int4pack_sz
         s = sz[..., 0].t().to(torch.float32)  # [N, K / group]
         zero = sz[..., 1].t().to(torch.float32)
-        eye = torch.eye(k, dtype=sz.dtype, device=sz.device)
-        cols = [
-            int4pack_mm(eye[i : i + 256], layer.int4pack, group, sz) for i in range(0, k, 256)
-        ]  # [<=256, N] rows of W^T
+        rows = torch.arange(k, device=sz.device)
+        cols = []  # [<=256, N] rows of W^T, one identity slice at a time
+        for i in range(0, k, 256):
+            eye = torch.nn.functional.one_hot(rows[i : i + 256], k).to(sz.dtype)
+            cols.append(int4pack_mm(eye, layer.int4pack, group, sz))
         w = torch.cat(cols).t().to(torch.float32).view(n, k // group, group)
         q = torch.round((w - zero.unsqueeze(-1)) / s.unsqueeze(-1)).view(n, k).to(torch.int8)
         keep = 1 if layer.wna16_group_size >= k else k // group  # per channel: one column
