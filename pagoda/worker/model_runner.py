@@ -654,6 +654,7 @@ class ModelRunner:
             hidden_size=self.model_config.text_config.hidden_size,
             dtype=self.dtype,
             device=self.device,
+            context_buckets=not triton_available(),
         )
         stats = self.graph_runner.capture()
         if self.memory_report is not None:
