@@ -489,8 +489,14 @@ class ModelRunner:
         # The null block 0 is the exception: nothing writes it and CUDA-graph padding rows
         # (seq_len 1, block table all 0) read it, so it holds zeros.
         self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        # Without Triton the CUDA decode reads (masked) slots past each sequence: zeroed, the
+        # cache never holds NaN bit patterns there (one memset at start-up).
+        torch_decode = self.device.type == "cuda" and not triton_available()
         for layer, cache in zip(layers, self.kv_caches, strict=True):
-            cache[:, 0].zero_()
+            if torch_decode:
+                cache.zero_()
+            else:
+                cache[:, 0].zero_()
             layer.kv_cache = cache
 
     def _warm_up_attention(self) -> None:
@@ -667,9 +673,7 @@ class ModelRunner:
         _TORCH_GRAPH_BYTES of gathered keys, values and scores at max_model_len."""
         layer = self.model.attention_layers()[0]
         span = -(-self.model_config.max_model_len // self.block_size) * self.block_size
-        one = decode_gather_bytes(
-            1, span, layer.num_heads, layer.num_kv_heads, layer.head_dim, self.dtype.itemsize
-        )
+        one = decode_gather_bytes(1, span, layer.num_kv_heads, layer.head_dim, self.dtype.itemsize)
         return _TORCH_GRAPH_BYTES // one
 
     def shutdown(self) -> None:

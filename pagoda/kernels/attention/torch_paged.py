@@ -3,7 +3,7 @@ memory-lean prefill.
 
 The decode path reads no length on the host: it gathers each sequence's whole block-table row
 into a padded [B, blocks * block_size] key / value view, masks by the device's `seq_lens` and
-attends in float32, so a captured graph serves every length up to its table's width. The cache
+attends with SDPA, so a captured graph serves every length up to its table's width. The cache
 write sends padding tokens (slot -1) to slot 0 of the null block with zeros, which keeps that
 block zero without a data-dependent index. Prefill runs SDPA per sequence (flash / memory-
 efficient kernels) instead of the reference's [H, Q, S] float32 scores.
@@ -44,40 +44,37 @@ def decode_attention_static(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [B, H, D] in q's dtype
-    """Decode attention with device-side lengths only (fixed shapes: capturable)."""
+    """Decode attention with device-side lengths only (fixed shapes: capturable). Slots past a
+    sequence are masked out but read: they must hold finite values (the runner zeroes the cache
+    when this path serves, so stale blocks hold old K / V, never NaN)."""
     check_sliding_window(sliding_window)
     num_seqs, num_heads, head_dim = q.shape
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // kv_heads
     blocks = block_tables.to(device=kv_cache.device, dtype=torch.int64)  # [B, nb]
     span = blocks.shape[1] * block_size
-    k = kv_cache[0][blocks].view(num_seqs, span, kv_heads, head_dim)  # [B, S, Hkv, D]
-    v = kv_cache[1][blocks].view(num_seqs, span, kv_heads, head_dim)
+    kv = kv_cache[:, blocks].view(2, num_seqs, span, kv_heads, head_dim)  # one gather
     pos = torch.arange(span, device=q.device)  # key positions [S]
     last = seq_lens.to(device=q.device, dtype=torch.int64).unsqueeze(1) - 1  # query [B, 1]
     visible = pos <= last  # [B, S]
     if sliding_window is not None:
         visible &= pos > last - sliding_window
-    # Head h reads KV head h // group, as the reference's repeat_interleave.
-    qf = q.float().view(num_seqs, kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, S]
-    scores = torch.matmul(qf, kf) * scale  # [B, Hkv, G, S]
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Keys past a sequence may be stale or never written (NaN bits): zero them, as 0 * NaN
-    # would otherwise reach the output.
-    vf = torch.where(visible[:, :, None, None], v.float(), 0.0).transpose(1, 2)  # [B, Hkv, S, D]
-    out = torch.matmul(probs, vf)  # [B, Hkv, G, D]
-    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
+    # GQA without copies: a KV head's `group` query heads (h // group, as the reference's
+    # repeat_interleave) are SDPA's query rows, all at the same position (one mask row).
+    out = F.scaled_dot_product_attention(
+        q.contiguous().view(num_seqs, kv_heads, group, head_dim),  # [B, Hkv, G, D]
+        kv[0].transpose(1, 2),  # [B, Hkv, S, D]
+        kv[1].transpose(1, 2),
+        attn_mask=visible[:, None, None, :],  # [B, 1, 1, S]
+        scale=scale,
+    )  # [B, Hkv, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def decode_gather_bytes(
-    num_seqs: int, span: int, num_heads: int, kv_heads: int, head_dim: int, elem: int
-) -> int:
-    """Device bytes one `decode_attention_static` call holds at once for `num_seqs` sequences
-    of `span` gathered positions: the gathered K / V, their float32 copies, scores and probs."""
-    kv = 2 * num_seqs * span * kv_heads * head_dim * (elem + 4)
-    return kv + 2 * num_seqs * num_heads * span * 4
+def decode_gather_bytes(num_seqs: int, span: int, kv_heads: int, head_dim: int, elem: int) -> int:
+    """Device bytes one `decode_attention_static` call holds for `num_seqs` sequences of `span`
+    gathered positions: the gathered K and V, and the mask (as SDPA's float bias)."""
+    return 2 * num_seqs * span * kv_heads * head_dim * elem + num_seqs * span * (1 + 4)
 
 
 def prefill_attention_sdpa(
