@@ -634,6 +634,10 @@ class ModelRunner:
         """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report."""
         if self.device.type != "cuda" or self.runner_config.enforce_eager:
             return
+        if not triton_available() and self.lora_manager is not None:
+            # LoRA's torch path groups tokens by adapter on the host, which a graph would keep.
+            logger.info("LoRA without Triton: CUDA graphs are off (every step runs eagerly)")
+            return
         if not triton_available():
             # The torch decode path gathers every graph row's whole block table: batch sizes
             # whose gather would pass _TORCH_GRAPH_BYTES run eagerly instead.
