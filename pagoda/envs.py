@@ -37,6 +37,7 @@ KERNEL_NAMES = (
     "triton_gemv",
     "triton_gemm",
     "triton_dequant",
+    "torch_int4mm",
     "torch_dequant",
     "dense_gemv",
     "fused_decode_attn",
@@ -73,11 +74,6 @@ def pdl_early() -> bool:
     """`PAGODA_PDL_EARLY` (default on): short kernels between two GEMVs trigger their
     dependents first thing (off: after their inputs are read)."""
     return _flag("PAGODA_PDL_EARLY", True)
-
-
-def lora_fused() -> bool:
-    """`PAGODA_LORA_FUSED` (default off): LoRA shrink + expand in one launch where it fits."""
-    return _flag("PAGODA_LORA_FUSED", False)
 
 
 def api_key() -> str | None:

@@ -94,17 +94,36 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         help="accepted: pagoda never runs code from a checkpoint (its own model code loads it)",
     )
     g.add_argument(
-        "--limit-mm-per-prompt",
-        type=json_object,
-        default=None,
-        help="images per prompt for vision models, as JSON (e.g. '{\"image\": 2}')",
-    )
-    g.add_argument("--mm-processor-kwargs", type=json_object, default=None)
-    g.add_argument(
         "--cpu-offload-gb",
         type=float,
         default=0.0,
         help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over N ranks (processes; one GPU each on CUDA, gloo on the CPU)",
+    )
+    mm = parser.add_argument_group("vision-language models")
+    mm.add_argument(
+        "--limit-mm-per-prompt",
+        type=json_object,
+        default=None,
+        help='images and videos one prompt may carry, e.g. \'{"image": 4, "video": 1}\'',
+    )
+    mm.add_argument(
+        "--mm-processor-kwargs",
+        type=json_object,
+        default=None,
+        help="min_pixels, max_pixels (images and video frames), fps, min_frames, max_frames, "
+        'total_pixels (videos), e.g. \'{"max_pixels": 1003520, "fps": 1}\'',
+    )
+    mm.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image and video URLs (off: data: URLs only)",
     )
 
 
@@ -160,7 +179,9 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         load_format=ns.load_format,
         quantization=ns.quantization,
         skip_tokenizer_init=ns.skip_tokenizer_init,
+        cpu_offload_gb=ns.cpu_offload_gb,
+        tensor_parallel_size=ns.tensor_parallel_size,
         limit_mm_per_prompt=ns.limit_mm_per_prompt,
         mm_processor_kwargs=ns.mm_processor_kwargs,
-        cpu_offload_gb=ns.cpu_offload_gb,
+        allow_remote_images=ns.allow_remote_images,
     )

@@ -27,18 +27,11 @@ class LLM:
         # vLLM's keyword arguments: implemented, accepted where their value has a meaning
         # here (tensor_parallel_size=1), or a ValueError naming them and why (vllm_compat).
         supported = EngineArgs.field_names() | {
-            "tensor_parallel_size",
             "trust_remote_code",
             "print_memory_report",
             "kv_cache_memory_bytes",
         }
         kwargs = check_llm_kwargs(kwargs, supported)
-        tp = kwargs.pop("tensor_parallel_size", 1)
-        if tp != 1:
-            raise ValueError(
-                f"LLM(tensor_parallel_size={tp}) is not supported by pagoda (it runs a model on "
-                "one device); accepted: 1"
-            )
         kwargs.pop("trust_remote_code", None)  # pagoda never runs code from a checkpoint
         if "kv_cache_memory_bytes" in kwargs:  # vLLM's name of kv_cache_memory
             kwargs["kv_cache_memory"] = kwargs.pop("kv_cache_memory_bytes")

@@ -20,6 +20,8 @@ VLLM_VERSION = "0.34.0"
 # vLLM's flags and meaning.
 IMPLEMENTED = frozenset(
     [
+        "data_parallel_size",
+        "tensor_parallel_size",
         "allow_credentials",
         "allowed_headers",
         "allowed_methods",
@@ -120,16 +122,6 @@ VALUE_CHECKED = {
         "--pipeline-parallel-size -pp",
         "1",
         "pagoda runs a model on one device; pipeline parallelism is not implemented",
-    ),
-    "tensor_parallel_size": (
-        "--tensor-parallel-size -tp",
-        "1",
-        "pagoda runs a model on one device; tensor parallelism is not implemented",
-    ),
-    "data_parallel_size": (
-        "--data-parallel-size -dp",
-        "1",
-        "one engine per server; run several servers behind a load balancer instead",
     ),
     "kv_cache_dtype": (
         "--kv-cache-dtype",
@@ -967,6 +959,8 @@ LLM_ONLY_REFUSED = {
 # vLLM LLM(...) arguments that pagoda implements in `pagoda serve` only.
 LLM_SERVER_ONLY = {
     "chat_template": "pass chat_template to LLM.chat(...) (the server takes --chat-template)",
+    "data_parallel_size": "LLM(...) runs one engine; the server spreads requests over replicas "
+    "(--data-parallel-size)",
     "generation_config": "LLM(...) samples with the SamplingParams given to generate(); the "
     "server applies generation_config.json defaults (--generation-config)",
     "override_generation_config": "LLM(...) samples with the SamplingParams given to "

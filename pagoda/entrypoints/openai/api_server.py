@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda import __version__
 from pagoda.engine.args import EngineArgs
 from pagoda.engine.async_engine import EngineDeadError
+from pagoda.engine.data_parallel import DataParallelEngine
 from pagoda.engine.engine_process import (
     ENGINE_MODES,
     RestartingEngine,
@@ -78,6 +80,8 @@ class ServerArgs:
     # Where the engine loop runs: "process" (its own, so it holds its own GIL), "thread" (of
     # the server process) or "auto" (process where one can be started).
     engine_mode: str = "auto"
+    # Engine processes behind this server (pagoda.engine.data_parallel); 1: one engine.
+    data_parallel_size: int = 1
     # An engine process that dies: the server exits non-zero (False) or starts a new one (True).
     restart_engine: bool = False
     uvicorn_log_level: str | None = None  # None: log_level
@@ -117,6 +121,13 @@ class ServerArgs:
         return (key,) if isinstance(key, str) else tuple(key)
 
     def __post_init__(self) -> None:
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"--data-parallel-size must be an integer >= 1, got {dp!r}")
+        if dp > 1 and self.engine_mode == "thread":
+            raise ValueError(
+                "--data-parallel-size > 1 runs engine processes: not --engine-mode thread"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
@@ -274,6 +285,10 @@ def build_app(
             return error_response(503, "the server is shutting down")
         if not async_engine.is_running:
             return error_response(503, "the engine is not running")
+        dead = getattr(async_engine, "dead_replicas", list)()  # data parallel
+        if dead:
+            which = ", ".join(map(str, dead))
+            return error_response(503, f"data-parallel replica(s) {which} not running")
         return JSONResponse({"status": "ok"})
 
     @app.get("/ping")
@@ -390,7 +405,12 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     if server_args.gil_switch_interval_s is not None:
         sys.setswitchinterval(server_args.gil_switch_interval_s)
     chat_template = server_args.chat_template_text()  # a bad path fails before the model loads
-    engine = start_engine(engine_args, server_args.engine_mode)
+    if server_args.data_parallel_size > 1:
+        if server_args.restart_engine:
+            raise ValueError("--restart-engine works with one engine (--data-parallel-size 1)")
+        engine: Any = DataParallelEngine(engine_args, server_args.data_parallel_size)
+    else:
+        engine = start_engine(engine_args, server_args.engine_mode)
     if server_args.restart_engine:
         if not engine.runs_in_process:
             engine.shutdown()

@@ -211,6 +211,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "with the HTTP side, or a thread of the server process (default auto: a process where "
         "one can be started)",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        default=1,
+        help="engine processes (replicas, each with its own device and KV cache) behind this "
+        "server; requests go by load and by shared prompt prefix",
+    )
     add_vllm_flags(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -335,6 +343,7 @@ def server_args_from(ns: argparse.Namespace, server_args_cls: type) -> Any:
         max_logprobs=ns.max_logprobs,
         generation_config=ns.generation_config,
         override_generation_config=ns.override_generation_config,
+        data_parallel_size=getattr(ns, "data_parallel_size", 1),
     )
     if ns.max_body_bytes is not None:
         kwargs["max_body_bytes"] = ns.max_body_bytes

@@ -89,15 +89,13 @@ def _takes_no_value(flag: str) -> bool:
 
 
 def test_value_checked_flags(capsys):
-    ns = _parser().parse_args(
-        ["serve", "--tensor-parallel-size", "1", "-pp", "1", "--kv-cache-dtype", "auto"]
-    )
-    assert ns.vllm_tensor_parallel_size == "1"
+    ns = _parser().parse_args(["serve", "-pp", "1", "--kv-cache-dtype", "auto"])
+    assert ns.vllm_pipeline_parallel_size == "1" and ns.vllm_kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
-        _parser().parse_args(["serve", "--tensor-parallel-size", "2"])
+        _parser().parse_args(["serve", "--pipeline-parallel-size", "2"])
     err = capsys.readouterr().err
-    assert "--tensor-parallel-size 2 is not supported by pagoda" in err
-    assert "tensor parallelism is not implemented" in err and "accepted: 1" in err
+    assert "--pipeline-parallel-size 2 is not supported by pagoda" in err
+    assert "pipeline parallelism is not implemented" in err and "accepted: 1" in err
 
 
 def test_equivalent_flags_are_noted():
