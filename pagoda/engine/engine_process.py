@@ -143,8 +143,10 @@ def child_main(fd: int) -> None:
 def run_engine_process(args: EngineArgs, conn: Any, log_level: int) -> None:
     """Build the engine, report, then serve the connection until told to stop or the parent
     goes away (its end of the socket closes: a killed server leaves no engine behind)."""
-    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
+    # Ctrl-C reaches the whole process group, and systemd sends SIGTERM to every process of
+    # the service: the parent decides when the engine stops (it drains requests first).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine): %(message)s")
     from pagoda.engine.llm_engine import LLMEngine
 
