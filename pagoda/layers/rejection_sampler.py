@@ -82,9 +82,10 @@ def rejection_sample(
 
     logits [R, V]: the target's rows. `md`: one row per verify row (rows of one request share
     its settings; their histories include the drafts before them). draft_ids [R] int64: the
-    draft token each row verifies, -1 on a request's last row (which only emits). row_generators: the seeded request's generator for
-    each of its rows, None for unseeded rows; draws are taken row by row in order, so a seeded
-    request's output depends on nothing else in the batch.
+    draft token each row verifies, -1 on a request's last row (which only emits).
+    row_generators: the seeded request's generator for each of its rows, None for unseeded
+    rows; draws are taken row by row in order, so a seeded request's output depends on nothing
+    else in the batch.
     """
     num_rows, vocab = logits.shape
     device = logits.device
