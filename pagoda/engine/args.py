@@ -17,6 +17,7 @@ from pagoda.config import (
     MultiModalConfig,
     RunnerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     normalize_dtype,
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
@@ -91,6 +92,9 @@ class EngineArgs:
     image_fetch_timeout: float = 10.0
     max_image_bytes: int = 20 << 20
     cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed per layer
+    # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, ...} or
+    # {"model": DRAFT, "num_speculative_tokens": k}; a dict or its JSON text.
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -103,6 +107,7 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an integer, got {value!r}")
+        speculative = SpeculativeConfig.from_user(self.speculative_config)  # bad keys: first
         source = resolve_model(self.model)
         hf_config = load_hf_config(source, lazy=True)
         text_config = getattr(hf_config, "text_config", None) or hf_config
@@ -209,6 +214,7 @@ class EngineArgs:
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
             ),
+            speculative=speculative,
         )
         mm_config = None
         if getattr(hf_config, "vision_config", None) is not None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from pagoda.engine.kv_cache_manager import KVCacheManager
+from pagoda.engine.ngram_proposer import NgramProposer
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
 from pagoda.worker.memory import MemoryReport
@@ -48,6 +49,15 @@ class EngineCore:
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.async_scheduling = scheduler_config.async_scheduling
+        self.speculative = scheduler_config.speculative
+        self.proposer: NgramProposer | None = None
+        if self.speculative is not None:
+            spec = self.speculative
+            if spec.method != "ngram":
+                raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
+            )
         # The step launched on the device whose output is not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
@@ -89,8 +99,10 @@ class EngineCore:
         grammar), and only then are the bitmasks filled and the sampler launched, so the mask
         of step N+1 follows the token of step N while the forward of N+1 runs on the device.
         """
-        if not self.async_scheduling or self.scheduler.needs_sync():
+        if not self.async_scheduling or self.scheduler.needs_sync() or self.proposer is not None:
+            # Speculative decoding proposes from the host's token history: in order.
             outputs = self._drain()
+            self._propose()
             sched_out = self.scheduler.schedule()
             outputs += self.scheduler.pop_aborted_outputs()
             self.num_preemptions += len(sched_out.preempted_req_ids)
@@ -114,6 +126,24 @@ class EngineCore:
             self._wait_for_grammars()
         self._in_flight = launched
         return outputs
+
+    def _propose(self) -> None:
+        """Draft tokens for every running request in a decode step, unless the batch is too
+        large for speculation to pay (`disable_by_batch_size`)."""
+        if self.proposer is None:
+            return
+        running = self.scheduler.running
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return
+        for request in running:
+            # A grammar's mask is known for the next token only: those requests do not speculate.
+            if (
+                request.structured_output is None
+                and not request.num_pending_tokens
+                and request.num_computed_tokens == request.num_tokens - 1
+            ):
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
 
     def _sample_constrained(self, pending: PendingOutput) -> None:
         """Fill the grammar bitmasks of a step launched up to its logits, then sample it."""

@@ -23,6 +23,7 @@ from pagoda.kernels.workspace import SplitKWorkspace
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.embedding import LMHead
 from pagoda.layers.linear import LinearBase
+from pagoda.layers.rejection_sampler import RejectionOutput, num_emitted, rejection_sample
 from pagoda.layers.sampler import (
     Sampler,
     SamplingMetadata,
@@ -102,6 +103,39 @@ class ModelRunnerOutput:
     # req_id -> (index of the first prompt token covered, [ids], [logprobs], [rank]) per token
     # of this step's prompt chunk; ids[j][0] is the prompt token itself, then its top-k.
     prompt_logprobs: dict[str, tuple[int, list, list, list]] = field(default_factory=dict)
+    # Speculative steps: req_id -> every token emitted (accepted drafts + one), and per token
+    # (ids, logprobs, rank) when the request asks for logprobs.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+
+
+class _SpecResult:
+    """A verify step's rejection-sampler output, copied to the host with the step's ids."""
+
+    def __init__(self, reqs: list[ScheduledRequest], out: RejectionOutput) -> None:
+        self.reqs = reqs
+        self.num_rows = [len(r.spec_token_ids) + 1 for r in reqs]
+        self.out = out
+        tensors = [out.token_ids, out.accepted]
+        if out.logprobs is not None:
+            tensors += [out.logprob_token_ids, out.logprobs, out.ranks]
+        self.host = [_to_pinned(t) if t.is_cuda else t for t in tensors]
+
+    def fill(self, result: ModelRunnerOutput) -> None:
+        tokens, accepted = self.host[0].tolist(), self.host[1].tolist()
+        lp = [t.tolist() for t in self.host[2:]]
+        start = 0
+        for r, rows, n in zip(
+            self.reqs, self.num_rows, num_emitted(accepted, self.num_rows), strict=True
+        ):
+            result.spec_token_ids[r.req_id] = tokens[start : start + n]
+            k = r.sampling_params.logprobs
+            if lp and k is not None:
+                ids, lps, ranks = lp
+                result.spec_logprobs[r.req_id] = [
+                    (ids[i][: k + 1], lps[i][: k + 1], ranks[i]) for i in range(start, start + n)
+                ]
+            start += rows
 
 
 class PendingOutput:
@@ -125,6 +159,7 @@ class PendingOutput:
         self.host_ids: torch.Tensor | None = None
         # Set while the sampler waits for the grammar bitmask: (logits, SamplingMetadata).
         self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
+        self.spec: _SpecResult | None = None  # the step's verified drafts
         if any(t[1].is_cuda for t in self.prompt_logprobs.values()):
             # Into pinned memory behind the event too: a plain .tolist() later would wait for
             # the step launched after this one.
@@ -140,6 +175,12 @@ class PendingOutput:
     @property
     def awaiting_bitmask(self) -> bool:
         return self.deferred is not None
+
+    def set_spec(self, spec: _SpecResult) -> None:
+        self.spec = spec
+        if spec.out.token_ids.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
 
     def set_result(self, result: Any) -> None:
         self.result_ = result
@@ -157,6 +198,8 @@ class PendingOutput:
         out = ModelRunnerOutput()
         for req_id, (first, ids, lps, ranks) in self.prompt_logprobs.items():
             out.prompt_logprobs[req_id] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
+        if self.spec is not None:
+            self.spec.fill(out)
         res = self.result_
         if res is None:
             return out
@@ -706,7 +749,11 @@ class ModelRunner:
         for r in reqs:
             start, n = r.num_computed_tokens, r.num_new_tokens
             known = len(r.all_token_ids)
-            if start + n <= known:
+            if r.spec_token_ids:  # the last known token, then the drafts it verifies
+                k = len(r.spec_token_ids)
+                token_ids[offset : offset + n - k] = r.all_token_ids[start : start + n - k]
+                token_ids[offset + n - k : offset + n] = r.spec_token_ids
+            elif start + n <= known:
                 token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
             else:  # async scheduling: the last input is still on the device
                 m = known - start
@@ -761,10 +808,15 @@ class ModelRunner:
             hidden = self.model(ids, self._to_dev(rope_positions), md, inputs_embeds=embeds)
 
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, arrays["qsl"])
-        sampling = [i for i, r in enumerate(reqs) if r.do_sample]
+        spec = [i for i, r in enumerate(reqs) if r.spec_token_ids]
+        spec_result = self._verify(reqs, spec, hidden, arrays["qsl"]) if spec else None
+        sampling = [i for i, r in enumerate(reqs) if r.do_sample and not r.spec_token_ids]
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
-            return PendingOutput(prompt_logprobs=prompt_logprobs)
+            pending = PendingOutput(prompt_logprobs=prompt_logprobs)
+            if spec_result is not None:
+                pending.set_spec(spec_result)
+            return pending
         if len(sampling) == len(reqs) and num_tokens == len(reqs):
             last_hidden = hidden  # decode-only: every row samples
         else:
@@ -774,6 +826,8 @@ class ModelRunner:
         sreqs = [reqs[i] for i in sampling]
         smd = self._sampling_metadata(sreqs)
         pending = PendingOutput(sreqs, prompt_logprobs=prompt_logprobs)
+        if spec_result is not None:
+            pending.spec = spec_result  # its copy is ordered before the sampled ids' event
         if any(r.structured_output is not None for r in sreqs):
             pending.deferred = (logits, smd)  # sampled by sample() once the bitmask is known
             return pending
@@ -806,6 +860,32 @@ class ModelRunner:
         self._prev_sampled = result.sampled_token_ids
         self._prev_rows = {r.req_id: row for row, r in enumerate(pending.reqs)}
         pending.set_result(result)
+
+    def _verify(
+        self, reqs: list[ScheduledRequest], spec: list[int], hidden: torch.Tensor, qsl: np.ndarray
+    ) -> _SpecResult:
+        """Score the last 1 + k positions of each speculative request and keep the drafts the
+        target's distribution accepts (rejection sampling; greedy: equality)."""
+        sreqs = [reqs[i] for i in spec]
+        rows_idx: list[int] = []
+        drafts: list[int] = []
+        expanded: list[tuple[ScheduledRequest, list[int]]] = []
+        for i in spec:
+            r = reqs[i]
+            k = len(r.spec_token_ids)
+            end = int(qsl[i + 1])
+            rows_idx.extend(range(end - k - 1, end))
+            drafts.extend(r.spec_token_ids)
+            drafts.append(-1)  # the last row only emits (the bonus token)
+            # Row j's target sees drafts 0..j-1 as already generated (penalties, min_tokens).
+            expanded.extend((r, r.spec_token_ids[:j]) for j in range(k + 1))
+        logits = self.model.compute_logits(hidden[self._to_dev(np.asarray(rows_idx))])  # [R, V]
+        smd = self._sampling_metadata([r for r, _ in expanded], [e for _, e in expanded])
+        row_generators = [smd.generators.get(row) for row in range(len(expanded))]
+        out = rejection_sample(
+            logits, smd, to_device(drafts, torch.int64, self.device), row_generators
+        )
+        return _SpecResult(sreqs, out)
 
     def _prompt_logprobs(
         self, reqs: list[ScheduledRequest], hidden: torch.Tensor, qsl: np.ndarray
@@ -840,8 +920,15 @@ class ModelRunner:
             out[r.req_id] = (start + 1, ids, lps, ranks)
         return out
 
-    def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
+    def _sampling_metadata(
+        self, reqs: list[ScheduledRequest], extra: list[list[int]] | None = None
+    ) -> SamplingMetadata:
+        """One row per entry of `reqs` (a request may repeat: speculative rows); `extra[row]`
+        are tokens treated as generated after the request's output (the drafts before it)."""
         dev = self.device
+        outputs = [r.output_token_ids for r in reqs]
+        if extra is not None:
+            outputs = [o + e if e else o for o, e in zip(outputs, extra, strict=True)]
         params = [r.sampling_params for r in reqs]
         temps = [0.0 if p.temperature < 1e-5 else p.temperature for p in params]
         all_greedy = all(t == 0.0 for t in temps)
@@ -863,7 +950,7 @@ class ModelRunner:
                     gen.manual_seed(p.seed)
                     self.generators[r.req_id] = gen
                 generators[row] = gen
-            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+            if p.min_tokens and len(outputs[row]) < p.min_tokens:
                 blocked = list(p.stop_token_ids or [])
                 if not p.ignore_eos and r.eos_token_id is not None:
                     blocked.append(r.eos_token_id)
@@ -888,7 +975,7 @@ class ModelRunner:
             prompt_token_ids=[r.all_token_ids[: r.prompt_len] for r in reqs]
             if need_penalty
             else [],
-            output_token_ids=[r.output_token_ids for r in reqs] if need_penalty else [],
+            output_token_ids=outputs if need_penalty else [],
             generators=generators,
             max_num_logprobs=max(logprobs) if logprobs else None,
             min_tokens_blocked=min_blocked,
@@ -897,8 +984,8 @@ class ModelRunner:
             },
             # Multi-token bad words read the output so far: such requests run in sync mode.
             bad_words={
-                row: (p.bad_words_token_ids, r.output_token_ids)
-                for row, (p, r) in enumerate(zip(params, reqs, strict=True))
+                row: (p.bad_words_token_ids, outputs[row])
+                for row, p in enumerate(params)
                 if p.bad_words_token_ids
             },
         )
