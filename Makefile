@@ -46,6 +46,7 @@ test-gpu: $(VPY)
 lint: $(VPY)
 	$(VPY) -m ruff check pagoda tests benchmarks
 	$(VPY) -m ruff format --check pagoda tests benchmarks
+	$(VENV)/bin/lint-imports
 
 format: $(VPY)
 	$(VPY) -m ruff format pagoda tests benchmarks

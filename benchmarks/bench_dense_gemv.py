@@ -22,7 +22,7 @@ import torch
 from pagoda import platform
 from pagoda.bench.common import copy_bandwidth
 from pagoda.bench.common import graph_time_per_call as time_graph
-from pagoda.kernels.triton_gemv import DenseGemvConfig, _plan, gemv_bf16, gemv_ref
+from pagoda.kernels.dense.triton_gemv import DenseGemvConfig, _plan, gemv_bf16, gemv_ref
 
 SHAPES = {
     "7b.qkv": (4608, 3584),

@@ -55,7 +55,7 @@ def main() -> int:
     ns = p.parse_args()
     if ns.rounds < 1:
         raise SystemExit("error: --rounds must be >= 1")
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "chat", "--message", ns.message]
+    cmd = [sys.executable, "-m", "pagoda.cli", "chat", "--message", ns.message]
     rounds = []
     for i in range(ns.rounds):
         with tempfile.TemporaryDirectory(prefix="pagoda-cache-") as cache:

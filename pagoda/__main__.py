@@ -1,7 +1,7 @@
-"""`python -m pagoda ...`: the same command line as the `pagoda` script (pagoda.entrypoints.cli)."""
+"""`python -m pagoda ...`: the same command line as the `pagoda` script (pagoda.cli)."""
 
 import sys
 
-from pagoda.entrypoints.cli import main
+from pagoda.cli import main
 
 sys.exit(main())

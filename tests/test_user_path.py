@@ -23,7 +23,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 pytest.importorskip("matplotlib")
 
-from pagoda.entrypoints.cli import main as cli  # noqa: E402
+from pagoda.cli import main as cli  # noqa: E402
 from tests.models.test_qwen2_5_vl import _data_url, _image, save_tiny_vl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def test_first_users_workflow(tmp_path, capsys):
 
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(quant), "--port", str(port),
+        [sys.executable, "-m", "pagoda.cli", "serve", str(quant), "--port", str(port),
          "--max-model-len", "512", "--served-model-name", "mine", "--no-access-log"],
         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -167,7 +167,7 @@ def test_first_users_workflow(tmp_path, capsys):
     # 5. pagoda compare with its defaults (CPU defaults: a few minutes at most)
     cmp = tmp_path / "compare"
     done = subprocess.run(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "compare", str(merged), str(quant),
+        [sys.executable, "-m", "pagoda.cli", "compare", str(merged), str(quant),
          "--out", str(cmp)],
         env=_env(), capture_output=True, text=True, timeout=480,
     )  # fmt: skip

@@ -20,8 +20,11 @@ import torch
 import triton
 import triton.testing
 
-from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
-from pagoda.kernels.triton_paged_attention import choose_num_splits, paged_attention_triton
+from pagoda.kernels.attention.triton_kv_cache_write import write_kv_cache_triton
+from pagoda.kernels.attention.triton_paged_attention import (
+    choose_num_splits,
+    paged_attention_triton,
+)
 
 
 def bench_ms(fn) -> float:

@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from pagoda.kernels import triton_w4a16_mma as mm  # noqa: E402
+from pagoda.kernels.wna16 import triton_w4a16_mma as mm  # noqa: E402
 
 _TYPES = {
     "x_ptr": "*i32",

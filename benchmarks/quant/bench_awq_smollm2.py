@@ -29,7 +29,7 @@ _METHODS = {"pagoda_awq": "awq", "rtn_asym": "rtn"}
 
 
 def _pagoda_run(name: str, work: Path, model: str, method: str, common: dict) -> dict:
-    from pagoda.quant import quantize
+    from pagoda.quantizer import quantize
 
     info_file = work / f"{name}.json"
     if not info_file.is_file():

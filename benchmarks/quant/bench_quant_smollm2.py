@@ -1,7 +1,7 @@
 """Acceptance 2: W4A16 g64 on the embedded SmolLM2-135M: RTN vs pagoda GPTQ vs llmcompressor.
 
 Steps (each skipped when its output exists in --work): calibration / held-out text from
-python3-doc (prepare_python_docs.py), pagoda RTN and GPTQ (`pagoda.quant.quantize`), the
+python3-doc (prepare_python_docs.py), pagoda RTN and GPTQ (`pagoda.quantizer.quantize`), the
 llmcompressor baseline on the same samples (llmcompressor_baseline.py, run with --lc-python),
 then perplexity of the float model and the three checkpoints on the same held-out tokens.
 Usage: python benchmarks/quant/bench_quant_smollm2.py --work /tmp/qbench --lc-python PY
@@ -44,7 +44,7 @@ def main() -> None:
 
     from pagoda.bench.perplexity import evaluate
     from pagoda.model_files import default_model_path
-    from pagoda.quant import quantize
+    from pagoda.quantizer import quantize
 
     work = Path(ns.work)
     work.mkdir(parents=True, exist_ok=True)

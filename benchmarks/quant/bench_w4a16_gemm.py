@@ -10,7 +10,7 @@ The large-M path joins at every M: `wna16_dequant_linear` (the weight expanded i
 bf16 scratch by `wna16_dequant`, then cuBLAS), and per shape the dequant pass alone (default
 tiles and the best of `dequant_candidate_configs`) in µs and GB/s (packed weight + scales read
 + bf16 weight written), with the M from which the dispatcher takes the path
-(`large_m_threshold`, pagoda/kernels/wna16.py) so that the run checks the rule.
+(`large_m_threshold`, pagoda/kernels/wna16/reference.py) so that the run checks the rule.
 
 For decode sizes (M <= 16) the split-K GEMV `wna16_gemv` joins, and every small-M kernel is also
 timed inside a CUDA graph (as decode replays it: no launch overhead, back-to-back kernels)
@@ -48,7 +48,7 @@ GROUP = 128
 
 
 def _sweep_configs(m: int):
-    from pagoda.kernels.triton_w4a16 import GemmConfig
+    from pagoda.kernels.wna16.triton_w4a16 import GemmConfig
 
     if m <= 16:
         for block_n in (32, 64, 128):
@@ -108,7 +108,7 @@ def _cfg_str(cfg, info) -> str:
 
 def gemv_sweep(m, n, k, xs, qts, sts, num_sms, sweep: bool):
     """Default us, default config, best us, best config, default with "atomic" reduction us."""
-    from pagoda.kernels.triton_w4a16 import (
+    from pagoda.kernels.wna16.triton_w4a16 import (
         default_gemv_config,
         gemv_candidate_configs,
         gemv_launch_info,
@@ -122,7 +122,7 @@ def gemv_sweep(m, n, k, xs, qts, sts, num_sms, sweep: bool):
         ]
 
     # The heuristic's config, explicitly: with config=None an H200 would use the tuned table
-    # (pagoda/kernels/tuned/w4a16_gemv.json) that this sweep produces.
+    # (pagoda/kernels/wna16/tuned/w4a16_gemv.json) that this sweep produces.
     heuristic = default_gemv_config(m, n, k, GROUP, 4, num_sms)
     t_default = graph_us(calls(heuristic))
     info = gemv_launch_info(m, n, k, GROUP, 4, heuristic, num_sms)
@@ -161,7 +161,8 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from pagoda.kernels.triton_w4a16 import (
+    from pagoda.kernels.wna16.reference import large_m_threshold
+    from pagoda.kernels.wna16.triton_w4a16 import (
         _num_sms,
         default_config,
         dequant_candidate_configs,
@@ -170,7 +171,6 @@ def main() -> None:
         wna16_gemm,
         wna16_gemv,
     )
-    from pagoda.kernels.wna16 import large_m_threshold
     from pagoda.quant.packing import pack_to_int32
 
     dev = torch.device("cuda")
@@ -241,7 +241,7 @@ def main() -> None:
             ref = x @ w_bf16.t()
             t_bf16 = do_bench(functools.partial(torch.matmul, x, w_bf16.t()), warmup=25, rep=100)
             # The heuristic's config, explicitly: config=None would take the tuned table
-            # (pagoda/kernels/tuned/w4a16_gemm.json) that this sweep produces.
+            # (pagoda/kernels/wna16/tuned/w4a16_gemm.json) that this sweep produces.
             heur = default_config(m, n, k, GROUP, _num_sms(dev))
             out = wna16_gemm(x, qt, st, None, GROUP, 4, heur)
             err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pagoda.bench.common import copy_bandwidth  # noqa: E402
 from pagoda.bench.common import graph_time_per_call as time_graph  # noqa: E402
-from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
-from pagoda.kernels.triton_gemv import gemv_bf16  # noqa: E402
-from pagoda.kernels.triton_w4a16 import wna16_gemv  # noqa: E402
+from pagoda.kernels.dense.triton_gemv import gemv_bf16  # noqa: E402
+from pagoda.kernels.wna16 import triton_w4a16_mma as mma  # noqa: E402
+from pagoda.kernels.wna16.triton_w4a16 import wna16_gemv  # noqa: E402
 from pagoda.kernels.workspace import SplitKWorkspace  # noqa: E402
 from pagoda.quant.packing import pack_to_int32  # noqa: E402
 
@@ -54,7 +54,7 @@ def configs(m: int, n: int, k: int, num_sms: int):
 
 def bench_shape(name, n, k, ms, sweep_ms, bw, l2, num_sms) -> list[dict]:
     """Every kernel at every M for one layer shape (weights rotated over enough copies)."""
-    from pagoda.kernels.triton_w4a16 import wna16_dequant_linear, wna16_gemm
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_dequant_linear, wna16_gemm
 
     dev, G = torch.device("cuda"), 128
     u = torch.randint(0, 16, (n, k), device=dev, dtype=torch.int32)

@@ -44,7 +44,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagoda.model_files import default_model_path, load_tokenizer, resolve_model
-    from pagoda.quant.calibration import load_calibration_data
+    from pagoda.quantizer.calibration import load_calibration_data
 
     IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None  # CPU: see docstring
 

@@ -3,7 +3,7 @@
 Run in an environment with `llmcompressor==0.14.*` (e.g. a venv with --system-site-packages
 so pagoda is importable). A GGUF model (the embedded SmolLM2) is first dequantized to a
 float32 Hugging Face directory. The samples are exactly those `pagoda quantize` draws
-(`pagoda.quant.calibration.load_calibration_data`, same seed), fed in the same order.
+(`pagoda.quantizer.calibration.load_calibration_data`, same seed), fed in the same order.
 Usage: python benchmarks/quant/llmcompressor_baseline.py OUT_DIR --dataset calib.txt [...]
 """
 
@@ -60,7 +60,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagoda.model_files import default_model_path, load_tokenizer, resolve_model
-    from pagoda.quant.calibration import load_calibration_data
+    from pagoda.quantizer.calibration import load_calibration_data
 
     model_arg = ns.model or default_model_path()
     source = resolve_model(model_arg)

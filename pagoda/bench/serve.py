@@ -609,9 +609,12 @@ def _engine_kwargs(launch: str) -> dict[str, Any]:
     """The engine arguments of a `pagoda serve` argument string, as `LLM(...)` takes them."""
     import shlex
 
-    from pagoda.entrypoints.cli import build_parser, engine_kwargs
+    from pagoda.entrypoints.cli_args import engine_kwargs
+    from pagoda.entrypoints.openai import cli as serve_cli
 
-    ns = build_parser().parse_args(["serve", *shlex.split(launch)])
+    parser = argparse.ArgumentParser(prog="pagoda")
+    serve_cli.register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["serve", *shlex.split(launch)])
     return engine_kwargs(ns)
 
 
@@ -693,7 +696,7 @@ def _launched(ns: argparse.Namespace, engine_mode: str | None = None) -> dict[st
     import subprocess
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", *shlex.split(ns.launch)]
+    cmd = [sys.executable, "-m", "pagoda.cli", "serve", *shlex.split(ns.launch)]
     if engine_mode is not None:
         cmd += ["--engine-mode", engine_mode]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-access-log"]

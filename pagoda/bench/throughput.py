@@ -23,7 +23,7 @@ from pagoda.bench.common import (
     random_workload,
     write_result,
 )
-from pagoda.entrypoints.cli import add_async_scheduling_arg
+from pagoda.entrypoints.cli_args import add_async_scheduling_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,7 +13,8 @@ from pagoda.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfi
 from pagoda.engine.kv_cache_manager import KVCacheManager
 from pagoda.engine.ngram_proposer import NgramProposer
 from pagoda.engine.request import Request, RequestStatus
-from pagoda.engine.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput
+from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
+from pagoda.step import SchedulerOutput
 from pagoda.worker.memory import MemoryReport
 from pagoda.worker.model_runner import ModelRunner, PendingOutput
 

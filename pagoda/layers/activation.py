@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import fused_ops
+from pagoda.kernels.norm_act import ops as fused_ops
 
 
 class SiluAndMul(nn.Module):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda import envs
-from pagoda.kernels.paged_attention import (
+from pagoda.kernels.attention.reference import (
     check_sliding_window,
     paged_attention_ref,
     write_kv_cache_ref,
@@ -60,8 +60,8 @@ def _triton_kernels() -> tuple[Callable, Callable] | None:
     """
     if not triton_available():
         return None
-    from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton
-    from pagoda.kernels.triton_paged_attention import paged_attention_triton
+    from pagoda.kernels.attention.triton_kv_cache_write import write_kv_cache_triton
+    from pagoda.kernels.attention.triton_paged_attention import paged_attention_triton
 
     return write_kv_cache_triton, paged_attention_triton
 
@@ -73,7 +73,7 @@ def _fused_decode_kernel() -> Callable | None:
         return None
     if not triton_available():
         return None
-    from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton
+    from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
 
     return fused_decode_attention_triton
 

@@ -85,7 +85,7 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def dense_gemv_kernel(device: torch.device) -> ModuleType | None:
-    """`pagoda.kernels.triton_gemv` where the dense GEMV serves M = 1 on `device` (kernel name
+    """`pagoda.kernels.dense.triton_gemv` where the dense GEMV serves M = 1 on `device` (kernel name
     "dense_gemv"): CUDA sm_90+, where it measured faster than cuBLAS on every layer (H200);
     None elsewhere, without Triton, or when disabled."""
     if device.type != "cuda":
@@ -103,10 +103,10 @@ def _dense_gemv_for(index: int) -> ModuleType | None:
     if not platform.triton_available():
         return None
     try:
-        from pagoda.kernels import triton_gemv
+        from pagoda.kernels.dense import triton_gemv
     except ImportError:
         return None
-    from pagoda.kernels import triton_gemv
+    from pagoda.kernels.dense import triton_gemv
 
     return triton_gemv
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.kernels import fused_ops
+from pagoda.kernels.norm_act import ops as fused_ops
 
 
 class RMSNorm(nn.Module):

@@ -17,12 +17,8 @@ from torch import nn
 from pagoda.layers.linear import LinearMethod, LinearMethodFactory, UnquantizedLinearMethod
 from pagoda.layers.wna16_kernels import choose_kernels, dense_weight, kernel_config
 from pagoda.quant.formats import format_module
-from pagoda.quant.scheme import (
-    CHECKPOINT_FORMATS,
-    UnpackedWeight,
-    WeightQuantArgs,
-    parse_quantization_config,
-)
+from pagoda.quant.scheme import CHECKPOINT_FORMATS, parse_quantization_config
+from pagoda.quant.weights import UnpackedWeight, WeightQuantArgs
 
 
 def lm_head_quantized(factory: LinearMethodFactory) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagoda.kernels import fused_ops
+from pagoda.kernels.norm_act import ops as fused_ops
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from pagoda import envs, platform
-from pagoda.kernels.wna16 import dequantize_weight, large_m_threshold
+from pagoda.kernels.wna16.reference import large_m_threshold
+from pagoda.quant.dequant import dequantize_weight
 from pagoda.quant.packing import pack_to_int32, unpack_from_int32
-from pagoda.quant.scheme import UnpackedWeight
+from pagoda.quant.weights import UnpackedWeight
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ class TritonGemv(_PackedLayout):
 
     @classmethod
     def apply(cls, layer, x, bias):
-        from pagoda.kernels.triton_w4a16 import wna16_gemv
+        from pagoda.kernels.wna16.triton_w4a16 import wna16_gemv
 
         fused = _fusable(bias, x)
         workspace = getattr(layer, "split_k_workspace", None)  # bound by the model runner
@@ -244,7 +245,7 @@ class TritonGemv(_PackedLayout):
 
 def _large_m(cfg: KernelConfig) -> int:
     """The M from which dequant + cuBLAS beats the Triton GEMM (`large_m_threshold`)."""
-    from pagoda.kernels.triton_w4a16 import _tuned_gemm_table
+    from pagoda.kernels.wna16.triton_w4a16 import _tuned_gemm_table
 
     key = (cfg.n, cfg.k, cfg.group_size, cfg.bits)
     tuned = key in _tuned_gemm_table(cfg.device_name)
@@ -262,7 +263,7 @@ class TritonGemm(_PackedLayout):
 
     @classmethod
     def apply(cls, layer, x, bias):
-        from pagoda.kernels.triton_w4a16 import wna16_gemm
+        from pagoda.kernels.wna16.triton_w4a16 import wna16_gemm
 
         return wna16_gemm(x, *cls._weights(layer)), False
 
@@ -274,7 +275,7 @@ class TritonDequantCublas(_PackedLayout):
 
     @classmethod
     def apply(cls, layer, x, bias):
-        from pagoda.kernels.triton_w4a16 import wna16_dequant_linear
+        from pagoda.kernels.wna16.triton_w4a16 import wna16_dequant_linear
 
         return wna16_dequant_linear(x, *cls._weights(layer)), False
 
@@ -297,7 +298,7 @@ class _MmaLayout(WNA16Kernel):
             return False, "triton not installed"
         if cfg.act_dtype != torch.bfloat16:
             return False, f"activations are {cfg.act_dtype}, the MMA kernels take bf16"
-        from pagoda.kernels.triton_w4a16_mma import mma_self_test, mma_supported
+        from pagoda.kernels.wna16.triton_w4a16_mma import mma_self_test, mma_supported
 
         if not mma_supported(cfg.n, cfg.k, cfg.group_size, cfg.bits, cfg.has_zero_point):
             return False, "shape, bits or zero point not supported by the MMA layout"
@@ -307,7 +308,7 @@ class _MmaLayout(WNA16Kernel):
 
     @staticmethod
     def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
-        from pagoda.kernels.triton_w4a16_mma import (
+        from pagoda.kernels.wna16.triton_w4a16_mma import (
             repack_mma,
             repack_mma_scales,
             repack_mma_zeros,
@@ -323,7 +324,11 @@ class _MmaLayout(WNA16Kernel):
 
     @staticmethod
     def dequantize(layer):
-        from pagoda.kernels.triton_w4a16_mma import unpack_mma, unpack_mma_scales, unpack_mma_zeros
+        from pagoda.kernels.wna16.triton_w4a16_mma import (
+            unpack_mma,
+            unpack_mma_scales,
+            unpack_mma_zeros,
+        )
 
         n, k = layer.out_features, layer.in_features
         q = (unpack_mma(layer.mma_words.data, n, k).to(torch.int16) - 8).to(torch.int8)
@@ -389,13 +394,13 @@ class _HopperGemm(_MmaLayout):
 class MmaWgmmaTma(_HopperGemm):
     """Hopper `wgmma` GEMM fed by bulk tensor copies (TMA) from a producer warp, 128 weight rows
     a CTA (`gluon_wgmma_tma`). First in the priority list; its band, where it is the best
-    kernel (BENCHMARKS.md, sessions 15, 16 and 19): gate_up-sized layers (N >= 16 Ki) 17-512
+    kernel (BENCHMARKS.md, W4A16 kernels, H200): gate_up-sized layers (N >= 16 Ki) 17-512
     rows; down projections (K >= 4 N) 33-512 at N >= 3 Ki (7B), 65-256 below (3B, with the
-    tuned table); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the session-14 wgmma
+    tuned table); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the cp.async wgmma
     GEMM (to 64 / 128 rows), then dequant + cuBLAS."""
 
     name = "mma_wgmma_tma"
-    module = "pagoda.kernels.gluon_wgmma_tma"
+    module = "pagoda.kernels.wna16.gluon_wgmma_tma"
     entry = "wna16_wgmma_tma"
     available = "gluon_tma_available"
     shape_ok = "tma_supported"
@@ -431,7 +436,7 @@ class MmaGemv(_MmaLayout):
 
     @classmethod
     def apply(cls, layer, x, bias):
-        from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemv
+        from pagoda.kernels.wna16.triton_w4a16_mma import wna16_mma_gemv
 
         workspace = getattr(layer, "split_k_workspace", None)
         return _mma_apply(wna16_mma_gemv, layer, x, bias, workspace=workspace)
@@ -441,11 +446,11 @@ class MmaWgmma(_HopperGemm):
     """Hopper `wgmma` GEMM on the MMA layout (the weight dequantized in registers as the
     register operand, cp.async into shared memory, `gluon_mma_wgmma`): best from 9 to 64 rows,
     to 128 on layers of >= 16 Ki output columns (gate_up) and on down projections (K >= 4 N)
-    where the TMA GEMM, earlier in the priority list, is not there (BENCHMARKS.md, sessions 12,
-    14 and 15). The GEMV keeps M <= 8."""
+    where the TMA GEMM, earlier in the priority list, is not there (BENCHMARKS.md, W4A16
+    kernels). The GEMV keeps M <= 8."""
 
     name = "mma_wgmma"
-    module = "pagoda.kernels.gluon_mma_wgmma"
+    module = "pagoda.kernels.wna16.gluon_mma_wgmma"
     entry = "wna16_mma_wgmma"
     available = "gluon_available"
     shape_ok = "wgmma_supported"
@@ -476,7 +481,7 @@ class MmaGemm(_MmaLayout):
 
     @classmethod
     def apply(cls, layer, x, bias):
-        from pagoda.kernels.triton_w4a16_mma import wna16_mma_gemm
+        from pagoda.kernels.wna16.triton_w4a16_mma import wna16_mma_gemm
 
         return _mma_apply(wna16_mma_gemm, layer, x, bias)
 
@@ -488,7 +493,7 @@ class MmaDequantCublas(_MmaLayout):
 
     @classmethod
     def apply(cls, layer, x, bias):
-        from pagoda.kernels.triton_w4a16_mma import wna16_mma_dequant
+        from pagoda.kernels.wna16.triton_w4a16_mma import wna16_mma_dequant
 
         n, k, group = layer.out_features, layer.in_features, layer.wna16_group_size
         w = wna16_mma_dequant(layer.mma_words, layer.mma_scales, n, k, group, layer.mma_zeros)

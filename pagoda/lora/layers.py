@@ -12,13 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagoda.kernels.lora import (
-    LoRAWorkspace,
+from pagoda.kernels.lora.ops import (
     lora_grouped_ref,
     lora_sgmv,  # noqa: F401  (kept importable from here for callers that patch it)
     lora_shrink_expand,
-    lora_workspace,
 )
+from pagoda.kernels.lora.workspace import LoRAWorkspace, lora_workspace
 from pagoda.layers.linear import LinearBase, LinearMethod
 
 

@@ -1,19 +1,7 @@
-"""pagoda.quant: GPTQ / RTN weight quantization to compressed-tensors checkpoints.
+"""pagoda.quant: the quantized checkpoint FORMAT — what a loaded model needs.
 
-`quantize(model, out_dir, ...)` is the entry point (also `pagoda quantize`); the algorithms
-(`gptq`, `rtn`), calibration data, pipeline and formats are separate modules.
+Weight descriptions (`weights.py`), their meaning (`dequant.py`), int32 packing (`packing.py`),
+schemes and `quantization_config` parsing (`scheme.py`, `schemes.py`) and the checkpoint
+formats (`formats/`: compressed-tensors, legacy GPTQ, AutoAWQ GEMM). It knows no model and no
+quantizer; the quantizer (`pagoda.quantizer`) sits above the models and writes these formats.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-
-def quantize(*args: Any, **kwargs: Any) -> Any:
-    """See `pagoda.quant.api.quantize` (imported lazily: it pulls in the model code)."""
-    from pagoda.quant.api import quantize as _quantize
-
-    return _quantize(*args, **kwargs)
-
-
-__all__ = ["quantize"]

@@ -1,9 +1,8 @@
 """The quantization scheme: how weights are quantized and which modules a checkpoint covers.
 
-`WeightQuantArgs` (bits, symmetry, group size, act-order) and `QuantizationPlan` (per module:
-args and storage format, or unquantized) are read from a checkpoint's `quantization_config` by
-`parse_quantization_config` (compressed-tensors, legacy GPTQ, AutoAWQ). `UnpackedWeight` is the
-canonical form every checkpoint format unpacks to and the runtime layer repacks from.
+`QuantizationPlan` (per module: `WeightQuantArgs` and storage format, or unquantized) is read
+from a checkpoint's `quantization_config` by `parse_quantization_config` (compressed-tensors,
+legacy GPTQ, AutoAWQ). The weight descriptions themselves are in `weights.py`.
 """
 
 from __future__ import annotations
@@ -13,61 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from pagoda.quant.formats.autoawq import parse_awq_config
+from pagoda.quant.weights import WeightQuantArgs
 
 CT_FORMATS = ("pack-quantized", "naive-quantized")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 AWQ_FORMATS = ("awq-gemm",)
 CHECKPOINT_FORMATS = CT_FORMATS + GPTQ_FORMATS + AWQ_FORMATS
 QUANT_METHODS = ("compressed-tensors", "gptq", "awq")
-
-
-@dataclass(frozen=True)
-class WeightQuantArgs:
-    """How a weight is quantized: integer bits, symmetry, group size (-1: per output channel).
-
-    actorder: None, "static" / "weight" (columns quantized in activation order, groups kept in
-    the original column order: no g_idx stored) or "group" / "dynamic" (groups follow the
-    activation order: a `g_idx` tensor maps each input column to its group).
-    """
-
-    num_bits: int = 4
-    symmetric: bool = True
-    group_size: int = 128
-    actorder: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_bits not in (4, 8):
-            raise ValueError(f"num_bits={self.num_bits} is not supported; use 4 or 8")
-        if self.group_size != -1 and self.group_size < 1:
-            raise ValueError(f"group_size must be -1 (per channel) or >= 1, got {self.group_size}")
-        if self.actorder not in (None, "static", "weight", "group", "dynamic"):
-            raise ValueError(f"actorder={self.actorder!r} is not supported")
-
-    @property
-    def q_min(self) -> int:
-        return -(1 << (self.num_bits - 1))
-
-    @property
-    def q_max(self) -> int:
-        return (1 << (self.num_bits - 1)) - 1
-
-    @property
-    def has_g_idx(self) -> bool:
-        return self.actorder in ("group", "dynamic")
-
-    def group_size_for(self, in_features: int) -> int:
-        return in_features if self.group_size == -1 else self.group_size
-
-
-@dataclass
-class UnpackedWeight:
-    """A module's weights in one canonical form, whatever the checkpoint format."""
-
-    codes: torch.Tensor  # [out, in] int8, signed values
-    scale: torch.Tensor  # [out, groups] float
-    zero_point: torch.Tensor | None  # [out, groups] int16 signed; None when symmetric
-    g_idx: torch.Tensor | None  # [in] group of each input column; None when contiguous
 
 
 def normalize_quant_method(name: str | None) -> str | None:
@@ -205,7 +157,6 @@ _AWQ_TARGETS = (r"re:(.*\.)?layers\.\d+\.",)
 
 
 def _parse_awq(qc: Mapping[str, Any]) -> QuantizationPlan:
-    from pagoda.quant.formats.autoawq import parse_awq_config
 
     cfg = parse_awq_config(qc)
     args = WeightQuantArgs(num_bits=4, symmetric=not cfg.zero_point, group_size=cfg.group_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.quant.scheme import WeightQuantArgs
+from pagoda.quant.weights import WeightQuantArgs
 
 SCHEMES: dict[str, WeightQuantArgs] = {
     "W4A16": WeightQuantArgs(num_bits=4, symmetric=True, group_size=128),

@@ -84,7 +84,10 @@ class CudaGraphRunner:
     def _metadata(self, size: int) -> AttentionMetadata:
         num_splits = None  # the split-KV factor only means something to the Triton kernels
         if triton_available():
-            from pagoda.kernels.triton_paged_attention import choose_num_splits, effective_kv_len
+            from pagoda.kernels.attention.triton_paged_attention import (
+                choose_num_splits,
+                effective_kv_len,
+            )
 
             layer = self.model.attention_layers()[0]
             # A sliding window caps the keys a decode reads (the window is the layer's, a

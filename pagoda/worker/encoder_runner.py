@@ -20,8 +20,8 @@ from pagoda.config import MultiModalConfig
 from pagoda.multimodal.image_processor import ImageProcessorConfig
 
 if TYPE_CHECKING:
-    from pagoda.engine.scheduler import ScheduledRequest
     from pagoda.multimodal.inputs import ImageInput
+    from pagoda.step import ScheduledRequest
 
 
 def patchify(

@@ -41,7 +41,7 @@ from pagoda.worker.memory import (
 )
 
 if TYPE_CHECKING:
-    from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from pagoda.step import ScheduledRequest, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Without an explicit budget a CPU run keeps its KV cache modest: enough for the configured
@@ -537,7 +537,7 @@ class ModelRunner:
         step needing one later would compile it while every running request waits."""
         if self.device.type != "cuda" or not triton_available():
             return
-        from pagoda.kernels.triton_paged_attention import warm_up_mixed_steps
+        from pagoda.kernels.attention.triton_paged_attention import warm_up_mixed_steps
 
         done = set()
         for layer in self.model.attention_layers():
@@ -718,7 +718,7 @@ class ModelRunner:
         gc.collect()  # modules refer to each other (LoRA wrappers, tied weights)
         if self.device.type == "cuda":
             # cuBLAS keeps a workspace per handle and stream in torch's allocator (32 MiB on
-            # the H200: exactly what stayed allocated after shutdown, session 8 run 5)
+            # the H200: exactly what stayed allocated after shutdown, measured)
             clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear is not None:
                 clear()

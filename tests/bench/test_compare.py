@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from pagoda import cli
 from pagoda.bench import compare, compare_report, compare_worker
-from pagoda.entrypoints import cli
 from tests.helpers import save_tiny_model
 
 WORDS = "the quick brown fox jumps over a lazy dog while cats sleep in warm sun".split()  # noqa: SIM905
@@ -293,7 +293,7 @@ def test_interrupted_run_keeps_its_measurements_and_resume_finishes_it(models, t
     small, _, text = models
     out = tmp_path / "run"
     argv = [
-        sys.executable, "-m", "pagoda.entrypoints.cli", "compare", str(small), "--device", "cpu",
+        sys.executable, "-m", "pagoda.cli", "compare", str(small), "--device", "cpu",
         # 100 output tokens: the decode runs after TTFT take seconds, so SIGTERM lands in them
         "--max-model-len", "128", "--prompt-len", "16", "--output-len", "100", "--batch-sizes",
         "1,2", "--iters", "1", "--throughput-requests", "2", "--ppl-text", str(text),

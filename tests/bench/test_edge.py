@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagoda.entrypoints.cli import main as cli_main
+from pagoda.cli import main as cli_main
 
 TINY_VL = {
     "architectures": ["Qwen2_5_VLForConditionalGeneration"],

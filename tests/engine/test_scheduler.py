@@ -13,8 +13,9 @@ import pytest
 from pagoda.config import SchedulerConfig
 from pagoda.engine.kv_cache_manager import KVCacheManager
 from pagoda.engine.request import Request, RequestStatus
-from pagoda.engine.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine.scheduler import Scheduler
 from pagoda.sampling_params import SamplingParams
+from pagoda.step import SchedulerOutput
 
 BS = 16
 

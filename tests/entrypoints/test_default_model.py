@@ -101,7 +101,7 @@ def test_cli_chat_answers():
         [
             sys.executable,
             "-m",
-            "pagoda.entrypoints.cli",
+            "pagoda.cli",
             "chat",
             "--message",
             "What is the capital of France?",
@@ -124,7 +124,7 @@ def test_cli_bad_input_is_a_clear_error():
         [
             sys.executable,
             "-m",
-            "pagoda.entrypoints.cli",
+            "pagoda.cli",
             "generate",
             "hi",
             "--model",

@@ -181,7 +181,7 @@ def test_bad_window_in_config_is_one_clear_error(tmp_path, capsys):
     import json
     import shutil
 
-    from pagoda.entrypoints.cli import main
+    from pagoda.cli import main
 
     path = save_tiny_mistral(tmp_path, 8)
     # a tokenizer, so that the CLI gets as far as building the model

@@ -26,7 +26,9 @@ def _compile_ptx(kv_pf_bytes: int = 0) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pagoda.kernels.triton_decode_attention import _fused_decode_attention_kernel as fn
+    from pagoda.kernels.attention.triton_decode_attention import (
+        _fused_decode_attention_kernel as fn,
+    )
 
     consts = dict(
         NUM_QUERIES_PER_KV=8, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16,

@@ -30,9 +30,9 @@ if os.environ.get("TRITON_INTERPRET") == "1" and tuple(
     # numpy >= 2.4 rejects; 3.7 fixed it. The compiled GPU path is unaffected.
     pytest.skip("CPU tests need triton >= 3.7 (interpreter bug)", allow_module_level=True)
 
-from pagoda.kernels.paged_attention import fused_decode_attention_ref  # noqa: E402
-from pagoda.kernels.triton_decode_attention import fused_decode_attention_triton  # noqa: E402
-from pagoda.kernels.triton_paged_attention import choose_num_splits  # noqa: E402
+from pagoda.kernels.attention.reference import fused_decode_attention_ref  # noqa: E402
+from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton  # noqa: E402
+from pagoda.kernels.attention.triton_paged_attention import choose_num_splits  # noqa: E402
 from pagoda.layers import attention as attention_mod  # noqa: E402
 from pagoda.layers.attention import Attention, AttentionMetadata  # noqa: E402
 from pagoda.layers.linear import default_linear_method_factory  # noqa: E402
@@ -400,7 +400,7 @@ def test_gpu_kv_prefetch_changes_no_result(window):
     """The splits' first cache blocks prefetched before the wait (on by default on sm_90):
     output and cache bit-identical to kv_prefetch=False, contexts from 1 to 9k keys (splits
     with more blocks than the prefetched 4, empty splits), with and without a window."""
-    from pagoda.kernels.triton_decode_attention import _kv_block_bytes
+    from pagoda.kernels.attention.triton_decode_attention import _kv_block_bytes
 
     case = make_case([9000, 1, 40, 700, 64], 28, 4, 128, torch.bfloat16, num_padding=2, seed=9)
     if torch.cuda.get_device_capability() >= (9, 0):  # the prefetch really runs

@@ -18,14 +18,14 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")  # after the env var: @triton.jit reads it
 tl = pytest.importorskip("triton.language")
 
-from pagoda.kernels import fused_ops  # noqa: E402
-from pagoda.kernels.fused_ops import (  # noqa: E402
+from pagoda.kernels.norm_act import ops as fused_ops  # noqa: E402
+from pagoda.kernels.norm_act.ops import (  # noqa: E402
     apply_rotary_ref,
     fused_add_rms_norm_ref,
     rms_norm_ref,
     silu_and_mul_ref,
 )
-from pagoda.kernels.triton_fused_ops import (  # noqa: E402
+from pagoda.kernels.norm_act.triton_fused_ops import (  # noqa: E402
     _round,
     apply_rotary_triton,
     fused_add_rms_norm_triton,

@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-from pagoda.kernels import gluon_mma_wgmma as wg
+from pagoda.kernels.wna16 import gluon_mma_wgmma as wg
 from pagoda.kernels.workspace import SplitKWorkspace
 
 pytest.importorskip("triton")  # the layout (`repack_mma`) lives with the Triton GEMV
-from pagoda.kernels import triton_w4a16_mma as mma  # noqa: E402
+from pagoda.kernels.wna16 import triton_w4a16_mma as mma  # noqa: E402
 
 
 def test_slot_order_is_a_permutation_of_pairs():

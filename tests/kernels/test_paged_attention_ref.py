@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from pagoda.kernels.paged_attention import (
+from pagoda.kernels.attention.reference import (
     causal_attention_ref,
     paged_attention_ref,
     write_kv_cache_ref,

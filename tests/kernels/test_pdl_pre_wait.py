@@ -33,7 +33,7 @@ _REDUCE_TYPES = {
 def _kernel(name: str):
     """(jit function, types, constexprs, activation parameters) of kernel `name`."""
     if name == "w4":
-        from pagoda.kernels import triton_w4a16_mma as mm
+        from pagoda.kernels.wna16 import triton_w4a16_mma as mm
 
         consts = dict(
             GROUP_TILES=2, KT=4, NB=1, HAS_BIAS=True, HAS_ZP=False, ONE_SPLIT=False,
@@ -41,7 +41,7 @@ def _kernel(name: str):
         )  # fmt: skip
         return mm._w4_mma_gemv_kernel, _W4_TYPES, consts, {"x_ptr"}
     if name == "dense":
-        from pagoda.kernels import triton_gemv as tg
+        from pagoda.kernels.dense import triton_gemv as tg
 
         consts = dict(
             BLOCK_N=8, BLOCK_K=512, EVEN_N=True, EVEN_K=True, ONE_SPLIT=True, HAS_BIAS=True,
@@ -49,13 +49,13 @@ def _kernel(name: str):
         )  # fmt: skip
         return tg._gemv_kernel, _DENSE_TYPES, consts, {"x_ptr"}
     if name == "rms_norm":
-        from pagoda.kernels import triton_fused_ops as fo
+        from pagoda.kernels.norm_act import triton_fused_ops as fo
 
         consts = dict(HAS_RESIDUAL=True, IN_DROP=16, OUT_DROP=16, BLOCK_M=1, BLOCK_N=2048,
                       USE_PDL=True, PDL_EARLY=True)  # fmt: skip
         return fo._rms_norm_kernel, _NORM_TYPES, consts, {"x_ptr", "res_ptr"}
     if name == "reduce":
-        from pagoda.kernels import triton_paged_attention as pa
+        from pagoda.kernels.attention import triton_paged_attention as pa
 
         consts = dict(NUM_SPLITS=32, SPLITS_PAD=32, HEAD_DIM=128, HEAD_DIM_PAD=128,
                       USE_PDL=True, PDL_EARLY=True)  # fmt: skip

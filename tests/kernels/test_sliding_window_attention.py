@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels.paged_attention import (
+from pagoda.kernels.attention.reference import (
     fused_decode_attention_ref,
     paged_attention_ref,
 )
-from pagoda.kernels.triton_paged_attention import effective_kv_len, paged_attention_triton
+from pagoda.kernels.attention.triton_paged_attention import effective_kv_len, paged_attention_triton
 from tests.kernels.test_fused_decode_attention import (
     DEVICE,
     Case,

@@ -16,7 +16,7 @@ def _case(n, k, dtype, bias, seed, device="cpu"):
 
 
 def _check(out, x, w, b):
-    from pagoda.kernels.triton_gemv import gemv_ref
+    from pagoda.kernels.dense.triton_gemv import gemv_ref
 
     ref = gemv_ref(x, w, b)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -36,7 +36,7 @@ def _check(out, x, w, b):
     ],
 )
 def test_gemv_interpreter(n, k, dtype, bias, cfg) -> None:
-    from pagoda.kernels.triton_gemv import DenseGemvConfig, gemv_bf16
+    from pagoda.kernels.dense.triton_gemv import DenseGemvConfig, gemv_bf16
 
     x, w, b = _case(n, k, dtype, bias, seed=n + k)
     config = DenseGemvConfig(cfg[0], cfg[1], cfg[2], num_warps=2)
@@ -48,7 +48,7 @@ def test_gemv_interpreter(n, k, dtype, bias, cfg) -> None:
 def test_gemv_float32_output_is_rounded_to_the_model_dtype(split) -> None:
     """out_dtype=float32 (the LM head's logits) stores x's-dtype-rounded values widened to
     fp32, like `F.linear(...).float()`: no extra precision that could change greedy picks."""
-    from pagoda.kernels.triton_gemv import DenseGemvConfig, gemv_bf16
+    from pagoda.kernels.dense.triton_gemv import DenseGemvConfig, gemv_bf16
 
     x, w, _ = _case(48, 768, torch.bfloat16, False, seed=split)
     out = gemv_bf16(x, w, None, DenseGemvConfig(8, 256, split, 2), out_dtype=torch.float32)
@@ -60,7 +60,7 @@ def test_gemv_float32_output_is_rounded_to_the_model_dtype(split) -> None:
 
 
 def test_gemv_errors() -> None:
-    from pagoda.kernels.triton_gemv import gemv_bf16
+    from pagoda.kernels.dense.triton_gemv import gemv_bf16
 
     x, w, b = _case(16, 64, torch.bfloat16, True, 0)
     with pytest.raises(ValueError, match="M == 1"):
@@ -80,7 +80,7 @@ QWEN = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944), (2560, 2048), 
 @pytest.mark.parametrize("n,k", QWEN)
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_qwen_shapes_gpu(n, k, bias) -> None:
-    from pagoda.kernels.triton_gemv import gemv_bf16
+    from pagoda.kernels.dense.triton_gemv import gemv_bf16
 
     x, w, b = _case(n, k, torch.bfloat16, bias, seed=n, device="cuda")
     _check(gemv_bf16(x, w, b), x, w, b)
@@ -108,7 +108,7 @@ def test_lm_head_uses_the_gemv_at_batch_one_gpu() -> None:
 def test_linear_dispatch_and_cuda_graph_gpu(monkeypatch) -> None:
     """M = 1 on CUDA sm_90+ takes the GEMV, M = 2 cuBLAS; the GEMV replays inside a CUDA
     graph."""
-    from pagoda.kernels import triton_gemv
+    from pagoda.kernels.dense import triton_gemv
     from pagoda.layers.linear import UnquantizedLinearMethod, dense_gemv_kernel
 
     calls = []

@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from pagoda.kernels.paged_attention import write_kv_cache_ref  # noqa: E402
-from pagoda.kernels.triton_kv_cache_write import write_kv_cache_triton  # noqa: E402
+from pagoda.kernels.attention.reference import write_kv_cache_ref  # noqa: E402
+from pagoda.kernels.attention.triton_kv_cache_write import write_kv_cache_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -24,8 +24,8 @@ if os.environ.get("TRITON_INTERPRET") == "1" and tuple(
     # numpy >= 2.4 rejects; 3.7 fixed it. The compiled GPU path is unaffected.
     pytest.skip("CPU tests need triton >= 3.7 (interpreter bug)", allow_module_level=True)
 
-from pagoda.kernels.paged_attention import paged_attention_ref  # noqa: E402
-from pagoda.kernels.triton_paged_attention import (  # noqa: E402
+from pagoda.kernels.attention.reference import paged_attention_ref  # noqa: E402
+from pagoda.kernels.attention.triton_paged_attention import (  # noqa: E402
     choose_num_splits,
     effective_kv_len,
     kernel_variant,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels.wna16 import wna16_linear_ref
+from pagoda.kernels.wna16.reference import wna16_linear_ref
 from pagoda.quant.packing import pack_to_int32
 
 
@@ -42,7 +42,7 @@ def _case(m, n, k, group, bits, asym, device="cpu", dtype=torch.float32, seed=0)
     ],
 )
 def test_wna16_gemm_interpreter(m, n, k, group, bits, asym, split) -> None:
-    from pagoda.kernels.triton_w4a16 import GemmConfig, wna16_gemm
+    from pagoda.kernels.wna16.triton_w4a16 import GemmConfig, wna16_gemm
 
     x, qt, st, zt, gs, ref = _case(m, n, k, group, bits, asym)
     out = wna16_gemm(x, qt, st, zt, gs, bits, GemmConfig(16, 32, 32, split_k=split))
@@ -67,7 +67,7 @@ def _check(out, ref, dtype) -> None:
 
 
 def _gemv_cases():
-    from pagoda.kernels.triton_w4a16 import GemvConfig as C
+    from pagoda.kernels.wna16.triton_w4a16 import GemvConfig as C
 
     # (m, n, k, group, bits, asym, dtype, config); the interpreter's bf16 tl.dot is broken
     # (raw bits multiplied), so the tensor-core path runs fp16 / fp32 here, bf16 on the GPU.
@@ -91,7 +91,7 @@ def _gemv_cases():
 
 @pytest.mark.parametrize("case", range(14))
 def test_wna16_gemv_interpreter(case) -> None:
-    from pagoda.kernels.triton_w4a16 import wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_gemv
 
     m, n, k, group, bits, asym, dtype, cfg = _gemv_cases()[case]
     x, qt, st, zt, gs, ref = _case(m, n, k, group, bits, asym, dtype=dtype, seed=case)
@@ -104,7 +104,7 @@ def test_wna16_gemv_interpreter(case) -> None:
 def test_wna16_gemv_serial_reduction_interpreter() -> None:
     """The last program of each column tile writes the sum and leaves workspace and counters
     zero, so repeated calls (different shapes, same buffers) stay correct."""
-    from pagoda.kernels.triton_w4a16 import GemvConfig, wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import GemvConfig, wna16_gemv
     from pagoda.kernels.workspace import SplitKWorkspace
 
     workspace = SplitKWorkspace()
@@ -121,7 +121,7 @@ def test_wna16_gemv_serial_reduction_interpreter() -> None:
 
 
 def test_wna16_gemv_default_config_interpreter() -> None:
-    from pagoda.kernels.triton_w4a16 import default_gemv_config, wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import default_gemv_config, wna16_gemv
 
     for m, dtype in ((1, torch.bfloat16), (6, torch.float16)):
         x, qt, st, zt, gs, ref = _case(m, 256, 1024, 128, 4, False, dtype=dtype, seed=m)
@@ -131,14 +131,14 @@ def test_wna16_gemv_default_config_interpreter() -> None:
 
 
 def test_gemv_configs_and_errors() -> None:
-    from pagoda.kernels.triton_w4a16 import (
+    from pagoda.kernels.wna16.triton_w4a16 import (
         default_gemv_config,
         gemv_candidate_configs,
         gemv_dot_ok,
         wna16_gemv,
     )
 
-    # Qwen2.5-7B decode shapes on an H200: the tiles and splits that won run 3's sweep
+    # Qwen2.5-7B decode shapes on an H200: the tiles and splits that won the sweep
     # (w4a16_gemv_h200.json) -- down_proj's best split was 74, the rule gives 75.
     expected = {
         (4608, 3584): (128, 1, 28),
@@ -171,7 +171,7 @@ QWEN7B = [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)]  # qkv, o, g
 @pytest.mark.parametrize("m", [1, 7, 16, 33, 128, 512])
 @pytest.mark.parametrize("bits,asym,group", [(4, False, 128), (4, True, 64), (8, False, 128)])
 def test_wna16_gemm_gpu(m, bits, asym, group) -> None:
-    from pagoda.kernels.triton_w4a16 import wna16_gemm
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_gemm
 
     x, qt, st, zt, gs, ref = _case(m, 3584, 3584, group, bits, asym, "cuda", torch.bfloat16)
     out = wna16_gemm(x, qt, st, zt, gs, bits)
@@ -207,7 +207,7 @@ def _check_gpu(x, q, scale, zp, gs, out, out32=None) -> None:
 @pytest.mark.parametrize("n,k", QWEN7B)
 def test_wna16_gemv_qwen7b_gpu(n, k) -> None:
     """Default configs on the real decode shapes (bf16 activations, W4A16 group 128)."""
-    from pagoda.kernels.triton_w4a16 import wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_gemv
 
     q, scale, zp, qt, st, zt, gs = _case_gpu(n, k, 128, 4, False)
     for m in (1, 2, 16):
@@ -219,7 +219,7 @@ def test_wna16_gemv_qwen7b_gpu(n, k) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits,asym,group", [(4, True, 128), (8, False, 128), (4, True, -1)])
 def test_wna16_gemv_quant_types_gpu(bits, asym, group) -> None:
-    from pagoda.kernels.triton_w4a16 import wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_gemv
 
     q, scale, zp, qt, st, zt, gs = _case_gpu(4608, 3584, group, bits, asym, seed=1)
     for m in (1, 5):  # FMA path, tensor-core path
@@ -233,7 +233,7 @@ def test_wna16_gemv_candidates_gpu() -> None:
     the serial reduction leaves its workspace zero after repeated calls."""
     from dataclasses import replace
 
-    from pagoda.kernels.triton_w4a16 import gemv_candidate_configs, wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import gemv_candidate_configs, wna16_gemv
     from pagoda.kernels.workspace import SplitKWorkspace
 
     workspace = SplitKWorkspace()
@@ -254,7 +254,7 @@ def test_wna16_gemv_candidates_gpu() -> None:
 def test_wna16_gemv_cuda_graph_gpu() -> None:
     """Captured once, replayed with new inputs: the serial split-K reduction needs no sync
     (atomics make the fp32 sum order vary, so compare with the reference, not bit-exactly)."""
-    from pagoda.kernels.triton_w4a16 import wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_gemv
     from pagoda.kernels.workspace import SplitKWorkspace
 
     ws = SplitKWorkspace()
@@ -278,7 +278,7 @@ def test_tuned_gemv_configs_cover_the_measured_shapes_and_only_their_gpu():
     """The H200 table gives the measured best config; other GPUs / shapes get None."""
     import json
 
-    from pagoda.kernels.triton_w4a16 import _TUNED_PATH, GemvConfig, tuned_gemv_config
+    from pagoda.kernels.wna16.triton_w4a16 import _TUNED_PATH, GemvConfig, tuned_gemv_config
 
     data = json.loads(_TUNED_PATH.read_text())
     gpu = data["gpu"]
@@ -296,8 +296,8 @@ def test_tuned_gemv_configs_cover_the_measured_shapes_and_only_their_gpu():
 
 def test_gemv_with_a_tuned_config_matches_the_reference():
     """A tuned config (small split, 1 warp) computes the same result under the interpreter."""
-    from pagoda.kernels.triton_w4a16 import GemvConfig, wna16_gemv
-    from pagoda.kernels.wna16 import wna16_linear_ref
+    from pagoda.kernels.wna16.reference import wna16_linear_ref
+    from pagoda.kernels.wna16.triton_w4a16 import GemvConfig, wna16_gemv
     from pagoda.quant.packing import pack_to_int32
 
     torch.manual_seed(0)
@@ -315,7 +315,7 @@ def test_gemv_with_a_tuned_config_matches_the_reference():
 def test_tuned_gemm_configs_cover_the_measured_shapes_and_stop_at_the_largest_m():
     import json
 
-    from pagoda.kernels.triton_w4a16 import _TUNED_PATH, GemmConfig, tuned_gemm_config
+    from pagoda.kernels.wna16.triton_w4a16 import _TUNED_PATH, GemmConfig, tuned_gemm_config
 
     data = json.loads(_TUNED_PATH.with_name("w4a16_gemm.json").read_text())
     gpu = data["gpu"]
@@ -330,8 +330,8 @@ def test_tuned_gemm_configs_cover_the_measured_shapes_and_stop_at_the_largest_m(
 
 
 def test_gemm_with_a_tuned_config_matches_the_reference():
-    from pagoda.kernels.triton_w4a16 import GemmConfig, wna16_gemm
-    from pagoda.kernels.wna16 import wna16_linear_ref
+    from pagoda.kernels.wna16.reference import wna16_linear_ref
+    from pagoda.kernels.wna16.triton_w4a16 import GemmConfig, wna16_gemm
 
     torch.manual_seed(0)
     n, k, g, m = 128, 256, 128, 33
@@ -374,8 +374,8 @@ def _packed_case(n, k, group, bits, asym, dtype, seed=0):
 def test_wna16_dequant_interpreter(bits, asym, group, dtype) -> None:
     """N = 100 and K = 196 (grouped; a partial last group) or 100 (per channel): neither is a
     multiple of the tiles, and for 4 bits K is not a multiple of 8 (a half-filled last word)."""
-    from pagoda.kernels.triton_w4a16 import wna16_dequant
-    from pagoda.kernels.wna16 import dequantize_packed_t
+    from pagoda.kernels.wna16.reference import dequantize_packed_t
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_dequant
 
     n, k = 100, 100 if group == -1 else 196
     qt, st, zt = _packed_case(n, k, group, bits, asym, dtype, seed=bits + 2 * asym)
@@ -391,8 +391,8 @@ def test_wna16_dequant_interpreter(bits, asym, group, dtype) -> None:
 def test_wna16_dequant_even_tiles_out_slices_and_config_interpreter() -> None:
     """Unmasked tiles (N, K multiples of the tile), a caller's `out`, a non-default config and
     column slices of the inputs (a range of N, as the chunked linear passes them)."""
-    from pagoda.kernels.triton_w4a16 import DequantConfig, wna16_dequant
-    from pagoda.kernels.wna16 import dequantize_packed_t
+    from pagoda.kernels.wna16.reference import dequantize_packed_t
+    from pagoda.kernels.wna16.triton_w4a16 import DequantConfig, wna16_dequant
 
     n, k = 128, 256
     qt, st, zt = _packed_case(n, k, 128, 4, True, torch.bfloat16, seed=5)
@@ -407,7 +407,7 @@ def test_wna16_dequant_even_tiles_out_slices_and_config_interpreter() -> None:
 
 
 def test_wna16_dequant_errors() -> None:
-    from pagoda.kernels.triton_w4a16 import wna16_dequant
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_dequant
 
     qt, st, _ = _packed_case(64, 128, 32, 4, False, torch.bfloat16)
     with pytest.raises(ValueError, match="packed rows"):
@@ -423,8 +423,8 @@ def test_wna16_dequant_errors() -> None:
 def test_wna16_dequant_linear_chunks_interpreter() -> None:
     """A scratch budget below the weight: chunks of 64 output rows, each GEMM writing its
     columns of the output; equal to one dense weight through F.linear."""
-    from pagoda.kernels.triton_w4a16 import wna16_dequant_linear
-    from pagoda.kernels.wna16 import dequantize_packed_t
+    from pagoda.kernels.wna16.reference import dequantize_packed_t
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_dequant_linear
 
     n, k = 200, 256
     qt, st, zt = _packed_case(n, k, 64, 4, True, torch.float32, seed=6)
@@ -442,7 +442,7 @@ def test_large_m_threshold_rule() -> None:
     tiles, the GPU filled) switches at M = 140 (168 for 8 bits); down (56 tiles < 132 SMs,
     K >= 2N) from the first M past the GEMV; qkv / o (narrow, short K) at M = 1024 when their
     GEMM config is tuned, else from M = 17."""
-    from pagoda.kernels.wna16 import large_m_threshold
+    from pagoda.kernels.wna16.reference import large_m_threshold
 
     assert large_m_threshold(37888, 3584, 4, 132) == 140
     assert large_m_threshold(37888, 3584, 8, 132) == 168
@@ -464,8 +464,8 @@ def test_wna16_dequant_qwen7b_gpu(n, k) -> None:
     """The 7B shapes (W4A16, group 128): the kernel's weight equals the reference bit for bit,
     and dequant + cuBLAS equals the bf16 matmul of that weight (the same cuBLAS call on the
     same operands; one bf16 ulp allowed should cuBLAS pick another algorithm)."""
-    from pagoda.kernels.triton_w4a16 import wna16_dequant, wna16_dequant_linear
-    from pagoda.kernels.wna16 import dequantize_packed_t
+    from pagoda.kernels.wna16.reference import dequantize_packed_t
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_dequant, wna16_dequant_linear
 
     _, _, _, qt, st, zt, gs = _case_gpu(n, k, 128, 4, False, seed=4)
     w_ref = dequantize_packed_t(qt, st, zt, gs, 4, k, torch.bfloat16)
@@ -481,8 +481,8 @@ def test_wna16_dequant_qwen7b_gpu(n, k) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits,asym,group", [(4, True, 64), (8, False, 128), (8, True, -1)])
 def test_wna16_dequant_quant_types_gpu(bits, asym, group) -> None:
-    from pagoda.kernels.triton_w4a16 import wna16_dequant
-    from pagoda.kernels.wna16 import dequantize_packed_t
+    from pagoda.kernels.wna16.reference import dequantize_packed_t
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_dequant
 
     _, _, _, qt, st, zt, gs = _case_gpu(4608, 3584, group, bits, asym, seed=5)
     w_ref = dequantize_packed_t(qt, st, zt, gs, bits, 3584, torch.bfloat16)
@@ -498,8 +498,8 @@ def test_wna16_dequant_linear_cuda_graph_gpu() -> None:
     """Captured at M = 64 (a decode batch past the GEMV): the scratch comes from the graph's
     pool, PDL (on an H100/H200) keeps the kernel behind the previous cuBLAS call; replays with
     new inputs give the bf16 matmul of the reference weight."""
-    from pagoda.kernels.triton_w4a16 import wna16_dequant_linear
-    from pagoda.kernels.wna16 import dequantize_packed_t
+    from pagoda.kernels.wna16.reference import dequantize_packed_t
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_dequant_linear
 
     n, k = 3584, 18944
     _, _, _, qt, st, zt, gs = _case_gpu(n, k, 128, 4, True, seed=6)

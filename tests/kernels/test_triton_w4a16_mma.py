@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels import triton_w4a16_mma as mm
-from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref
+from pagoda.kernels.wna16 import triton_w4a16_mma as mm
+from pagoda.kernels.wna16.reference import wna16_linear_ref
 from pagoda.kernels.workspace import SplitKWorkspace
+from pagoda.quant.dequant import dequantize_weight
 
 WS = SplitKWorkspace()  # split-K scratch, as the model runner owns one
 

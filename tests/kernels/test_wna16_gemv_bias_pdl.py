@@ -18,7 +18,7 @@ from tests.kernels.test_triton_w4a16 import _case, _check
     [(1, 1, "serial"), (1, 4, "serial"), (2, 3, "serial"), (1, 2, "atomic"), (5, 2, "serial")],
 )
 def test_gemv_bias_interpreter(m, split, reduce) -> None:
-    from pagoda.kernels.triton_w4a16 import GemvConfig, wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import GemvConfig, wna16_gemv
 
     x, qt, st, zt, gs, ref = _case(m, 256, 512, 128, 4, False, dtype=torch.bfloat16, seed=m + split)
     bias = torch.randn(256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
@@ -36,7 +36,7 @@ def test_gemv_bias_interpreter(m, split, reduce) -> None:
 
 
 def test_gemv_bias_shape_error() -> None:
-    from pagoda.kernels.triton_w4a16 import wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_gemv
 
     x, qt, st, zt, gs, _ = _case(1, 64, 128, 32, 4, False)
     with pytest.raises(ValueError, match="bias must be a contiguous \\[64\\]"):
@@ -53,10 +53,13 @@ def test_pdl_is_off_without_a_gpu() -> None:
 def test_pdl_decode_chain_in_a_cuda_graph_gpu() -> None:
     """norm -> GEMV(+bias) -> SiLU-and-mul -> GEMV -> norm with PDL, eager and graph-replayed:
     every stage reads its predecessor's output, so a missing wait would show as wrong sums."""
-    from pagoda.kernels.fused_ops import fused_add_rms_norm_ref, silu_and_mul_ref
+    from pagoda.kernels.norm_act.ops import fused_add_rms_norm_ref, silu_and_mul_ref
+    from pagoda.kernels.norm_act.triton_fused_ops import (
+        fused_add_rms_norm_triton,
+        silu_and_mul_triton,
+    )
     from pagoda.kernels.pdl import pdl_enabled
-    from pagoda.kernels.triton_fused_ops import fused_add_rms_norm_triton, silu_and_mul_triton
-    from pagoda.kernels.triton_w4a16 import wna16_gemv
+    from pagoda.kernels.wna16.triton_w4a16 import wna16_gemv
 
     dev = torch.device("cuda")
     if torch.cuda.get_device_capability()[0] >= 9:
@@ -77,7 +80,7 @@ def test_pdl_decode_chain_in_a_cuda_graph_gpu() -> None:
             d = wna16_gemv(a, qt2, st2, zt2, gs, 4)
             out, _ = fused_add_rms_norm_triton(d, res, w_norm, 1e-6)
             return out
-        from pagoda.kernels.triton_w4a16 import wna16_gemm
+        from pagoda.kernels.wna16.triton_w4a16 import wna16_gemm
 
         h, res = fused_add_rms_norm_ref(static_x, residual, w_norm, 1e-6)
         gu = wna16_gemm(h, qt1, st1, zt1, gs, 4) + bias

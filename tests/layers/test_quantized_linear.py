@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels.wna16 import wna16_linear_ref
+from pagoda.kernels.wna16.reference import wna16_linear_ref
 from pagoda.layers.linear import QKVLinear, ReplicatedLinear, UnquantizedLinearMethod
 from pagoda.layers.quantized_linear import (
     WeightQuantArgs,

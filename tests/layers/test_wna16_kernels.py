@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from pagoda import envs
-from pagoda.kernels.wna16 import dequantize_weight, wna16_linear_ref
+from pagoda.kernels.wna16.reference import wna16_linear_ref
 from pagoda.layers import wna16_kernels as wk
-from pagoda.quant.scheme import UnpackedWeight
+from pagoda.quant.dequant import dequantize_weight
+from pagoda.quant.weights import UnpackedWeight
 
 MMA = frozenset({"mma_wgmma_tma", "mma_wgmma", "mma_gemv", "mma_gemm", "mma_dequant"})
 
@@ -36,7 +37,7 @@ def _cfg(n=4608, k=3584, bits=4, zp=False, group=128, dtype=torch.bfloat16, cuda
 def mma_passes(monkeypatch):
     """The MMA self-test needs a GPU: pretend it passed (the shape rules stay real)."""
     pytest.importorskip("triton")  # the dispatch with Triton installed (CI's second venv skips)
-    from pagoda.kernels import triton_w4a16_mma as mm
+    from pagoda.kernels.wna16 import triton_w4a16_mma as mm
 
     monkeypatch.setattr(mm, "mma_self_test", lambda index: True)
 
@@ -74,7 +75,7 @@ def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None
     assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..16, mma_wgmma_tma M=17..512, mma_dequant M=513.."
     )
-    # without the TMA GEMM the session-14 wgmma GEMM keeps gate_up / down to 128 rows
+    # without the TMA GEMM the cp.async wgmma GEMM keeps gate_up / down to 128 rows
     no_tma = frozenset({"mma_wgmma_tma"})
     assert wk.choose_kernels(_cfg(n=37888), no_tma).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."
@@ -201,7 +202,7 @@ def test_packed_layout_kernels_interpreter(monkeypatch) -> None:
     gives the reference on its rows, with zero points and a fused bias."""
     pytest.importorskip("triton")
     from pagoda.layers.quantized_linear import WNA16LinearMethod
-    from pagoda.quant.scheme import WeightQuantArgs
+    from pagoda.quant.weights import WeightQuantArgs
 
     n, k, group = 64, 256, 64
     q, scale, zp = _weights(n, k, group, True, seed=3)
@@ -230,7 +231,7 @@ def test_mma_layout_kernels_interpreter(zp) -> None:
     them on CUDA only), with and without zero points."""
     pytest.importorskip("triton")
     from pagoda.layers.quantized_linear import WNA16LinearMethod
-    from pagoda.quant.scheme import WeightQuantArgs
+    from pagoda.quant.weights import WeightQuantArgs
 
     n, k, group = 32, 256, 64
     q, scale, z = _weights(n, k, group, zp, seed=2)
@@ -261,7 +262,7 @@ def test_every_cuda_path_of_a_layer_gpu(monkeypatch, inp, out) -> None:
     from pagoda.layers.linear import ReplicatedLinear
     from pagoda.layers.quantized_linear import WNA16LinearMethod
     from pagoda.quant.packing import pack_to_int32
-    from pagoda.quant.scheme import WeightQuantArgs
+    from pagoda.quant.weights import WeightQuantArgs
 
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (out, inp), generator=g).to(torch.int8)

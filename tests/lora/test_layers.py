@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagoda.kernels import lora as lora_kernels  # noqa: E402
+from pagoda.kernels.lora import ops as lora_kernels  # noqa: E402
 from pagoda.layers.linear import QKVLinear  # noqa: E402
 from pagoda.lora import layers as lora_layers  # noqa: E402
 from pagoda.lora.layers import LoRABatch, LoRALinearMethod  # noqa: E402
@@ -64,7 +64,7 @@ def _as_if_cuda(monkeypatch) -> None:
     """Run the CUDA layouts on the CPU: no pinned memory, the Triton kernel (interpreted)."""
     monkeypatch.setattr(lora_layers, "_pinned", lambda v: torch.tensor(v, dtype=torch.int32))
     try:
-        from pagoda.kernels.triton_lora import lora_sgmv_triton
+        from pagoda.kernels.lora.triton_lora import lora_sgmv_triton
     except ImportError:
         lora_sgmv_triton = None
     if lora_sgmv_triton is not None:

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from pagoda.entrypoints.cli import main as cli_main  # noqa: E402
+from pagoda.cli import main as cli_main  # noqa: E402
 from pagoda.lora.merge import merge_lora  # noqa: E402
 from tests.helpers import save_tiny_model  # noqa: E402
 from tests.lora.adapters import make_adapter, randomize_adapter  # noqa: E402
@@ -332,7 +332,7 @@ def test_bin_adapter_with_adapter_names(llama_adapter, tmp_path: Path) -> None:
 
 
 def test_quantized_base_is_refused_with_the_fix(llama_adapter, tmp_path: Path, capsys) -> None:
-    from pagoda.quant.api import quantize
+    from pagoda.quantizer.api import quantize
 
     base, adapter = llama_adapter
     with_tokenizer = tmp_path / "base"

@@ -304,7 +304,7 @@ def test_vision_linears_go_through_the_linear_method_factory(tiny_vl):
 
 def test_mrope_triton_kernel_route_matches_torch():
     """The CUDA path feeds per-token angles to the fused RoPE kernel (interpreter on CPU)."""
-    triton_ops = pytest.importorskip("pagoda.kernels.triton_fused_ops")
+    triton_ops = pytest.importorskip("pagoda.kernels.norm_act.triton_fused_ops")
     from pagoda.layers.rotary import MRotaryEmbedding
 
     rope = MRotaryEmbedding(16, 64, 1e6, [2, 3, 3])

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from pagoda.entrypoints.cli import main
-from pagoda.quant import api
-from pagoda.quant.api import quantize
-from pagoda.quant.pipeline import matches_ignore
+from pagoda.cli import main
+from pagoda.quantizer import api
+from pagoda.quantizer.api import quantize
+from pagoda.quantizer.pipeline import matches_ignore
 
 
 def test_group_size_error_is_short_and_names_working_sizes(tiny_llama, tmp_path, capsys) -> None:
@@ -210,7 +210,7 @@ def test_ignore_pattern_that_matches_nothing_is_an_error(tiny_llama, tmp_path, c
 
 _SLOW_QUANTIZE = """
 import sys, time
-from pagoda.quant import api
+from pagoda.quantizer import api
 def slow(*a, **k):
     print("ready", flush=True)
     time.sleep(120)

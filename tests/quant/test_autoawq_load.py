@@ -242,7 +242,7 @@ def test_awq_qwen2_5_vl_text_decoder(tmp_path) -> None:
 def test_cli_quantization_flag(capsys) -> None:
     """`--quantization` on the command line: AutoAWQ's own Llama fixture loads with "AWQ";
     a mismatch exits 2 with a one-line error."""
-    from pagoda.entrypoints.cli import main
+    from pagoda.cli import main
 
     model = str(Path(__file__).resolve().parents[1] / "fixtures" / "autoawq-tiny" / "llama")
     argv = ["generate", "--model", model, "--device", "cpu", "--max-tokens", "3", "Hello"]

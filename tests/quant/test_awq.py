@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pagoda.entrypoints.cli import main
-from pagoda.quant.api import quantize
-from pagoda.quant.awq import (
+from pagoda.cli import main
+from pagoda.quant.weights import WeightQuantArgs
+from pagoda.quantizer.api import quantize
+from pagoda.quantizer.awq import (
     AWQOptions,
     apply_clip,
     fake_quantize_groups,
@@ -26,8 +27,7 @@ from pagoda.quant.awq import (
     search_clip,
     search_scales,
 )
-from pagoda.quant.rtn import rtn_quantize
-from pagoda.quant.scheme import WeightQuantArgs
+from pagoda.quantizer.rtn import rtn_quantize
 from tests.helpers import save_tiny_model
 from tests.quant.conftest import FIXTURES
 from tests.quant.test_awq_fixtures import AWQ_FIXTURES, _dequantized
@@ -128,7 +128,7 @@ def _dense_pagoda(model_dir: Path):
 
 def test_smoothing_keeps_the_layer_function(tmp_path) -> None:
     """Folding the scales into norms, v_proj (with its bias) and up_proj changes no output."""
-    from pagoda.quant.pipeline import (
+    from pagoda.quantizer.pipeline import (
         DECODER_AWQ_MAPPINGS,
         PipelineOptions,
         _capture_inputs,
@@ -288,7 +288,7 @@ def test_autoawq_format_matches_compressed_tensors(tiny_qwen2, tmp_path) -> None
     assert tensors[f"{prefix}.scales"].dtype == torch.float16
     assert not any(k.endswith(("weight_packed", "q_proj.weight")) for k in tensors)
     # The same codes and scales in both layouts: read back independently, the weights agree.
-    from pagoda.quant.formats.compressed_tensors import dequantized_state_dict
+    from pagoda.quantizer.checkpoint import dequantized_state_dict
 
     ct = dequantized_state_dict(tmp_path / "ct")
     independent = _dequantized(tmp_path / "awq", AWQ_ORDER)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.quant.calibration import FORMAT_EXAMPLES, formats_help, load_calibration_data
+from pagoda.quantizer.calibration import FORMAT_EXAMPLES, formats_help, load_calibration_data
 
 
 class _Tok:

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from pagoda.engine.args import EngineArgs
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import load_model
-from pagoda.quant.api import quantize
-from pagoda.quant.formats.compressed_tensors import dequantized_state_dict
+from pagoda.quantizer.api import quantize
+from pagoda.quantizer.checkpoint import dequantized_state_dict
 from tests.quant.conftest import FIXTURES
 
 IDS = torch.tensor([5, 17, 99, 3, 250, 42, 7, 301, 11, 64, 128, 2, 77, 190, 33, 8])

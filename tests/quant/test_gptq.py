@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.quant.gptq import HessianAccumulator, gptq_quantize
-from pagoda.quant.rtn import hessian_weighted_error, rtn_quantize
 from pagoda.quant.schemes import scheme_args
+from pagoda.quantizer.gptq import HessianAccumulator, gptq_quantize
+from pagoda.quantizer.rtn import hessian_weighted_error, rtn_quantize
 
 
 def _layer(seed: int = 0, out: int = 48, inp: int = 128):

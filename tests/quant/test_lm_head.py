@@ -15,16 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pagoda.cli import main
 from pagoda.engine.args import EngineArgs
-from pagoda.entrypoints.cli import main
 from pagoda.layers.linear import UnquantizedLinearMethod
 from pagoda.layers.quantized_linear import WNA16LinearMethod
 from pagoda.model_files import resolve_model
 from pagoda.models.loader import load_model
 from pagoda.models.registry import get_model_class
-from pagoda.quant.api import quantize
-from pagoda.quant.formats.compressed_tensors import dequantized_state_dict
 from pagoda.quant.scheme import parse_quantization_config
+from pagoda.quantizer.api import quantize
+from pagoda.quantizer.checkpoint import dequantized_state_dict
 from tests.helpers import save_tiny_model
 from tests.quant.conftest import FIXTURES
 
@@ -288,7 +288,7 @@ def test_dummy_spec_quantizes_lm_head(tmp_path) -> None:
 
 def test_dense_head_rejects_a_quantized_method_when_tied() -> None:
     from pagoda.layers.embedding import LMHead, VocabEmbedding
-    from pagoda.quant.scheme import WeightQuantArgs
+    from pagoda.quant.weights import WeightQuantArgs
 
     embed = VocabEmbedding(16, 32)
     assert LMHead(16, 32, linear_method=UnquantizedLinearMethod()).linear_method is None

@@ -23,11 +23,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagoda import SamplingParams
+from pagoda.cli import main
 from pagoda.engine.args import EngineArgs
-from pagoda.entrypoints.cli import main
 from pagoda.models.loader import load_model
-from pagoda.quant.api import quantize
-from pagoda.quant.formats.compressed_tensors import dequantized_state_dict
+from pagoda.quantizer.api import quantize
+from pagoda.quantizer.checkpoint import dequantized_state_dict
 from tests.models.test_qwen2_5_vl import (
     IMAGE_TOKEN,
     _conversation,
@@ -246,7 +246,7 @@ def test_calibration_forward_is_the_models_text_forward(vl):
     from pagoda.layers.rotary import MRotaryEmbedding
     from pagoda.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
     from pagoda.multimodal.inputs import mrope_positions
-    from pagoda.quant.pipeline import (
+    from pagoda.quantizer.pipeline import (
         WeightSource,
         _load_layer,
         _run_layer,

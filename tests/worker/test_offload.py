@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.entrypoints.cli import main as cli_main
+from pagoda.cli import main as cli_main
 from pagoda.worker.offload import decoder_layers, plan_offload
 from tests.helpers import save_tiny_model
 

@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from pagoda import envs
-from pagoda.entrypoints.cli import add_engine_args, engine_kwargs
+from pagoda.entrypoints.cli_args import add_engine_args, engine_kwargs
 
 API_KEY_ENV = "PAGODA_API_KEY"
 _SERVER_PACKAGES = frozenset({"fastapi", "starlette", "uvicorn", "prometheus_client"})

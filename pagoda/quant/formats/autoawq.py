@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagoda.quant.formats import ParamSpec
-from pagoda.quant.scheme import UnpackedWeight, WeightQuantArgs
+from pagoda.quant.weights import UnpackedWeight, WeightQuantArgs
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word -> output column within the word
 _AWQ_COLUMN_NIBBLE = tuple(AWQ_ORDER.index(c) for c in range(8))  # column -> nibble

@@ -14,8 +14,7 @@ import torch
 
 from pagoda.quant.formats import ParamSpec, check_zero_point_packing
 from pagoda.quant.packing import pack_factor, pack_to_int32, unpack_from_int32
-from pagoda.quant.rtn import QuantizedWeight
-from pagoda.quant.scheme import UnpackedWeight, WeightQuantArgs
+from pagoda.quant.weights import QuantizedWeight, UnpackedWeight, WeightQuantArgs
 
 
 def param_specs(

@@ -219,7 +219,7 @@ def test_serve_cli_startup_error_is_one_line(tiny, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
-        [sys.executable, "-m", "pagoda.entrypoints.cli", "serve", str(bad), "--port", "0"],
+        [sys.executable, "-m", "pagoda.cli", "serve", str(bad), "--port", "0"],
         capture_output=True,
         text=True,
         env=env,
@@ -279,7 +279,7 @@ def test_gpu_the_server_process_never_initialises_cuda(tiny, tmp_path):
 
 
 def test_serve_engine_mode_flag():
-    from pagoda.entrypoints.cli import build_parser
+    from pagoda.cli import build_parser
     from pagoda.entrypoints.openai.api_server import ServerArgs
     from pagoda.entrypoints.openai.cli import server_args_from
 

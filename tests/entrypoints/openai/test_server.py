@@ -378,7 +378,7 @@ def test_model_without_tokenizer_streams_token_ids(tmp_path, serve_app):
 
 
 def test_serve_cli_parses():
-    from pagoda.entrypoints.cli import build_parser
+    from pagoda.cli import build_parser
 
     ns = build_parser().parse_args(
         [

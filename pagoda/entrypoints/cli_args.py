@@ -1,0 +1,86 @@
+"""The engine's options as command-line flags: `add_engine_args` adds every `LLM(...)` option
+to a parser, `engine_kwargs` turns the parsed flags back into `LLM(...)` keyword arguments.
+
+Shared by every command that builds an engine (`pagoda generate/chat/serve/bench/compare`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_async_scheduling_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--[no-]async-scheduling` (EngineArgs.async_scheduling; None = on with CUDA)."""
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule the next step while the device runs this one (default: on with CUDA)",
+    )
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """The options of `LLM(...)`, as flags."""
+    if model_positional:
+        parser.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            help="model directory, .gguf file or config:PATH.json "
+            "(default: the embedded SmolLM2-135M-Instruct)",
+        )
+    else:
+        parser.add_argument(
+            "--model",
+            "-m",
+            default=None,
+            help="model directory, .gguf file or config:PATH.json "
+            "(default: the embedded SmolLM2-135M-Instruct)",
+        )
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true")
+    add_async_scheduling_arg(g)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
+    g.add_argument(
+        "--quantization",
+        default=None,
+        help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from it)",
+    )
+    g.add_argument(
+        "--cpu-offload-gb",
+        type=float,
+        default=0.0,
+        help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
+    )
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        model=ns.model,
+        dtype=ns.dtype,
+        device=ns.device,
+        max_model_len=ns.max_model_len,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        kv_cache_memory=ns.kv_cache_memory,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        block_size=ns.block_size,
+        enable_prefix_caching=not ns.no_prefix_caching,
+        enforce_eager=ns.enforce_eager,
+        async_scheduling=ns.async_scheduling,
+        seed=ns.seed,
+        load_format=ns.load_format,
+        quantization=ns.quantization,
+        cpu_offload_gb=ns.cpu_offload_gb,
+    )

@@ -1,0 +1,95 @@
+"""Round-to-nearest quantization and the scale / zero-point rules GPTQ shares.
+
+Scales and zero points follow compressed-tensors' min-max observer: the range always holds 0;
+symmetric scale = max|w| / ((q_max - q_min) / 2) (7.5 for int4), asymmetric scale =
+(max - min) / (q_max - q_min) with zero point q_min - min / scale. The scale is rounded to the
+dtype it is stored in before any code is computed, so stored codes and scales agree exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.quant.weights import QuantizedWeight, WeightQuantArgs
+
+
+def compute_qparams(
+    w: torch.Tensor,  # [out, cols] the columns of one group
+    args: WeightQuantArgs,
+    scale_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # scale [out] (float32 values), zero [out] | None
+    """Min-max scale (rounded to `scale_dtype`) and zero point of each row of `w`."""
+    w = w.to(torch.float32)
+    zeros = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
+    lo = torch.minimum(w.amin(dim=1), zeros)
+    hi = torch.maximum(w.amax(dim=1), zeros)
+    q_range = float(args.q_max - args.q_min)
+    if args.symmetric:
+        scale = torch.maximum(lo.abs(), hi) / (q_range / 2)
+    else:
+        scale = (hi - lo) / q_range
+    scale = scale.to(scale_dtype)
+    # A zero scale (an all-zero row) would divide by zero: use the dtype's epsilon instead.
+    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale).to(torch.float32)
+    if args.symmetric:
+        return scale, None
+    zero = torch.round(args.q_min - lo / scale).clamp(args.q_min, args.q_max)
+    return scale, zero
+
+
+def quantize_codes(
+    w: torch.Tensor,  # [out, cols]
+    scale: torch.Tensor,  # [out] or [out, cols]
+    zero: torch.Tensor | None,
+    args: WeightQuantArgs,
+) -> torch.Tensor:  # [out, cols] float32 integer values
+    if scale.dim() == 1:
+        scale = scale[:, None]
+        zero = None if zero is None else zero[:, None]
+    q = w.to(torch.float32) / scale
+    if zero is not None:
+        q = q + zero
+    return torch.round(q).clamp(args.q_min, args.q_max)
+
+
+def fake_quantize(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, args: WeightQuantArgs
+) -> torch.Tensor:  # [out, cols] float32: dequantize(quantize(w))
+    if scale.dim() == 1:
+        scale = scale[:, None]
+        zero = None if zero is None else zero[:, None]
+    q = quantize_codes(w, scale, zero, args)
+    if zero is not None:
+        q = q - zero
+    return q * scale
+
+
+def rtn_quantize(
+    weight: torch.Tensor,  # [out, in]
+    args: WeightQuantArgs,
+    scale_dtype: torch.dtype = torch.bfloat16,
+) -> QuantizedWeight:
+    """Round every weight to its group's nearest code (no calibration data)."""
+    out_features, in_features = weight.shape
+    group = args.group_size_for(in_features)
+    scales, zeros, codes = [], [], []
+    for start in range(0, in_features, group):
+        cols = weight[:, start : start + group]
+        scale, zero = compute_qparams(cols, args, scale_dtype)
+        codes.append(quantize_codes(cols, scale, zero, args))
+        scales.append(scale)
+        zeros.append(zero)
+    return QuantizedWeight(
+        qweight=torch.cat(codes, dim=1).to(torch.int8),
+        scale=torch.stack(scales, dim=1).to(scale_dtype),
+        zero_point=None if args.symmetric else torch.stack(zeros, dim=1).to(torch.int8),
+        group_size=group,
+    )
+
+
+def hessian_weighted_error(
+    weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor
+) -> float:
+    """tr((W - Q) H (W - Q)^T): the layer-output error GPTQ minimises, summed over rows."""
+    d = weight.to(torch.float32) - dequantized.to(torch.float32)  # [out, in]
+    return float(((d @ hessian.to(torch.float32)) * d).sum(dtype=torch.float64))
