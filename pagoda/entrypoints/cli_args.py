@@ -63,6 +63,17 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default=0.0,
         help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
     )
+    add_speculative_config_arg(g)
+
+
+def add_speculative_config_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--speculative-config '<json>'` (EngineArgs.speculative_config, vLLM's flag)."""
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    )
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -83,4 +94,5 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         load_format=ns.load_format,
         quantization=ns.quantization,
         cpu_offload_gb=ns.cpu_offload_gb,
+        speculative_config=ns.speculative_config,
     )
