@@ -100,10 +100,12 @@ class EngineCore:
         grammar), and only then are the bitmasks filled and the sampler launched, so the mask
         of step N+1 follows the token of step N while the forward of N+1 runs on the device.
         """
-        if not self.async_scheduling or self.scheduler.needs_sync() or self.proposer is not None:
+        speculate = self._speculates()
+        if not self.async_scheduling or self.scheduler.needs_sync() or speculate:
             # Speculative decoding proposes from the host's token history: in order.
             outputs = self._drain()
-            self._propose()
+            if speculate:
+                self._propose()
             sched_out = self.scheduler.schedule()
             outputs += self.scheduler.pop_aborted_outputs()
             self.num_preemptions += len(sched_out.preempted_req_ids)
@@ -114,6 +116,11 @@ class EngineCore:
             self._sample_constrained(pending)
             self.num_steps += 1
             return outputs + self.scheduler.update_from_output(sched_out, pending.result())
+        if self.proposer is not None:
+            # Drafts proposed for a request a speculative step could not fit: a step of the
+            # async loop must not verify them (its next schedule runs before its output lands).
+            for request in self.scheduler.running:
+                request.spec_token_ids = []
         sched_out = self.scheduler.schedule()
         self.num_preemptions += len(sched_out.preempted_req_ids)
         launched = None
@@ -128,16 +135,18 @@ class EngineCore:
         self._in_flight = launched
         return outputs
 
-    def _propose(self) -> None:
-        """Draft tokens for every running request in a decode step, unless the batch is too
-        large for speculation to pay (`disable_by_batch_size`)."""
+    def _speculates(self) -> bool:
+        """Whether this step speculates: a proposer, and a batch small enough for it to pay
+        (`disable_by_batch_size`); otherwise the step takes the plain (async) loop."""
         if self.proposer is None:
-            return
-        running = self.scheduler.running
+            return False
         limit = self.speculative.disable_by_batch_size
-        if limit is not None and len(running) > limit:
-            return
-        for request in running:
+        sched = self.scheduler
+        return limit is None or sched.num_running + sched.num_waiting <= limit
+
+    def _propose(self) -> None:
+        """Draft tokens for every running request in a decode step."""
+        for request in self.scheduler.running:
             # A grammar's mask is known for the next token only: those requests do not speculate.
             if (
                 request.structured_output is None

@@ -53,20 +53,27 @@ VARIANTS = {
     "no-prefix-cache": dict(enable_prefix_caching=False),
     "chunked-prefill": dict(max_num_batched_tokens=16),
     "preemption": dict(num_gpu_blocks_override=9, max_model_len=128),
+    # batches above 2 take the async loop without drafts; below, speculation resumes
+    "async-batch-policy": dict(async_scheduling=True),
 }
+SPEC_OPTIONS = {"async-batch-policy": dict(disable_by_batch_size=2)}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_equals_plain(model_path, variant):
     prompts = _prompts()
-    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
+    max_tokens = [40, 40, 11, 13]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, logprobs=2, ignore_eos=True) for n in max_tokens
+    ]
     plain = _llm(model_path, **VARIANTS[variant]).generate(prompts, params, use_tqdm=False)
-    llm = _llm(model_path, speculative_config=NGRAM, **VARIANTS[variant])
+    config = {**NGRAM, **SPEC_OPTIONS.get(variant, {})}
+    llm = _llm(model_path, speculative_config=config, **VARIANTS[variant])
     spec = llm.generate(prompts, params, use_tqdm=False)
     accepted = 0
-    for a, b in zip(plain, spec, strict=True):
+    for a, b, n in zip(plain, spec, max_tokens, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert len(b.outputs[0].token_ids) == 40  # max_tokens, never more
+        assert len(b.outputs[0].token_ids) == n  # max_tokens, never more
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             assert la.keys() == lb.keys()
             for t in la:
