@@ -41,7 +41,11 @@ class EngineCore:
         self.memory_report: MemoryReport = self.runner.initialize_kv_cache(
             scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
         )
-        self.runner.capture_cuda_graphs(scheduler_config.max_num_seqs)
+        spec = scheduler_config.speculative
+        self.runner.capture_cuda_graphs(
+            scheduler_config.max_num_seqs,
+            None if spec is None else 1 + spec.num_speculative_tokens,
+        )
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.memory_report.num_blocks + 1,  # + the null block
             block_size=cache_config.block_size,
@@ -52,6 +56,8 @@ class EngineCore:
         self.async_scheduling = scheduler_config.async_scheduling
         self.speculative = scheduler_config.speculative
         self.proposer: NgramProposer | None = None
+        # Verify steps replay CUDA graphs of query length 1 + k: pad every request to k drafts.
+        self.pad_drafts = self.runner.verify_graph_runner is not None
         if self.speculative is not None:
             spec = self.speculative
             if spec.method != "ngram":
@@ -145,7 +151,24 @@ class EngineCore:
         return limit is None or sched.num_running + sched.num_waiting <= limit
 
     def _propose(self) -> None:
-        """Draft tokens for every running request in a decode step."""
+        """Draft tokens for every running request in a decode step.
+
+        With verify graphs every request of a step that speculates gets exactly k drafts, short
+        proposals padded with -1 (never accepted; the first one acts as the target's own token)."""
+        self._propose_each()
+        k = self.speculative.num_speculative_tokens
+        if self.pad_drafts:
+            running = self.scheduler.running
+            if any(r.spec_token_ids for r in running):
+                for r in running:
+                    if (
+                        len(r.spec_token_ids) < k
+                        and r.structured_output is None
+                        and r.num_computed_tokens == r.num_tokens - 1
+                    ):
+                        r.spec_token_ids = r.spec_token_ids + [-1] * (k - len(r.spec_token_ids))
+
+    def _propose_each(self) -> None:
         for request in self.scheduler.running:
             # A grammar's mask is known for the next token only: those requests do not speculate.
             if (

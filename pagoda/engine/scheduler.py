@@ -301,10 +301,15 @@ class Scheduler:
             budget - 1,
             self.max_model_len - request.num_computed_tokens - 1,
         )
+        drafts = drafts[: max(k, 0)]
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
-            k = min(k, max_tokens - request.num_output_tokens - 1)
-        return drafts[: max(k, 0)]
+            cap = max(max_tokens - request.num_output_tokens - 1, 0)
+            if -1 in drafts:  # padded for a verify graph: keep the length, never emit past
+                drafts = drafts[:cap] + [-1] * max(len(drafts) - cap, 0)
+            else:
+                drafts = drafts[:cap]
+        return drafts if any(t >= 0 for t in drafts) else []
 
     def _update_spec(
         self,
@@ -322,7 +327,7 @@ class Scheduler:
             request.num_computed_tokens -= k - num_accepted
         request.num_pending_tokens -= 1
         request.num_spec_steps += 1
-        request.num_draft_tokens += k
+        request.num_draft_tokens += sum(1 for t in sched.spec_token_ids if t >= 0)
         request.num_accepted_tokens += num_accepted
         new_ids: list[int] = []
         for token_id in emitted:

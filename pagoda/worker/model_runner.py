@@ -266,6 +266,7 @@ class ModelRunner:
         self.weights_bytes = 0
         self.memory_report: MemoryReport | None = None
         self.graph_runner: Any = None
+        self.verify_graph_runner: Any = None  # speculative verify steps (query length 1 + k)
         self.lora_manager: Any = None  # pagoda.lora.manager.LoRAManager when LoRA is enabled
         self.encoder_runner: Any = None  # pagoda.worker.encoder_runner.EncoderRunner (VL models)
         self._pin = self.device.type == "cuda"
@@ -663,8 +664,11 @@ class ModelRunner:
             raise ValueError("LoRA adapters need LLM(..., enable_lora=True)")
         self.lora_manager.add_adapter(lora_key, lora_path)
 
-    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
-        """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report."""
+    def capture_cuda_graphs(self, max_num_seqs: int, verify_query_len: int | None = None) -> None:
+        """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report.
+
+        `verify_query_len` (1 + k, speculative decoding): verify graphs too, every sequence
+        scoring its last token and k drafts (LoRA and image steps stay eager)."""
         if self.device.type != "cuda" or self.runner_config.enforce_eager:
             return
         if not triton_available():
@@ -688,6 +692,20 @@ class ModelRunner:
             device=self.device,
         )
         stats = self.graph_runner.capture()
+        if verify_query_len is not None and self.lora_manager is None:
+            self.verify_graph_runner = CudaGraphRunner(
+                self.model,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.model_config.max_model_len,
+                block_size=self.block_size,
+                hidden_size=self.model_config.text_config.hidden_size,
+                dtype=self.dtype,
+                device=self.device,
+                query_len=verify_query_len,
+            )
+            vstats = self.verify_graph_runner.capture()
+            stats.capture_time_s += vstats.capture_time_s
+            stats.memory_bytes += vstats.memory_bytes
         if self.memory_report is not None:
             self.memory_report.cuda_graph_capture_time_s = stats.capture_time_s
             self.memory_report.cuda_graph_bytes = stats.memory_bytes
@@ -704,6 +722,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # nothing in flight may still read them
         if self.graph_runner is not None:
             self.graph_runner.close()
+        if self.verify_graph_runner is not None:
+            self.verify_graph_runner.close()
+            self.verify_graph_runner = None
         if self.offloader is not None:
             self.offloader.close()
             self.offloader = None
@@ -752,7 +773,8 @@ class ModelRunner:
             if r.spec_token_ids:  # the last known token, then the drafts it verifies
                 k = len(r.spec_token_ids)
                 token_ids[offset : offset + n - k] = r.all_token_ids[start : start + n - k]
-                token_ids[offset + n - k : offset + n] = r.spec_token_ids
+                # padding drafts (-1: verify graphs need k per sequence) go in as token 0
+                token_ids[offset + n - k : offset + n] = np.maximum(r.spec_token_ids, 0)
             elif start + n <= known:
                 token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
             else:  # async scheduling: the last input is still on the device
@@ -783,13 +805,23 @@ class ModelRunner:
             embeds = self.encoder_runner.inputs_embeds(reqs, token_ids)
         fill_ids = None if pending is None else pending.fill_ids
         graph_size = None
-        if self.graph_runner is not None and num_tokens == len(reqs) and embeds is None:
-            graph_size = self.graph_runner.padded_size(len(reqs))  # decode-only step
+        graphs = self.graph_runner
+        if graphs is not None and num_tokens == len(reqs) and embeds is None:
+            graph_size = graphs.padded_size(len(reqs))  # decode-only step
+        elif (
+            self.verify_graph_runner is not None
+            and embeds is None
+            and pending is None
+            and num_tokens == len(reqs) * self.verify_graph_runner.query_len
+            and all(len(r.spec_token_ids) + 1 == r.num_new_tokens for r in reqs)
+        ):
+            graphs = self.verify_graph_runner  # every sequence verifies k drafts
+            graph_size = graphs.padded_size(len(reqs))
         if self.lora_manager is not None:
             # Per token (graph padding included) for graph replays, per request otherwise.
             self.lora_manager.prepare([r.lora_key for r in reqs], num_new, padded=graph_size)
         if graph_size is not None:
-            hidden = self.graph_runner.run(
+            hidden = graphs.run(
                 graph_size,
                 token_ids,
                 rope_positions,
@@ -878,7 +910,8 @@ class ModelRunner:
             drafts.extend(r.spec_token_ids)
             drafts.append(-1)  # the last row only emits (the bonus token)
             # Row j's target sees drafts 0..j-1 as already generated (penalties, min_tokens).
-            expanded.extend((r, r.spec_token_ids[:j]) for j in range(k + 1))
+            real = [t for t in r.spec_token_ids if t >= 0]  # padding drafts (-1) come last
+            expanded.extend((r, real[:j]) for j in range(k + 1))
         logits = self.model.compute_logits(hidden[self._to_dev(np.asarray(rows_idx))])  # [R, V]
         smd = self._sampling_metadata([r for r, _ in expanded], [e for _, e in expanded])
         row_generators = [smd.generators.get(row) for row in range(len(expanded))]

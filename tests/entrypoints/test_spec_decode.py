@@ -161,3 +161,20 @@ def test_sampled_tokens_follow_plain_distribution(small_vocab_path):
 def test_bad_config_is_one_clear_error(model_path, config, match):
     with pytest.raises(ValueError, match=match):
         _llm(model_path, speculative_config=config)
+
+
+def test_padded_drafts_equal_plain(model_path):
+    """Verify graphs need k drafts per sequence: short proposals are padded with -1 (never
+    accepted). The padding is exercised here on the CPU by turning it on without graphs."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    plain = _llm(model_path).generate(prompts, params, use_tqdm=False)
+    llm = _llm(model_path, speculative_config=NGRAM)
+    llm.llm_engine.core.pad_drafts = True
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, spec, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    m = [o.metrics for o in spec]
+    assert sum(x.spec_num_accepted_tokens for x in m) > 0
+    # padding is not counted as proposed drafts
+    assert sum(x.spec_num_draft_tokens for x in m) < 4 * sum(x.spec_num_steps for x in m)
