@@ -178,3 +178,27 @@ def test_padded_drafts_equal_plain(model_path):
     assert sum(x.spec_num_accepted_tokens for x in m) > 0
     # padding is not counted as proposed drafts
     assert sum(x.spec_num_draft_tokens for x in m) < 4 * sum(x.spec_num_steps for x in m)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_graphs_equal_plain(model_path):
+    """On CUDA the verify steps replay graphs of query length 1 + k: same tokens as plain."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32")
+    plain = LLM(str(model_path), skip_tokenizer_init=True, max_model_len=256, **kw)
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    plain.shutdown()
+    llm = LLM(
+        str(model_path),
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        speculative_config=NGRAM,
+        **kw,
+    )
+    assert llm.llm_engine.core.runner.verify_graph_runner is not None
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ref, spec, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert sum(o.metrics.spec_num_accepted_tokens for o in spec) > 0
+    llm.shutdown()
