@@ -51,7 +51,7 @@ def test_greedy_tokens_identical(engines):
 
 def test_stop_string_inside_accepted_tokens(engines):
     plain, spec = engines
-    params = SamplingParams(temperature=0.0, max_tokens=48, stop=["return 2"])
+    params = SamplingParams(temperature=0.0, max_tokens=120, stop=["return 2"])
     a, b = _chat(plain, params)[2], _chat(spec, params)[2]
     assert a.outputs[0].finish_reason == "stop" and a.outputs[0].stop_reason == "return 2"
     assert b.outputs[0].text == a.outputs[0].text
