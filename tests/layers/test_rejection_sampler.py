@@ -8,6 +8,8 @@ top-p, min-p and penalties (whose history includes the drafts before each row).
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -70,6 +72,8 @@ def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> None:
     exp_k = torch.cat([expected[keep], expected[~keep].sum().unsqueeze(0)])
     if exp_k[-1] == 0:
         obs_k, exp_k = obs_k[:-1], exp_k[:-1]
+    if len(obs_k) < 2:
+        return  # one cell: every draw is that token, which the support check covered
     exp_k = exp_k * (obs_k.sum() / exp_k.sum())  # float rounding of the probabilities
     p_value = chisquare(obs_k.numpy(), exp_k.numpy()).pvalue
     assert p_value > 1e-3, (p_value, obs_k.tolist(), exp_k.tolist())
@@ -90,7 +94,8 @@ CASES = {
 @pytest.mark.parametrize("draft_rank", [0, 3])  # a likely draft, and an unlikely one
 def test_emitted_tokens_follow_target(case: str, draft_rank: int) -> None:
     params = CASES[case]
-    gen = torch.Generator().manual_seed(hash((case, draft_rank)) % 2**31)
+    torch.manual_seed(1234)  # the draws: a fixed sample, whatever ran before
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case}-{draft_rank}".encode()))
     row0 = torch.randn(V, generator=gen) * 1.5
     row1 = torch.randn(V, generator=gen) * 1.5
     history = [3, 3, 5]  # output so far
