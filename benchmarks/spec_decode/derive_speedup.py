@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def main() -> None:
@@ -20,12 +21,12 @@ def main() -> None:
     p.add_argument("--verify", nargs="+", required=True)
     p.add_argument("--k", type=int, default=4)
     ns = p.parse_args()
-    acc = json.load(open(ns.acceptance))["acceptance"]
+    acc = json.loads(Path(ns.acceptance).read_text())["acceptance"]
     k = str(ns.k)
     print(f"| model | batch | {' | '.join(acc)} |")
     print("|---|---:|" + "---:|" * len(acc))
     for path in ns.verify:
-        d = json.load(open(path))
+        d = json.loads(Path(path).read_text())
         rows = d["rows"]
         for b in sorted({r["batch"] for r in rows}):
             by_k = {r["k"]: r for r in rows if r["batch"] == b}
