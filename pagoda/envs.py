@@ -39,6 +39,8 @@ KERNEL_NAMES = (
     "triton_dequant",
     "torch_dequant",
     "dense_gemv",
+    "fp8_gemv",
+    "fp8_scaled_mm",
     "fused_decode_attn",
     "kv_prefetch",
 )

@@ -21,7 +21,14 @@ from pagoda.config import (
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
 from pagoda.platform import resolve_device
-from pagoda.quant.scheme import QUANT_METHODS, normalize_quant_method, parse_quantization_config
+from pagoda.quant.fp8 import FP8_SCHEMES
+from pagoda.quant.fp8 import quantization_config as fp8_quantization_config
+from pagoda.quant.scheme import (
+    QUANT_METHODS,
+    fp8_at_load_config,
+    normalize_quant_method,
+    parse_quantization_config,
+)
 
 # `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128);
 # `:w4a16-lm_head` / `:w8a16-lm_head` quantize the (untied) LM head too. Suffix -> (bits, head).
@@ -142,11 +149,18 @@ class EngineArgs:
 
         quant = quantization_config(hf_config)
         requested = normalize_quant_method(self.quantization)
+        if requested == "fp8" and quant is None:
+            quant = fp8_at_load_config()  # vLLM's meaning: FP8_DYNAMIC, quantized while loading
         if requested is not None and quant is None and source.quant_override is None:
             raise ValueError(
                 f"quantization={self.quantization!r} was requested but the checkpoint has no "
                 "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
-                "`pagoda quantize`)"
+                "`pagoda quantize`, or quantization='fp8' to quantize to FP8 at load)"
+            )
+        if quant is None and source.quant_override == "fp8":
+            # `config:...:fp8`: random FP8_DYNAMIC weights stored as llmcompressor writes them
+            quant = fp8_quantization_config(
+                FP8_SCHEMES["FP8_DYNAMIC"], ["lm_head", "re:.*visual.*"]
             )
         if quant is None and source.quant_override in _DUMMY_QUANT:
             quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])

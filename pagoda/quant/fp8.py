@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from pagoda.quant.schemes import COMPRESSED_TENSORS_VERSION
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FLOAT_FORMAT = "float-quantized"
@@ -168,8 +170,6 @@ def param_shapes(args: Fp8Args, in_features: int, out_features_per_shard: list[i
 def quantization_config(args: Fp8Args, ignore: list[str]) -> dict[str, Any]:
     """config.json's `quantization_config` of a float-quantized checkpoint, field for field as
     compressed-tensors 0.19 dumps llmcompressor's FP8_DYNAMIC / FP8 presets."""
-    from pagoda.quant.schemes import COMPRESSED_TENSORS_VERSION
-
     weights = {
         "actorder": None,
         "block_structure": None,
@@ -219,6 +219,25 @@ def quantization_config(args: Fp8Args, ignore: list[str]) -> dict[str, Any]:
         "sparsity_config": {},
         "transform_config": {},
         "version": COMPRESSED_TENSORS_VERSION,
+    }
+
+
+def kv_cache_scheme_json() -> dict[str, Any]:
+    """`kv_cache_scheme` of an FP8 KV cache with static per-tensor K / V scales (as
+    llmcompressor writes it; the scales are each attention layer's `k_scale` / `v_scale`)."""
+    return {
+        "actorder": None,
+        "block_structure": None,
+        "dynamic": False,
+        "group_size": None,
+        "num_bits": 8,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "scale_dtype": None,
+        "strategy": "tensor",
+        "symmetric": True,
+        "type": "float",
+        "zp_dtype": None,
     }
 
 
