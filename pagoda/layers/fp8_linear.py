@@ -143,7 +143,8 @@ class Fp8ScaledMM(Fp8Kernel):
         elif static is None:
             x_q, x_scale = per_token_quant_ref(x)
         else:
-            x_q, x_scale = static_quant_ref(x, static), static.reshape(1, 1).expand(x.shape[0], 1)
+            x_q = static_quant_ref(x, static)
+            x_scale = static.reshape(1, 1).expand(x.shape[0], 1).contiguous()
         return scaled_mm(x_q, x_scale, layer.weight, layer.weight_scale_row, bias, x.dtype)
 
 

@@ -19,7 +19,7 @@ from pagoda.kernels.pdl import pdl_launch_args
 
 @triton.jit
 def _quant_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_xm,
+    x_ptr, q_ptr, s_ptr, s_in_ptr, K, stride_xm,
     FP8_MAX_C: tl.constexpr,
     MIN_SCALE_C: tl.constexpr,
     DYNAMIC: tl.constexpr,
@@ -37,9 +37,9 @@ def _quant_kernel(
             x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         scale = tl.maximum(tl.max(amax, 0) / FP8_MAX_C, MIN_SCALE_C)
-        tl.store(s_ptr + row, scale)
     else:
-        scale = tl.load(s_ptr)
+        scale = tl.load(s_in_ptr)
+    tl.store(s_ptr + row, scale)  # [M, 1]: the row-wise A scales of the FP8 GEMM
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(x / scale, -FP8_MAX_C), FP8_MAX_C)
@@ -49,18 +49,18 @@ def _quant_kernel(
 def quant_fp8_triton(
     x: torch.Tensor, static_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x_q [M, K] e4m3, scale): per-token scales [M, 1] float32, or `static_scale` expanded to
-    [M, 1] (a view) when given."""
+    """(x_q [M, K] e4m3, scale [M, 1] float32): per-token scales, or `static_scale` [1]
+    repeated per row (cuBLASLt's row-wise scaling wants a contiguous [M, 1])."""
     m, k = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
     q = torch.empty((m, k), device=x.device, dtype=FP8_DTYPE)
     dynamic = static_scale is None
-    scale = torch.empty((m, 1), device=x.device, dtype=torch.float32) if dynamic else static_scale
+    scale = torch.empty((m, 1), device=x.device, dtype=torch.float32)
     block = min(4096, triton.next_power_of_2(k))
     if m:
         _quant_kernel[(m,)](
-            x, q, scale, k, x.stride(0),
+            x, q, scale, scale if dynamic else static_scale, k, x.stride(0),
             FP8_MAX_C=FP8_MAX,
             MIN_SCALE_C=MIN_SCALE,
             DYNAMIC=dynamic,
@@ -68,6 +68,4 @@ def quant_fp8_triton(
             num_warps=4 if block <= 2048 else 8,
             **pdl_launch_args(x),
         )  # fmt: skip
-    if not dynamic:
-        scale = static_scale.reshape(1, 1).expand(m, 1)
     return q, scale
