@@ -74,6 +74,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3" / "fp8_e5m2": FP8 KV cache
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
@@ -206,6 +207,7 @@ class EngineArgs:
             kv_cache_memory=self.kv_cache_memory,
             num_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
         )
         lora_config = None
         if self.enable_lora:
