@@ -16,8 +16,8 @@ runs=("$@")
 for run in "${runs[@]}"; do
   case "$run" in
   tests)
-    timeout 150 python3 -m pytest -q -m gpu tests/kernels/test_triton_fp8.py \
-      tests/layers/test_fp8_linear_gpu.py 2>&1 | tail -30 | tee "$OUT/fp8_gpu_tests.log"
+    timeout 170 python3 -m pytest -q -m gpu tests/kernels/test_triton_fp8.py \
+      tests/layers/test_fp8_linear_gpu.py tests/kernels/test_fp8_kv_cache.py 2>&1 | tail -30 | tee "$OUT/fp8_gpu_tests.log"
     ;;
   3b | 7b)
     cfg="config:benchmarks/configs/qwen2.5-$run.json"
