@@ -16,8 +16,10 @@ runs=("$@")
 for run in "${runs[@]}"; do
   case "$run" in
   tests)
-    timeout 170 python3 -m pytest -q -m gpu tests/kernels/test_triton_fp8.py \
-      tests/layers/test_fp8_linear_gpu.py tests/kernels/test_fp8_kv_cache.py 2>&1 | tail -30 | tee "$OUT/fp8_gpu_tests.log"
+    timeout 170 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
+      tests/kernels/test_triton_fp8.py tests/layers/test_fp8_linear_gpu.py \
+      tests/kernels/test_fp8_kv_cache.py > "$OUT/fp8_gpu_tests.log" 2>&1
+    grep -E "passed|failed|Error|assert" "$OUT/fp8_gpu_tests.log" | tail -25
     ;;
   3b | 7b)
     cfg="config:benchmarks/configs/qwen2.5-$run.json"
@@ -28,6 +30,9 @@ for run in "${runs[@]}"; do
       --gpu-memory-utilization 0.85 --throughput-requests 256 --timeout 140 \
       --out "$OUT/compare_fp8_qwen2.5-$run" 2>&1 | grep -v -i "warn" | tail -40 \
       | tee "$OUT/compare_fp8_qwen2.5-$run.log"
+    # one archive: the device returns a limited number of files
+    tar czf "$OUT/compare_fp8_qwen2.5-$run.tgz" -C "$OUT" "compare_fp8_qwen2.5-$run" \
+      && rm -rf "${OUT:?}/compare_fp8_qwen2.5-$run"
     ;;
   kv8k)
     cfg="config:benchmarks/configs/qwen2.5-7b.json"

@@ -11,9 +11,8 @@ Decode-only CUDA batches can instead take `forward_fused_decode`, which also app
 kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
 (`triton_decode_attention.py`). `use_fused_decode` says when;
 `PAGODA_DISABLED_KERNELS=fused_decode_attn` (read once per process) turns it off for A/B runs.
-An FP8 cache (`kv_cache_dtype="fp8"`) stores K / k_scale and V / v_scale; every path above but the
-fused decode reads and writes it (decode steps then run RoPE, the cache write and the paged
-kernel separately).
+An FP8 cache (`kv_cache_dtype="fp8"`) stores K / k_scale and V / v_scale; every path above reads
+and writes it (the fused decode uses the new token's key and value as stored).
 That kernel also starts the L2 prefetch of its first cache blocks ("kv_prefetch").
 """
 
@@ -237,8 +236,7 @@ class Attention(nn.Module):
 
         Needs a decode-only batch (one token per sequence, no padding rows beyond the
         sequences: CUDA-graph padding comes as 1-token sequences with slot -1), CUDA tensors, a
-        bound cache of q's dtype (an FP8 cache takes the paged kernels), Triton, and a
-        cos/sin-table RoPE with [T] positions: plain
+        bound cache of q's dtype or FP8, Triton, and a cos/sin-table RoPE with [T] positions: plain
         RoPE, or M-RoPE (Qwen2-VL / Qwen2.5-VL) given [T] positions — the encoder runner's
         decode steps, where every axis holds the same position and M-RoPE is plain RoPE on the
         same table. [3, T] positions (image tokens in the step) never take this path.
@@ -248,7 +246,7 @@ class Attention(nn.Module):
             and attn_metadata.max_query_len == 1
             and q.is_cuda
             and self.kv_cache is not None
-            and self.kv_cache.dtype == q.dtype
+            and (self.kv_cache.dtype == q.dtype or self.kv_cache.element_size() == 1)
             and type(rotary_emb) in (RotaryEmbedding, MRotaryEmbedding)
             and positions.dim() == 1
             and q.shape[0] == attn_metadata.num_actual_tokens == attn_metadata.seq_lens.shape[0]
@@ -289,6 +287,8 @@ class Attention(nn.Module):
             num_splits=attn_metadata.num_splits,
             sliding_window=self.sliding_window,
             kv_prefetch=_kv_prefetch(),
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
 
     def _forward_no_cache(

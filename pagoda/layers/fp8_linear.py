@@ -181,7 +181,10 @@ class Fp8W8A8Reference(Fp8Kernel):
             x_q, x_scale = per_token_quant_ref(x)
         else:
             x_q, x_scale = static_quant_ref(x, static), static
-        return scaled_mm_ref(x_q, x_scale, layer.fp8_codes, layer.fp8_scale, bias, x.dtype)
+        codes = getattr(layer, "fp8_codes", None)
+        if codes is None:  # the FP8 layout (GPU): the layer's own codes and scales
+            return scaled_mm_ref(x_q, x_scale, layer.weight, layer.weight_scale, bias, x.dtype)
+        return scaled_mm_ref(x_q, x_scale, codes, layer.fp8_scale, bias, x.dtype)
 
 
 FP8_KERNELS: tuple[type[Fp8Kernel], ...] = (Fp8Gemv, Fp8ScaledMM, Fp8W8A16)

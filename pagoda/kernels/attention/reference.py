@@ -169,6 +169,8 @@ def fused_decode_attention_ref(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H*D]
     """The unfused decode path op for op: neox RoPE on q/k, cache write, paged attention.
 
@@ -185,6 +187,8 @@ def fused_decode_attention_ref(
         v.reshape(num_tokens, kv_heads, head_dim),
         kv_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
     )
     out = paged_attention_ref(
         q_rot.view(num_tokens, -1, head_dim),
@@ -194,5 +198,7 @@ def fused_decode_attention_ref(
         block_tables,
         scale,
         sliding_window=sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return out.view(num_tokens, -1)
