@@ -77,11 +77,6 @@ def pdl_early() -> bool:
     return _flag("PAGODA_PDL_EARLY", True)
 
 
-def lora_fused() -> bool:
-    """`PAGODA_LORA_FUSED` (default off): LoRA shrink + expand in one launch where it fits."""
-    return _flag("PAGODA_LORA_FUSED", False)
-
-
 def api_key() -> str | None:
     """`PAGODA_API_KEY`: the server's bearer token when `--api-key` is not given."""
     return os.environ.get("PAGODA_API_KEY") or None

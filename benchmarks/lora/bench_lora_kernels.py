@@ -14,10 +14,9 @@ between two CUDA events. Columns, in us per linear:
   torch2mm  one adapter as two cuBLAS matmuls (x @ A^T) @ B^T added into y (a floor for
             "two launches")
 
-and a per-step estimate: the LoRA cost of the four linears times the number of layers. A
-second table times the one-launch kernel (`fused`, opt-in in the engine through
-PAGODA_LORA_FUSED=1); skip it with --no-fused. Every variant is first checked against the
-torch reference; a launch that does not finish in 30 s ends the process.
+and a per-step estimate: the LoRA cost of the four linears times the number of layers. Every
+variant is first checked against the torch reference; a launch that does not finish in 30 s
+ends the process.
 
     python benchmarks/lora/bench_lora_kernels.py [--tokens 1,16,64] [--adapters 1] [--nosplit]
 
@@ -49,7 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=36, help="weight copies (decoder layers)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--nosplit", action="store_true", help="also time the unsplit shrink")
-    p.add_argument("--no-fused", action="store_true", help="skip the one-launch kernel")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, eager, any device")
     p.add_argument("--out", default=None, help="write the JSON result here")
     return p.parse_args(argv)
@@ -165,29 +163,25 @@ def bench_shape(
     def each(fn: Callable[[int], object]) -> list[Callable[[], object]]:
         return [lambda i=i: fn(i) for i in range(layers)]
 
-    def lora(fused: bool, **kw) -> Callable[[int], object]:
-        return lambda i: lora_shrink_expand_triton(
-            x, a[i], b[i], slots, y, workspace, fused=fused, **kw
-        )
+    def lora(**kw) -> Callable[[int], object]:
+        return lambda i: lora_shrink_expand_triton(x, a[i], b[i], slots, y, workspace, **kw)
 
     # correctness first: a wrong kernel's timing means nothing
     y0 = torch.randn(num_tokens, n_out, device=device).to(dtype)
     expected = lora_shrink_expand_ref(x, a[0], b[0], slots, y0.clone())
-    for fused in (False, True) if "fused" in columns else (False,):
-        got = lora_shrink_expand_triton(x, a[0], b[0], slots, y0.clone(), workspace, fused=fused)
-        if device == "cuda":
-            wait_or_exit(f"{what} {'fused' if fused else 'two launches'}")
-        torch.testing.assert_close(got, expected, atol=3e-2, rtol=2e-2)
+    got = lora_shrink_expand_triton(x, a[0], b[0], slots, y0.clone(), workspace)
+    if device == "cuda":
+        wait_or_exit(what)
+    torch.testing.assert_close(got, expected, atol=3e-2, rtol=2e-2)
 
     variants: dict[str, Callable[[int], object]] = {
         "base": lambda i: torch.nn.functional.linear(x, weights[i]),
-        "lora": lora(False),
+        "lora": lora(),
         "shrink": lambda i: lora_gemm_triton(x, a[i], slots, rank, False, workspace),
         "expand": lambda i: lora_gemm_triton(rank, b[i], slots, y, True, None),
         "nosplit": lora(
-            False, shrink_config=choose_config(num_tokens, rank_space, n_in, workspace_ok=False)
+            shrink_config=choose_config(num_tokens, rank_space, n_in, workspace_ok=False)
         ),
-        "fused": lora(True),
         "torch2mm": lambda i: y.addmm_(x @ a[i][0].T, b[i][0].T),
     }
     row: dict = {"linear": name, "tokens": num_tokens, "in": n_in, "out": n_out}
@@ -197,7 +191,7 @@ def bench_shape(
     row["shrink_config"] = _config_dict(shrink_cfg)
     row["expand_config"] = _config_dict(expand_cfg)
     assert torch.isfinite(y).all()
-    dirty = workspace.acc.any() or workspace.counters.any() or workspace.sync.any()
+    dirty = workspace.acc.any() or workspace.counters.any()
     assert not dirty, "a launch left the workspace dirty"
     return row
 
@@ -254,20 +248,6 @@ def main(argv: list[str] | None = None) -> int:
         lora = sum(r["lora"] for r in sel) * num_layers / 1e3
         print(f"  T={t:<4} base linears {base:7.3f} ms   LoRA adds {lora:7.3f} ms")
 
-    if not ns.no_fused:
-        # opt-in in the engine (PAGODA_LORA_FUSED=1): one launch per linear whose expand
-        # programs wait for the shrink programs of the same launch
-        print("\none launch per linear (PAGODA_LORA_FUSED=1), us per linear:")
-        print(f"{'linear':<8}{'T':>5}{'fused':>10}{'lora':>10}")
-        fused_ms = {t: 0.0 for t in tokens}
-        for t in tokens:
-            for name, shape in shapes.items():
-                main_row = next(r for r in rows if r["linear"] == name and r["tokens"] == t)
-                main_row["fused"] = bench_shape(name, shape, t, ns, device, ["fused"])["fused"]
-                fused_ms[t] += main_row["fused"] * num_layers / 1e3
-                print(f"{name:<8}{t:>5}{main_row['fused']:>10.1f}{main_row['lora']:>10.1f}")
-        for t in tokens:
-            print(f"  T={t:<4} fused LoRA adds {fused_ms[t]:7.3f} ms per step")
     print(f"(took {time.perf_counter() - t_start:.1f} s)")
     if ns.out:
         result = {"benchmark": "lora_kernels", "args": vars(ns), "rows": rows}

@@ -131,9 +131,9 @@ def tma_sweep(m: int, n: int, k: int, num_sms: int) -> list[tk.TmaConfig]:
     steps a split), half the BLOCK_M, two consumer warpgroups and a 6-stage ring at the
     default split; past 128 rows, 256-row tiles of one slab a warpgroup (half the
     dequantization per MMA); at 65-128 rows the 128-row tile on two warpgroups of one slab
-    each; on layers of N < 8192 (qkv, o: latency-bound from 64 rows, session 19) CTAs of one
+    each; on layers of N < 8192 (qkv, o: latency-bound from 64 rows) CTAs of one
     warpgroup and one slab (64 weight rows: twice the CTAs) split 1-8 ways and as the default
-    splits (the default may itself be one slab, session 21)."""
+    splits (the default may itself be one slab)."""
     d = tuple(int(v) for v in tk.default_tma_config(m, n, k, num_sms))
     bm, _, split, _ = d[:4]
     out = [(bm, 1, sp, 4) for sp in (1, 2, 3, 4, 6, 8, 12, 16) if sp <= max(1, k // 64 // 4)]

@@ -1,11 +1,12 @@
 """Where the W4A16 batch-1 decode step goes, against the 2.5x-bf16 target (issue 4).
 
-Reads the session-7 H200 results: the decode-graph ablations (`benchmarks/ablate_decode.py`,
-run 1), the read floor of each layer's int4 bytes (`bench_w4a16_mma.py --stream-only`, run 3)
-and the bf16 latency of run 3; draws the step as stacked bars (now, with every GEMV at the read
-floor, bf16) with the target line, and prints the numbers.
+Reads the H200 results of 2026-11-30: the decode-graph ablations (`benchmarks/ablate_decode.py`,
+`ablation/`), the read floor of each layer's int4 bytes (`bench_w4a16_mma.py --stream-only`,
+`stream/`) and the bf16 latency measured with it; draws the step as stacked bars (now, with
+every GEMV at the read floor, bf16) with the target line, and prints the numbers.
 
-    python benchmarks/quant/plot_w4a16_floor.py [--results benchmarks/results/h200_session7]
+    python benchmarks/quant/plot_w4a16_floor.py \
+        --out benchmarks/results/plots/w4a16_step_floor_h200.png
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ LAYERS = 28  # Qwen2.5-7B
 
 
 def load(results: Path) -> dict:
-    ab_w = json.loads((results / "run1/ablate_w4a16.json").read_text())
-    ab_b = json.loads((results / "run1/ablate_bf16.json").read_text())
-    stream = json.loads((results / "run3/w4a16_stream_floor_h200.json").read_text())
-    bf16 = json.loads((results / "run3/lat_bf16.json").read_text())["pagoda"]
+    ab_w = json.loads((results / "ablation/ablate_w4a16.json").read_text())
+    ab_b = json.loads((results / "ablation/ablate_bf16.json").read_text())
+    stream = json.loads((results / "stream/w4a16_stream_floor_h200.json").read_text())
+    bf16 = json.loads((results / "stream/lat_bf16.json").read_text())["pagoda"]
     g = ab_w["graph_s"]
     gemv_chain = g["norm+silu+attn"]
     floor = sum(r["best"]["us"] for r in stream["rows"]) * LAYERS / 1e6
@@ -45,7 +46,7 @@ def load(results: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--results", default="benchmarks/results/h200_session7")
+    p.add_argument("--results", default="benchmarks/results/h200-2026-11-30-w4a16-read-floor")
     p.add_argument("--out", default=None)
     ns = p.parse_args()
     results = Path(ns.results)
@@ -96,12 +97,12 @@ def main() -> int:
     )
     ax.set_yticks(range(len(bars)), [b[0] for b in bars])
     ax.set_xlabel("µs per decode step (CUDA graph replayed alone + lm_head)")
-    ax.set_title("Qwen2.5-7B batch-1 decode on one H200 (session 7, dummy weights)", fontsize=10)
+    ax.set_title("Qwen2.5-7B batch-1 decode on one H200 (2026-11-30, dummy weights)", fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
     ax.set_xlim(0, us["bf16_graph"] + us["bf16_logits"] + 500)
     ax.set_ylim(2.6, -0.8)
     fig.tight_layout()
-    out = Path(ns.out) if ns.out else results / "w4a16_step_floor_h200.png"
+    out = Path(ns.out) if ns.out else Path("benchmarks/results/plots/w4a16_step_floor_h200.png")
     fig.savefig(out, dpi=130)
     print("wrote", out)
     return 0

@@ -5,9 +5,8 @@ every swept (layer shape, M), the fastest TMA GEMM config where it beats the heu
 M + 1) to its own M (`gluon_wgmma_tma.tuned_tma_config`); outside every band the heuristic runs.
 
 Configs are written as the kernel takes them now, (BLOCK_M, warpgroups, split, stages[, slabs]).
-Sweeps up to session 19 also carried x's K order as a fifth element (1 natural, 0 the layout's
-slot order, deleted after session 19's sweep): `current_config` drops it, and skips slot-order
-configs.
+Sweeps measured before 2026-12-05 also carried x's K order as a fifth element (1 natural, 0 the
+layout's slot order, since deleted): `current_config` drops it, and skips slot-order configs.
 
 `--verify RUN`: a later `bench_w4a16_tc.py` run with the table in place (its `tma` column the
 table's config, `tma_heur` the heuristic, at and between the swept M, with and without zero
@@ -15,10 +14,10 @@ points): an entry whose config is slower than the heuristic at any M of its band
 dropped (the heuristic).
 
     python benchmarks/quant/tma_table.py \
-        benchmarks/results/h200_session19/run1/tma_sweep/w4a16_tc.json \
-        --verify benchmarks/results/h200_session19/run2/tuned/w4a16_tc.json
+        benchmarks/results/h200-2026-12-05-w4a16-tma-sweep/tma_sweep/w4a16_tc.json \
+        --verify benchmarks/results/h200-2026-12-05-w4a16-tma-verify/tuned/w4a16_tc.json
 
-`--merge TABLE`: a sweep of some layers only (session 21: qkv and o at 64-256 rows) replaces
+`--merge TABLE`: a sweep of some layers only (e.g. qkv and o at 64-256 rows) replaces
 TABLE's entries of the same (N, K, M) and keeps the others.
 """
 
@@ -30,7 +29,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLE = ROOT / "pagoda" / "kernels" / "tuned" / "w4a16_tma.json"
+TABLE = ROOT / "pagoda" / "kernels" / "wna16" / "tuned" / "w4a16_tma.json"
 CFG = re.compile(r"^tma(\[[0-9, ]+\])_us$")
 
 

@@ -2,7 +2,7 @@
 
 A constrained step's mask can only be filled once the previous step's tokens are on the host,
 so what the host does per step (accept, fill, detokenize) is on the critical path (BENCHMARKS.md,
-session 11). This measures two pieces of it with the Qwen2.5 tokenizer: the incremental
+"Structured outputs"). This measures two pieces of it with the Qwen2.5 tokenizer: the incremental
 detokenizer per token (the Rust tokenizer's decode against transformers' wrapper, the same
 text) and `StructuredOutputManager.bitmask()` for 32 rows of a JSON schema.
 

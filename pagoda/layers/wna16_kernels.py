@@ -394,9 +394,9 @@ class _HopperGemm(_MmaLayout):
 class MmaWgmmaTma(_HopperGemm):
     """Hopper `wgmma` GEMM fed by bulk tensor copies (TMA) from a producer warp, 128 weight rows
     a CTA (`gluon_wgmma_tma`). First in the priority list; its band, where it is the best
-    kernel (BENCHMARKS.md, sessions 15, 16 and 19): gate_up-sized layers (N >= 16 Ki) 17-512
+    kernel (BENCHMARKS.md, W4A16 kernels, H200): gate_up-sized layers (N >= 16 Ki) 17-512
     rows; down projections (K >= 4 N) 33-512 at N >= 3 Ki (7B), 65-256 below (3B, with the
-    tuned table); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the session-14 wgmma
+    tuned table); other layers of N >= 4 Ki (7B qkv) 33-64. Elsewhere the cp.async wgmma
     GEMM (to 64 / 128 rows), then dequant + cuBLAS."""
 
     name = "mma_wgmma_tma"
@@ -446,8 +446,8 @@ class MmaWgmma(_HopperGemm):
     """Hopper `wgmma` GEMM on the MMA layout (the weight dequantized in registers as the
     register operand, cp.async into shared memory, `gluon_mma_wgmma`): best from 9 to 64 rows,
     to 128 on layers of >= 16 Ki output columns (gate_up) and on down projections (K >= 4 N)
-    where the TMA GEMM, earlier in the priority list, is not there (BENCHMARKS.md, sessions 12,
-    14 and 15). The GEMV keeps M <= 8."""
+    where the TMA GEMM, earlier in the priority list, is not there (BENCHMARKS.md, W4A16
+    kernels). The GEMV keeps M <= 8."""
 
     name = "mma_wgmma"
     module = "pagoda.kernels.wna16.gluon_mma_wgmma"

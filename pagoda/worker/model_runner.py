@@ -685,7 +685,7 @@ class ModelRunner:
         gc.collect()  # modules refer to each other (LoRA wrappers, tied weights)
         if self.device.type == "cuda":
             # cuBLAS keeps a workspace per handle and stream in torch's allocator (32 MiB on
-            # the H200: exactly what stayed allocated after shutdown, session 8 run 5)
+            # the H200: exactly what stayed allocated after shutdown, measured)
             clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
             if clear is not None:
                 clear()

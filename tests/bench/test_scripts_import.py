@@ -1,5 +1,5 @@
-"""Every benchmark script imports: a name a kernel module dropped (session 19 found
-`bench_dense_gemv.py` importing a helper deleted sessions earlier) fails here, not on the GPU.
+"""Every benchmark script imports: a name a kernel module dropped (e.g. a script importing a helper
+that a kernel module no longer has) fails here, not on the GPU.
 Scripts run their work under `if __name__ == "__main__"`, so importing one does no work. They
 are imported in one child process: the offline compilers drop TRITON_INTERPRET at import (on
 purpose), which would leave kernels imported after them unable to run in this process."""
@@ -37,7 +37,7 @@ print(json.dumps(failed))
 
 
 def test_every_benchmark_script_imports():
-    assert len(SCRIPTS) > 30, SCRIPTS
+    assert len(SCRIPTS) > 20, SCRIPTS
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(SCRIPTS)],
         cwd=ROOT,

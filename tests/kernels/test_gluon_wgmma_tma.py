@@ -52,7 +52,7 @@ def test_default_configs_fit_and_fill_the_gpu():
     assert tk.tail_schedule(100, 56, 132, 3) == (0, 3, 19)  # fewer tiles than SMs: all split
     assert tk.tail_schedule(264, 56, 132, 4) == (264, 1, 56)  # whole waves: no split
     assert tk.tail_schedule(10, 6, 132, 4) == (0, 3, 2)  # 4 splits of 6 steps: 3 of 2
-    # run 1 of session 16's best splits: 7B down 9, 3B down 8 (128 CTAs, not 10: 160 > 132
+    # the H200 sweep's best splits: 7B down 9, 3B down 8 (128 CTAs, not 10: 160 > 132
     # SMs), 7B qkv 3 at 64 rows; 3B qkv 4, not 6: its partials would pass its weight bytes
     assert tk.default_tma_config(128, 3584, 18944, 132) == (128, 1, 9, 4)
     assert tk.default_tma_config(128, 2048, 11008, 132) == (128, 1, 8, 4)

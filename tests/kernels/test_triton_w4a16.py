@@ -138,7 +138,7 @@ def test_gemv_configs_and_errors() -> None:
         wna16_gemv,
     )
 
-    # Qwen2.5-7B decode shapes on an H200: the tiles and splits that won run 3's sweep
+    # Qwen2.5-7B decode shapes on an H200: the tiles and splits that won the sweep
     # (w4a16_gemv_h200.json) -- down_proj's best split was 74, the rule gives 75.
     expected = {
         (4608, 3584): (128, 1, 28),

@@ -75,7 +75,7 @@ def test_hopper_bf16_symmetric_takes_the_tensor_core_kernels(mma_passes) -> None
     assert wk.choose_kernels(_cfg(n=37888, zp=True), frozenset()).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..16, mma_wgmma_tma M=17..512, mma_dequant M=513.."
     )
-    # without the TMA GEMM the session-14 wgmma GEMM keeps gate_up / down to 128 rows
+    # without the TMA GEMM the cp.async wgmma GEMM keeps gate_up / down to 128 rows
     no_tma = frozenset({"mma_wgmma_tma"})
     assert wk.choose_kernels(_cfg(n=37888), no_tma).describe() == (
         "mma_gemv M=1..8, mma_wgmma M=9..128, mma_dequant M=129.."

@@ -1,7 +1,7 @@
 """Split-K GEMV for dense bf16/fp16 weights at M = 1 (batch-1 decode): y = x @ W^T (+ bias).
 
 Why not cuBLAS: on the H200 profile of a Qwen2.5-7B decode step (`benchmarks/results/
-profile_h200_async/`, BENCHMARKS.md "batch-1 latency") cuBLAS streams the wide gate_up layer
+profile_h200_async/`, BENCHMARKS.md "Batch-1 decode") cuBLAS streams the wide gate_up layer
 near the copy bandwidth but falls well short on qkv and o_proj (a split-K GEMV plus a separate
 reduction kernel). Those two are small (25-33 MB): what they need is many programs in flight at
 once and one kernel per GEMV. Here:

@@ -14,11 +14,6 @@ cut into requests, and the grid depends on shapes alone: launches are CUDA-graph
 - expand, `y [T, out] += rank [T, S*R] @ B[slot]^T`: K = S*R <= 128 in one step, wide output
   tiles, `y` read before the weights so both loads are in flight together.
 
-`_lora_fused_kernel` does both in one launch (opt-in: PAGODA_LORA_FUSED=1, up to 256 tokens):
-programs draw tickets; the first ones run the split shrink into the workspace, the others
-prefetch their `y` and `B` tiles, wait until every shrink item is done, and expand. The last
-program to finish zeroes what was used.
-
 Torch references: `pagoda.kernels.lora.ops.lora_sgmv_ref` / `lora_shrink_expand_ref`.
 """
 
@@ -30,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda import envs
 from pagoda.kernels.lora.workspace import LoRAWorkspace
 
 
@@ -152,149 +146,6 @@ def _lora_kernel(
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _lora_fused_kernel(
-    x_ptr,
-    a_ptr,
-    b_ptr,
-    y_ptr,
-    slots_ptr,
-    ws_ptr,  # [>= T, >= R] float32, zero outside a launch
-    sync_ptr,  # int32 [3]: tickets handed out, shrink items done, programs done; zero outside
-    T,
-    K,
-    R,
-    N,
-    k_chunk,
-    num_splits,
-    n_shrink,  # num_splits * token tiles: the first tickets
-    n_total,
-    stride_xt,
-    stride_xk,
-    stride_al,
-    stride_ar,
-    stride_ak,
-    stride_bl,
-    stride_bn,
-    stride_br,
-    stride_yt,
-    stride_yn,
-    stride_ws,
-    IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # Work items by ticket, not program id: the first n_shrink tickets are shrink items, the
-    # rest expand tiles, which wait for every shrink item. A program holding a ticket runs,
-    # so when an expand program waits, all shrink tickets are held by running programs that
-    # wait for nothing: no deadlock, however the hardware schedules the grid.
-    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    if ticket < n_shrink:
-        pid_m = ticket // num_splits
-        pid_k = ticket % num_splits
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
-        valid = tok >= 0
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            rows = offs_m.to(tl.int64)
-            s_lo = tl.min(tl.where(valid, tok, 2147483647), axis=0)
-            s_hi = tl.max(tok, axis=0)
-            k_lo = pid_k * k_chunk
-            k_hi = tl.minimum(k_lo + k_chunk, K)
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for s in range(s_lo, s_hi + 1):  # the adapters of this token tile, usually one
-                sel = tok == s
-                if tl.max(sel.to(tl.int32), axis=0) > 0:
-                    a_base = a_ptr + tl.cast(s, tl.int64) * stride_al
-                    for k0 in range(k_lo, k_hi, BLOCK_K):
-                        offs_k = k0 + tl.arange(0, BLOCK_K)
-                        mask_k = offs_k < k_hi
-                        xt = tl.load(
-                            x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk,
-                            mask=sel[:, None] & mask_k[None, :],
-                            other=0.0,
-                        )  # [BLOCK_M, BLOCK_K]
-                        at = tl.load(
-                            a_base + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
-                            mask=mask_k[:, None] & mask_r[None, :],
-                            other=0.0,
-                        )  # [BLOCK_K, BLOCK_R]
-                        acc = _mma(acc, xt, at, IEEE, UPCAST)
-            ws_ptrs = ws_ptr + rows[:, None] * stride_ws + offs_r[None, :]
-            tl.atomic_add(ws_ptrs, acc, mask=valid[:, None] & mask_r[None, :], sem="relaxed")
-        tl.debug_barrier()  # all threads' sums before the release below
-        tl.atomic_add(sync_ptr + 1, 1, sem="release")
-    else:
-        n_tiles = tl.cdiv(N, BLOCK_N)
-        pid_m = (ticket - n_shrink) // n_tiles
-        pid_n = (ticket - n_shrink) % n_tiles
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
-        valid = tok >= 0
-        if tl.max(valid.to(tl.int32), axis=0) > 0:
-            rows = offs_m.to(tl.int64)
-            s_lo = tl.min(tl.where(valid, tok, 2147483647), axis=0)
-            s_hi = tl.max(tok, axis=0)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < N
-            mask = valid[:, None] & mask_n[None, :]
-            # loads that need no rank space go out before the wait
-            y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :] * stride_yn
-            acc = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-            b_hi = tl.load(
-                b_ptr
-                + s_hi.to(tl.int64) * stride_bl
-                + offs_n[None, :] * stride_bn
-                + offs_r[:, None] * stride_br,
-                mask=mask_r[:, None] & mask_n[None, :],
-                other=0.0,
-            )  # [BLOCK_R, BLOCK_N]
-            while tl.atomic_add(sync_ptr + 1, 0, sem="acquire") < n_shrink:
-                pass
-            rank = tl.load(
-                ws_ptr + rows[:, None] * stride_ws + offs_r[None, :],
-                mask=valid[:, None] & mask_r[None, :],
-                other=0.0,
-                volatile=True,
-            )  # [BLOCK_M, BLOCK_R] float32 sums
-            rank = rank.to(x_ptr.dtype.element_ty)  # rounded as the unfused path rounds it
-            r_hi = tl.where((tok == s_hi)[:, None], rank, tl.zeros_like(rank))
-            acc = _mma(acc, r_hi, b_hi, IEEE, UPCAST)
-            for s in range(s_lo, s_hi):  # further adapters of the tile, usually none
-                sel = tok == s
-                if tl.max(sel.to(tl.int32), axis=0) > 0:
-                    bt = tl.load(
-                        b_ptr
-                        + tl.cast(s, tl.int64) * stride_bl
-                        + offs_n[None, :] * stride_bn
-                        + offs_r[:, None] * stride_br,
-                        mask=mask_r[:, None] & mask_n[None, :],
-                        other=0.0,
-                    )
-                    rs = tl.where(sel[:, None], rank, tl.zeros_like(rank))
-                    acc = _mma(acc, rs, bt, IEEE, UPCAST)
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.debug_barrier()  # all threads' reads of the workspace before the release below
-
-    done = tl.atomic_add(sync_ptr + 2, 1, sem="acq_rel")
-    if done == n_total - 1:  # the last program: nobody reads the workspace any more
-        for m0 in range(0, T, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            tl.store(
-                ws_ptr + offs_m.to(tl.int64)[:, None] * stride_ws + offs_r[None, :],
-                tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32),
-                mask=(offs_m < T)[:, None] & mask_r[None, :],
-            )
-        tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
-        tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed")
 
 
 # TRITON_INTERPRET=1 at import time turns the kernel into an interpreted (numpy) function.
@@ -432,83 +283,6 @@ def _workspace_fits(workspace: LoRAWorkspace | None, num_tokens: int, n: int) ->
     return num_tokens <= rows and n <= cols
 
 
-# One launch per LoRA layer (`_lora_fused_kernel`) instead of two: opt-in until measured.
-FUSED_DEFAULT = envs.lora_fused()
-_FUSED_MAX_TOKENS = 256  # its last program zeroes the [T, S*R] workspace rows alone
-
-
-def fused_fits(num_tokens: int, rank_space: int, workspace: LoRAWorkspace | None) -> bool:
-    return (
-        num_tokens <= _FUSED_MAX_TOKENS
-        and rank_space <= 256
-        and _workspace_fits(workspace, num_tokens, rank_space)
-    )
-
-
-def lora_fused_triton(
-    x: torch.Tensor,  # [T, in]
-    lora_a: torch.Tensor,  # [L, S*R, in]
-    lora_b: torch.Tensor,  # [L, out, S*R]
-    token_slots: torch.Tensor,  # [>= T] int32
-    y: torch.Tensor,  # [T, out], updated in place
-    workspace: LoRAWorkspace,
-    shrink_config: LoRAKernelConfig | None = None,
-    expand_config: LoRAKernelConfig | None = None,
-) -> torch.Tensor:
-    """`lora_shrink_expand_triton` in one launch (see `_lora_fused_kernel`); `fused_fits`
-    must hold. The configs give the tiles and split of the shrink and the expand."""
-    num_tokens, k = x.shape
-    rank_space, n = lora_a.shape[1], lora_b.shape[1]
-    assert fused_fits(num_tokens, rank_space, workspace), (x.shape, lora_a.shape)
-    if num_tokens == 0:
-        return y
-    sc = shrink_config or choose_config(num_tokens, rank_space, k, workspace_ok=True)
-    ec = expand_config or choose_config(num_tokens, n, rank_space, workspace_ok=False)
-    block_m = max(sc.block_m, ec.block_m)
-    m_tiles = triton.cdiv(num_tokens, block_m)
-    k_blocks = triton.cdiv(k, sc.block_k)
-    k_chunk = triton.cdiv(k_blocks, sc.split_k) * sc.block_k
-    num_splits = triton.cdiv(k, k_chunk)
-    n_shrink = num_splits * m_tiles
-    n_total = n_shrink + m_tiles * triton.cdiv(n, ec.block_n)
-    _lora_fused_kernel[(n_total,)](
-        x,
-        lora_a,
-        lora_b,
-        y,
-        token_slots,
-        workspace.acc,
-        workspace.sync,
-        num_tokens,
-        k,
-        rank_space,
-        n,
-        k_chunk,
-        num_splits,
-        n_shrink,
-        n_total,
-        x.stride(0),
-        x.stride(1),
-        lora_a.stride(0),
-        lora_a.stride(1),
-        lora_a.stride(2),
-        lora_b.stride(0),
-        lora_b.stride(1),
-        lora_b.stride(2),
-        y.stride(0),
-        y.stride(1),
-        workspace.acc.stride(0),
-        IEEE=lora_a.dtype == torch.float32 or _INTERPRETED,
-        UPCAST=_INTERPRETED and lora_a.dtype == torch.bfloat16,
-        BLOCK_M=block_m,
-        BLOCK_R=_block(rank_space, 16, 256),
-        BLOCK_K=sc.block_k,
-        BLOCK_N=ec.block_n,
-        num_warps=max(sc.num_warps, ec.num_warps),
-    )
-    return y
-
-
 def lora_shrink_expand_triton(
     x: torch.Tensor,  # [T, in]
     lora_a: torch.Tensor,  # [L, S*R, in]
@@ -518,19 +292,11 @@ def lora_shrink_expand_triton(
     workspace: LoRAWorkspace | None,
     shrink_config: LoRAKernelConfig | None = None,
     expand_config: LoRAKernelConfig | None = None,
-    fused: bool | None = None,
 ) -> torch.Tensor:
     """A whole LoRA layer in two launches: `y[t] += B[s] @ (A[s] @ x[t])`, s = slot of t.
 
     The rank-space rows are rounded to x's dtype between the two, as the reference does.
-    `fused` (default: PAGODA_LORA_FUSED=1) runs one launch instead where `fused_fits`.
     """
-    if fused is None:
-        fused = FUSED_DEFAULT
-    if fused and fused_fits(x.shape[0], lora_a.shape[1], workspace):
-        return lora_fused_triton(
-            x, lora_a, lora_b, token_slots, y, workspace, shrink_config, expand_config
-        )
     rank = torch.empty(x.shape[0], lora_a.shape[1], dtype=x.dtype, device=x.device)
     lora_gemm_triton(x, lora_a, token_slots, rank, False, workspace, shrink_config)
     lora_gemm_triton(rank, lora_b, token_slots, y, True, None, expand_config)

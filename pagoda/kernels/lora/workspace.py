@@ -15,7 +15,6 @@ class LoRAWorkspace:
 
     acc: torch.Tensor  # [max_rows, max_cols] float32: partial sums of rank-space rows
     counters: torch.Tensor  # [n] int32: arrivals per (token tile, slot, output tile)
-    sync: torch.Tensor  # [4] int32: tickets and arrivals of the one-launch (fused) kernel
 
 
 def lora_workspace(
@@ -29,5 +28,4 @@ def lora_workspace(
     return LoRAWorkspace(
         torch.zeros(max_rows, max_cols, dtype=torch.float32, device=device),
         torch.zeros(num_counters, dtype=torch.int32, device=device),
-        torch.zeros(4, dtype=torch.int32, device=device),
     )

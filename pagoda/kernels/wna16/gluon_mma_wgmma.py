@@ -521,14 +521,15 @@ SMALL_LAYER = 32 << 20  # weights (16 MiB packed): below it, two programs along 
 
 
 def default_wgmma_config(m: int, n: int, k: int, num_sms: int) -> WgmmaConfig:
-    """From session 12's sweep (BENCHMARKS.md): one program along M up to 32 rows (BLOCK_M the
-    smallest that holds M) with the activations in slot order; from 33 rows BLOCK_M 64 on
+    """Chosen from H200 config sweeps (`benchmarks/quant/bench_w4a16_tc.py --sweep`): one program
+    along M up to 32 rows (BLOCK_M the smallest that holds M) with the activations in slot
+    order; from 33 rows BLOCK_M 64 on
     layers of >= 32 Mi weights (two programs would read them twice from HBM) and half the
     rows on smaller ones (more programs, the weights stay in the L2), the activations in
     natural K order (16-byte copies); two warpgroups only on layers with few columns and a long
     K (below); split-K to about two programs an SM when there are fewer than one; a 4-stage
     ring; the scale pairs a loop trip ahead in slot order, the epilogue staged through shared
-    memory from 64 rows (sessions 12 and 14's sweeps, BENCHMARKS.md)."""
+    memory from 64 rows."""
     p2 = next((b for b in BLOCK_MS if b >= m), MAX_BLOCK_M)
     if p2 <= 32:
         block_m, natural = p2, False

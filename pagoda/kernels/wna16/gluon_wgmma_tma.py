@@ -454,7 +454,7 @@ def default_tma_config(m: int, n: int, k: int, num_sms: int) -> TmaConfig:
     of one CTA an SM (a second resident CTA measured to add little), whole tiles `kt + 3` (the
     ring's fill, the epilogue), split ones `per + 5` (their fp32 partials); at least 4 K steps
     a split, at most 16 splits, no more partial bytes than int4 weight bytes (BENCHMARKS.md,
-    session 16)."""
+    W4A16 kernels)."""
     block_m = next((b for b in BLOCK_MS if b >= m), BLOCK_MS[-1])
     wgs, stages = 1, 4
     kt = k // BLOCK_K
