@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -90,13 +91,10 @@ def main() -> None:
 
     dense, source = _load(ns.model, None)
     tokenizer = load_tokenizer(source)
-    ids = tokenizer(open(ns.heldout, encoding="utf-8").read(), add_special_tokens=False)
-    ids = list(ids["input_ids"])[: ns.max_tokens]
-    calib_ids = list(
-        tokenizer(open(ns.calib, encoding="utf-8").read()[:400_000], add_special_tokens=False)[
-            "input_ids"
-        ]
-    )
+    heldout = Path(ns.heldout).read_text(encoding="utf-8")
+    ids = list(tokenizer(heldout, add_special_tokens=False)["input_ids"])[: ns.max_tokens]
+    calib = Path(ns.calib).read_text(encoding="utf-8")[:400_000]
+    calib_ids = list(tokenizer(calib, add_special_tokens=False)["input_ids"])
     rows = {}
 
     def score(label: str, model) -> None:
