@@ -201,8 +201,8 @@ class Attention(nn.Module):
                 out=out[:n],
                 num_splits=attn_metadata.num_splits,
                 sliding_window=self.sliding_window,
-                k_scale=self.k_scale,
-                v_scale=self.v_scale,
+                k_scale=self._scales()[0],
+                v_scale=self._scales()[1],
             )
         else:
             write_kv_cache_ref(
@@ -217,13 +217,17 @@ class Attention(nn.Module):
                 self.scale,
                 out=out[:n],
                 sliding_window=self.sliding_window,
-                k_scale=self.k_scale,
-                v_scale=self.v_scale,
+                k_scale=self._scales()[0],
+                v_scale=self._scales()[1],
             )
         return out.view(num_tokens, -1)
 
     def _scales(self) -> tuple[float, float]:
-        return self.k_scale, self.v_scale
+        """(k_scale, v_scale) of an FP8 cache; a model-dtype cache stores K / V as they are,
+        whatever scales the checkpoint carries."""
+        if self.kv_cache is not None and self.kv_cache.element_size() == 1:
+            return self.k_scale, self.v_scale
+        return 1.0, 1.0
 
     def use_fused_decode(
         self,
@@ -287,8 +291,8 @@ class Attention(nn.Module):
             num_splits=attn_metadata.num_splits,
             sliding_window=self.sliding_window,
             kv_prefetch=_kv_prefetch(),
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
+            k_scale=self._scales()[0],
+            v_scale=self._scales()[1],
         )
 
     def _forward_no_cache(

@@ -202,3 +202,20 @@ def test_fused_decode_attention_on_fp8_cache(dtype, num_splits):
     )
     err = ((out[:n].double() - ref[:n].double()).norm() / ref[:n].double().norm()).item()
     assert err < 1e-2  # bf16 q and probabilities in the dots
+
+
+def test_scales_are_ignored_by_a_model_dtype_cache():
+    """A checkpoint's k_scale / v_scale describe FP8 storage: a float cache reads K and V as
+    written, on every path (a GPU run of the static-kv fixture with a bf16 cache applied them
+    and drifted by 1.4 nats a token before this held)."""
+    k, v, cache, slots, q, qsl, seq_lens, bt = _batch(torch.float32)
+    write_kv_cache_ref(k, v, cache, slots, k_scale=0.02, v_scale=0.01)
+    plain = torch.zeros_like(cache)
+    write_kv_cache_ref(k, v, plain, slots)
+    assert torch.equal(cache, plain)
+    want = paged_attention_ref(q, plain, qsl, seq_lens, bt, 0.2)
+    args = (torch.tensor(qsl, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), bt)
+    got = paged_attention_triton(q, cache, *args, 0.2, 37, 37, k_scale=0.02, v_scale=0.01)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ref = paged_attention_ref(q, cache, qsl, seq_lens, bt, 0.2, k_scale=0.02, v_scale=0.01)
+    torch.testing.assert_close(ref, want, rtol=0, atol=0)

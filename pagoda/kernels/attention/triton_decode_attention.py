@@ -368,6 +368,8 @@ def fused_decode_attention_triton(
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not fp8:
+        k_scale = v_scale = 1.0  # scales describe FP8 storage only (as in the reference)
     if not (q.dtype == k.dtype == v.dtype and (fp8 or kv_cache.dtype == q.dtype)):
         raise ValueError(
             f"q, k, v and kv_cache must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "

@@ -519,6 +519,8 @@ def paged_attention_triton(
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     if kv_cache.dtype != q.dtype and kv_cache.dtype not in _FP8_KV:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype}")
+    if kv_cache.dtype not in _FP8_KV:
+        k_scale = v_scale = 1.0  # scales describe FP8 storage only (as in the reference)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
         raise ValueError(
