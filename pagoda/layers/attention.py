@@ -2,8 +2,9 @@
 
 `Attention` writes this step's K/V into its layer's cache (bound by the runner as
 `module.kv_cache`, `[2, num_blocks, block_size, Hkv, D]`) and attends each sequence's queries to
-its cached prefix + new tokens. CUDA tensors use the Triton kernels, the CPU the torch
-references. `attn_metadata=None` means no cache: causal attention over all tokens as one sequence.
+its cached prefix + new tokens. CUDA tensors use the Triton kernels (without Triton: the
+graph-safe torch decode and SDPA prefill of `torch_paged.py`), the CPU the torch references.
+`attn_metadata=None` means no cache: causal attention over all tokens as one sequence.
 A layer built with `sliding_window` W (Mistral) lets query i see keys i - W < j <= i only, on
 every path; the window is the layer's, fixed for the model, so captured CUDA graphs keep it.
 
@@ -32,6 +33,11 @@ from pagoda.kernels.attention.reference import (
     check_sliding_window,
     paged_attention_ref,
     write_kv_cache_ref,
+)
+from pagoda.kernels.attention.torch_paged import (
+    decode_attention_static,
+    prefill_attention_sdpa,
+    write_kv_cache_static,
 )
 from pagoda.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from pagoda.platform import triton_available
@@ -79,8 +85,15 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 def check_kv_cache_dtype(
     layers: list[Attention], dtype: torch.dtype, device: torch.device, capability: tuple
 ) -> None:
-    """An e4m3 cache needs Triton's fp8e4nv (sm_89+) on CUDA: a clear error before; without
-    calibrated scales (a checkpoint's k_scale / v_scale) e4m3 uses 1.0, with a warning."""
+    """An FP8 cache on CUDA needs Triton (the no-Triton torch decode reads the cache's own
+    dtype), e4m3 there Triton's fp8e4nv (sm_89+): clear errors; without calibrated scales (a
+    checkpoint's k_scale / v_scale) e4m3 uses 1.0, with a warning."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return
+    if device.type == "cuda" and not triton_available():
+        raise ValueError(
+            "an FP8 KV cache on CUDA needs Triton (pip install triton); use kv_cache_dtype='auto'"
+        )
     if dtype != torch.float8_e4m3fn:
         return
     if device.type == "cuda" and capability < (8, 9):
@@ -97,6 +110,12 @@ def check_kv_cache_dtype(
             missing,
             len(layers),
         )
+
+
+def decode_only(md: AttentionMetadata) -> bool:
+    """One query per sequence and no rows beyond them (CUDA-graph padding rows come as
+    1-token sequences): what the graph-safe torch decode path takes."""
+    return md.max_query_len == 1 and md.num_actual_tokens == md.seq_lens.shape[0]
 
 
 @functools.cache
@@ -203,6 +222,29 @@ class Attention(nn.Module):
                 sliding_window=self.sliding_window,
                 k_scale=self._scales()[0],
                 v_scale=self._scales()[1],
+            )
+        elif q.is_cuda and decode_only(attn_metadata):
+            # No host value of the step is read: the runner captures these steps in CUDA graphs.
+            write_kv_cache_static(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
+            out[:n] = decode_attention_static(
+                q[:n],
+                self.kv_cache,
+                attn_metadata.seq_lens,
+                attn_metadata.block_tables,
+                self.scale,
+                self.sliding_window,
+            )
+        elif q.is_cuda:
+            write_kv_cache_ref(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
+            prefill_attention_sdpa(
+                q[:n],
+                self.kv_cache,
+                attn_metadata.query_start_loc_cpu,
+                attn_metadata.seq_lens_cpu,
+                attn_metadata.block_tables,
+                self.scale,
+                out=out[:n],
+                sliding_window=self.sliding_window,
             )
         else:
             write_kv_cache_ref(
