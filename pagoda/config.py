@@ -87,8 +87,15 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # "auto" (the model dtype) | "fp8" / "fp8_e4m3" | "fp8_e5m2": one byte per K/V element
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not supported; use auto, fp8, "
+                "fp8_e4m3 or fp8_e5m2"
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache element type (fp8: e4m3, one byte; scales from the checkpoint or 1.0)",
+    )
     add_async_scheduling_arg(p)
     add_speculative_config_arg(p)
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
@@ -82,6 +88,7 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=ns.enforce_eager,
         async_scheduling=ns.async_scheduling,
         speculative_config=ns.speculative_config,
+        kv_cache_dtype=ns.kv_cache_dtype,
         max_num_seqs=max(ns.batch_size, 8),
         skip_tokenizer_init=True,
     )

@@ -48,6 +48,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache element type: auto (the model dtype) or FP8 (one byte: twice the "
+        "tokens; e4m3 uses the checkpoint's k_scale / v_scale, 1.0 with a warning)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
     add_async_scheduling_arg(g)
@@ -56,7 +63,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument(
         "--quantization",
         default=None,
-        help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from it)",
+        help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from "
+        "it); fp8 on a dense checkpoint: FP8_DYNAMIC weights quantized at load",
     )
     g.add_argument(
         "--cpu-offload-gb",
@@ -124,6 +132,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         block_size=ns.block_size,
+        kv_cache_dtype=ns.kv_cache_dtype,
         enable_prefix_caching=not ns.no_prefix_caching,
         enforce_eager=ns.enforce_eager,
         async_scheduling=ns.async_scheduling,

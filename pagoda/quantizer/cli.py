@@ -36,9 +36,11 @@ def _ignore_list(ns: argparse.Namespace) -> list[str]:
 def _cmd_quantize(ns: argparse.Namespace) -> int:
     from pagoda.quantizer.api import quantize
 
-    if ns.method != "rtn" and ns.dataset is None:
+    fp8 = (ns.scheme or "").upper() in ("FP8", "FP8_DYNAMIC")
+    method = ns.method or ("rtn" if fp8 else "gptq")
+    if method != "rtn" and ns.dataset is None:
         # the API's message names its argument; the CLI user needs the flag
-        what = "GPTQ" if ns.method == "gptq" else "AWQ"
+        what = "GPTQ" if method == "gptq" else "AWQ"
         raise ValueError(
             f"{what} needs calibration data: pass --dataset FILE (.json/.jsonl chats or text, "
             "or plain text; see `pagoda quantize --help`), or use --method rtn"
@@ -48,7 +50,8 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         ns.model,
         ns.out,
         scheme=ns.scheme,
-        method=ns.method,
+        method=method,
+        kv_cache_dtype=ns.kv_cache_dtype,
         group_size=ns.group_size,
         ignore=_ignore_list(ns),
         dataset=ns.dataset,
@@ -97,13 +100,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--scheme",
         default=None,
-        help="W4A16 | W4A16_ASYM | W8A16 (default: W4A16, or W4A16_ASYM for AWQ)",
+        help="W4A16 | W4A16_ASYM | W8A16 | FP8_DYNAMIC (FP8 weights, per-token dynamic "
+        "activations, no calibration) | FP8 (static activation scales: needs --dataset) "
+        "(default: W4A16, or W4A16_ASYM for AWQ)",
     )
     q.add_argument(
         "--method",
-        default="gptq",
+        default=None,
         choices=["gptq", "rtn", "awq"],
-        help="awq: AWQ's activation-aware scales and clipping, then round to nearest",
+        help="default gptq (rtn for the FP8 schemes, which are min-max rounded); awq: AWQ's "
+        "activation-aware scales and clipping, then round to nearest",
+    )
+    q.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["fp8", "fp8_e4m3"],
+        help="calibrate per-layer K / V scales on --dataset for an FP8 KV cache "
+        "(compressed-tensors kv_cache_scheme; serve with --kv-cache-dtype fp8)",
     )
     q.add_argument(
         "--format",

@@ -37,6 +37,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import get_rope
 from pagoda.quant.formats.autoawq import pack_awq_gemm
 from pagoda.quant.formats.compressed_tensors import compress
+from pagoda.quant.fp8 import Fp8Args
 from pagoda.quant.weights import QuantizedWeight, WeightQuantArgs
 from pagoda.quantizer.awq import (
     AWQOptions,
@@ -46,6 +47,7 @@ from pagoda.quantizer.awq import (
     search_clip,
     search_scales,
 )
+from pagoda.quantizer.fp8 import AmaxObserver, KVScaleObserver, fp8_tensors, quantize_fp8_shards
 from pagoda.quantizer.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quantizer.rtn import hessian_weighted_error, rtn_quantize
 
@@ -799,18 +801,21 @@ def quantize_layers(
     model: nn.Module,
     source: WeightSource,
     samples: list[torch.Tensor],
-    args: WeightQuantArgs,
+    args: WeightQuantArgs | Fp8Args,
     ignore: list[str],
     options: PipelineOptions,
     report: QuantizeReport,
     on_layer: Callable[[int], None] | None = None,
     lm_head: bool = False,
+    kv_cache_scales: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Quantize every decoder layer of `model` (built on meta); returns the tensors that
     replace the checkpoint's: each quantized module's (`{module}.weight_packed`, ... or
     `{module}.qweight`, ...) and, for AWQ, the dense ones its smoothing changed (norm weights).
 
     `lm_head`: quantize the LM head too, after the last layer (see `_quantize_lm_head`).
+    FP8 args (`pagoda.quantizer.fp8`): min-max e4m3 codes, static input scales from the
+    calibration pass; `kv_cache_scales`: each layer's `self_attn.k_scale` / `v_scale` too.
     Tensor names are module names; `WeightSource.checkpoint_name` turns them into the
     checkpoint's layout.
     """
@@ -842,6 +847,13 @@ def quantize_layers(
 
         hessians: dict[str, HessianAccumulator] = {}
         handles = []
+        fp8 = isinstance(args, Fp8Args)
+        inputs_amax, kv_amax = AmaxObserver(), KVScaleObserver()
+        if fp8 and args.static_input:
+            for t in targets:
+                inputs_amax.watch(layer.get_submodule(t.attr), t.attr)
+        if kv_cache_scales:
+            kv_amax.watch(layer.self_attn.attn, "kv")
         rounded_from: dict[str, torch.Tensor] = {}  # AWQ: the clipped weights to round
         if awq:
             captured = _capture_inputs(layer, [t.attr for t in targets], hidden_states)
@@ -871,6 +883,12 @@ def quantize_layers(
                 _run_layer(layer, hidden_states)
             for h in handles:
                 h.remove()
+        inputs_amax.remove()
+        kv_amax.remove()
+        if kv_cache_scales:
+            attn_name = f"{decoder_name}.layers.{index}.self_attn"
+            for key, tensor in kv_amax.scales("kv", options.storage_dtype).items():
+                compressed[f"{attn_name}.{key}"] = tensor.cpu()
 
         for t in targets:
             module = layer.get_submodule(t.attr)
@@ -891,6 +909,29 @@ def quantize_layers(
                 ]
             )
             w = weight[rows].to(torch.float32)
+            if fp8:
+                kept = [size for size, q in zip(sizes, t.quantized) if q]
+                parts, deq = quantize_fp8_shards(w, kept, args, options.storage_dtype)
+                weight[rows] = deq.to(weight.dtype)  # the quantized layer feeds the next one
+                seconds = time.perf_counter() - t0
+                names = [n for n, q in zip(t.hf_names, t.quantized) if q]
+                row = 0
+                for name, size, (q, scale) in zip(names, kept, parts):
+                    amax = inputs_amax.amax.get(t.attr) if args.static_input else None
+                    if args.static_input and amax is None:
+                        raise ValueError("FP8 static activation scales need calibration data")
+                    for key, tensor in fp8_tensors(q, scale, amax, options.storage_dtype).items():
+                        compressed[f"{name}.{key}"] = tensor.cpu()
+                    ref, got = w[row : row + size], deq[row : row + size]
+                    denom = hessian_weighted_error(ref, torch.zeros_like(ref), hessian)
+                    err = hessian_weighted_error(ref, got, hessian)
+                    layer_report.modules.append(
+                        ModuleReport(
+                            name, (size, w.shape[1]), err / max(denom, 1e-30), None, seconds
+                        )
+                    )
+                    row += size
+                continue
             source_w = rounded_from[t.attr][rows] if t.attr in rounded_from else w
             # Rows are independent given H: q/k/v (or gate/up) are quantized in one call and
             # stored as the separate HF modules the checkpoint format expects.

@@ -21,7 +21,7 @@ import torch
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig
 from pagoda.kernels.attention.torch_paged import decode_gather_bytes
 from pagoda.kernels.workspace import SplitKWorkspace
-from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.attention import AttentionMetadata, check_kv_cache_dtype, kv_cache_torch_dtype
 from pagoda.layers.embedding import LMHead
 from pagoda.layers.linear import LinearBase
 from pagoda.layers.rejection_sampler import RejectionOutput, num_emitted, rejection_sample
@@ -33,6 +33,7 @@ from pagoda.layers.sampler import (
     to_device,
 )
 from pagoda.models.loader import load_model
+from pagoda.platform import capability as platform_capability
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.memory import (
     MemoryReport,
@@ -262,6 +263,7 @@ class ModelRunner:
         self.runner_config = runner_config
         self.device = resolve_device(runner_config.device)
         self.dtype = _DTYPES[model_config.dtype]
+        self.kv_dtype = kv_cache_torch_dtype(cache_config.cache_dtype, self.dtype)
         self.block_size = cache_config.block_size
         self.max_num_blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         self.sampler = Sampler()
@@ -314,6 +316,9 @@ class ModelRunner:
 
         prepare = None if self.sharder is None else self.sharder.prepare
         self.model = load_model(self.model_config, self.device, keep_on_host, prepare)
+        check_kv_cache_dtype(
+            self.model.attention_layers(), self.kv_dtype, self.device, platform_capability()
+        )
         if keep_on_host is not None:
             from pagoda.worker.offload import LayerOffloader, decoder_layers
 
@@ -376,7 +381,7 @@ class ModelRunner:
         """Profile the largest step, size the KV cache from what is left, allocate it."""
         mc, cc = self.model_config, self.cache_config
         per_block = kv_bytes_per_block(
-            mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+            mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize
         )
         t0 = time.perf_counter()
         peak_act, non_torch, total, budget = self._profile(max_num_seqs, max_num_batched_tokens)
@@ -408,6 +413,8 @@ class ModelRunner:
         self.memory_report = MemoryReport(
             device=str(self.device),
             dtype=mc.dtype,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch.")
+            * (self.kv_dtype != self.dtype),
             weights_bytes=self.weights_bytes,
             peak_activation_bytes=peak_act,
             non_torch_bytes=non_torch,
@@ -463,7 +470,7 @@ class ModelRunner:
                     max_num_seqs
                     * (mc.max_model_len + self.block_size)
                     * kv_bytes_per_block(
-                        mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+                        mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize
                     )
                 )
                 budget = min(budget, self.weights_bytes + peak + min(full, _CPU_DEFAULT_KV_CAP))
@@ -563,15 +570,18 @@ class ModelRunner:
         # rest of a tile, as they must for the stale data of a freed and reused block anyway.
         # The null block 0 is the exception: nothing writes it and CUDA-graph padding rows
         # (seq_len 1, block table all 0) read it, so it holds zeros.
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.kv_caches = [
+            torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in layers
+        ]
         # Without Triton the CUDA decode reads (masked) slots past each sequence: zeroed, the
-        # cache never holds NaN bit patterns there (one memset at start-up).
+        # cache never holds NaN bit patterns there (one memset at start-up). Bytes: FP8 tensors
+        # have no fill kernels.
         torch_decode = self.device.type == "cuda" and not triton_available()
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             if torch_decode:
-                cache.zero_()
+                cache.view(torch.uint8).zero_()
             else:
-                cache[:, 0].zero_()
+                cache.view(torch.uint8)[:, 0].zero_()
             layer.kv_cache = cache
 
     def _warm_up_attention(self) -> None:
@@ -593,6 +603,7 @@ class ModelRunner:
                 layer.scale,
                 self.model_config.max_model_len,
                 layer.sliding_window,
+                q_dtype=self.dtype,
             )
 
     def _release_kv_cache(self) -> None:
