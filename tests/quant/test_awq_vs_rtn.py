@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagoda.quantizer import quantize
+from pagoda.quantizer.awq_guard import GuardChoice, choose, evaluation_samples
 from tests.helpers import save_tiny_model
 from tests.quant.conftest import FIXTURES
 
@@ -105,3 +106,18 @@ def test_awq_per_layer_error_is_at_most_rtns(seed, kv_heads, bias_std, outlier, 
     rtn = _per_layer_errors(dense, load(tmp_path / "rtn", **decompress), samples)
     for i, (a, r) in enumerate(zip(awq, rtn)):
         assert a <= r, f"layer {i}: AWQ output error {a:.4g} > RTN's {r:.4g} (AWQ {awq}, RTN {rtn})"
+
+
+def test_guard_scores_evenly_spread_whole_samples() -> None:
+    assert evaluation_samples([256] * 64, 4096) == list(range(0, 64, 4))
+    assert evaluation_samples([256] * 8, 4096) == list(range(8))  # fewer tokens: all
+    assert evaluation_samples([5000, 5000], 100) == [0]  # at least one sample
+    with pytest.raises(ValueError, match="max_tokens"):
+        evaluation_samples([10], 0)
+
+
+def test_guard_prefers_awq_on_a_tie_and_rtn_when_it_is_better() -> None:
+    assert choose({"rtn": 1.0, "scales": 1.0, "scales+clip": 2.0}).name == "scales"
+    assert choose({"rtn": 0.5, "scales": 1.0, "scales+clip": 0.7}).name == "rtn"
+    with pytest.raises(ValueError, match="unknown AWQ candidate"):
+        GuardChoice("clip", {})
