@@ -53,7 +53,9 @@ def _layer_calls(model, ids: torch.Tensor) -> list[tuple[tuple, dict, torch.Tens
 
     handles = [layer.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
     with torch.no_grad():
-        model(ids[None])
+        # No KV cache: a cache in the captured kwargs would let another model's layer attend
+        # to this model's keys and values.
+        model(ids[None], use_cache=False)
     for h in handles:
         h.remove()
     return calls
