@@ -7,6 +7,7 @@ Shared by every command that builds an engine (`pagoda generate/chat/serve/bench
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
@@ -63,6 +64,35 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default=0.0,
         help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
     )
+    mm = parser.add_argument_group("vision-language models")
+    mm.add_argument(
+        "--limit-mm-per-prompt",
+        type=_json_object,
+        default=None,
+        help='images and videos one prompt may carry, e.g. \'{"image": 4, "video": 1}\'',
+    )
+    mm.add_argument(
+        "--mm-processor-kwargs",
+        type=_json_object,
+        default=None,
+        help="min_pixels, max_pixels (images and video frames), fps, min_frames, max_frames, "
+        'total_pixels (videos), e.g. \'{"max_pixels": 1003520, "fps": 1}\'',
+    )
+    mm.add_argument(
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image and video URLs (off: data: URLs only)",
+    )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object such as {{"image": 2}}: {text!r}')
+    return value
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -83,4 +113,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         load_format=ns.load_format,
         quantization=ns.quantization,
         cpu_offload_gb=ns.cpu_offload_gb,
+        limit_mm_per_prompt=ns.limit_mm_per_prompt,
+        mm_processor_kwargs=ns.mm_processor_kwargs,
+        allow_remote_images=ns.allow_remote_images,
     )
