@@ -7,6 +7,7 @@ Values come from the user through `LLM(...)` or the CLI, so every check names th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,8 +87,15 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
+    # "auto" (the model dtype) | "fp8" / "fp8_e4m3" | "fp8_e5m2": one byte per K/V element
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(
+                f"kv_cache_dtype={self.cache_dtype!r} is not supported; use auto, fp8, "
+                "fp8_e4m3 or fp8_e5m2"
+            )
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -103,6 +111,93 @@ class CacheConfig:
             )
 
 
+_SPEC_KEYS = {
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "disable_by_batch_size",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): n-gram prompt lookup, or a draft
+    model sharing the target's tokenizer. The target verifies 1 + k positions per step."""
+
+    method: str  # "ngram" | "draft_model"
+    num_speculative_tokens: int
+    model: str | None = None  # the draft model (method "draft_model")
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    # Running requests above which a step does not speculate (verifying k extra positions
+    # costs more than it saves once the batch is compute-bound); None: always speculate.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(
+                f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}"
+            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer in 1..16, got {k!r}"
+            )
+        if self.method == "draft_model" and not isinstance(self.model, str):
+            raise ValueError("speculative_config: method 'draft_model' needs a 'model'")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no 'model'")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) > "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        b = self.disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(
+                f"speculative_config.disable_by_batch_size must be an integer >= 1, got {b!r}"
+            )
+
+    @classmethod
+    def from_user(cls, value: Any) -> SpeculativeConfig | None:
+        """From `LLM(speculative_config=...)` / `--speculative-config` (a dict or JSON text).
+
+        `{"model": ...}` without a method means a draft model, as in vLLM.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        unknown = set(value) - _SPEC_KEYS
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}; "
+                f"supported: {', '.join(sorted(_SPEC_KEYS))}"
+            )
+        options = dict(value)
+        method = options.pop("method", None)
+        if method is None:
+            method = "draft_model" if "model" in options else None
+        if method in ("draft", "draft_model"):
+            method = "draft_model"
+        if method is None:
+            raise ValueError("speculative_config needs 'method' ('ngram') or a draft 'model'")
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        return cls(method=method, **options)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Token budget per step, concurrency cap and the context limit."""
@@ -115,6 +210,7 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs on the device; its sampled tokens stay on the device
     # as the next inputs. Off for requests whose sampling reads host-side token history.
     async_scheduling: bool = False
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -40,6 +40,8 @@ KERNEL_NAMES = (
     "torch_int4mm",
     "torch_dequant",
     "dense_gemv",
+    "fp8_gemv",
+    "fp8_scaled_mm",
     "fused_decode_attn",
     "kv_prefetch",
 )

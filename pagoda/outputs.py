@@ -32,6 +32,25 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding (all samples of the request): verify steps that checked >= 1 draft,
+    # drafts checked, drafts accepted.
+    spec_num_steps: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / proposed drafts; None without speculation."""
+        if not self.spec_num_draft_tokens:
+            return None
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verify step (accepted drafts + the target's own), >= 1."""
+        if not self.spec_num_steps:
+            return None
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_steps
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -22,7 +22,7 @@ class ScheduledRequest:
     req_id: str
     all_token_ids: list[int]
     num_computed_tokens: int  # before this step, prefix-cache hits included
-    num_new_tokens: int  # tokens computed this step: a prompt chunk, or 1 for a decode
+    num_new_tokens: int  # tokens computed this step: a prompt chunk, or 1 (+ drafts) for a decode
     block_ids: list[int]  # covers all computed + new tokens
     sampling_params: SamplingParams
     prompt_len: int
@@ -35,6 +35,9 @@ class ScheduledRequest:
     # next one. With async scheduling the last input token may still be on the device: then
     # num_computed_tokens + num_new_tokens == len(all_token_ids) + 1 at schedule time.
     do_sample: bool = False
+    # Speculative decoding: draft tokens verified this step, the last num_new_tokens inputs
+    # (after the request's last known token); the runner emits 1 + the accepted ones.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

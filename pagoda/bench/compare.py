@@ -77,8 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "models",
         nargs="+",
         metavar="MODEL_OR_CONFIG",
-        help="model directory, .gguf file, config:PATH.json[:w4a16|:w8a16] (random weights; "
-        "w4a16-lm_head / w8a16-lm_head quantize an untied lm_head too), or 'default' "
+        help="model directory, .gguf file, config:PATH.json[:w4a16|:w8a16|:fp8] (random "
+        "weights; w4a16-lm_head / w8a16-lm_head quantize an untied lm_head too; fp8: "
+        "FP8_DYNAMIC), or 'default' "
         "(the embedded SmolLM2); the first one is the reference for ratios",
     )
     p.add_argument(
@@ -91,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="one dtype for all, or one per configuration, comma-separated "
         "(auto | float32 | float16 | bfloat16)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="one KV cache type for all, or one per configuration, comma-separated "
+        "(auto | fp8 | fp8_e4m3 | fp8_e5m2): FP8-KV rows beside the model-dtype ones",
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -243,6 +250,14 @@ def build_jobs(ns: argparse.Namespace) -> tuple[list[CompareJob], dict[str, Any]
     dtypes = [d or "auto" for d in _per_config(ns.dtype, len(models), "--dtype")]
     for d in dtypes:
         normalize_dtype(d)
+    kv_dtypes = [
+        k or "auto" for k in _per_config(ns.kv_cache_dtype, len(models), "--kv-cache-dtype")
+    ]
+    for k in kv_dtypes:
+        if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(
+                f"--kv-cache-dtype {k!r} is not supported; use auto, fp8, fp8_e4m3 or fp8_e5m2"
+            )
     if ns.device not in ("auto", "cpu", "cuda") and not str(ns.device).startswith("cuda:"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {ns.device!r}")
     if not 0.0 < ns.gpu_memory_utilization <= 1.0:
@@ -312,12 +327,13 @@ def build_jobs(ns: argparse.Namespace) -> tuple[list[CompareJob], dict[str, Any]
             label=lb,
             model=m,
             dtype=d,
+            kv_cache_dtype=kv,
             throughput_requests=ns.throughput_requests,
             ppl_text=ppl_text,
             ppl_window=ns.ppl_window,
             **common,
         )
-        for lb, m, d in zip(labels, models, dtypes, strict=True)
+        for lb, m, d, kv in zip(labels, models, dtypes, kv_dtypes, strict=True)
     ]
     if ns.baseline == "transformers":
         seen: set[tuple] = set()

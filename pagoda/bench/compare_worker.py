@@ -44,6 +44,7 @@ class CompareJob:
     model: str
     engine: str = "pagoda"  # "pagoda" | "transformers"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.85
@@ -195,7 +196,7 @@ def _check_quantization(llm: Any) -> dict[str, Any]:
     requested = _scheme_name(qc) if qc is not None else None
     override = engine.source.quant_override or ""
     scheme, _, head_spec = override.partition("-")
-    if requested is None and scheme in ("w4a16", "w8a16"):
+    if requested is None and scheme in ("w4a16", "w8a16", "fp8"):
         requested = scheme.upper()
     if requested and not quantized:
         raise ValueError(
@@ -215,7 +216,17 @@ def _check_quantization(llm: Any) -> dict[str, Any]:
             f"{engine.source.name}: a quantized lm_head was requested ({override}) but it "
             "loaded dense"
         )
-    methods = sorted({type(m.linear_method).__name__ for m in quantized})
+    # the method and, where it has several layouts, which one runs (fp8 tensor cores or the
+    # dense W8A16 fallback; the W4A16 kernel layout)
+    methods = sorted(
+        {
+            type(m.linear_method).__name__
+            + "".join(
+                f" [{getattr(m, a)}]" for a in ("fp8_backend", "wna16_backend") if hasattr(m, a)
+            )
+            for m in quantized
+        }
+    )
     if lm_head == "quantized":
         methods = sorted({*methods, type(head.linear_method).__name__})
     return {
@@ -230,7 +241,13 @@ def _check_quantization(llm: Any) -> dict[str, Any]:
 def _scheme_name(qc: dict[str, Any]) -> str:
     """A name like W4A16 g128 for a compressed-tensors or legacy GPTQ quantization_config."""
     groups = qc.get("config_groups") or {}
-    weights = (next(iter(groups.values()), None) or {}).get("weights") or {}
+    group = next(iter(groups.values()), None) or {}
+    weights = group.get("weights") or {}
+    if qc.get("quant_method") == "fp8":
+        return "FP8_DYNAMIC (quantized at load)"
+    if weights.get("type") == "float":
+        acts = group.get("input_activations") or {}
+        return "FP8_DYNAMIC" if acts.get("dynamic") else "FP8 (static activations)"
     bits = weights.get("num_bits") or qc.get("bits")
     group = weights.get("group_size") or qc.get("group_size")
     name = f"W{bits}A16" if bits else str(qc.get("quant_method") or "quantized")
@@ -291,6 +308,7 @@ def run_pagoda(job: CompareJob, out: ResultFile | None = None) -> dict[str, Any]
         gpu_memory_utilization=job.gpu_memory_utilization,
         max_num_seqs=job.max_num_seqs,
         enforce_eager=job.enforce_eager,
+        kv_cache_dtype=job.kv_cache_dtype,
         seed=job.seed,
         print_memory_report=False,
     )

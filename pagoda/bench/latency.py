@@ -23,7 +23,7 @@ from pagoda.bench.common import (
     hf_model_from_config,
     write_result,
 )
-from pagoda.entrypoints.cli_args import add_async_scheduling_arg
+from pagoda.entrypoints.cli_args import add_async_scheduling_arg, add_speculative_config_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +42,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache element type (fp8: e4m3, one byte; scales from the checkpoint or 1.0)",
+    )
     add_async_scheduling_arg(p)
+    add_speculative_config_arg(p)
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     p.add_argument("--out", default=None, help="write the JSON result here")
 
@@ -80,6 +87,8 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enforce_eager=ns.enforce_eager,
         async_scheduling=ns.async_scheduling,
+        speculative_config=ns.speculative_config,
+        kv_cache_dtype=ns.kv_cache_dtype,
         max_num_seqs=max(ns.batch_size, 8),
         skip_tokenizer_init=True,
     )
@@ -93,7 +102,7 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
     first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.llm_engine.core.kv_cache_manager.reset_prefix_cache()
     llm.generate(prompts, full, use_tqdm=False)  # warm-up
-    ttfts, decode_rates, step_times = [], [], []
+    ttfts, decode_rates, step_times, accepted_lengths = [], [], [], []
     for i in range(ns.iters):
         # fresh ids every iteration so no prefix-cache hit shortens the prefill
         prompts = [[(t + i + 1) % min(vocab, 10000) for t in p] for p in prompts]
@@ -101,6 +110,8 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
         ttfts.append(t.first_token_time - t.arrival_time)
         prompts = [[(t + 7) % min(vocab, 10000) for t in p] for p in prompts]
         m = llm.generate(prompts, full, use_tqdm=False)[0].metrics
+        if m.spec_mean_accepted_length is not None:
+            accepted_lengths.append(m.spec_mean_accepted_length)
         decode_time = m.finished_time - m.first_token_time
         steps = ns.output_len - 1
         step_times.append(decode_time / steps)
@@ -120,6 +131,10 @@ def run_pagoda(ns: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_step": kv_bytes,
         "achieved_bytes_per_s": (w_bytes + kv_bytes) / step,
         "async_scheduling": llm.llm_engine.core.async_scheduling,
+        # speculative decoding: tokens emitted per verify step (request 0), median over iters
+        "spec_mean_accepted_length": (
+            statistics.median(accepted_lengths) if accepted_lengths else None
+        ),
         "memory_report": report,
     }
     del llm

@@ -23,7 +23,7 @@ from pagoda.bench.common import (
     random_workload,
     write_result,
 )
-from pagoda.entrypoints.cli_args import add_async_scheduling_arg
+from pagoda.entrypoints.cli_args import add_async_scheduling_arg, add_speculative_config_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache element type (fp8: e4m3, one byte; scales from the checkpoint or 1.0)",
+    )
     add_async_scheduling_arg(p)
+    add_speculative_config_arg(p)
     p.add_argument("--baseline", choices=["transformers", "none"], default="transformers")
     p.add_argument(
         "--baseline-requests",
@@ -64,6 +71,8 @@ def run_pagoda(ns: argparse.Namespace, workloads: list[Workload]) -> list[dict[s
         gpu_memory_utilization=ns.gpu_memory_utilization,
         enforce_eager=ns.enforce_eager,
         async_scheduling=ns.async_scheduling,
+        speculative_config=ns.speculative_config,
+        kv_cache_dtype=ns.kv_cache_dtype,
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         skip_tokenizer_init=True,

@@ -17,11 +17,19 @@ from pagoda.config import (
     MultiModalConfig,
     RunnerConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     normalize_dtype,
 )
 from pagoda.model_files import ModelSource, load_hf_config, quantization_config, resolve_model
 from pagoda.platform import resolve_device
-from pagoda.quant.scheme import QUANT_METHODS, normalize_quant_method, parse_quantization_config
+from pagoda.quant.fp8 import FP8_SCHEMES
+from pagoda.quant.fp8 import quantization_config as fp8_quantization_config
+from pagoda.quant.scheme import (
+    QUANT_METHODS,
+    fp8_at_load_config,
+    normalize_quant_method,
+    parse_quantization_config,
+)
 
 # `config:PATH.json:w4a16` dummy runs: weights in the W4A16 / W8A16 layout (group 128);
 # `:w4a16-lm_head` / `:w8a16-lm_head` quantize the (untied) LM head too. Suffix -> (bits, head).
@@ -67,6 +75,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     num_gpu_blocks_override: int | None = None
     block_size: int = 16
+    kv_cache_dtype: str = "auto"  # "fp8" / "fp8_e4m3" / "fp8_e5m2": FP8 KV cache
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
@@ -92,6 +101,9 @@ class EngineArgs:
     max_image_bytes: int = 20 << 20
     max_video_bytes: int = 256 << 20
     cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed per layer
+    # vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, ...} or
+    # {"model": DRAFT, "num_speculative_tokens": k}; a dict or its JSON text.
+    speculative_config: dict[str, Any] | str | SpeculativeConfig | None = None
     tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) the model spans
 
     def _async_scheduling(self, device: Any) -> bool:
@@ -117,6 +129,7 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an integer, got {value!r}")
+        speculative = SpeculativeConfig.from_user(self.speculative_config)  # bad keys: first
         source = resolve_model(self.model)
         hf_config = load_hf_config(source, lazy=True)
         text_config = getattr(hf_config, "text_config", None) or hf_config
@@ -156,11 +169,18 @@ class EngineArgs:
 
         quant = quantization_config(hf_config)
         requested = normalize_quant_method(self.quantization)
+        if requested == "fp8" and quant is None:
+            quant = fp8_at_load_config()  # vLLM's meaning: FP8_DYNAMIC, quantized while loading
         if requested is not None and quant is None and source.quant_override is None:
             raise ValueError(
                 f"quantization={self.quantization!r} was requested but the checkpoint has no "
                 "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
-                "`pagoda quantize`)"
+                "`pagoda quantize`, or quantization='fp8' to quantize to FP8 at load)"
+            )
+        if quant is None and source.quant_override == "fp8":
+            # `config:...:fp8`: random FP8_DYNAMIC weights stored as llmcompressor writes them
+            quant = fp8_quantization_config(
+                FP8_SCHEMES["FP8_DYNAMIC"], ["lm_head", "re:.*visual.*"]
             )
         if quant is None and source.quant_override in _DUMMY_QUANT:
             quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])
@@ -206,6 +226,7 @@ class EngineArgs:
             kv_cache_memory=self.kv_cache_memory,
             num_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
         )
         lora_config = None
         if self.enable_lora:
@@ -221,6 +242,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_loras=lora_config.max_loras if lora_config is not None else None,
             async_scheduling=self._async_scheduling(device),
+            speculative=speculative,
         )
         mm_config = None
         if getattr(hf_config, "vision_config", None) is not None:

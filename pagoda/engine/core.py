@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from pagoda.engine.kv_cache_manager import KVCacheManager
+from pagoda.engine.ngram_proposer import NgramProposer
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
 from pagoda.step import SchedulerOutput
@@ -46,7 +47,11 @@ class EngineCore:
         self.memory_report: MemoryReport = self.runner.initialize_kv_cache(
             scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens
         )
-        self.runner.capture_cuda_graphs(scheduler_config.max_num_seqs)
+        spec = scheduler_config.speculative
+        self.runner.capture_cuda_graphs(
+            scheduler_config.max_num_seqs,
+            None if spec is None else 1 + spec.num_speculative_tokens,
+        )
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.memory_report.num_blocks + 1,  # + the null block
             block_size=cache_config.block_size,
@@ -55,6 +60,17 @@ class EngineCore:
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.async_scheduling = scheduler_config.async_scheduling
+        self.speculative = scheduler_config.speculative
+        self.proposer: NgramProposer | None = None
+        # Verify steps replay CUDA graphs of query length 1 + k: pad every request to k drafts.
+        self.pad_drafts = self.runner.verify_graph_runner is not None
+        if self.speculative is not None:
+            spec = self.speculative
+            if spec.method != "ngram":
+                raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
+            )
         # The step launched on the device whose output is not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
@@ -105,8 +121,12 @@ class EngineCore:
         grammar), and only then are the bitmasks filled and the sampler launched, so the mask
         of step N+1 follows the token of step N while the forward of N+1 runs on the device.
         """
-        if not self.async_scheduling or self.scheduler.needs_sync():
+        speculate = self._speculates()
+        if not self.async_scheduling or self.scheduler.needs_sync() or speculate:
+            # Speculative decoding proposes from the host's token history: in order.
             outputs = self._drain()
+            if speculate:
+                self._propose()
             sched_out = self.scheduler.schedule()
             outputs += self.scheduler.pop_aborted_outputs()
             self.num_preemptions += len(sched_out.preempted_req_ids)
@@ -117,6 +137,11 @@ class EngineCore:
             self._sample_constrained(pending)
             self._count_step(sched_out)
             return outputs + self.scheduler.update_from_output(sched_out, pending.result())
+        if self.proposer is not None:
+            # Drafts proposed for a request a speculative step could not fit: a step of the
+            # async loop must not verify them (its next schedule runs before its output lands).
+            for request in self.scheduler.running:
+                request.spec_token_ids = []
         sched_out = self.scheduler.schedule()
         self.num_preemptions += len(sched_out.preempted_req_ids)
         launched = None
@@ -130,6 +155,43 @@ class EngineCore:
             self._wait_for_grammars()
         self._in_flight = launched
         return outputs
+
+    def _speculates(self) -> bool:
+        """Whether this step speculates: a proposer, and a batch small enough for it to pay
+        (`disable_by_batch_size`); otherwise the step takes the plain (async) loop."""
+        if self.proposer is None:
+            return False
+        limit = self.speculative.disable_by_batch_size
+        sched = self.scheduler
+        return limit is None or sched.num_running + sched.num_waiting <= limit
+
+    def _propose(self) -> None:
+        """Draft tokens for every running request in a decode step.
+
+        With verify graphs every request of a step that speculates gets exactly k drafts, short
+        proposals padded with -1 (never accepted; the first one acts as the target's own token)."""
+        self._propose_each()
+        k = self.speculative.num_speculative_tokens
+        if self.pad_drafts:
+            running = self.scheduler.running
+            if any(r.spec_token_ids for r in running):
+                for r in running:
+                    if (
+                        len(r.spec_token_ids) < k
+                        and r.structured_output is None
+                        and r.num_computed_tokens == r.num_tokens - 1
+                    ):
+                        r.spec_token_ids = r.spec_token_ids + [-1] * (k - len(r.spec_token_ids))
+
+    def _propose_each(self) -> None:
+        for request in self.scheduler.running:
+            # A grammar's mask is known for the next token only: those requests do not speculate.
+            if (
+                request.structured_output is None
+                and not request.num_pending_tokens
+                and request.num_computed_tokens == request.num_tokens - 1
+            ):
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
 
     def _sample_constrained(self, pending: PendingOutput) -> None:
         """Fill the grammar bitmasks of a step launched up to its logits, then sample it."""

@@ -301,10 +301,8 @@ class LLMEngine:
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             parent.metrics.last_token_time = now
-        if child.logprobs is not None and out.new_logprobs:
-            for ids, lps, rank in out.new_logprobs:
-                child.logprobs.append(self._logprob_entry(ids, lps, rank))
-                child.cumulative_logprob += lps[0]
+        new_ids = out.new_token_ids
+        new_logprobs = out.new_logprobs
         if child.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
             first, ids, lps, ranks = out.new_prompt_logprobs
             for j, (tids, tlps, rank) in enumerate(zip(ids, lps, ranks, strict=True)):
@@ -312,18 +310,43 @@ class LLMEngine:
                     child.num_prompt_logprobs += 1
                 child.prompt_logprobs[first + j] = self._logprob_entry(tids, tlps, rank)
         stop_hit = False
-        if child.detok is not None and out.new_token_ids and child.finish_reason is None:
+        if child.detok is not None and new_ids and child.finish_reason is None:
             # The token that ended the request by EOS / stop_token_ids leaves no text (vLLM).
             stop_terminated = out.finish_reason == "stop"
-            matched = child.detok.update(out.new_token_ids, stop_terminated=stop_terminated)
+            matched = None
+            if len(new_ids) > 1 and child.detok.stop:
+                # Several tokens at once (speculative decoding): a stop string ends the output
+                # at the token that completes it, as if they had come one by one.
+                for i in range(len(new_ids)):
+                    last = i == len(new_ids) - 1
+                    matched = child.detok.update(new_ids[i : i + 1], stop_terminated and last)
+                    if matched is not None:
+                        break
+                if matched is not None and i < len(new_ids) - 1:
+                    self._drop_tail(child.request, len(new_ids) - i - 1)
+                    new_ids = new_ids[: i + 1]
+                    new_logprobs = None if new_logprobs is None else new_logprobs[: i + 1]
+                    out.finish_reason = None  # the stop string ends it, not what followed
+            else:
+                matched = child.detok.update(new_ids, stop_terminated=stop_terminated)
             if matched is not None and out.finish_reason is None:
                 child.finish_reason, child.stop_reason = "stop", matched
                 stop_hit = True
             elif matched is not None:
                 child.finish_reason, child.stop_reason = "stop", matched
+        if child.logprobs is not None and new_logprobs:
+            for ids, lps, rank in new_logprobs:
+                child.logprobs.append(self._logprob_entry(ids, lps, rank))
+                child.cumulative_logprob += lps[0]
         if out.finish_reason is not None and child.finish_reason is None:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
         return stop_hit
+
+    @staticmethod
+    def _drop_tail(request: Request, n: int) -> None:
+        """Forget the last n output tokens of a request that a stop string ends before them."""
+        del request.output_token_ids[-n:]
+        del request.all_token_ids[-n:]
 
     def _logprob_entry(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
         """vLLM's shape: the token first (its own rank), then the top-k with ranks 1..k."""
@@ -373,6 +396,11 @@ class LLMEngine:
                     stop_reason=c.stop_reason,
                 )
             )
+        m = parent.metrics
+        reqs = [c.request for c in parent.children]
+        m.spec_num_steps = sum(r.num_spec_steps for r in reqs)
+        m.spec_num_draft_tokens = sum(r.num_draft_tokens for r in reqs)
+        m.spec_num_accepted_tokens = sum(r.num_accepted_tokens for r in reqs)
         first = parent.children[0]
         prompt_logprobs = None
         lead = first.prompt_logprobs

@@ -75,6 +75,12 @@ class Request:
     status: RequestStatus = field(init=False, default=RequestStatus.WAITING)
     stop_reason: int | str | None = field(init=False, default=None)
     block_hashes: list[bytes] = field(init=False, default_factory=list)
+    # Speculative decoding: the proposer's drafts for the next step (consumed by schedule()),
+    # and what verification made of them so far.
+    spec_token_ids: list[int] = field(init=False, default_factory=list)
+    num_spec_steps: int = field(init=False, default=0)  # steps that verified >= 1 draft
+    num_draft_tokens: int = field(init=False, default=0)
+    num_accepted_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

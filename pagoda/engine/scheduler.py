@@ -27,6 +27,9 @@ class RunnerOutput(Protocol):
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, tuple[list[int], list[float], int]]
+    # Speculative steps: every token a request emits (accepted drafts + one), and their logprobs.
+    spec_token_ids: dict[str, list[int]]
+    spec_logprobs: dict[str, list[tuple[list[int], list[float], int]]]
 
 
 @dataclass
@@ -149,9 +152,11 @@ class Scheduler:
                 self.max_model_len - request.num_computed_tokens,
             )
             assert num_new > 0, f"running request {request.request_id} has nothing to compute"
+            drafts = self._drafts(request, num_new, budget)
+            num_new += len(drafts)
             if not self._allocate_or_preempt(request, num_new, preempted_ids):
                 break  # the request preempted itself: it was the last running one
-            scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new))
+            scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new, drafts))
             budget -= num_new
             i += 1
 
@@ -244,6 +249,13 @@ class Scheduler:
             request = self.requests.get(sched.req_id)
             if request is None or request.is_finished():
                 continue  # aborted or stopped since schedule(): the token is dropped
+            if sched.spec_token_ids:
+                preempted = request.status == RequestStatus.PREEMPTED
+                outputs.append(self._update_spec(request, sched, runner_output, chunk_logprobs))
+                if request.is_finished():
+                    finished.append(request)
+                    finished_waiting |= preempted
+                continue
             token_id = sampled[sched.req_id]
             request.num_pending_tokens -= 1
             request.append_output_token_ids(token_id)
@@ -272,6 +284,66 @@ class Scheduler:
             for request in finished:
                 self._release(request)
         return outputs
+
+    # -- speculative decoding --------------------------------------------------------------
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposer's drafts this decode step verifies, cut to what may be emitted.
+
+        A step emits at most 1 + drafts tokens: never past max_tokens or max_model_len, and the
+        drafts count against the step's token budget.
+        """
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or num_new != 1 or request.num_pending_tokens:
+            return []
+        k = min(
+            len(drafts),
+            budget - 1,
+            self.max_model_len - request.num_computed_tokens - 1,
+        )
+        drafts = drafts[: max(k, 0)]
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            cap = max(max_tokens - request.num_output_tokens - 1, 0)
+            if -1 in drafts:  # padded for a verify graph: keep the length, never emit past
+                drafts = drafts[:cap] + [-1] * max(len(drafts) - cap, 0)
+            else:
+                drafts = drafts[:cap]
+        return drafts if any(t >= 0 for t in drafts) else []
+
+    def _update_spec(
+        self,
+        request: Request,
+        sched: ScheduledRequest,
+        runner_output: RunnerOutput,
+        chunk_logprobs: tuple | None,
+    ) -> EngineCoreOutput:
+        """Append a verify step's tokens one by one (stop rules after each) and give the KV
+        slots of rejected drafts back: their positions are recomputed by the next step."""
+        emitted = runner_output.spec_token_ids[sched.req_id]
+        k = len(sched.spec_token_ids)
+        num_accepted = len(emitted) - 1
+        if request.status == RequestStatus.RUNNING:  # (a preempted one recomputes from 0)
+            request.num_computed_tokens -= k - num_accepted
+        request.num_pending_tokens -= 1
+        request.num_spec_steps += 1
+        request.num_draft_tokens += sum(1 for t in sched.spec_token_ids if t >= 0)
+        request.num_accepted_tokens += num_accepted
+        new_ids: list[int] = []
+        for token_id in emitted:
+            new_ids.append(token_id)
+            request.append_output_token_ids(token_id)
+            if self._check_stop(request, token_id):
+                break
+        spec_logprobs = runner_output.spec_logprobs.get(sched.req_id)
+        return EngineCoreOutput(
+            req_id=sched.req_id,
+            new_token_ids=new_ids,
+            new_logprobs=None if spec_logprobs is None else spec_logprobs[: len(new_ids)],
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            new_prompt_logprobs=chunk_logprobs,
+        )
 
     # -- internals -------------------------------------------------------------------------
 
@@ -339,14 +411,19 @@ class Scheduler:
             and request.num_output_tokens + request.num_pending_tokens >= max_tokens
         )
 
-    def _scheduled(self, request: Request, num_computed: int, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_computed: int, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         """Record the request's share of this step and advance its progress.
 
         Progress moves at schedule time, so that the next schedule() can run before this step's
         output is processed; a step that reaches the end of the known tokens samples one more,
         pending until update_from_output appends it.
         """
-        do_sample = num_computed + num_new == request.num_tokens + request.num_pending_tokens
+        drafts = drafts or []
+        do_sample = (
+            num_computed + num_new - len(drafts) == request.num_tokens + request.num_pending_tokens
+        )
         request.num_computed_tokens = num_computed + num_new
         if do_sample:
             request.num_pending_tokens += 1
@@ -364,4 +441,5 @@ class Scheduler:
             mm_inputs=request.mm_inputs,
             structured_output=request.structured_output,
             do_sample=do_sample,
+            spec_token_ids=drafts,
         )

@@ -62,6 +62,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     g.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+        help="KV cache element type: auto (the model dtype) or FP8 (one byte: twice the "
+        "tokens; e4m3 uses the checkpoint's k_scale / v_scale, 1.0 with a warning)",
+    )
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -83,7 +90,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         "--quantization",
         "-q",
         default=None,
-        help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from it)",
+        help="awq | gptq | compressed-tensors: must match the checkpoint (default: read from "
+        "it); fp8 on a dense checkpoint: FP8_DYNAMIC weights quantized at load",
     )
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--skip-tokenizer-init", action=argparse.BooleanOptionalAction, default=False)
@@ -125,6 +133,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         action="store_true",
         help="fetch http(s) image and video URLs (off: data: URLs only)",
     )
+    add_speculative_config_arg(g)
 
 
 def human_readable_int(text: str) -> int:
@@ -158,6 +167,16 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def add_speculative_config_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--speculative-config '<json>'` (EngineArgs.speculative_config, vLLM's flag)."""
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+    )
+
+
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
     return dict(
         model=ns.model,
@@ -171,6 +190,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens,
         block_size=ns.block_size,
+        kv_cache_dtype=ns.kv_cache_dtype,
         enable_prefix_caching=ns.enable_prefix_caching and not ns.disable_prefix_caching,
         enable_chunked_prefill=ns.enable_chunked_prefill and not ns.disable_chunked_prefill,
         enforce_eager=ns.enforce_eager,
@@ -180,6 +200,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         quantization=ns.quantization,
         skip_tokenizer_init=ns.skip_tokenizer_init,
         cpu_offload_gb=ns.cpu_offload_gb,
+        speculative_config=ns.speculative_config,
         tensor_parallel_size=ns.tensor_parallel_size,
         limit_mm_per_prompt=ns.limit_mm_per_prompt,
         mm_processor_kwargs=ns.mm_processor_kwargs,

@@ -20,6 +20,8 @@ VLLM_VERSION = "0.34.0"
 # vLLM's flags and meaning.
 IMPLEMENTED = frozenset(
     [
+        "speculative_config",
+        "kv_cache_dtype",
         "data_parallel_size",
         "tensor_parallel_size",
         "allow_credentials",
@@ -122,11 +124,6 @@ VALUE_CHECKED = {
         "--pipeline-parallel-size -pp",
         "1",
         "pagoda runs a model on one device; pipeline parallelism is not implemented",
-    ),
-    "kv_cache_dtype": (
-        "--kv-cache-dtype",
-        "auto",
-        "the KV cache is stored in the model's dtype; fp8 KV caches are not implemented",
     ),
     "scheduling_policy": (
         "--scheduling-policy",
@@ -893,10 +890,9 @@ REFUSED = {
         "--sparse-indexer-topk-backend",
         "pagoda chooses kernels by device capability",
     ),
-    "speculative_config": ("--speculative-config -sc", "speculative decoding is not implemented"),
-    "spec_method": ("--spec-method", "speculative decoding is not implemented"),
-    "spec_model": ("--spec-model", "speculative decoding is not implemented"),
-    "spec_tokens": ("--spec-tokens", "speculative decoding is not implemented"),
+    "spec_method": ("--spec-method", "use --speculative-config (JSON)"),
+    "spec_model": ("--spec-model", "use --speculative-config (JSON)"),
+    "spec_tokens": ("--spec-tokens", "use --speculative-config (JSON)"),
     "watermark_config": ("--watermark-config", "not implemented by pagoda"),
     "diffusion_config": ("--diffusion-config -dc", "not implemented by pagoda"),
     "kv_transfer_config": (
@@ -1022,21 +1018,42 @@ class _Checked(argparse.Action):
 
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """Every vLLM flag pagoda does not implement itself: checked, equivalent or refused."""
+    """Every vLLM flag pagoda does not implement itself: checked, equivalent or refused.
+
+    A flag the parser already defines (pagoda implements it) is left alone."""
+    taken = set(parser._option_string_actions)
     g = parser.add_argument_group("vLLM flags without their own pagoda option (see docs/server.md)")
+
+    def free(options: str) -> list[str]:
+        flags = _flag_list(options)
+        mine = [o for o in flags if o in taken]
+        if mine:  # pagoda implements it: vLLM's other spellings name the same option
+            action = parser._option_string_actions[mine[0]]
+            for o in flags:
+                if o not in taken:
+                    action.option_strings.append(o)
+                    parser._option_string_actions[o] = action
+            return []
+        return flags
+
+    free("--speculative-config -sc")  # vLLM's short spelling of pagoda's option
+
     for dest, (options, allowed, reason) in VALUE_CHECKED.items():
-        g.add_argument(
-            *_flag_list(options),
-            dest=f"vllm_{dest}",
-            action=_Checked,
-            allowed=allowed,
-            reason=reason,
-            default=None,
-        )
+        if flags := free(options):
+            g.add_argument(
+                *flags,
+                dest=f"vllm_{dest}",
+                action=_Checked,
+                allowed=allowed,
+                reason=reason,
+                default=None,
+            )
     for dest, (options, reason) in EQUIVALENT.items():
-        g.add_argument(*_flag_list(options), dest=f"vllm_{dest}", action=_Equivalent, reason=reason)
+        if flags := free(options):
+            g.add_argument(*flags, dest=f"vllm_{dest}", action=_Equivalent, reason=reason)
     for dest, (options, reason) in REFUSED.items():
-        g.add_argument(*_flag_list(options), dest=f"vllm_{dest}", action=_Refuse, reason=reason)
+        if flags := free(options):
+            g.add_argument(*flags, dest=f"vllm_{dest}", action=_Refuse, reason=reason)
 
 
 def log_flag_notes(ns: argparse.Namespace) -> None:

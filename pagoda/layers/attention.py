@@ -12,12 +12,15 @@ Decode-only CUDA batches can instead take `forward_fused_decode`, which also app
 kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
 (`triton_decode_attention.py`). `use_fused_decode` says when;
 `PAGODA_DISABLED_KERNELS=fused_decode_attn` (read once per process) turns it off for A/B runs.
+An FP8 cache (`kv_cache_dtype="fp8"`) stores K / k_scale and V / v_scale; every path above reads
+and writes it (the fused decode uses the new token's key and value as stored).
 That kernel also starts the L2 prefetch of its first cache blocks ("kv_prefetch").
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,6 +59,57 @@ class AttentionMetadata:
     # Split-KV factor for the Triton kernel; None = chosen per call. CUDA graphs fix it at
     # capture time because the automatic choice depends on host values of the step.
     num_splits: int | None = None
+
+
+# `kv_cache_dtype` names (vLLM's): "fp8" is e4m3 (3 mantissa bits, range +-448: needs the
+# per-layer scales), e5m2 keeps range (+-57344) for precision and works with scales of 1.0.
+KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+_log = logging.getLogger("pagoda")
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's torch dtype for `kv_cache_dtype` ("auto": the model's)."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} is not supported; use auto, {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[name]
+
+
+def check_kv_cache_dtype(
+    layers: list[Attention], dtype: torch.dtype, device: torch.device, capability: tuple
+) -> None:
+    """An FP8 cache on CUDA needs Triton (the no-Triton torch decode reads the cache's own
+    dtype), e4m3 there Triton's fp8e4nv (sm_89+): clear errors; without calibrated scales (a
+    checkpoint's k_scale / v_scale) e4m3 uses 1.0, with a warning."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return
+    if device.type == "cuda" and not triton_available():
+        raise ValueError(
+            "an FP8 KV cache on CUDA needs Triton (pip install triton); use kv_cache_dtype='auto'"
+        )
+    if dtype != torch.float8_e4m3fn:
+        return
+    if device.type == "cuda" and capability < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype fp8 (e4m3) needs an sm_89+ GPU for its kernels; this one is "
+            f"sm_{capability[0]}{capability[1]}: use kv_cache_dtype='fp8_e5m2' or 'auto'"
+        )
+    missing = sum(not layer.kv_scales_loaded for layer in layers)
+    if missing:
+        _log.warning(
+            "FP8 (e4m3) KV cache without calibrated scales in %d of %d attention layers: "
+            "K and V are stored with scale 1.0 (values beyond +-448 saturate; small ones lose "
+            "precision); calibrate them with `pagoda quantize --kv-cache-dtype fp8`",
+            missing,
+            len(layers),
+        )
 
 
 def decode_only(md: AttentionMetadata) -> bool:
@@ -122,6 +176,12 @@ class Attention(nn.Module):
         # Bound by the model runner once the cache is allocated; a plain attribute, not a
         # buffer, so it is never part of state_dict() nor moved by .to().
         self.kv_cache: torch.Tensor | None = None
+        # FP8 cache: K / k_scale and V / v_scale are stored. Set from a checkpoint's
+        # `self_attn.k_scale` / `v_scale` (compressed-tensors kv_cache_scheme) by the loader;
+        # `kv_scales_loaded` tells the runner whether 1.0 is a default or calibrated.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.kv_scales_loaded = False
 
     def forward(
         self,
@@ -145,7 +205,9 @@ class Attention(nn.Module):
         out = torch.zeros_like(q)  # [T, H, D]
         if kernels is not None:
             write_kv_cache, paged_attention = kernels
-            write_kv_cache(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
+            write_kv_cache(
+                k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n], *self._scales()
+            )
             paged_attention(
                 q[:n],
                 self.kv_cache,
@@ -158,6 +220,8 @@ class Attention(nn.Module):
                 out=out[:n],
                 num_splits=attn_metadata.num_splits,
                 sliding_window=self.sliding_window,
+                k_scale=self._scales()[0],
+                v_scale=self._scales()[1],
             )
         elif q.is_cuda and decode_only(attn_metadata):
             # No host value of the step is read: the runner captures these steps in CUDA graphs.
@@ -183,7 +247,9 @@ class Attention(nn.Module):
                 sliding_window=self.sliding_window,
             )
         else:
-            write_kv_cache_ref(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
+            write_kv_cache_ref(
+                k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n], *self._scales()
+            )
             paged_attention_ref(
                 q[:n],
                 self.kv_cache,
@@ -193,8 +259,17 @@ class Attention(nn.Module):
                 self.scale,
                 out=out[:n],
                 sliding_window=self.sliding_window,
+                k_scale=self._scales()[0],
+                v_scale=self._scales()[1],
             )
         return out.view(num_tokens, -1)
+
+    def _scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) of an FP8 cache; a model-dtype cache stores K / V as they are,
+        whatever scales the checkpoint carries."""
+        if self.kv_cache is not None and self.kv_cache.element_size() == 1:
+            return self.k_scale, self.v_scale
+        return 1.0, 1.0
 
     def use_fused_decode(
         self,
@@ -207,7 +282,7 @@ class Attention(nn.Module):
 
         Needs a decode-only batch (one token per sequence, no padding rows beyond the
         sequences: CUDA-graph padding comes as 1-token sequences with slot -1), CUDA tensors, a
-        bound cache of q's dtype, Triton, and a cos/sin-table RoPE with [T] positions: plain
+        bound cache of q's dtype or FP8, Triton, and a cos/sin-table RoPE with [T] positions: plain
         RoPE, or M-RoPE (Qwen2-VL / Qwen2.5-VL) given [T] positions — the encoder runner's
         decode steps, where every axis holds the same position and M-RoPE is plain RoPE on the
         same table. [3, T] positions (image tokens in the step) never take this path.
@@ -217,7 +292,7 @@ class Attention(nn.Module):
             and attn_metadata.max_query_len == 1
             and q.is_cuda
             and self.kv_cache is not None
-            and self.kv_cache.dtype == q.dtype
+            and (self.kv_cache.dtype == q.dtype or self.kv_cache.element_size() == 1)
             and type(rotary_emb) in (RotaryEmbedding, MRotaryEmbedding)
             and positions.dim() == 1
             and q.shape[0] == attn_metadata.num_actual_tokens == attn_metadata.seq_lens.shape[0]
@@ -258,6 +333,8 @@ class Attention(nn.Module):
             num_splits=attn_metadata.num_splits,
             sliding_window=self.sliding_window,
             kv_prefetch=_kv_prefetch(),
+            k_scale=self._scales()[0],
+            v_scale=self._scales()[1],
         )
 
     def _forward_no_cache(

@@ -25,7 +25,8 @@ class LinearMethod:
     Parameters a method registers carry two attributes the fused loaders read:
     `output_dim` (the axis that runs over output features, or None when the parameter is not
     split by output shard) and `output_pack_factor` (output features per stored element along
-    that axis, e.g. 8 for int4 packed in int32; 1 when unpacked).
+    that axis, e.g. 8 for int4 packed in int32; 1 when unpacked). A parameter with
+    `shard_indexed` holds one entry per shard (a per-tensor scale each): shard i fills entry i.
     """
 
     def create_weights(
@@ -174,6 +175,8 @@ class LinearBase(nn.Module):
             offset = sum(self.out_features_per_shard[:index]) // pack
             size = self.out_features_per_shard[index] // pack
             target = target.narrow(output_dim, offset, size)
+        elif index is not None and getattr(param, "shard_indexed", False):
+            target = target.narrow(0, index, 1)  # one scalar per shard (FP8 per-tensor scales)
         if target.shape != loaded_weight.shape:
             raise ValueError(
                 f"{self.prefix}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not "

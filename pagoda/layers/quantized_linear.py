@@ -14,10 +14,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.layers.fp8_linear import Fp8LinearMethod
 from pagoda.layers.linear import LinearMethod, LinearMethodFactory, UnquantizedLinearMethod
 from pagoda.layers.wna16_kernels import choose_kernels, dense_weight, kernel_config
 from pagoda.quant.formats import format_module
-from pagoda.quant.scheme import CHECKPOINT_FORMATS, parse_quantization_config
+from pagoda.quant.fp8 import FLOAT_FORMAT
+from pagoda.quant.scheme import (
+    CHECKPOINT_FORMATS,
+    FP8_AT_LOAD_FORMAT,
+    parse_quantization_config,
+)
 from pagoda.quant.weights import UnpackedWeight, WeightQuantArgs
 
 
@@ -53,6 +59,10 @@ def make_linear_method_factory(
         if choices[0] is None:
             return UnquantizedLinearMethod()
         args, fmt = choices[0]
+        if fmt == FLOAT_FORMAT:
+            return Fp8LinearMethod(args)
+        if fmt == FP8_AT_LOAD_FORMAT:
+            return Fp8LinearMethod(args, quantize_at_load=True)
         return WNA16LinearMethod(args, fmt)
 
     factory.lm_head_quantized = plan.args_for("lm_head") is not None  # type: ignore[attr-defined]

@@ -349,6 +349,9 @@ def load_hf_weights(
         name = rename(hf_name) if rename is not None else hf_name
         if model.tie_word_embeddings and name.startswith("lm_head."):
             continue  # same tensor as the embedding
+        if name.endswith((".k_scale", ".v_scale")):
+            _set_kv_scale(model, name, tensor)  # FP8 KV cache scales (kv_cache_scheme)
+            continue
         param_name, shard = model._param_name_and_shard(name)
         param = params.get(param_name)
         if param is None:
@@ -382,6 +385,22 @@ def load_hf_weights(
             f"checkpoint is missing weights for {type(model).__name__}: {_name_list(missing)}"
         )
     return loaded
+
+
+def _set_kv_scale(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """`...self_attn.k_scale` / `v_scale` [1] onto that layer's `Attention` (`self_attn.attn`)."""
+    prefix, _, which = name.rpartition(".")
+    try:
+        attn = model.get_submodule(f"{prefix}.attn")
+    except AttributeError:
+        raise ValueError(f"checkpoint tensor {name} matches no attention layer") from None
+    if tensor.numel() != 1:
+        raise ValueError(f"{name}: per-tensor KV scales are supported, got {tuple(tensor.shape)}")
+    value = float(tensor.float().item())
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    setattr(attn, which, value)
+    attn.kv_scales_loaded = True
 
 
 def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

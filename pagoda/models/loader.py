@@ -176,8 +176,8 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
     """Deterministic random weights: U(±r) for matrices and biases, 1 + U(±r) for norms."""
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if not param.is_floating_point():
-            continue  # packed quantized weights are not drawn here
+        if not param.is_floating_point() or param.element_size() == 1:
+            continue  # packed quantized weights and FP8 codes: their linear method draws them
         data = param.data
         if data.device != device:  # kept on the host (cpu_offload_gb): the same draws
             data = torch.empty_like(data, device=device)

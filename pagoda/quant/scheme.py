@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.quant.formats.autoawq import parse_awq_config
+from pagoda.quant.fp8 import FLOAT_FORMAT, Fp8Args, is_fp8_group, parse_fp8_group
 from pagoda.quant.weights import WeightQuantArgs
 
 CT_FORMATS = ("pack-quantized", "naive-quantized")
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 AWQ_FORMATS = ("awq-gemm",)
 CHECKPOINT_FORMATS = CT_FORMATS + GPTQ_FORMATS + AWQ_FORMATS
-QUANT_METHODS = ("compressed-tensors", "gptq", "awq")
+# "fp8": an unquantized checkpoint quantized to FP8_DYNAMIC while it loads (vLLM's meaning);
+# `fp8_at_load_config()` is the config that asks for it.
+QUANT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+FP8_AT_LOAD_FORMAT = "fp8-at-load"
 
 
 def normalize_quant_method(name: str | None) -> str | None:
@@ -59,10 +63,12 @@ class QuantizationPlan:
     """Which modules a checkpoint quantizes, how, and in which storage format."""
 
     quant_method: str  # one of QUANT_METHODS
-    groups: tuple[tuple[tuple[str, ...], WeightQuantArgs, str], ...]  # (targets, args, format)
+    # (targets, args, format); FP8 groups ("float-quantized", "fp8-at-load") carry `Fp8Args`
+    groups: tuple[tuple[tuple[str, ...], WeightQuantArgs | Fp8Args, str], ...]
     ignore: tuple[str, ...]
+    kv_cache_fp8: bool = False  # compressed-tensors `kv_cache_scheme`: FP8 K/V with scales
 
-    def args_for(self, hf_name: str) -> tuple[WeightQuantArgs, str] | None:
+    def args_for(self, hf_name: str) -> tuple[WeightQuantArgs | Fp8Args, str] | None:
         """(args, format) of the HF module `hf_name`, or None when it stays unquantized.
 
         `lm_head` follows the same rules (quantized unless ignored, as in compressed-tensors);
@@ -111,15 +117,21 @@ def _parse_compressed_tensors(qc: Mapping[str, Any]) -> QuantizationPlan:
     groups = []
     for name, group in (qc.get("config_groups") or {}).items():
         fmt = group.get("format") or top_format
+        if is_fp8_group(group) and fmt in (FLOAT_FORMAT, "naive-quantized"):
+            # llmcompressor writes FP8 as float-quantized; naive-quantized stores it alike
+            targets = tuple(group.get("targets") or ("Linear",))
+            groups.append((targets, parse_fp8_group(name, group), FLOAT_FORMAT))
+            continue
         if fmt not in CT_FORMATS:
             raise NotImplementedError(
                 f"compressed-tensors format {fmt!r} (group {name}) is not supported; "
-                f"supported: {', '.join(CT_FORMATS)}"
+                f"supported: {', '.join(CT_FORMATS + (FLOAT_FORMAT,))}"
             )
         if group.get("input_activations") or group.get("output_activations"):
             raise NotImplementedError(
-                f"compressed-tensors group {name} quantizes activations; pagoda supports "
-                "weight-only schemes (W4A16, W4A16_ASYM, W8A16)"
+                f"compressed-tensors group {name} quantizes activations with int weights; "
+                "pagoda supports weight-only int schemes (W4A16, W4A16_ASYM, W8A16) and FP8 "
+                "(FP8_DYNAMIC, FP8)"
             )
         weights = group.get("weights")
         if not weights:
@@ -128,7 +140,43 @@ def _parse_compressed_tensors(qc: Mapping[str, Any]) -> QuantizationPlan:
         groups.append((targets, _ct_weight_args(name, weights), fmt))
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no weight config_groups")
-    return QuantizationPlan("compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()))
+    kv = _parse_kv_cache_scheme(qc.get("kv_cache_scheme"))
+    return QuantizationPlan(
+        "compressed-tensors", tuple(groups), tuple(qc.get("ignore") or ()), kv_cache_fp8=kv
+    )
+
+
+def _parse_kv_cache_scheme(kv: Mapping[str, Any] | None) -> bool:
+    """Whether `kv_cache_scheme` asks for an FP8 KV cache (per-tensor static k/v scales)."""
+    if not kv:
+        return False
+    if kv.get("type", "float") != "float" or int(kv.get("num_bits", 8)) != 8:
+        raise NotImplementedError(
+            f"kv_cache_scheme of type {kv.get('type')!r} / {kv.get('num_bits')} bits is not "
+            "supported; pagoda's quantized KV cache is FP8 (8-bit float)"
+        )
+    if kv.get("dynamic") or kv.get("strategy", "tensor") != "tensor":
+        raise NotImplementedError(
+            "kv_cache_scheme: only static per-tensor scales (k_scale / v_scale) are supported"
+        )
+    return True
+
+
+def fp8_at_load_config() -> dict[str, Any]:
+    """The `quantization_config` that quantizes a dense checkpoint to FP8_DYNAMIC at load
+    (`LLM(..., quantization="fp8")`): every linear but lm_head and a vision tower."""
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "ignore": ["lm_head"]}
+
+
+def _parse_fp8_at_load(qc: Mapping[str, Any]) -> QuantizationPlan:
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise NotImplementedError(
+            "quant_method 'fp8' quantizes at load with dynamic activation scales only; static "
+            "scales need calibration (`pagoda quantize --scheme FP8`)"
+        )
+    ignore = tuple(qc.get("ignore") or ()) + ("re:.*visual.*",)
+    args = Fp8Args("channel", "dynamic")
+    return QuantizationPlan("fp8", ((("Linear",), args, FP8_AT_LOAD_FORMAT),), ignore)
 
 
 def _parse_gptq(qc: Mapping[str, Any]) -> QuantizationPlan:
@@ -174,7 +222,10 @@ def parse_quantization_config(qc: Mapping[str, Any]) -> QuantizationPlan:
         return _parse_gptq(qc)
     if method == "awq":
         return _parse_awq(qc)
+    if method == "fp8":
+        return _parse_fp8_at_load(qc)
     raise NotImplementedError(
         f"quant_method={method!r} is not supported; pagoda loads compressed-tensors "
-        "(pack-quantized, naive-quantized), gptq and awq (AutoAWQ GEMM) checkpoints"
+        "(pack-quantized, naive-quantized, float-quantized), gptq and awq (AutoAWQ GEMM) "
+        "checkpoints"
     )

@@ -40,6 +40,8 @@ from pagoda.model_files import (
 from pagoda.models.registry import architectures_of, get_model_class
 from pagoda.platform import resolve_device
 from pagoda.quant.formats.autoawq import quantization_config as autoawq_quant_config
+from pagoda.quant.fp8 import FP8_SCHEMES, kv_cache_scheme_json
+from pagoda.quant.fp8 import quantization_config as fp8_quant_config
 from pagoda.quant.schemes import SCHEMES, scheme_args
 from pagoda.quant.schemes import quantization_config as make_quant_config
 from pagoda.quantizer.calibration import load_calibration_data
@@ -149,7 +151,7 @@ def quantize(
     model: str | os.PathLike[str] | None,
     out_dir: str | os.PathLike[str],
     scheme: str | None = None,
-    method: str = "gptq",
+    method: str | None = None,
     group_size: int = 128,
     ignore: list[str] | None = None,
     dataset: str | os.PathLike[str] | None = None,
@@ -164,6 +166,7 @@ def quantize(
     progress: bool = True,
     gptq_scales: str = "first_touch",
     format: str = "compressed-tensors",
+    kv_cache_dtype: str | None = None,
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
@@ -180,9 +183,30 @@ def quantize(
     "upfront" (from the original weights). `scheme`: default W4A16 (symmetric) for GPTQ
     and RTN, W4A16_ASYM for AWQ (scales and clipping, then RTN). `format`:
     "compressed-tensors", or "autoawq" (AutoAWQ's GEMM layout, 4-bit, lm_head dense, float16
-    scales).
+    scales). FP8 schemes: "FP8_DYNAMIC" (no calibration data needed) and "FP8" (static
+    activation scales from `dataset`), min-max rounded as llmcompressor's QuantizationModifier
+    does (`method` "rtn", the default for them). `kv_cache_dtype="fp8"`: calibrate per-layer
+    K / V scales on `dataset` and write compressed-tensors' `kv_cache_scheme`.
     """
     start = time.perf_counter()
+    fp8 = scheme is not None and scheme.upper() in FP8_SCHEMES
+    if method is None:
+        method = "rtn" if fp8 else "gptq"
+    if fp8 and method != "rtn":
+        raise ValueError(
+            f"scheme {scheme} is min-max rounded (as llmcompressor's QuantizationModifier); "
+            f"method={method!r} does not apply to it: use method 'rtn' or leave it unset"
+        )
+    if fp8 and format != "compressed-tensors":
+        raise ValueError(f"scheme {scheme} is written as compressed-tensors only")
+    if kv_cache_dtype not in (None, "fp8", "fp8_e4m3"):
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: pagoda calibrates 'fp8' (e4m3) K/V scales only"
+        )
+    if kv_cache_dtype is not None and (dataset is None or format != "compressed-tensors"):
+        raise ValueError(
+            "kv_cache_dtype='fp8' calibrates K/V scales: pass dataset, compressed-tensors format"
+        )
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not supported; use one of {', '.join(METHODS)}")
     if format not in FORMATS:
@@ -190,8 +214,9 @@ def quantize(
     awq = method == "awq"
     if scheme is None:
         scheme = "W4A16_ASYM" if awq else "W4A16"
-    if scheme.upper() not in SCHEMES:
-        raise ValueError(f"scheme {scheme!r} is not supported; use one of {', '.join(SCHEMES)}")
+    if scheme.upper() not in SCHEMES and not fp8:
+        names = ", ".join([*SCHEMES, *FP8_SCHEMES])
+        raise ValueError(f"scheme {scheme!r} is not supported; use one of {names}")
     if actorder in ("none", "None", ""):
         actorder = None
     if isinstance(group_size, bool) or not isinstance(group_size, int):
@@ -201,7 +226,15 @@ def quantize(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     # Act-order changes the order GPTQ visits columns; RTN has no order.
-    args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
+    if fp8:
+        args = FP8_SCHEMES[scheme.upper()]
+        if args.static_input and dataset is None:
+            raise ValueError(
+                "scheme FP8 has static activation scales: pass dataset to calibrate them "
+                "(or use FP8_DYNAMIC, which needs none)"
+            )
+    else:
+        args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
     ignore = list(ignore if ignore is not None else ["lm_head"])
     user_ignore = list(ignore)
     if method == "gptq" and dataset is None:
@@ -249,7 +282,10 @@ def quantize(
             raise ValueError(f"{arch} from a GGUF file cannot be quantized; use the HF directory")
         ignore = _keep_vision_dense(skeleton, arch, ignore)
     check_ignore_matches(skeleton, ignore, user_ignore)
-    check_group_size(skeleton, args, ignore)
+    if not fp8:
+        check_group_size(skeleton, args, ignore)
+    elif quantizes_lm_head(skeleton, ignore):
+        raise ValueError(f"scheme {scheme} keeps lm_head dense; drop --quantize-lm-head")
     if format == "autoawq" and quantizes_lm_head(skeleton, ignore):
         raise ValueError(
             "format='autoawq' keeps lm_head unquantized (AutoAWQ checkpoints never quantize "
@@ -296,7 +332,7 @@ def quantize(
     report = QuantizeReport(
         method=method,
         scheme=scheme.upper(),
-        group_size=group_size,
+        group_size=-1 if fp8 else group_size,
         num_samples=len(samples),
         num_tokens=num_tokens,
         device=str(dev),
@@ -334,7 +370,15 @@ def quantize(
             config_ignore = ["lm_head", *config_ignore]
     with staged_directory(out_dir) as tmp:
         compressed = quantize_layers(
-            skeleton, weights, samples, args, ignore, options, report, lm_head=quantize_head
+            skeleton,
+            weights,
+            samples,
+            args,
+            ignore,
+            options,
+            report,
+            lm_head=quantize_head,
+            kv_cache_scales=kv_cache_dtype is not None,
         )
         quantized_modules = {name.rsplit(".", 1)[0] for name in compressed}
         state: dict[str, torch.Tensor] = {}
@@ -357,8 +401,12 @@ def quantize(
             quant_config = autoawq_quant_config(
                 args.group_size, True, _modules_to_not_convert(skeleton, ignore)
             )
+        elif fp8:
+            quant_config = fp8_quant_config(args, config_ignore)
         else:
             quant_config = make_quant_config(args, config_ignore)
+        if kv_cache_dtype is not None:
+            quant_config["kv_cache_scheme"] = kv_cache_scheme_json()
         write_config(hf_config, quant_config, tmp, storage_dtype)
         if source.kind == "hf_dir":
             copy_model_files(source.path, tmp)

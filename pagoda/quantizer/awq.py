@@ -30,10 +30,15 @@ class AWQOptions:
     max_shrink: float = 0.5  # ... up to (not including) this fraction of max |w|
     clip_tokens: int = 512  # calibration tokens (evenly strided) the clip search looks at
     clip_rows: int = 256  # output rows per step of the clip search (bounds its memory)
+    # Calibration tokens (whole samples, evenly spread) the scale searches and the per-layer
+    # guard score on; the channel means x̄ use every token.
+    search_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.n_grid < 1 or self.clip_grid < 1:
             raise ValueError("AWQ n_grid and clip_grid must be >= 1")
+        if self.search_tokens < 1:
+            raise ValueError(f"AWQ search_tokens must be >= 1, got {self.search_tokens}")
         if not 0 <= self.max_shrink < 1:
             raise ValueError(f"AWQ max_shrink must be in [0, 1), got {self.max_shrink}")
 

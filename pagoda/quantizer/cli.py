@@ -1,4 +1,4 @@
-"""`pagoda quantize MODEL --out DIR ...` and `pagoda eval perplexity MODEL --text FILE`.
+"""`pagoda quantize MODEL --out DIR [--evaluate TEXT]`, `pagoda eval perplexity MODEL --text F`.
 
 Discovered by `pagoda.cli` through `register(subparsers)`. Mistakes (bad scheme,
 group size, calibration file, architecture) surface as ValueError and end as `error: ...`.
@@ -33,12 +33,28 @@ def _ignore_list(ns: argparse.Namespace) -> list[str]:
     return ignore if "lm_head" in ignore else ["lm_head", *ignore]
 
 
+def _check_evaluation_args(ns: argparse.Namespace) -> None:
+    """--evaluate's mistakes, before minutes of quantizing rather than after."""
+    from pathlib import Path
+
+    if not Path(ns.evaluate).is_file():
+        raise ValueError(f"--evaluate {ns.evaluate}: text file not found")
+    if ns.eval_tokens < 2:
+        raise ValueError(f"--eval-tokens must be >= 2, got {ns.eval_tokens}")
+    if ns.eval_window < 2:
+        raise ValueError(f"--eval-window must be >= 2, got {ns.eval_window}")
+
+
 def _cmd_quantize(ns: argparse.Namespace) -> int:
     from pagoda.quantizer.api import quantize
 
-    if ns.method != "rtn" and ns.dataset is None:
+    fp8 = (ns.scheme or "").upper() in ("FP8", "FP8_DYNAMIC")
+    method = ns.method or ("rtn" if fp8 else "gptq")
+    if ns.evaluate is not None:
+        _check_evaluation_args(ns)
+    if method != "rtn" and ns.dataset is None:
         # the API's message names its argument; the CLI user needs the flag
-        what = "GPTQ" if ns.method == "gptq" else "AWQ"
+        what = "GPTQ" if method == "gptq" else "AWQ"
         raise ValueError(
             f"{what} needs calibration data: pass --dataset FILE (.json/.jsonl chats or text, "
             "or plain text; see `pagoda quantize --help`), or use --method rtn"
@@ -48,7 +64,8 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         ns.model,
         ns.out,
         scheme=ns.scheme,
-        method=ns.method,
+        method=method,
+        kv_cache_dtype=ns.kv_cache_dtype,
         group_size=ns.group_size,
         ignore=_ignore_list(ns),
         dataset=ns.dataset,
@@ -66,10 +83,37 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
     )
     print(report.summary())
     print(f"wrote {ns.out}")
+    record = report.to_dict()
+    if ns.evaluate:
+        record["evaluation"] = _evaluate(ns)
     if ns.report:
         with open(ns.report, "w", encoding="utf-8") as f:
-            json.dump(report.to_dict(), f, indent=2)
+            json.dump(record, f, indent=2)
     return 0
+
+
+def _evaluate(ns: argparse.Namespace) -> dict[str, dict]:
+    """Perplexity of the unquantized model and of the checkpoint just written, on the same
+    tokens of `--evaluate`'s text (same windows, dtype and device); printed side by side."""
+    from dataclasses import asdict
+
+    from pagoda.bench.perplexity import evaluate
+
+    results = {}
+    for name, model in (("unquantized", ns.model), ("quantized", ns.out)):
+        results[name] = evaluate(
+            model, ns.evaluate, ns.eval_tokens, ns.eval_window, ns.eval_window,
+            device=ns.device, dtype=ns.eval_dtype,
+        )  # fmt: skip
+    base, quant = results["unquantized"], results["quantized"]
+    print(
+        f"held-out perplexity on {ns.evaluate} ({quant.num_scored} tokens, window "
+        f"{quant.window}, {ns.eval_dtype}):\n"
+        f"  unquantized {base.perplexity:10.4f}\n"
+        f"  quantized   {quant.perplexity:10.4f}  "
+        f"({100 * (quant.perplexity / base.perplexity - 1):+.2f} %)"
+    )
+    return {k: asdict(v) for k, v in results.items()}
 
 
 def _cmd_perplexity(ns: argparse.Namespace) -> int:
@@ -97,13 +141,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument(
         "--scheme",
         default=None,
-        help="W4A16 | W4A16_ASYM | W8A16 (default: W4A16, or W4A16_ASYM for AWQ)",
+        help="W4A16 | W4A16_ASYM | W8A16 | FP8_DYNAMIC (FP8 weights, per-token dynamic "
+        "activations, no calibration) | FP8 (static activation scales: needs --dataset) "
+        "(default: W4A16, or W4A16_ASYM for AWQ)",
     )
     q.add_argument(
         "--method",
-        default="gptq",
+        default=None,
         choices=["gptq", "rtn", "awq"],
-        help="awq: AWQ's activation-aware scales and clipping, then round to nearest",
+        help="default gptq (rtn for the FP8 schemes, which are min-max rounded); awq: AWQ's "
+        "activation-aware scales and clipping, then round to nearest",
+    )
+    q.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=["fp8", "fp8_e4m3"],
+        help="calibrate per-layer K / V scales on --dataset for an FP8 KV cache "
+        "(compressed-tensors kv_cache_scheme; serve with --kv-cache-dtype fp8)",
     )
     q.add_argument(
         "--format",
@@ -155,6 +209,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["first_touch", "upfront"],
         help="group scales from the error-updated weights when GPTQ reaches the group "
         "(default) or from the original weights up front (llmcompressor's way)",
+    )
+    q.add_argument(
+        "--evaluate",
+        default=None,
+        metavar="TEXT_FILE",
+        help="afterwards, print the perplexity of the quantized and of the unquantized model "
+        "on this held-out UTF-8 text (not the calibration text), side by side",
+    )
+    q.add_argument("--eval-tokens", type=int, default=20000, help="--evaluate: first N tokens")
+    q.add_argument("--eval-window", type=int, default=1024, help="--evaluate: tokens per window")
+    q.add_argument(
+        "--eval-dtype", default="float32", help="--evaluate: activation dtype of both models"
     )
     q.add_argument("--report", default=None, help="also write the report JSON here")
     q.add_argument("--no-progress", action="store_true")

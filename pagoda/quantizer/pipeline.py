@@ -37,6 +37,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import get_rope
 from pagoda.quant.formats.autoawq import pack_awq_gemm
 from pagoda.quant.formats.compressed_tensors import compress
+from pagoda.quant.fp8 import Fp8Args
 from pagoda.quant.weights import QuantizedWeight, WeightQuantArgs
 from pagoda.quantizer.awq import (
     AWQOptions,
@@ -46,6 +47,14 @@ from pagoda.quantizer.awq import (
     search_clip,
     search_scales,
 )
+from pagoda.quantizer.awq_guard import (
+    RoundedTarget,
+    choose,
+    evaluation_samples,
+    layer_error,
+    rounded_weights,
+)
+from pagoda.quantizer.fp8 import AmaxObserver, KVScaleObserver, fp8_tensors, quantize_fp8_shards
 from pagoda.quantizer.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quantizer.rtn import hessian_weighted_error, rtn_quantize
 
@@ -382,6 +391,10 @@ class LayerReport:
     seconds: float
     modules: list[ModuleReport] = field(default_factory=list)
     smoothing: list[SmoothReport] = field(default_factory=list)  # AWQ only
+    # AWQ only: the guard's pick ("scales+clip", "scales" or "rtn") and each candidate's
+    # layer-output MSE on the scored calibration samples (see awq_guard).
+    awq_choice: str | None = None
+    awq_errors: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -612,7 +625,8 @@ def _module_outputs(module: nn.Module, inputs: list[torch.Tensor]) -> list[torch
     """`module` on each sample; attention takes the text positions too."""
     if hasattr(module, "qkv_proj"):
         return [module(text_positions(x.shape[0], x.device), x, None) for x in inputs]
-    return [module(x) for x in inputs]
+    # Token-wise modules: one large matmul beats one per sample on a CPU.
+    return [module(torch.cat(inputs))]
 
 
 def _output_mse(reference: list[torch.Tensor], outputs: list[torch.Tensor]) -> float:
@@ -637,11 +651,13 @@ def _search_linear_scales(
     linear: nn.Module,
     inspect: nn.Module,
     inputs: list[torch.Tensor],
+    x_mean: torch.Tensor,
     args: WeightQuantArgs,
     options: PipelineOptions,
 ) -> ScaleSearch:
-    """`search_scales` for `linear`, scored by the output MSE of `inspect` (which contains
-    it) on `inputs`; `linear` keeps its original weight afterwards."""
+    """`search_scales` for `linear` (`x_mean`: mean |x| per channel over every calibration
+    token), scored by the output MSE of `inspect` (which contains it) on `inputs`; `linear`
+    keeps its original weight afterwards."""
     original = linear.weight.data
     reference = _module_outputs(inspect, inputs)
 
@@ -650,9 +666,7 @@ def _search_linear_scales(
         return _output_mse(reference, _module_outputs(inspect, inputs))
 
     try:
-        return search_scales(
-            original, activation_mean(inputs), args, loss_of, options.awq, options.scale_dtype
-        )
+        return search_scales(original, x_mean, args, loss_of, options.awq, options.scale_dtype)
     finally:
         linear.weight.data = original
 
@@ -665,11 +679,14 @@ def smooth_layer(
     captured: dict[str, list[torch.Tensor]],
     args: WeightQuantArgs,
     options: PipelineOptions,
+    search_samples: list[int] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[SmoothReport]]:
     """AWQ's scale search for each mapping in turn, folded into the layer's weights at once
     (the next search sees them). `captured` holds the inputs of the quantized linears and is
-    divided by the scales as they are applied. Returns the dense tensors the folding changed
-    (norm weights, a shard's bias; HF module names) and one report per search."""
+    divided by the scales as they are applied (new lists: the caller's stay as they were).
+    The searches score on the samples `search_samples` (default all); the channel means come
+    from every sample. Returns the dense tensors the folding changed (norm weights, a shard's
+    bias; HF module names) and one report per search."""
     _, decoder_name = decoder_of(model)
     prefix = f"{decoder_name}.layers.{index}"
     changed: dict[str, torch.Tensor] = {}
@@ -688,9 +705,12 @@ def smooth_layer(
                 continue
         inspect = layer.get_submodule(m.inspect)
         inputs = captured[m.linear]  # the inspected module reads the same input
+        scored = inputs if search_samples is None else [inputs[i] for i in search_samples]
         original = linear.weight.data
         with torch.no_grad():
-            result = _search_linear_scales(linear, inspect, inputs, args, options)
+            result = _search_linear_scales(
+                linear, inspect, scored, activation_mean(inputs), args, options
+            )
             s = result.scales.to(original.device)  # [in]
             linear.weight.data = (original.float() * s).to(original.dtype)
             if rows is None:  # RMSNorm: y = w * x / rms(x)
@@ -740,6 +760,70 @@ def clip_layer(
             start += size
         clipped[t.attr] = w
     return clipped
+
+
+def _quantized_rows(layer: nn.Module, target: TargetLinear) -> torch.Tensor:  # [n] long
+    """The output rows of `target`'s fused weight that are quantized (not --ignore'd)."""
+    module = layer.get_submodule(target.attr)
+    sizes = module.out_features_per_shard
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    device = module.weight.device
+    return torch.cat(
+        [
+            torch.arange(o, o + n, device=device)
+            for o, n, q in zip(offsets, sizes, target.quantized)
+            if q
+        ]
+    )
+
+
+def _awq_layer(
+    model: nn.Module,
+    layer: nn.Module,
+    index: int,
+    mappings: tuple[SmoothMapping, ...],
+    targets: list[TargetLinear],
+    hidden_states: list[torch.Tensor],
+    args: WeightQuantArgs,
+    options: PipelineOptions,
+    layer_report: LayerReport,
+    compressed: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """AWQ on one layer: scale searches, clip search, then the guard's pick among smoothed +
+    clipped, smoothed, and plain rounding of the unsmoothed layer (by the layer's output error
+    on the scored samples). Leaves the layer holding the picked (unrounded) weights, writes the
+    dense tensors its smoothing changed into `compressed`, and returns (attr -> the weight to
+    round, where clipped; attr -> the linears' inputs in the picked layer)."""
+    scored = evaluation_samples([h.shape[0] for h in hidden_states], options.awq.search_tokens)
+    guard_inputs = [hidden_states[i] for i in scored]
+    rounded = [RoundedTarget(t.attr, _quantized_rows(layer, t)) for t in targets]
+    original = {k: v.clone() for k, v in layer.state_dict().items()}
+    with torch.no_grad():
+        reference = _run_layer(layer, guard_inputs)  # the float layer
+
+    def error(rounded_from: dict[str, torch.Tensor] | None = None) -> float:
+        weights = rounded_weights(layer, rounded, args, options.scale_dtype, rounded_from)
+        return layer_error(layer, weights, guard_inputs, reference, _run_layer)
+
+    errors = {"rtn": error()}
+    captured = _capture_inputs(layer, [t.attr for t in targets], hidden_states)
+    unsmoothed = dict(captured)  # smooth_layer replaces the lists it rescales
+    changed, layer_report.smoothing = smooth_layer(
+        model, layer, index, mappings, captured, args, options, scored
+    )
+    errors["scales"] = error()
+    clipped: dict[str, torch.Tensor] = {}
+    if options.awq.clip:
+        clipped = clip_layer(layer, targets, captured, args, options)
+        errors["scales+clip"] = error(clipped)
+    choice = choose(errors)
+    layer_report.awq_choice, layer_report.awq_errors = choice.name, choice.errors
+    if choice.name == "rtn":
+        layer.load_state_dict(original)
+        return {}, unsmoothed
+    for name, tensor in changed.items():
+        compressed[name] = tensor.to(options.storage_dtype).cpu()
+    return (clipped if choice.name == "scales+clip" else {}), captured
 
 
 def final_norm_outputs(
@@ -799,18 +883,21 @@ def quantize_layers(
     model: nn.Module,
     source: WeightSource,
     samples: list[torch.Tensor],
-    args: WeightQuantArgs,
+    args: WeightQuantArgs | Fp8Args,
     ignore: list[str],
     options: PipelineOptions,
     report: QuantizeReport,
     on_layer: Callable[[int], None] | None = None,
     lm_head: bool = False,
+    kv_cache_scales: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Quantize every decoder layer of `model` (built on meta); returns the tensors that
     replace the checkpoint's: each quantized module's (`{module}.weight_packed`, ... or
     `{module}.qweight`, ...) and, for AWQ, the dense ones its smoothing changed (norm weights).
 
     `lm_head`: quantize the LM head too, after the last layer (see `_quantize_lm_head`).
+    FP8 args (`pagoda.quantizer.fp8`): min-max e4m3 codes, static input scales from the
+    calibration pass; `kv_cache_scales`: each layer's `self_attn.k_scale` / `v_scale` too.
     Tensor names are module names; `WeightSource.checkpoint_name` turns them into the
     checkpoint's layout.
     """
@@ -842,19 +929,22 @@ def quantize_layers(
 
         hessians: dict[str, HessianAccumulator] = {}
         handles = []
+        fp8 = isinstance(args, Fp8Args)
+        inputs_amax, kv_amax = AmaxObserver(), KVScaleObserver()
+        if fp8 and args.static_input:
+            for t in targets:
+                inputs_amax.watch(layer.get_submodule(t.attr), t.attr)
+        if kv_cache_scales:
+            kv_amax.watch(layer.self_attn.attn, "kv")
         rounded_from: dict[str, torch.Tensor] = {}  # AWQ: the clipped weights to round
         if awq:
-            captured = _capture_inputs(layer, [t.attr for t in targets], hidden_states)
-            changed, layer_report.smoothing = smooth_layer(
-                model, layer, index, mappings, captured, args, options
-            )
-            for name, tensor in changed.items():
-                compressed[name] = tensor.to(options.storage_dtype).cpu()
-            if options.awq.clip:
-                rounded_from = clip_layer(layer, targets, captured, args, options)
-            for t in targets:  # Hessians of the scaled inputs, for the report's errors
+            rounded_from, inputs = _awq_layer(
+                model, layer, index, mappings, targets, hidden_states, args, options,
+                layer_report, compressed,
+            )  # fmt: skip
+            for t in targets:  # Hessians of the rounded layer's inputs, for the report
                 acc = HessianAccumulator(layer.get_submodule(t.attr).in_features, device)
-                for x in captured.pop(t.attr):
+                for x in inputs.pop(t.attr):
                     acc.add(x)
                 hessians[t.attr] = acc
         # RTN needs no Hessian itself, but the report's error is Hessian-weighted; without
@@ -871,6 +961,12 @@ def quantize_layers(
                 _run_layer(layer, hidden_states)
             for h in handles:
                 h.remove()
+        inputs_amax.remove()
+        kv_amax.remove()
+        if kv_cache_scales:
+            attn_name = f"{decoder_name}.layers.{index}.self_attn"
+            for key, tensor in kv_amax.scales("kv", options.storage_dtype).items():
+                compressed[f"{attn_name}.{key}"] = tensor.cpu()
 
         for t in targets:
             module = layer.get_submodule(t.attr)
@@ -882,15 +978,31 @@ def quantize_layers(
                 else torch.eye(module.in_features, device=device)
             )
             sizes = module.out_features_per_shard
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            rows = torch.cat(
-                [
-                    torch.arange(o, o + s, device=device)
-                    for o, s, q in zip(offsets, sizes, t.quantized)
-                    if q
-                ]
-            )
+            rows = _quantized_rows(layer, t)
             w = weight[rows].to(torch.float32)
+            if fp8:
+                kept = [size for size, q in zip(sizes, t.quantized) if q]
+                parts, deq = quantize_fp8_shards(w, kept, args, options.storage_dtype)
+                weight[rows] = deq.to(weight.dtype)  # the quantized layer feeds the next one
+                seconds = time.perf_counter() - t0
+                names = [n for n, q in zip(t.hf_names, t.quantized) if q]
+                row = 0
+                for name, size, (q, scale) in zip(names, kept, parts):
+                    amax = inputs_amax.amax.get(t.attr) if args.static_input else None
+                    if args.static_input and amax is None:
+                        raise ValueError("FP8 static activation scales need calibration data")
+                    for key, tensor in fp8_tensors(q, scale, amax, options.storage_dtype).items():
+                        compressed[f"{name}.{key}"] = tensor.cpu()
+                    ref, got = w[row : row + size], deq[row : row + size]
+                    denom = hessian_weighted_error(ref, torch.zeros_like(ref), hessian)
+                    err = hessian_weighted_error(ref, got, hessian)
+                    layer_report.modules.append(
+                        ModuleReport(
+                            name, (size, w.shape[1]), err / max(denom, 1e-30), None, seconds
+                        )
+                    )
+                    row += size
+                continue
             source_w = rounded_from[t.attr][rows] if t.attr in rounded_from else w
             # Rows are independent given H: q/k/v (or gate/up) are quantized in one call and
             # stored as the separate HF modules the checkpoint format expects.

@@ -64,8 +64,12 @@ class CudaGraphRunner:
         device: torch.device,
         sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
         context_buckets: bool = False,
+        query_len: int = 1,
     ) -> None:
         self.model = model
+        # Tokens per sequence: 1 for decode graphs, 1 + k for speculative verify graphs (the
+        # last known token and k drafts of every sequence; padding sequences read the null block).
+        self.query_len = q = query_len
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
@@ -79,11 +83,11 @@ class CudaGraphRunner:
             self.widths = sorted({-(-(1 << t) // block_size) for t in tokens} | {self.max_blocks})
             self.widths = [w for w in self.widths if w <= self.max_blocks]
         # [max_bs] static inputs; a replay reads whatever the step copied in
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_bs * q, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_bs * q, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_bs * q,), -1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device) * q
+        self.seq_lens = torch.full((max_bs,), q, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # by (size, width)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -104,17 +108,18 @@ class CudaGraphRunner:
             # kernel argument baked into the graph like the rest of the layer's parameters).
             kv_len = effective_kv_len(self.max_model_len, 1, layer.sliding_window)
             sms = num_sms(self.device)
-            num_splits = choose_num_splits(size, layer.num_kv_heads, 1, kv_len, sms)
+            num_splits = choose_num_splits(size, layer.num_kv_heads, self.query_len, kv_len, sms)
+        q = self.query_len
         return AttentionMetadata(
-            num_actual_tokens=size,
+            num_actual_tokens=size * q,
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size, :width],
-            slot_mapping=self.slot_mapping[:size],
-            max_query_len=1,
+            slot_mapping=self.slot_mapping[: size * q],
+            max_query_len=q,
             max_seq_len=self.max_model_len,
-            query_start_loc_cpu=list(range(size + 1)),
-            seq_lens_cpu=[1] * size,
+            query_start_loc_cpu=list(range(0, (size + 1) * q, q)),
+            seq_lens_cpu=[q] * size,
             num_splits=num_splits,
         )
 
@@ -128,7 +133,8 @@ class CudaGraphRunner:
         # largest first: smaller graphs reuse its pool
         for size, width in [(s, w) for s in reversed(self.sizes) for w in reversed(self.widths)]:
             md = self._metadata(size, width)
-            args = (self.input_ids[:size], self.positions[:size], md)
+            tokens = size * self.query_len
+            args = (self.input_ids[:tokens], self.positions[:tokens], md)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: autotuning and lazy init stay out of the graph
@@ -177,32 +183,34 @@ class CudaGraphRunner:
         block_table: np.ndarray,
         fill_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
-        """Replay the graph of `size` for n = len(token_ids) decode tokens; hidden [n, H].
+        """Replay the graph of `size` for n = len(seq_lens) sequences of `query_len` tokens
+        each; hidden [n * query_len, H].
 
         `fill_ids` writes device-side inputs (tokens sampled by the previous step, not yet on the
         host) into the graph's input ids before the replay.
         """
-        n = len(token_ids)
-        pad = size - n
+        q = self.query_len
+        n = len(seq_lens)
+        pad = (size - n) * q
         ids = np.pad(token_ids, (0, pad))
         pos = np.pad(positions, (0, pad))
         slot = np.pad(slots, (0, pad), constant_values=-1)
-        lens = np.pad(seq_lens, (0, pad), constant_values=1)
+        lens = np.pad(seq_lens, (0, size - n), constant_values=q)
         nb = block_table.shape[1]
         table = np.zeros((size, nb), dtype=np.int32)
         table[:n] = block_table
         # Columns past `nb` may hold stale ids from earlier steps: never read, since a row only
         # reads the blocks its seq_len covers (padding rows: column 0, set to the null block).
-        self.input_ids[:size].copy_(_pinned(ids), non_blocking=True)
-        self.positions[:size].copy_(_pinned(pos), non_blocking=True)
-        self.slot_mapping[:size].copy_(_pinned(slot), non_blocking=True)
+        self.input_ids[: size * q].copy_(_pinned(ids), non_blocking=True)
+        self.positions[: size * q].copy_(_pinned(pos), non_blocking=True)
+        self.slot_mapping[: size * q].copy_(_pinned(slot), non_blocking=True)
         self.seq_lens[:size].copy_(_pinned(lens), non_blocking=True)
         self.block_tables[:size, :nb].copy_(_pinned(table), non_blocking=True)
         if fill_ids is not None:
-            fill_ids(self.input_ids[:n])
+            fill_ids(self.input_ids[: n * q])
         width = next(w for w in self.widths if w >= nb)
         self.graphs[size, width].replay()
-        return self.outputs[size, width][:n]
+        return self.outputs[size, width][: n * q]
 
 
 def _pinned(arr: np.ndarray) -> torch.Tensor:

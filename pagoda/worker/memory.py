@@ -37,6 +37,7 @@ class MemoryReport:
     cuda_graph_bytes: int = 0
     cuda_graph_sizes: list[int] = field(default_factory=list)
     integrated_gpu: bool = False
+    kv_cache_dtype: str = ""  # the cache's element type ("" = the model dtype)
     # CUDA: what the device held before this engine loaded (other processes, the CUDA
     # context, earlier engines); it comes off the budget (docs/memory.md).
     in_use_at_start_bytes: int = 0
@@ -85,7 +86,8 @@ class MemoryReport:
             (
                 "KV cache",
                 f"{self.kv_cache_bytes / GiB:.3f} GiB = {self.num_blocks} blocks of "
-                f"{self.block_size} tokens",
+                f"{self.block_size} tokens"
+                + (f", {self.kv_cache_dtype}" * bool(self.kv_cache_dtype)),
             ),
             ("KV token capacity", f"{self.kv_token_capacity:,} tokens"),
             (

@@ -21,9 +21,10 @@ import torch
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig
 from pagoda.kernels.attention.torch_paged import decode_gather_bytes
 from pagoda.kernels.workspace import SplitKWorkspace
-from pagoda.layers.attention import AttentionMetadata
+from pagoda.layers.attention import AttentionMetadata, check_kv_cache_dtype, kv_cache_torch_dtype
 from pagoda.layers.embedding import LMHead
 from pagoda.layers.linear import LinearBase
+from pagoda.layers.rejection_sampler import RejectionOutput, num_emitted, rejection_sample
 from pagoda.layers.sampler import (
     Sampler,
     SamplingMetadata,
@@ -32,6 +33,7 @@ from pagoda.layers.sampler import (
     to_device,
 )
 from pagoda.models.loader import load_model
+from pagoda.platform import capability as platform_capability
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.memory import (
     MemoryReport,
@@ -106,6 +108,39 @@ class ModelRunnerOutput:
     # req_id -> (index of the first prompt token covered, [ids], [logprobs], [rank]) per token
     # of this step's prompt chunk; ids[j][0] is the prompt token itself, then its top-k.
     prompt_logprobs: dict[str, tuple[int, list, list, list]] = field(default_factory=dict)
+    # Speculative steps: req_id -> every token emitted (accepted drafts + one), and per token
+    # (ids, logprobs, rank) when the request asks for logprobs.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+
+
+class _SpecResult:
+    """A verify step's rejection-sampler output, copied to the host with the step's ids."""
+
+    def __init__(self, reqs: list[ScheduledRequest], out: RejectionOutput) -> None:
+        self.reqs = reqs
+        self.num_rows = [len(r.spec_token_ids) + 1 for r in reqs]
+        self.out = out
+        tensors = [out.token_ids, out.accepted]
+        if out.logprobs is not None:
+            tensors += [out.logprob_token_ids, out.logprobs, out.ranks]
+        self.host = [_to_pinned(t) if t.is_cuda else t for t in tensors]
+
+    def fill(self, result: ModelRunnerOutput) -> None:
+        tokens, accepted = self.host[0].tolist(), self.host[1].tolist()
+        lp = [t.tolist() for t in self.host[2:]]
+        start = 0
+        for r, rows, n in zip(
+            self.reqs, self.num_rows, num_emitted(accepted, self.num_rows), strict=True
+        ):
+            result.spec_token_ids[r.req_id] = tokens[start : start + n]
+            k = r.sampling_params.logprobs
+            if lp and k is not None:
+                ids, lps, ranks = lp
+                result.spec_logprobs[r.req_id] = [
+                    (ids[i][: k + 1], lps[i][: k + 1], ranks[i]) for i in range(start, start + n)
+                ]
+            start += rows
 
 
 class PendingOutput:
@@ -129,6 +164,7 @@ class PendingOutput:
         self.host_ids: torch.Tensor | None = None
         # Set while the sampler waits for the grammar bitmask: (logits, SamplingMetadata).
         self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
+        self.spec: _SpecResult | None = None  # the step's verified drafts
         if any(t[1].is_cuda for t in self.prompt_logprobs.values()):
             # Into pinned memory behind the event too: a plain .tolist() later would wait for
             # the step launched after this one.
@@ -144,6 +180,12 @@ class PendingOutput:
     @property
     def awaiting_bitmask(self) -> bool:
         return self.deferred is not None
+
+    def set_spec(self, spec: _SpecResult) -> None:
+        self.spec = spec
+        if spec.out.token_ids.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
 
     def set_result(self, result: Any) -> None:
         self.result_ = result
@@ -161,6 +203,8 @@ class PendingOutput:
         out = ModelRunnerOutput()
         for req_id, (first, ids, lps, ranks) in self.prompt_logprobs.items():
             out.prompt_logprobs[req_id] = (first, ids.tolist(), lps.tolist(), ranks.tolist())
+        if self.spec is not None:
+            self.spec.fill(out)
         res = self.result_
         if res is None:
             return out
@@ -219,6 +263,7 @@ class ModelRunner:
         self.runner_config = runner_config
         self.device = resolve_device(runner_config.device)
         self.dtype = _DTYPES[model_config.dtype]
+        self.kv_dtype = kv_cache_torch_dtype(cache_config.cache_dtype, self.dtype)
         self.block_size = cache_config.block_size
         self.max_num_blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         self.sampler = Sampler()
@@ -231,6 +276,7 @@ class ModelRunner:
         self.weights_bytes = 0
         self.memory_report: MemoryReport | None = None
         self.graph_runner: Any = None
+        self.verify_graph_runner: Any = None  # speculative verify steps (query length 1 + k)
         self.lora_manager: Any = None  # pagoda.lora.manager.LoRAManager when LoRA is enabled
         self.encoder_runner: Any = None  # pagoda.worker.encoder_runner.EncoderRunner (VL models)
         self._pin = self.device.type == "cuda"
@@ -270,6 +316,9 @@ class ModelRunner:
 
         prepare = None if self.sharder is None else self.sharder.prepare
         self.model = load_model(self.model_config, self.device, keep_on_host, prepare)
+        check_kv_cache_dtype(
+            self.model.attention_layers(), self.kv_dtype, self.device, platform_capability()
+        )
         if keep_on_host is not None:
             from pagoda.worker.offload import LayerOffloader, decoder_layers
 
@@ -332,7 +381,7 @@ class ModelRunner:
         """Profile the largest step, size the KV cache from what is left, allocate it."""
         mc, cc = self.model_config, self.cache_config
         per_block = kv_bytes_per_block(
-            mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+            mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize
         )
         t0 = time.perf_counter()
         peak_act, non_torch, total, budget = self._profile(max_num_seqs, max_num_batched_tokens)
@@ -364,6 +413,8 @@ class ModelRunner:
         self.memory_report = MemoryReport(
             device=str(self.device),
             dtype=mc.dtype,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch.")
+            * (self.kv_dtype != self.dtype),
             weights_bytes=self.weights_bytes,
             peak_activation_bytes=peak_act,
             non_torch_bytes=non_torch,
@@ -419,7 +470,7 @@ class ModelRunner:
                     max_num_seqs
                     * (mc.max_model_len + self.block_size)
                     * kv_bytes_per_block(
-                        mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize
+                        mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize
                     )
                 )
                 budget = min(budget, self.weights_bytes + peak + min(full, _CPU_DEFAULT_KV_CAP))
@@ -519,15 +570,18 @@ class ModelRunner:
         # rest of a tile, as they must for the stale data of a freed and reused block anyway.
         # The null block 0 is the exception: nothing writes it and CUDA-graph padding rows
         # (seq_len 1, block table all 0) read it, so it holds zeros.
-        self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.kv_caches = [
+            torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in layers
+        ]
         # Without Triton the CUDA decode reads (masked) slots past each sequence: zeroed, the
-        # cache never holds NaN bit patterns there (one memset at start-up).
+        # cache never holds NaN bit patterns there (one memset at start-up). Bytes: FP8 tensors
+        # have no fill kernels.
         torch_decode = self.device.type == "cuda" and not triton_available()
         for layer, cache in zip(layers, self.kv_caches, strict=True):
             if torch_decode:
-                cache.zero_()
+                cache.view(torch.uint8).zero_()
             else:
-                cache[:, 0].zero_()
+                cache.view(torch.uint8)[:, 0].zero_()
             layer.kv_cache = cache
 
     def _warm_up_attention(self) -> None:
@@ -549,6 +603,7 @@ class ModelRunner:
                 layer.scale,
                 self.model_config.max_model_len,
                 layer.sliding_window,
+                q_dtype=self.dtype,
             )
 
     def _release_kv_cache(self) -> None:
@@ -661,8 +716,11 @@ class ModelRunner:
             raise ValueError("LoRA adapters need LLM(..., enable_lora=True)")
         self.lora_manager.add_adapter(lora_key, lora_path)
 
-    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
-        """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report."""
+    def capture_cuda_graphs(self, max_num_seqs: int, verify_query_len: int | None = None) -> None:
+        """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report.
+
+        `verify_query_len` (1 + k, speculative decoding): verify graphs too, every sequence
+        scoring its last token and k drafts (LoRA and image steps stay eager)."""
         if self.device.type != "cuda" or self.runner_config.enforce_eager:
             return
         if not triton_available() and self.lora_manager is not None:
@@ -698,6 +756,21 @@ class ModelRunner:
             context_buckets=not triton_available(),
         )
         stats = self.graph_runner.capture()
+        # (The torch attention path reads query lengths on the host: verify graphs need Triton.)
+        if verify_query_len is not None and self.lora_manager is None and triton_available():
+            self.verify_graph_runner = CudaGraphRunner(
+                self.model,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.model_config.max_model_len,
+                block_size=self.block_size,
+                hidden_size=self.model_config.text_config.hidden_size,
+                dtype=self.dtype,
+                device=self.device,
+                query_len=verify_query_len,
+            )
+            vstats = self.verify_graph_runner.capture()
+            stats.capture_time_s += vstats.capture_time_s
+            stats.memory_bytes += vstats.memory_bytes
         if self.memory_report is not None:
             self.memory_report.cuda_graph_capture_time_s = stats.capture_time_s
             self.memory_report.cuda_graph_bytes = stats.memory_bytes
@@ -722,6 +795,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # nothing in flight may still read them
         if self.graph_runner is not None:
             self.graph_runner.close()
+        if self.verify_graph_runner is not None:
+            self.verify_graph_runner.close()
+            self.verify_graph_runner = None
         if self.offloader is not None:
             self.offloader.close()
             self.offloader = None
@@ -767,7 +843,12 @@ class ModelRunner:
         for r in reqs:
             start, n = r.num_computed_tokens, r.num_new_tokens
             known = len(r.all_token_ids)
-            if start + n <= known:
+            if r.spec_token_ids:  # the last known token, then the drafts it verifies
+                k = len(r.spec_token_ids)
+                token_ids[offset : offset + n - k] = r.all_token_ids[start : start + n - k]
+                # padding drafts (-1: verify graphs need k per sequence) go in as token 0
+                token_ids[offset + n - k : offset + n] = np.maximum(r.spec_token_ids, 0)
+            elif start + n <= known:
                 token_ids[offset : offset + n] = r.all_token_ids[start : start + n]
             else:  # async scheduling: the last input is still on the device
                 m = known - start
@@ -797,13 +878,23 @@ class ModelRunner:
             embeds = self.encoder_runner.inputs_embeds(reqs, token_ids)
         fill_ids = None if pending is None else pending.fill_ids
         graph_size = None
-        if self.graph_runner is not None and num_tokens == len(reqs) and embeds is None:
-            graph_size = self.graph_runner.padded_size(len(reqs))  # decode-only step
+        graphs = self.graph_runner
+        if graphs is not None and num_tokens == len(reqs) and embeds is None:
+            graph_size = graphs.padded_size(len(reqs))  # decode-only step
+        elif (
+            self.verify_graph_runner is not None
+            and embeds is None
+            and pending is None
+            and num_tokens == len(reqs) * self.verify_graph_runner.query_len
+            and all(len(r.spec_token_ids) + 1 == r.num_new_tokens for r in reqs)
+        ):
+            graphs = self.verify_graph_runner  # every sequence verifies k drafts
+            graph_size = graphs.padded_size(len(reqs))
         if self.lora_manager is not None:
             # Per token (graph padding included) for graph replays, per request otherwise.
             self.lora_manager.prepare([r.lora_key for r in reqs], num_new, padded=graph_size)
         if graph_size is not None:
-            hidden = self.graph_runner.run(
+            hidden = graphs.run(
                 graph_size,
                 token_ids,
                 rope_positions,
@@ -822,10 +913,15 @@ class ModelRunner:
             hidden = self.model(ids, self._to_dev(rope_positions), md, inputs_embeds=embeds)
 
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, arrays["qsl"])
-        sampling = [i for i, r in enumerate(reqs) if r.do_sample]
+        spec = [i for i, r in enumerate(reqs) if r.spec_token_ids]
+        spec_result = self._verify(reqs, spec, hidden, arrays["qsl"]) if spec else None
+        sampling = [i for i, r in enumerate(reqs) if r.do_sample and not r.spec_token_ids]
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
-            return PendingOutput(prompt_logprobs=prompt_logprobs)
+            pending = PendingOutput(prompt_logprobs=prompt_logprobs)
+            if spec_result is not None:
+                pending.set_spec(spec_result)
+            return pending
         if len(sampling) == len(reqs) and num_tokens == len(reqs):
             last_hidden = hidden  # decode-only: every row samples
         else:
@@ -835,6 +931,8 @@ class ModelRunner:
         sreqs = [reqs[i] for i in sampling]
         smd = self._sampling_metadata(sreqs)
         pending = PendingOutput(sreqs, prompt_logprobs=prompt_logprobs)
+        if spec_result is not None:
+            pending.spec = spec_result  # its copy is ordered before the sampled ids' event
         if any(r.structured_output is not None for r in sreqs):
             pending.deferred = (logits, smd)  # sampled by sample() once the bitmask is known
             return pending
@@ -867,6 +965,33 @@ class ModelRunner:
         self._prev_sampled = result.sampled_token_ids
         self._prev_rows = {r.req_id: row for row, r in enumerate(pending.reqs)}
         pending.set_result(result)
+
+    def _verify(
+        self, reqs: list[ScheduledRequest], spec: list[int], hidden: torch.Tensor, qsl: np.ndarray
+    ) -> _SpecResult:
+        """Score the last 1 + k positions of each speculative request and keep the drafts the
+        target's distribution accepts (rejection sampling; greedy: equality)."""
+        sreqs = [reqs[i] for i in spec]
+        rows_idx: list[int] = []
+        drafts: list[int] = []
+        expanded: list[tuple[ScheduledRequest, list[int]]] = []
+        for i in spec:
+            r = reqs[i]
+            k = len(r.spec_token_ids)
+            end = int(qsl[i + 1])
+            rows_idx.extend(range(end - k - 1, end))
+            drafts.extend(r.spec_token_ids)
+            drafts.append(-1)  # the last row only emits (the bonus token)
+            # Row j's target sees drafts 0..j-1 as already generated (penalties, min_tokens).
+            real = [t for t in r.spec_token_ids if t >= 0]  # padding drafts (-1) come last
+            expanded.extend((r, real[:j]) for j in range(k + 1))
+        logits = self.model.compute_logits(hidden[self._to_dev(np.asarray(rows_idx))])  # [R, V]
+        smd = self._sampling_metadata([r for r, _ in expanded], [e for _, e in expanded])
+        row_generators = [smd.generators.get(row) for row in range(len(expanded))]
+        out = rejection_sample(
+            logits, smd, to_device(drafts, torch.int64, self.device), row_generators
+        )
+        return _SpecResult(sreqs, out)
 
     def _prompt_logprobs(
         self, reqs: list[ScheduledRequest], hidden: torch.Tensor, qsl: np.ndarray
@@ -901,8 +1026,15 @@ class ModelRunner:
             out[r.req_id] = (start + 1, ids, lps, ranks)
         return out
 
-    def _sampling_metadata(self, reqs: list[ScheduledRequest]) -> SamplingMetadata:
+    def _sampling_metadata(
+        self, reqs: list[ScheduledRequest], extra: list[list[int]] | None = None
+    ) -> SamplingMetadata:
+        """One row per entry of `reqs` (a request may repeat: speculative rows); `extra[row]`
+        are tokens treated as generated after the request's output (the drafts before it)."""
         dev = self.device
+        outputs = [r.output_token_ids for r in reqs]
+        if extra is not None:
+            outputs = [o + e if e else o for o, e in zip(outputs, extra, strict=True)]
         params = [r.sampling_params for r in reqs]
         temps = [0.0 if p.temperature < 1e-5 else p.temperature for p in params]
         all_greedy = all(t == 0.0 for t in temps)
@@ -924,7 +1056,7 @@ class ModelRunner:
                     gen.manual_seed(p.seed)
                     self.generators[r.req_id] = gen
                 generators[row] = gen
-            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+            if p.min_tokens and len(outputs[row]) < p.min_tokens:
                 blocked = list(p.stop_token_ids or [])
                 if not p.ignore_eos and r.eos_token_id is not None:
                     blocked.append(r.eos_token_id)
@@ -949,7 +1081,7 @@ class ModelRunner:
             prompt_token_ids=[r.all_token_ids[: r.prompt_len] for r in reqs]
             if need_penalty
             else [],
-            output_token_ids=[r.output_token_ids for r in reqs] if need_penalty else [],
+            output_token_ids=outputs if need_penalty else [],
             generators=generators,
             max_num_logprobs=max(logprobs) if logprobs else None,
             min_tokens_blocked=min_blocked,
@@ -958,8 +1090,8 @@ class ModelRunner:
             },
             # Multi-token bad words read the output so far: such requests run in sync mode.
             bad_words={
-                row: (p.bad_words_token_ids, r.output_token_ids)
-                for row, (p, r) in enumerate(zip(params, reqs, strict=True))
+                row: (p.bad_words_token_ids, outputs[row])
+                for row, p in enumerate(params)
                 if p.bad_words_token_ids
             },
             logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias},

@@ -334,3 +334,26 @@ def test_interrupted_run_keeps_its_measurements_and_resume_finishes_it(models, t
     bad = subprocess.run([*argv[:-2], "--iters", "2", "--out", str(out), "--resume"],
                          env=env, capture_output=True, text=True)  # fmt: skip
     assert bad.returncode == 2 and "was run with other settings (iters)" in bad.stderr
+
+
+def test_fp8_and_fp8_kv_rows_parse(tmp_path):
+    """FP8 weights (`config:...:fp8`) and an FP8 KV cache per configuration; a bad KV type is
+    one clear error."""
+    from tests.helpers import tiny_config
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(tiny_config("qwen2").to_json_string())
+    spec = f"config:{cfg}"
+    ns = cli.build_parser().parse_args(
+        ["compare", spec, f"{spec}:fp8", f"{spec}:fp8", "--kv-cache-dtype", "auto,auto,fp8",
+         "--device", "cpu"]
+    )  # fmt: skip
+    jobs, _ = compare.build_jobs(ns)
+    assert [j.kv_cache_dtype for j in jobs] == ["auto", "auto", "fp8"]
+    assert compare_worker.CompareJob.from_dict(jobs[2].to_dict()).kv_cache_dtype == "fp8"
+    ns = cli.build_parser().parse_args(
+        ["compare", spec, "--kv-cache-dtype", "int8", "--device", "cpu"]
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="--kv-cache-dtype 'int8'"):
+        compare.build_jobs(ns)
+    assert compare_worker._scheme_name({"quant_method": "fp8"}).startswith("FP8_DYNAMIC")

@@ -10,6 +10,7 @@ TRITON_ONLY = [
     "test_triton_*.py",
     "test_wna16_gemv_bias_pdl.py",
     "test_fused_decode_attention.py",
+    "test_fp8_kv_cache.py",
     "test_sliding_window_attention.py",  # compares the Triton kernels with the windowed ref
 ]
 

@@ -251,6 +251,16 @@ class Metrics:
             _TOKEN_BUCKETS,
         )
         self.n_param = hist("vllm:request_params_n", "n of each request.", (), _N_BUCKETS)
+        # Speculative decoding, vLLM's names (counted when a request finishes).
+        self.spec_drafts = counter(
+            "vllm:spec_decode_num_drafts", "Verify steps that checked at least one draft token."
+        )
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed and verified."
+        )
+        self.spec_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens the target accepted."
+        )
         self._finished = Counter(
             "pagoda_requests_finished",
             "Finished requests (samples) by finish reason; abort: the client left.",
@@ -333,6 +343,11 @@ class RequestTracker:
                 m.tpot.observe((now - self.first_token) / (per_sample - 1))
             for c in out.outputs:
                 m.finished(c.finish_reason or "unknown")
+            rm = out.metrics
+            if rm is not None and rm.spec_num_steps:
+                m.spec_drafts.inc(rm.spec_num_steps)
+                m.spec_draft_tokens.inc(rm.spec_num_draft_tokens)
+                m.spec_accepted_tokens.inc(rm.spec_num_accepted_tokens)
 
     def close(self) -> None:
         """The consumer is done: a request that did not finish was aborted (client left)."""

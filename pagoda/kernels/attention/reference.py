@@ -3,7 +3,9 @@
 These are the correctness oracles for the Triton kernels in `triton_*.py` and the CPU backend.
 The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V);
 token slot = `block_id * block_size + offset`. Attention is computed in float32 and returned in
-the query dtype. `sliding_window` W (None = full attention) follows transformers: key j is
+the query dtype. An FP8 cache (float8_e4m3fn / float8_e5m2) stores K / scale_k and V / scale_v
+(per-layer scales; clamped to the format's largest value) and is read back as stored * scale.
+`sliding_window` W (None = full attention) follows transformers: key j is
 visible from query i iff i - W < j <= i; keys of blocks wholly before the window are not read
 (their block-table entries may be the null block). Only these references loop over sequences.
 """
@@ -20,6 +22,8 @@ def write_kv_cache_ref(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T'] int64, T' <= T; -1 = padding, not written
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write K/V of the first `len(slot_mapping)` tokens into their cache slots, in place."""
     num_tokens = slot_mapping.shape[0]
@@ -33,8 +37,23 @@ def write_kv_cache_ref(
     valid = slots >= 0
     # Mask instead of branching on `valid.all()` so no host sync is needed.
     idx = slots[valid]
-    k_flat.index_copy_(0, idx, key[valid].to(kv_cache.dtype))
-    v_flat.index_copy_(0, idx, value[valid].to(kv_cache.dtype))
+    k_new = to_cache_dtype(key[valid], kv_cache.dtype, k_scale)
+    v_new = to_cache_dtype(value[valid], kv_cache.dtype, v_scale)
+    if kv_cache.dtype in FP8_KV_DTYPES:  # index_copy_ has no FP8 kernels: copy the bytes
+        k_flat, v_flat, k_new, v_new = (t.view(torch.uint8) for t in (k_flat, v_flat, k_new, v_new))
+    k_flat.index_copy_(0, idx, k_new)
+    v_flat.index_copy_(0, idx, v_new)
+
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as the cache stores it: cast, or for FP8 x / scale clamped to the format's range."""
+    if dtype not in FP8_KV_DTYPES:
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
 
 
 def _gather_seq_kv(
@@ -87,6 +106,8 @@ def paged_attention_ref(
     scale: float,
     out: torch.Tensor | None = None,  # [>=T, H, D]; rows past the last query are untouched
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # FP8 cache: stored values times these
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's queries over its cached keys (prefix + new)."""
     check_sliding_window(sliding_window)
@@ -106,6 +127,8 @@ def paged_attention_ref(
         if sliding_window is not None:
             first_block = max(0, q_offset - sliding_window + 1) // block_size
         k, v = _gather_seq_kv(kv_cache, block_tables[b], seq_len, first_block)
+        if kv_cache.dtype in FP8_KV_DTYPES:
+            k, v = k.float() * k_scale, v.float() * v_scale
         out[start:end] = _attend(
             q[start:end], k, v, scale, q_offset, first_block * block_size, sliding_window
         ).to(out.dtype)
@@ -146,6 +169,8 @@ def fused_decode_attention_ref(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H*D]
     """The unfused decode path op for op: neox RoPE on q/k, cache write, paged attention.
 
@@ -162,6 +187,8 @@ def fused_decode_attention_ref(
         v.reshape(num_tokens, kv_heads, head_dim),
         kv_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
     )
     out = paged_attention_ref(
         q_rot.view(num_tokens, -1, head_dim),
@@ -171,5 +198,7 @@ def fused_decode_attention_ref(
         block_tables,
         scale,
         sliding_window=sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return out.view(num_tokens, -1)

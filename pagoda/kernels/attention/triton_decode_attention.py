@@ -112,7 +112,9 @@ def _fused_decode_attention_kernel(
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32, only when NUM_SPLITS > 1
     part_m_ptr,  # [T, H, NUM_SPLITS] fp32
     part_l_ptr,  # [T, H, NUM_SPLITS] fp32
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
+    k_scale,  # FP8 cache: K stored / k_scale (1.0 otherwise)
+    v_scale,  # FP8 cache: V stored / v_scale (1.0 otherwise)
     window,  # sliding window W (only read with SLIDING)
     num_heads,
     stride_qt,
@@ -148,6 +150,7 @@ def _fused_decode_attention_kernel(
     USE_PDL: tl.constexpr,  # programmatic dependent launch (pagoda/kernels/pdl.py)
     PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
     KV_PF_BYTES: tl.constexpr = 0,  # bytes of one cache block (all KV heads) to prefetch; 0: off
+    FP8_MAX: tl.constexpr = 0.0,  # an FP8 cache's largest value (0: the cache holds q's dtype)
 ):
     if USE_PDL and PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
@@ -221,11 +224,24 @@ def _fused_decode_attention_kernel(
     # Split 0 owns the new token: it writes the token's K/V to the cache (every split of the
     # group holds the same values; one store is enough). A scalar branch rather than a mask:
     # the interpreter turns `tensor & scalar` masks into int32, which tl.store rejects.
+    # An FP8 cache stores K / k_scale and V / v_scale; the new key and value then take part in
+    # this step as stored (what later steps read back), in stored units like the cached tiles:
+    # k_scale is folded into qk_scale, v_scale into the output.
+    if FP8_MAX > 0:
+        k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
+        v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        k_st = k_st.to(k_cache_ptr.dtype.element_ty)
+        v_st = v_st.to(v_cache_ptr.dtype.element_ty)
+        k_use = k_st.to(tl.float32)
+    else:
+        k_st = k_rot.to(k_cache_ptr.dtype.element_ty)
+        v_st = v_new.to(v_cache_ptr.dtype.element_ty)
+        k_use = k_rot
     if (split == 0) & (slot >= 0):
         c_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
         c_off += kv_head * stride_ch + offs_d * stride_cd
-        tl.store(k_cache_ptr + c_off, k_rot.to(k_cache_ptr.dtype.element_ty), mask=d_mask)
-        tl.store(v_cache_ptr + c_off, v_new.to(v_cache_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
+        tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
 
     # Race freedom: nothing in this launch reads the new token's slot. Programs of one launch
     # are unordered (the other splits of this group may run before split 0 stores), and even
@@ -236,11 +252,11 @@ def _fused_decode_attention_kernel(
     # alone: no cache access, a finite don't-care output. Split 0 always holds a key, as
     # `_split_kv_reduce_kernel` requires.
     first = (split == 0).to(tl.float32)
-    s_new = tl.sum(q_rot * k_rot[None, :], 1) * qk_scale  # [BLOCK_M], log2 domain
+    s_new = tl.sum(q_rot * k_use[None, :], 1) * qk_scale  # [BLOCK_M], log2 domain
     m_i = tl.where(split == 0, s_new, float("-inf"))
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + first
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    acc += (v_new.to(tl.float32) * first)[None, :]
+    acc += (v_st.to(tl.float32) * first)[None, :]
 
     if UPCAST_DOT:  # the interpreter multiplies bf16 dot operands as raw bits: stay float32
         q = q_rot
@@ -258,7 +274,7 @@ def _fused_decode_attention_kernel(
     )  # fmt: skip
 
     if NUM_SPLITS == 1:
-        o = acc / l_i[:, None]  # l_i >= 1: the largest-scoring key has weight exactly 1
+        o = acc * (v_scale / l_i[:, None])  # l_i >= 1: the top-scoring key has weight 1
         tl.store(
             out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
             o.to(out_ptr.dtype.element_ty),
@@ -269,7 +285,7 @@ def _fused_decode_attention_kernel(
         part = (tok * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] int64
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            acc,
+            acc * v_scale,
             mask=row_valid[:, None],
         )
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
@@ -328,6 +344,8 @@ def fused_decode_attention_triton(
     out: torch.Tensor | None = None,  # [T, H*D] with unit last stride
     sliding_window: int | None = None,  # None = full causal attention
     kv_prefetch: bool = True,  # sm_90: the splits' first cache blocks into the L2 pre-wait
+    k_scale: float = 1.0,  # FP8 cache (float8_e4m3fn / e5m2): K stored / k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
 
@@ -349,7 +367,10 @@ def fused_decode_attention_triton(
         raise ValueError(f"k and v must have {num_kv_heads} heads like kv_cache")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    if not (q.dtype == k.dtype == v.dtype == kv_cache.dtype):
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not fp8:
+        k_scale = v_scale = 1.0  # scales describe FP8 storage only (as in the reference)
+    if not (q.dtype == k.dtype == v.dtype and (fp8 or kv_cache.dtype == q.dtype)):
         raise ValueError(
             f"q, k, v and kv_cache must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
             f"{kv_cache.dtype}"
@@ -407,14 +428,15 @@ def fused_decode_attention_triton(
     _fused_decode_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         q3, k3, v3, positions, cos_cache, sin_cache, k_cache, v_cache,
         slot_mapping, seq_lens, block_tables, out3, part_acc, part_m, part_l,
-        scale * _LOG2E, sliding_window or 0, num_heads,
+        scale * _LOG2E * k_scale, float(k_scale), float(v_scale), sliding_window or 0,
+        num_heads,
         *q3.stride(), *k3.stride(), *v3.stride(), cos_cache.stride(0), sin_cache.stride(0),
         *k_cache.stride(), block_tables.stride(0), *out3.stride(),
         NUM_QUERIES_PER_KV=qpk, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
-        KV_PF_BYTES=kv_pf_bytes,
+        KV_PF_BYTES=kv_pf_bytes, FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q, early=True),
     )  # fmt: skip

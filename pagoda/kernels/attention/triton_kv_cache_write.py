@@ -30,10 +30,13 @@ def _write_kv_cache_kernel(
     stride_c_head,
     stride_c_dim,
     num_kv_heads,
+    k_scale,
+    v_scale,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # 0: not an FP8 cache (plain cast)
 ):
     tok = tl.program_id(0)
     head_tile = tl.program_id(1)
@@ -65,6 +68,9 @@ def _write_kv_cache_kernel(
         + offs_h[:, None] * stride_c_head
         + offs_d[None, :] * stride_c_dim
     )
+    if FP8_MAX > 0:  # FP8 cache: K / k_scale, V / v_scale, saturated to the format's range
+        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -74,6 +80,8 @@ def write_kv_cache_triton(
     value: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [2, N, bs, Hkv, D]
     slot_mapping: torch.Tensor,  # [T'] int64, T' <= T; -1 = padding, not written
+    k_scale: float = 1.0,  # FP8 caches store K / k_scale, V / v_scale
+    v_scale: float = 1.0,
 ) -> None:
     """Write K/V of the first `len(slot_mapping)` tokens into their cache slots, in place.
 
@@ -106,7 +114,10 @@ def write_kv_cache_triton(
         *value.stride(),
         *kv_cache.stride(),
         num_kv_heads,
+        float(k_scale) if kv_cache.element_size() == 1 else 1.0,
+        float(v_scale) if kv_cache.element_size() == 1 else 1.0,
         BLOCK_SIZE=block_size,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_cache.element_size() == 1 else 0.0,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_H=block_h,

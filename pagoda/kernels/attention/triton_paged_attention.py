@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.attention.reference import FP8_KV_DTYPES as _FP8_KV
 from pagoda.kernels.attention.reference import check_sliding_window
 from pagoda.kernels.pdl import pdl_launch_args
 
@@ -99,9 +100,10 @@ def _attn_tile(
     else:
         k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-    if UPCAST_DOT:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    # An FP8 cache is read as q's type (its scales are folded into qk_scale and the output);
+    # with UPCAST_DOT q is float32 already. A no-op when the cache holds q's dtype.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
 
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] log2 domain
     if MASKED:
@@ -188,6 +190,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     qk_scale,
+    v_scale,  # FP8 cache: V is stored / v_scale (1.0 otherwise)
     window,  # sliding window W (only read with SLIDING)
     num_seqs,
     num_heads,
@@ -287,7 +290,7 @@ def _paged_attention_kernel(
 
     if NUM_SPLITS == 1:
         # Every valid row saw its own key, so l_i > 0 there.
-        o = acc / l_i[:, None]
+        o = acc * (v_scale / l_i[:, None])
         tl.store(
             out_ptr
             + tok[:, None] * stride_ot
@@ -302,7 +305,7 @@ def _paged_attention_kernel(
         part = (tok * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] int64
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-            acc,
+            acc * v_scale,
             mask=row_valid[:, None],
         )
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
@@ -455,6 +458,7 @@ def warm_up_mixed_steps(
     scale: float,
     max_model_len: int,
     sliding_window: int | None = None,
+    q_dtype: torch.dtype | None = None,  # the model's dtype (None: the cache's)
 ) -> int:
     """Compile every `mixed_step_variants` kernel now, on one dummy sequence over the null
     block, so that no step compiles one while requests wait; returns the launches made."""
@@ -462,7 +466,7 @@ def warm_up_mixed_steps(
     dev = kv_cache.device
     variants = mixed_step_variants(num_heads // num_kv_heads, max_model_len, sliding_window)
     for q_len, kv_len in variants:
-        q = torch.zeros((q_len, num_heads, head_dim), dtype=kv_cache.dtype, device=dev)
+        q = torch.zeros((q_len, num_heads, head_dim), dtype=q_dtype or kv_cache.dtype, device=dev)
         table = torch.zeros((1, -(-kv_len // block_size)), dtype=torch.int32, device=dev)
         paged_attention_triton(
             q,
@@ -490,8 +494,13 @@ def paged_attention_triton(
     out: torch.Tensor | None = None,  # [>=T, H, D]; rows past the last query are untouched
     num_splits: int | None = None,  # None = automatic; 1 = never split; > 1 forces split-KV
     sliding_window: int | None = None,  # None = full causal attention
+    k_scale: float = 1.0,  # FP8 cache (float8_e4m3fn / e5m2): K = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal paged attention for a batch mixing prefill chunks (with cached prefix) and decodes.
+
+    An FP8 cache's tiles are converted to q's dtype as they are loaded; k_scale folds into the
+    softmax scale and v_scale into the output, so the inner loop does no extra multiply.
 
     Query i of sequence b sits at position `seq_lens[b] - q_len_b + i` and sees keys at positions
     <= its own (and > its own - sliding_window). The launch grid depends only on shapes and the
@@ -508,8 +517,10 @@ def paged_attention_triton(
         raise ValueError(f"head_dim mismatch: q has {head_dim}, kv_cache {cache_head_dim}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    if kv_cache.dtype != q.dtype:
+    if kv_cache.dtype != q.dtype and kv_cache.dtype not in _FP8_KV:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype}")
+    if kv_cache.dtype not in _FP8_KV:
+        k_scale = v_scale = 1.0  # scales describe FP8 storage only (as in the reference)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
         raise ValueError(
@@ -565,7 +576,8 @@ def paged_attention_triton(
         query_start_loc,
         seq_lens,
         block_tables,
-        scale * _LOG2E,
+        scale * _LOG2E * k_scale,
+        float(v_scale),
         sliding_window or 0,
         num_seqs,
         num_heads,

@@ -89,8 +89,8 @@ def _takes_no_value(flag: str) -> bool:
 
 
 def test_value_checked_flags(capsys):
-    ns = _parser().parse_args(["serve", "-pp", "1", "--kv-cache-dtype", "auto"])
-    assert ns.vllm_pipeline_parallel_size == "1" and ns.vllm_kv_cache_dtype == "auto"
+    ns = _parser().parse_args(["serve", "-pp", "1", "--scheduling-policy", "fcfs"])
+    assert ns.vllm_pipeline_parallel_size == "1" and ns.vllm_scheduling_policy == "fcfs"
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--pipeline-parallel-size", "2"])
     err = capsys.readouterr().err
@@ -146,10 +146,10 @@ def test_llm_keyword_arguments():
     tables = (vc.VALUE_CHECKED, vc.EQUIVALENT, vc.REFUSED, vc.LLM_ONLY_REFUSED, vc.LLM_SERVER_ONLY)
     for name in set(DATA["llm_parameters"]) | set(DATA["engine_args_fields"]):
         assert name in supported or any(name in t for t in tables), name
-    with pytest.raises(ValueError, match=r"LLM\(speculative_config=...\) \(a vLLM argument\)"):
-        vc.check_llm_kwargs({"speculative_config": {}}, supported)
-    with pytest.raises(ValueError, match="accepted: auto"):
-        vc.check_llm_kwargs({"kv_cache_dtype": "fp8"}, supported)
-    assert vc.check_llm_kwargs({"kv_cache_dtype": "auto", "seed": 1}, supported) == {"seed": 1}
+    with pytest.raises(ValueError, match=r"LLM\(enable_sleep_mode=...\) \(a vLLM argument\)"):
+        vc.check_llm_kwargs({"enable_sleep_mode": True}, supported)
+    with pytest.raises(ValueError, match="accepted: fcfs"):
+        vc.check_llm_kwargs({"scheduling_policy": "priority"}, supported)
+    assert vc.check_llm_kwargs({"scheduling_policy": "fcfs", "seed": 1}, supported) == {"seed": 1}
     with pytest.raises(TypeError, match="unknown argument 'max_num_sequences'"):
         vc.check_llm_kwargs({"max_num_sequences": 4}, supported)

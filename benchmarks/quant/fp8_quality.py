@@ -1,0 +1,139 @@
+"""FP8 quality on the CPU with real weights: perplexity of full precision, FP8_DYNAMIC W8A8 and
+FP8 KV caches (calibrated e4m3, uncalibrated e5m2) on held-out text.
+
+W8A8: the dense checkpoint quantized at load (`quantization="fp8"`: per-channel e4m3 weights)
+and every FP8 layer switched to `Fp8W8A8Reference`, which rounds activations per token as the
+FP8 tensor cores' path does (the CPU's default kernel would not round them). FP8 KV: each
+attention layer's K and V go through exactly the cache's round trip (stored as
+clamp(x / scale) in the FP8 type, read back as stored * scale) before attention, via a pre-hook
+on `Attention` (the no-cache scoring path has no cache to store into). Calibrated scales:
+max |k| / 448 and max |v| / 448 per layer over `--calib-windows` windows of the calibration
+text (a different file than the held-out text). One process, the same token windows for every
+row. Usage: python benchmarks/quant/fp8_quality.py MODEL --heldout F --calib F --out R.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from pagoda.bench.perplexity import perplexity_of_model
+from pagoda.engine.args import EngineArgs
+from pagoda.kernels.attention.reference import to_cache_dtype
+from pagoda.layers.attention import Attention
+from pagoda.layers.fp8_linear import Fp8LinearMethod
+from pagoda.layers.linear import LinearBase
+from pagoda.model_files import load_tokenizer
+from pagoda.models.loader import load_model
+from pagoda.quantizer.fp8 import KVScaleObserver
+
+
+def _load(model: str, quantization: str | None):
+    source, config, *_ = EngineArgs(
+        model=model, device="cpu", dtype="float32", quantization=quantization
+    ).create_configs()
+    return load_model(config, "cpu"), source
+
+
+def _kv_round_trip(model, dtype: torch.dtype, scales: dict[str, tuple[float, float]] | None):
+    handles = []
+    for name, m in model.named_modules():
+        if not isinstance(m, Attention):
+            continue
+        ks, vs = scales[name] if scales else (1.0, 1.0)
+
+        def hook(_m, args, ks=ks, vs=vs):
+            q, k, v, meta = args
+            k = to_cache_dtype(k, dtype, ks).to(k.dtype) * ks
+            v = to_cache_dtype(v, dtype, vs).to(v.dtype) * vs
+            return q, k, v, meta
+
+        handles.append(m.register_forward_pre_hook(hook))
+    return handles
+
+
+def _calibrate_kv(model, ids: list[int], window: int, n: int) -> dict[str, tuple[float, float]]:
+    obs = KVScaleObserver()
+    names = [name for name, m in model.named_modules() if isinstance(m, Attention)]
+    for name in names:
+        obs.watch(model.get_submodule(name), name)
+    with torch.no_grad():
+        for i in range(n):
+            chunk = torch.tensor(ids[i * window : (i + 1) * window])
+            if len(chunk) < 2:
+                break
+            model(chunk, torch.arange(len(chunk)))
+    obs.remove()
+    out = {}
+    for name in names:
+        s = obs.scales(name, torch.float32)
+        out[name] = (s["k_scale"].item(), s["v_scale"].item())
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("--heldout", required=True)
+    p.add_argument("--calib", required=True)
+    p.add_argument("--max-tokens", type=int, default=20480)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--calib-windows", type=int, default=16)
+    p.add_argument("--out", required=True)
+    ns = p.parse_args()
+    # one thread: on a shared CPU, OpenMP workers spin-waiting for each other slow every op
+    torch.set_num_threads(1)
+
+    dense, source = _load(ns.model, None)
+    tokenizer = load_tokenizer(source)
+    heldout = Path(ns.heldout).read_text(encoding="utf-8")
+    ids = list(tokenizer(heldout, add_special_tokens=False)["input_ids"])[: ns.max_tokens]
+    calib = Path(ns.calib).read_text(encoding="utf-8")[:400_000]
+    calib_ids = list(tokenizer(calib, add_special_tokens=False)["input_ids"])
+    rows = {}
+
+    def score(label: str, model) -> None:
+        t0 = time.perf_counter()
+        nll, count = perplexity_of_model(model, ids, ns.window, ns.window, torch.device("cpu"))
+        rows[label] = {"perplexity": math.exp(nll), "nll": nll, "scored": count}
+        rows[label]["seconds"] = time.perf_counter() - t0
+        print(label, json.dumps(rows[label]), flush=True)
+
+    score("full precision (float32)", dense)
+    scales = _calibrate_kv(dense, calib_ids, ns.window, ns.calib_windows)
+    for label, dtype, sc in (
+        ("FP8 KV e4m3, calibrated scales", torch.float8_e4m3fn, scales),
+        ("FP8 KV e5m2, scales 1.0", torch.float8_e5m2, None),
+    ):
+        handles = _kv_round_trip(dense, dtype, sc)
+        score(label, dense)
+        for h in handles:
+            h.remove()
+    del dense
+    fp8, _ = _load(ns.model, "fp8")
+    for layer in fp8.modules():
+        if isinstance(layer, LinearBase) and isinstance(layer.linear_method, Fp8LinearMethod):
+            layer.linear_method.use_w8a8_reference(layer)
+    score("FP8_DYNAMIC W8A8 (weights per channel, activations per token)", fp8)
+    base = rows["full precision (float32)"]["perplexity"]
+    for r in rows.values():
+        r["ratio"] = r["perplexity"] / base
+    result = {
+        "model": ns.model,
+        "heldout": ns.heldout,
+        "tokens": len(ids),
+        "window": ns.window,
+        "kv_scales": {k: list(v) for k, v in scales.items()},
+        "rows": rows,
+    }
+    with open(ns.out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

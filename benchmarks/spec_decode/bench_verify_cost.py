@@ -1,0 +1,287 @@
+"""Speculative decoding on the GPU: verification cost and a known-acceptance end-to-end run.
+
+1. Cost of a verify step (query length 1 + k per sequence, k = 0..8) relative to a plain decode
+   step, at several batch sizes, on random weights of a real shape (`config:...json[:w4a16]`):
+   the engine's own step (`ModelRunner.launch` + rejection sampling: eager for k >= 1, the
+   captured decode graph for k = 0), and the same forward replayed from a CUDA graph captured
+   here for each query length (what verification costs once it runs in graphs).
+2. End to end, labelled as such: a proposer that replays the target's own greedy continuation
+   with each draft token corrupted at a set rate (known acceptance), against plain decoding on
+   a separate engine with the default (async) loop. Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.sampling_params import SamplingParams as SP
+from pagoda.step import ScheduledRequest, SchedulerOutput
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time(fn, iters: int) -> float:
+    fn()
+    fn()
+    _sync()
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def verify_costs(llm: LLM, batches: list[int], ks: list[int], ctx: int, iters: int) -> list[dict]:
+    runner = llm.llm_engine.core.runner
+    bs = runner.block_size
+    greedy = SP(temperature=0.0, max_tokens=1000)
+    rows = []
+    for batch in batches:
+        blocks_per_seq = -(-(ctx + 9) // bs)
+        if 1 + batch * blocks_per_seq > llm.llm_engine.core.kv_cache_manager.num_free_blocks:
+            print(f"batch {batch}: KV cache too small, skipped", flush=True)
+            continue
+        block_ids = [
+            list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)
+        ]
+        rng = random.Random(batch)
+        tokens = [[rng.randrange(100, 10000) for _ in range(ctx + 9)] for _ in range(batch)]
+        base = None
+        for k in ks:
+            reqs = [
+                ScheduledRequest(
+                    req_id=f"b{batch}k{k}r{i}",
+                    all_token_ids=tokens[i][: ctx + 1],
+                    num_computed_tokens=ctx,
+                    num_new_tokens=1 + k,
+                    block_ids=block_ids[i],
+                    sampling_params=greedy,
+                    prompt_len=ctx,
+                    output_token_ids=[],
+                    do_sample=True,
+                    spec_token_ids=tokens[i][ctx + 1 : ctx + 1 + k],
+                )
+                for i in range(batch)
+            ]
+            sched = SchedulerOutput(reqs, batch * (1 + k))
+            step = _time(lambda sched=sched: runner.launch(sched).result(), iters)
+            graph = _graph_forward_time(runner, reqs, ctx, k, iters)
+            if base is None:
+                base = step
+            row = dict(
+                batch=batch,
+                k=k,
+                engine_step_s=step,
+                engine_step_ratio=step / base,
+                graph_forward_s=graph,
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        g0 = next(r["graph_forward_s"] for r in rows if r["batch"] == batch and r["k"] == 0)
+        for r in rows:
+            if r["batch"] == batch and r["graph_forward_s"] is not None and g0:
+                r["graph_forward_ratio"] = r["graph_forward_s"] / g0
+    return rows
+
+
+_GRAPHS_OK = [True]
+
+
+def _graph_forward_time(runner, reqs, ctx: int, k: int, iters: int) -> float | None:
+    """Forward + LM head of all 1 + k rows per sequence, replayed from a CUDA graph captured
+    for this exact step (fixed lengths): the cost verification has once it runs in graphs."""
+    if not torch.cuda.is_available() or not _GRAPHS_OK[0]:
+        return None
+    n = len(reqs)
+    num_new = [1 + k] * n
+    num_tokens = n * (1 + k)
+    arrays = runner._prepare_arrays([ctx] * n, num_new, [r.block_ids for r in reqs], num_tokens)
+    md = runner._build_metadata([ctx] * n, num_new, [], num_tokens, arrays)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=runner.device)
+    pos = torch.from_numpy(arrays["positions"]).to(runner.device)
+    model = runner.model
+
+    def fwd():
+        return model.compute_logits(model(ids, pos, md))
+
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.inference_mode():
+            fwd()
+            fwd()
+        torch.cuda.current_stream().wait_stream(s)
+        _sync()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            fwd()
+        t = _time(graph.replay, iters)
+        del graph
+        return t
+    except Exception as e:  # a kernel that cannot be captured: report, do not hide
+        print(f"graph capture failed for k={k}: {e!r}; no more captures", flush=True)
+        _GRAPHS_OK[0] = False
+        return None
+
+
+class ReplayProposer:
+    """Drafts = the target's own greedy continuation from here, each token replaced by another
+    with probability `corruption`: a proposer of known acceptance (benchmark only)."""
+
+    def __init__(self, k: int, reference: dict[tuple, list[int]], corruption: float, seed: int):
+        self.k = k
+        self.reference = reference  # prompt tuple -> greedy continuation
+        self.corruption = corruption
+        self.rng = random.Random(seed)
+
+    def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
+        k = self.k if k is None else k
+        for prompt, cont in self.reference.items():
+            n = len(prompt)
+            if tuple(token_ids[:n]) == prompt:
+                done = len(token_ids) - n
+                out = cont[done : done + k]
+                return [t if self.rng.random() >= self.corruption else (t + 1) % 10000 for t in out]
+        return []
+
+
+def end_to_end(
+    model: str,
+    batches: list[int],
+    k: int,
+    corruptions: list[float],
+    prompt_len: int,
+    output_len: int,
+    max_model_len: int,
+) -> list[dict]:
+    common = dict(
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+        max_model_len=max_model_len,
+        skip_tokenizer_init=True,
+        max_num_seqs=max(batches),
+        print_memory_report=False,
+    )
+    # the second engine's budget counts the first's memory as in use: 0.4 + 0.4 of the device
+    plain = LLM(model, gpu_memory_utilization=0.4, **common)
+    spec = LLM(
+        model,
+        speculative_config={"method": "ngram", "num_speculative_tokens": k},
+        gpu_memory_utilization=0.8,
+        **common,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    rows = []
+    for batch in batches:
+        rng = random.Random(batch)
+        prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(batch)]
+        plain.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
+        t = time.perf_counter()
+        ref = plain.generate(prompts, params, use_tqdm=False)
+        t_plain = time.perf_counter() - t
+        reference = {tuple(p): r.outputs[0].token_ids for p, r in zip(prompts, ref, strict=True)}
+        for c in corruptions:
+            core = spec.llm_engine.core
+            core.proposer = ReplayProposer(k, reference, c, seed=batch)
+            core.kv_cache_manager.reset_prefix_cache()
+            spec.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+            t = time.perf_counter()
+            out = spec.generate(prompts, params, use_tqdm=False)
+            t_spec = time.perf_counter() - t
+            same = all(
+                a.outputs[0].token_ids == b.outputs[0].token_ids
+                for a, b in zip(ref, out, strict=True)
+            )
+            steps = sum(o.metrics.spec_num_steps for o in out)
+            acc = sum(o.metrics.spec_num_accepted_tokens for o in out)
+            row = dict(
+                batch=batch,
+                k=k,
+                corruption=c,
+                plain_s=t_plain,
+                spec_s=t_spec,
+                speedup=t_plain / t_spec,
+                mean_accepted_length=1 + acc / steps if steps else None,
+                greedy_identical=same,
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        plain.llm_engine.core.kv_cache_manager.reset_prefix_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--models", nargs="+", required=True)
+    p.add_argument("--batches", default="1,8,32,128")
+    p.add_argument("--ks", default="0,1,2,3,4,5,6,7,8")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--e2e-model", default=None, help="model of the known-acceptance run")
+    p.add_argument("--e2e-batches", default="1,8,32")
+    p.add_argument("--e2e-k", type=int, default=4)
+    p.add_argument("--e2e-corruptions", default="0,0.2,0.5,1.0")
+    p.add_argument("--e2e-output-len", type=int, default=128)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--out", required=True)
+    ns = p.parse_args()
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(x) for x in ns.batches.split(",")]
+    ks = [int(x) for x in ns.ks.split(",")]
+    env = dict(
+        commit=ns.commit,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+    )
+    for model in ns.models:
+        llm = LLM(
+            model,
+            dtype="bfloat16" if torch.cuda.is_available() else "float32",
+            max_model_len=ns.ctx + 64,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=max(batches) * 9 + 64,
+            gpu_memory_utilization=0.5,
+            skip_tokenizer_init=True,
+            print_memory_report=False,
+        )
+        rows = verify_costs(llm, batches, ks, ns.ctx, ns.iters)
+        name = model.replace("config:benchmarks/configs/", "").replace("/", "_").replace(":", "_")
+        (out / f"verify_{name}.json").write_text(
+            json.dumps(dict(env, model=model, ctx=ns.ctx, rows=rows), indent=1)
+        )
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if ns.e2e_model:
+        rows = end_to_end(
+            ns.e2e_model,
+            [int(x) for x in ns.e2e_batches.split(",")],
+            ns.e2e_k,
+            [float(x) for x in ns.e2e_corruptions.split(",")],
+            ns.ctx,
+            ns.e2e_output_len,
+            ns.ctx + ns.e2e_output_len + 64,
+        )
+        (out / "e2e_known_acceptance.json").write_text(
+            json.dumps(dict(env, model=ns.e2e_model, rows=rows), indent=1)
+        )
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    main()

@@ -1,0 +1,52 @@
+"""Derived end-to-end speed-up of n-gram speculation from GPU step costs and CPU acceptance.
+
+Per kind of prompt (acceptance_cpu.py on real weights: verify steps with their accepted counts,
+steps that found no draft) and per model / batch (bench_verify_cost.py on the GPU): a step with
+drafts costs the verify forward replayed from a graph of query length 1 + k plus the engine's
+per-step overhead measured at k = 0 (engine step - graph forward); a step without drafts costs
+a plain decode step. Speed-up = plain time per token / speculative time per token. Assumes the
+acceptance of the 135M model on these prompts; a larger target accepts at least as often.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--acceptance", required=True)
+    p.add_argument("--verify", nargs="+", required=True)
+    p.add_argument("--k", type=int, default=4)
+    ns = p.parse_args()
+    acc = json.loads(Path(ns.acceptance).read_text())["acceptance"]
+    k = str(ns.k)
+    print(f"| model | batch | {' | '.join(acc)} |")
+    print("|---|---:|" + "---:|" * len(acc))
+    for path in ns.verify:
+        d = json.loads(Path(path).read_text())
+        rows = d["rows"]
+        for b in sorted({r["batch"] for r in rows}):
+            by_k = {r["k"]: r for r in rows if r["batch"] == b}
+            if ns.k not in by_k or by_k[ns.k].get("graph_forward_s") is None:
+                continue
+            t0 = by_k[0]["engine_step_s"]
+            overhead = t0 - by_k[0]["graph_forward_s"]
+            tv = by_k[ns.k]["graph_forward_s"] + overhead
+            cells = []
+            for kind in acc.values():
+                tps = kind["by_k"][k]["tokens_per_step"]
+                verify = kind["verify_steps"]
+                plain = kind["steps_without_draft"]
+                steps = verify + plain
+                # tokens per step = tps; time per step = mix of verify and plain steps
+                t_step = (verify * tv + plain * t0) / steps
+                cells.append(f"{tps * t0 / t_step:.2f}×")
+            name = d["model"].replace("config:benchmarks/configs/", "")
+            print(f"| {name} | {b} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""FP8 linear kernels: activation quantization, the FP8-weight GEMV and cuBLASLt's FP8 GEMM.
+
+Oracles are the torch references of `pagoda/kernels/fp8/ops.py` (exact e4m3 products, fp32
+accumulation). The Triton interpreter's e4m3 *stores* round wrongly (-124.3 -> -64 where the
+nearest e4m3 value is -128), so the quantization kernel is tested on the GPU only; its loads
+(e4m3 -> fp32) are exact, so the GEMV runs on the CPU too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.kernels.fp8.ops import (
+    FP8_MAX,
+    per_token_quant_ref,
+    scaled_mm,
+    scaled_mm_ref,
+    static_quant_ref,
+)
+from pagoda.kernels.fp8.triton_gemv import fp8_gemv, fp8_gemv_ref
+
+
+def _weights(n: int, k: int, device: str = "cpu", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 100).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    s = torch.rand(n, generator=g) * 1e-3 + 1e-4
+    return w.to(device), s.to(device)
+
+
+def test_per_token_quant_ref_round_trips_within_half_an_e4m3_step():
+    x = torch.randn(7, 96) * torch.logspace(-3, 2, 7)[:, None]
+    q, s = per_token_quant_ref(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (7, 1)
+    # each row's largest |x| maps to exactly 448; e4m3 has 3 mantissa bits: relative error of a
+    # normal value <= 2^-4
+    assert torch.allclose(q.float().abs().amax(1), torch.full((7,), FP8_MAX))
+    err = (q.float() * s - x).abs()
+    assert torch.all(err <= x.abs() * 2**-4 + s * 2**-9)  # + the subnormal step 2^-9 * s
+
+
+def test_all_zero_row_gets_a_finite_scale():
+    q, s = per_token_quant_ref(torch.zeros(2, 32))
+    assert torch.all(s > 0) and torch.all(q.float() == 0)
+
+
+@pytest.mark.parametrize("n,k,bias", [(40, 200, True), (64, 1024, False), (33, 96, True)])
+def test_fp8_gemv_matches_reference(n, k, bias):
+    w, s = _weights(n, k)
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    got = fp8_gemv(x, w, s, b, block_k=64)
+    want = fp8_gemv_ref(x, w, s, b)
+    # same fp32 products, another summation order: at most one bf16 step apart (one unit in the
+    # 8th significant bit: 2^-7 relative at the bottom of a binade)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_fp8_gemv_rejects_bad_operands():
+    w, s = _weights(16, 32)
+    with pytest.raises(ValueError, match="M == 1"):
+        fp8_gemv(torch.randn(2, 32, dtype=torch.bfloat16), w, s)
+    with pytest.raises(ValueError, match="w_scale"):
+        fp8_gemv(torch.randn(1, 32, dtype=torch.bfloat16), w, s.half())
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(1, 3584), (37, 18944), (128, 2048)])
+def test_quant_kernel_matches_reference_on_gpu(m, k):
+    if not _fp8_gpu():
+        pytest.skip("needs sm_89+")
+    from pagoda.kernels.fp8.triton_quant import quant_fp8_triton
+
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = quant_fp8_triton(x)
+    qr, sr = per_token_quant_ref(x)
+    torch.testing.assert_close(s, sr, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    st = torch.tensor([0.01], device="cuda")
+    q2, s2 = quant_fp8_triton(x, st)
+    assert torch.equal(q2.view(torch.uint8), static_quant_ref(x, st).view(torch.uint8))
+    assert s2.shape == (m, 1) and torch.all(s2 == 0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 4608, 3584), (64, 3584, 18944), (200, 512, 256)])
+def test_scaled_mm_matches_reference_on_gpu(m, n, k):
+    if not _fp8_gpu():
+        pytest.skip("needs sm_89+")
+    w, s = _weights(n, k, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    xq, xs = per_token_quant_ref(x)
+    got = scaled_mm(xq, xs, w, s.view(1, n), b, torch.bfloat16)
+    want = scaled_mm_ref(xq, xs, w, s, b, torch.bfloat16)
+    # exact products, fp32 accumulation in another order, one bf16 rounding
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_gemv_on_gpu():
+    if not _fp8_gpu():
+        pytest.skip("needs sm_89+")
+    w, s = _weights(3584, 18944, "cuda")
+    x = torch.randn(1, 18944, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        fp8_gemv(x, w, s).float(), fp8_gemv_ref(x, w, s, None).float(), rtol=2**-7, atol=1e-2
+    )

@@ -1,0 +1,78 @@
+"""FP8 linear layers on the GPU: the registry's kernels against the torch references, layer by
+layer on llmcompressor's fixtures (bf16 model).
+
+On sm_90 a loaded FP8 checkpoint runs the FP8-weight GEMV at one row (W8A16 math: the row is
+not rounded to e4m3) and cuBLASLt's FP8 GEMM (per-token or static activation scales) above; on
+sm_89 the GEMM everywhere. The references compute the same e4m3 products in float32; the
+kernels accumulate in fp32 in another order and round once to bf16: rtol 2^-7 (one bf16 step).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.engine.args import EngineArgs
+from pagoda.kernels.fp8.triton_gemv import fp8_gemv_ref
+from pagoda.layers.fp8_linear import Fp8LinearMethod, Fp8W8A8Reference
+from pagoda.layers.linear import LinearBase
+from pagoda.models.loader import load_model
+from tests.quant.test_fp8 import FP8_FIXTURES
+
+
+def _gpu_model(name: str):
+    _, config, *_ = EngineArgs(
+        model=str(FP8_FIXTURES / name), dtype="bfloat16", device="cuda"
+    ).create_configs()
+    return load_model(config, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["dynamic", "static"])
+def test_fp8_layers_on_gpu_match_references(name: str) -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores (sm_89+)")
+    model = _gpu_model(name)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = [
+        m
+        for m in model.modules()
+        if isinstance(m, LinearBase) and isinstance(m.linear_method, Fp8LinearMethod)
+    ]
+    assert len(layers) == 8
+    for layer in layers:
+        assert layer.fp8_backend == "fp8"
+        assert layer.fp8_kernels.names == (
+            ("fp8_gemv", "fp8_scaled_mm") if hopper else ("fp8_scaled_mm",)
+        )
+        for m in (1, 5, 64):
+            x = torch.randn(m, layer.in_features, device="cuda", generator=g).bfloat16()
+            got = layer(x).float()
+            if m == 1 and hopper:
+                want = fp8_gemv_ref(x, layer.weight, layer.weight_scale, layer.bias).float()
+            else:
+                want = Fp8W8A8Reference.apply(layer, x, layer.bias).float()
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_fp8_engine_graphs_match_eager() -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores (sm_89+)")
+    from pagoda import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3]}, {"prompt_token_ids": [250, 42]}]
+    outs = []
+    for eager in (False, True):  # one engine at a time: each sizes its cache from free memory
+        llm = LLM(
+            str(FP8_FIXTURES / "dynamic"),
+            dtype="bfloat16",
+            gpu_memory_utilization=0.2,
+            enforce_eager=eager,
+            print_memory_report=False,
+        )
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        llm.shutdown()
+    assert outs[0] == outs[1]
