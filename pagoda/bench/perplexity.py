@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from pagoda.entrypoints.cli_args import add_model_arg
+
 
 @dataclass
 class PerplexityResult:
@@ -131,12 +133,7 @@ def evaluate(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="model directory or .gguf (default: the embedded SmolLM2)",
-    )
+    add_model_arg(parser, help="model directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--text", required=True, help="UTF-8 text file to score")
     parser.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")
     parser.add_argument("--window", type=int, default=512)

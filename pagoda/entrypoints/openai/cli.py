@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)",
         description="Serve a model over the OpenAI API. Stop with Ctrl-C (SIGINT) or SIGTERM.",
     )
-    add_engine_args(p, model_positional=True)
+    add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
