@@ -7,6 +7,8 @@ fully offline. User mistakes end with a one-line `error: ...` and exit code 2, n
 from __future__ import annotations
 
 import argparse
+import base64
+import mimetypes
 import os
 import sys
 from typing import Any
@@ -68,20 +70,29 @@ def _image_messages(ns: argparse.Namespace, text: str) -> Any:
 
 
 def _image_url(source: str) -> str:
-    """data:, http(s):// and file:// URLs as given; a local path must exist (checked here,
-    before the model loads, so a typo costs nothing)."""
+    """data:, http(s):// and file:// URLs as given; a local file becomes a data: URL (checked
+    here, before the model loads, so a typo costs nothing)."""
     if source.startswith(("data:", "http://", "https://", "file://")):
         return source
     if not os.path.isfile(source):
         raise ValueError(f"--image {source!r}: no such file (a path, or a data:/http(s) URL)")
-    return os.path.abspath(source)
+    mime = mimetypes.guess_type(source)[0] or "application/octet-stream"
+    with open(source, "rb") as f:
+        return f"data:{mime};base64,{base64.b64encode(f.read()).decode()}"
 
 
-def _check_images(ns: argparse.Namespace, llm: Any) -> None:
-    if ns.image and llm.llm_engine.model_config.multimodal is None:
-        name = llm.llm_engine.source.name
+def _check_images(ns: argparse.Namespace) -> None:
+    """--image: every path exists and the model reads images, before anything loads."""
+    if not ns.image:
+        return
+    for src in ns.image:
+        _image_url(src)
+    from pagoda.model_files import load_hf_config, resolve_model
+
+    source = resolve_model(ns.model)
+    if getattr(load_hf_config(source, lazy=True), "vision_config", None) is None:
         raise ValueError(
-            f"--image needs a vision-language model; {name} reads text only "
+            f"--image needs a vision-language model; {source.name} reads text only "
             "(e.g. pagoda chat ./Qwen2.5-VL-3B-Instruct --image photo.jpg)"
         )
 
@@ -92,15 +103,12 @@ def _llm_for(ns: argparse.Namespace) -> Any:
     kwargs = engine_kwargs(ns)
     if any(src.startswith(("http://", "https://")) for src in ns.image or []):
         kwargs["allow_remote_images"] = True  # the user named the URL on the command line
-    llm = LLM(**kwargs)
-    _check_images(ns, llm)
-    return llm
+    return LLM(**kwargs)
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
     _split_generate_words(ns)
-    for src in ns.image or []:
-        _image_url(src)
+    _check_images(ns)
     params = _sampling_params(ns)
     llm = _llm_for(ns)
     if ns.image:
@@ -126,8 +134,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 def _cmd_chat(ns: argparse.Namespace) -> int:
     ns.model = None if ns.model == "default" else ns.model
-    for src in ns.image or []:
-        _image_url(src)
+    _check_images(ns)
     params = _sampling_params(ns)
     llm = _llm_for(ns)
     history: list[dict[str, Any]] = []
