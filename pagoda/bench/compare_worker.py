@@ -506,12 +506,16 @@ def _greedy_answers(llm: Any) -> dict[str, Any] | None:
     compares them with the reference configuration's."""
     from pagoda.sampling_params import SamplingParams
 
-    if llm.get_tokenizer() is None:
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
         return None
     progress(f"greedy answers: {len(GREEDY_QUESTIONS)} questions, {GREEDY_MAX_TOKENS} tokens")
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_MAX_TOKENS)
-    chats = [[{"role": "user", "content": q}] for q in GREEDY_QUESTIONS]
-    outs = [r.outputs[0] for r in llm.chat(chats, params, use_tqdm=False)]
+    if getattr(tokenizer, "chat_template", None):
+        chats = [[{"role": "user", "content": q}] for q in GREEDY_QUESTIONS]
+        outs = [r.outputs[0] for r in llm.chat(chats, params, use_tqdm=False)]
+    else:  # a base model: the questions as plain prompts
+        outs = [r.outputs[0] for r in llm.generate(list(GREEDY_QUESTIONS), params, use_tqdm=False)]
     return {
         "max_tokens": GREEDY_MAX_TOKENS,
         "questions": list(GREEDY_QUESTIONS),
