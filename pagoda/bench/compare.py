@@ -63,7 +63,7 @@ CPU_DEFAULTS = {
     "max_model_len": 512,
     "prompt_len": 64,
     "output_len": 16,
-    "batch_sizes": "1,4",
+    "batch_sizes": "1",
     "iters": 1,
     "throughput_requests": 0,
     "ppl_window": 512,

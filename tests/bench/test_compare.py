@@ -268,7 +268,7 @@ def test_defaults_follow_the_device_and_help_says_so(capsys):
     ns.iters = 3  # given by the user: kept
     assert compare.apply_device_defaults(ns) == "cpu"
     assert ns.iters == 3 and ns.prompt_len == compare.CPU_DEFAULTS["prompt_len"] == 64
-    assert ns.batch_sizes == "1,4" and ns.throughput_requests == 0
+    assert ns.batch_sizes == "1" and ns.throughput_requests == 0
     ns = argparse.Namespace(device="cuda", **dict.fromkeys(compare.GPU_DEFAULTS))
     compare.apply_device_defaults(ns)
     assert ns.batch_sizes == "1,8,64" and ns.output_len == 256
@@ -276,7 +276,7 @@ def test_defaults_follow_the_device_and_help_says_so(capsys):
         cli.main(["compare", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "(default: 512 on GPU, 64 on CPU)" in help_text
-    assert "(default: 1,8,64 on GPU, 1,4 on CPU)" in help_text
+    assert "(default: 1,8,64 on GPU, 1 on CPU)" in help_text
 
 
 def test_titles_fit_their_figure():
