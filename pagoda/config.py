@@ -150,37 +150,44 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class MultiModalConfig:
-    """Image inputs of vision-language models: how many per prompt, how large, from where."""
+    """Image and video inputs of vision-language models: how many, how large, from where."""
 
     limit_per_prompt: int = 4  # images per prompt (vLLM's limit_mm_per_prompt={"image": N})
-    processor_kwargs: dict[str, Any] = field(default_factory=dict)  # min_pixels / max_pixels
-    allow_remote_images: bool = False  # fetch http(s) image URLs (off: servers must opt in)
+    video_limit_per_prompt: int = 1  # videos per prompt (limit_mm_per_prompt={"video": N})
+    # min_pixels / max_pixels (images and video frames); fps, min_frames, max_frames,
+    # total_pixels (videos)
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    allow_remote_images: bool = False  # fetch http(s) media URLs (off: servers must opt in)
     image_fetch_timeout_s: float = 10.0
     max_image_bytes: int = 20 << 20  # encoded size, for URLs, data URLs, files and bytes
-    max_image_pixels: int = 1 << 26  # decoded width * height, checked before decoding
+    max_image_pixels: int = 1 << 26  # decoded width * height (a video: per frame)
+    max_video_bytes: int = 256 << 20  # encoded size of one video
 
     def __post_init__(self) -> None:
-        limit = self.limit_per_prompt
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {limit!r}")
-        allowed = {"min_pixels", "max_pixels"}
-        unknown = set(self.processor_kwargs) - allowed
+        for name, modality in (("limit_per_prompt", "image"), ("video_limit_per_prompt", "video")):
+            limit = getattr(self, name)
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(
+                    f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0, got {limit!r}"
+                )
+        unknown = set(self.processor_kwargs) - set(MM_PROCESSOR_KWARGS)
         if unknown:
             raise ValueError(
                 f"mm_processor_kwargs: unknown key(s) {', '.join(sorted(unknown))}; "
-                f"supported: {', '.join(sorted(allowed))}"
+                f"supported: {', '.join(MM_PROCESSOR_KWARGS)}"
             )
         for key, value in self.processor_kwargs.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"mm_processor_kwargs[{key!r}] must be an integer > 0, got {value!r}"
-                )
-        lo, hi = self.processor_kwargs.get("min_pixels"), self.processor_kwargs.get("max_pixels")
-        if lo is not None and hi is not None and lo > hi:
-            raise ValueError(f"mm_processor_kwargs: min_pixels ({lo}) > max_pixels ({hi})")
+            number = (int, float) if key == "fps" else int
+            if isinstance(value, bool) or not isinstance(value, number) or value <= 0:
+                kind = "a number" if key == "fps" else "an integer"
+                raise ValueError(f"mm_processor_kwargs[{key!r}] must be {kind} > 0, got {value!r}")
+        for lo_key, hi_key in (("min_pixels", "max_pixels"), ("min_frames", "max_frames")):
+            lo, hi = self.processor_kwargs.get(lo_key), self.processor_kwargs.get(hi_key)
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"mm_processor_kwargs: {lo_key} ({lo}) > {hi_key} ({hi})")
         if not self.image_fetch_timeout_s > 0:
             raise ValueError(f"image_fetch_timeout must be > 0 s, got {self.image_fetch_timeout_s}")
-        for name in ("max_image_bytes", "max_image_pixels"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_video_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -191,17 +198,30 @@ class MultiModalConfig:
         mm_processor_kwargs: dict[str, Any] | None,
         **options: Any,
     ) -> MultiModalConfig:
-        """Validate vLLM-style options (`{"image": N}`; other modalities are not supported)."""
+        """Validate vLLM-style options (`{"image": N, "video": M}`)."""
         limits = dict(limit_mm_per_prompt or {})
-        unknown = set(limits) - {"image"}
+        unknown = set(limits) - {"image", "video"}
         if unknown:
             raise ValueError(
                 f"limit_mm_per_prompt: unsupported modality {', '.join(sorted(unknown))}; "
-                "pagoda accepts images only: {'image': N}"
+                "pagoda accepts {'image': N, 'video': M}"
             )
         if "image" in limits:
             options["limit_per_prompt"] = limits["image"]
+        if "video" in limits:
+            options["video_limit_per_prompt"] = limits["video"]
         return cls(processor_kwargs=dict(mm_processor_kwargs or {}), **options)
+
+
+# Keys of mm_processor_kwargs: pixel bounds (images and video frames), then video sampling.
+MM_PROCESSOR_KWARGS = (
+    "min_pixels",
+    "max_pixels",
+    "fps",
+    "min_frames",
+    "max_frames",
+    "total_pixels",
+)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ KERNEL_NAMES = (
     "triton_gemv",
     "triton_gemm",
     "triton_dequant",
+    "torch_int4mm",
     "torch_dequant",
     "dense_gemv",
     "fused_decode_attn",

@@ -90,6 +90,7 @@ class EngineArgs:
     allow_remote_images: bool = False
     image_fetch_timeout: float = 10.0
     max_image_bytes: int = 20 << 20
+    max_video_bytes: int = 256 << 20
     cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed per layer
 
     @classmethod
@@ -218,6 +219,7 @@ class EngineArgs:
                 allow_remote_images=self.allow_remote_images,
                 image_fetch_timeout_s=self.image_fetch_timeout,
                 max_image_bytes=self.max_image_bytes,
+                max_video_bytes=self.max_video_bytes,
             )
         runner_config = RunnerConfig(
             device=str(device),

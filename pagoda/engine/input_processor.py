@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]  # image placeholders already expanded
-    mm_inputs: MultiModalInputs | None = None  # images of a vision-language prompt
+    mm_inputs: MultiModalInputs | None = None  # images / videos of a vision-language prompt
 
 
 class InputProcessor:
@@ -43,7 +43,7 @@ class InputProcessor:
         allow_local_paths: bool = False,
         truncate_prompt_tokens: int | None = None,
     ) -> ProcessedPrompt:
-        """`allow_local_paths`: images may name local files (the offline API, not a server).
+        """`allow_local_paths`: media may name local files (the offline API, not a server).
 
         `truncate_prompt_tokens` (SamplingParams' field): keep only the last k tokens; -1 keeps
         as many as the context allows with room for one generated token.
@@ -51,6 +51,7 @@ class InputProcessor:
         text: str | None = None
         ids: list[int] | None = None
         images: list[Any] = []
+        videos: list[Any] = []
         if isinstance(prompt, str):
             text = prompt
         elif isinstance(prompt, dict):
@@ -65,8 +66,10 @@ class InputProcessor:
                 raise ValueError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
             if "multi_modal_data" in prompt and prompt["multi_modal_data"]:
                 if self.mm_processor is None:
-                    raise ValueError("this model does not accept images (multi_modal_data)")
-                images = self.mm_processor.images_of(prompt["multi_modal_data"])
+                    raise ValueError(
+                        "this model does not accept images or videos (multi_modal_data)"
+                    )
+                images, videos = self.mm_processor.media_of(prompt["multi_modal_data"])
         elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
             ids = self._check_ids(prompt)
         else:
@@ -83,7 +86,7 @@ class InputProcessor:
             ids = list(self.tokenizer(text).input_ids)
         mm_inputs = None
         if self.mm_processor is not None:  # expands image placeholders, checks stray ones
-            ids, mm_inputs = self.mm_processor.process(ids, images, allow_local_paths)
+            ids, mm_inputs = self.mm_processor.process(ids, images, allow_local_paths, videos)
         if truncate_prompt_tokens is not None:
             ids, text = self.truncate(ids, text, truncate_prompt_tokens, mm_inputs is not None)
         if not ids:
@@ -105,8 +108,8 @@ class InputProcessor:
             return ids, text
         if has_images:
             raise ValueError(
-                "truncate_prompt_tokens cannot cut a prompt with images (it would split an "
-                "image's tokens); shorten the prompt instead"
+                "truncate_prompt_tokens cannot cut a prompt with images or videos (it would "
+                "split their tokens); shorten the prompt instead"
             )
         return ids[-keep:], None
 
@@ -131,12 +134,12 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
-        images: list[Any] | None = None,
+        media: list[tuple[str, Any]] | None = None,
     ) -> str:
         """The conversation as the model's chat template renders it.
 
-        Vision-language models: each image part becomes one placeholder, and its source is
-        appended to `images` (in prompt order).
+        Vision-language models: each image / video part becomes one placeholder, and its
+        ("image" | "video", source) is appended to `media` (in prompt order).
         """
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render chat messages")
@@ -160,8 +163,8 @@ class InputProcessor:
 
         if self.mm_processor is not None:
             text, found = self.mm_processor.render_chat(messages, apply)
-            if images is not None:
-                images.extend(found)
+            if media is not None:
+                media.extend(found)
             return text
         return apply(normalized)
 
@@ -171,19 +174,20 @@ class InputProcessor:
         """Render, tokenize and (for vision-language models) load the images of a conversation.
 
         Image parts: {"type": "image_url", "image_url": {"url": ...}}, {"type": "image",
-        "image" | "url" | "path": ...}, {"type": "input_image", "image_url": ...}; a URL is a
-        data: URL, or http(s) when remote images are enabled, or a local path when
-        `allow_local_paths` (the offline API). The server calls this with image_url parts as is.
+        "image" | "url" | "path": ...}, {"type": "input_image", "image_url": ...}; video parts:
+        {"type": "video_url", "video_url": {"url": ...}}, {"type": "video", "video": ...}; a URL
+        is a data: URL, or http(s) when remote media are enabled, or a local path when
+        `allow_local_paths` (the offline API). The server calls this with the parts as is.
         """
         truncate = kwargs.pop("truncate_prompt_tokens", None)
-        images: list[Any] = []
-        text = self.render_chat(messages, images=images, **kwargs)
+        media: list[tuple[str, Any]] = []
+        text = self.render_chat(messages, media=media, **kwargs)
         # The template already contains the special tokens (BOS included where the model uses
         # one), so they are not added again.
         ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
         prompt = {"prompt": text, "prompt_token_ids": ids}
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
+        if media:
+            prompt["multi_modal_data"] = self.mm_processor.multi_modal_data(media)
         return self.process(prompt, allow_local_paths, truncate_prompt_tokens=truncate)
 
 
@@ -209,9 +213,10 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
                 raise ValueError(f"message {index} content part {j} needs a 'type'")
             if part["type"] == "text":
                 texts.append(str(part.get("text", "")))
-            elif part["type"] in ("image", "image_url", "input_image"):
+            elif part["type"] in ("image", "image_url", "input_image", "video", "video_url"):
+                kind = "a video" if part["type"].startswith("video") else "an image"
                 raise ValueError(
-                    f"message {index} content part {j} is an image, but this model is text-only"
+                    f"message {index} content part {j} is {kind}, but this model is text-only"
                 )
             else:
                 raise ValueError(

@@ -7,6 +7,7 @@ Shared by every command that builds an engine (`pagoda generate/chat/serve/bench
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 
@@ -53,37 +54,6 @@ def merge_model_option(ns: argparse.Namespace) -> None:
     ns.model = option
 
 
-def parse_limit_mm(text: str) -> dict[str, int]:
-    """`--limit-mm-per-prompt`: vLLM's JSON (`{"image": 2}`) or `image=2`."""
-    import json
-
-    try:
-        value = json.loads(text) if text.lstrip().startswith("{") else None
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
-    if value is None:
-        key, sep, number = text.partition("=")
-        if not sep or not number.strip().isdigit():
-            raise argparse.ArgumentTypeError(f'expected image=N or {{"image": N}}, got {text!r}')
-        value = {key.strip(): int(number)}
-    bad = [k for k, v in value.items() if k != "image" or not isinstance(v, int) or v < 0]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"only an image count >= 0 is supported (image=N), got {text!r}"
-        )
-    return value
-
-
-def _positive_pixels(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
 def add_engine_args(parser: argparse.ArgumentParser, model: bool = True) -> None:
     """The options of `LLM(...)`, as flags, after `[MODEL]` (`add_model_arg`; `model=False`
     for a command that reads the model from its own positionals)."""
@@ -116,25 +86,35 @@ def add_engine_args(parser: argparse.ArgumentParser, model: bool = True) -> None
         default=0.0,
         help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
     )
-    mm = parser.add_argument_group("images (vision-language models)")
+    mm = parser.add_argument_group("vision-language models")
     mm.add_argument(
         "--limit-mm-per-prompt",
-        type=parse_limit_mm,
+        type=_json_object,
         default=None,
-        metavar="image=N",
-        help='images a prompt may carry (also vLLM\'s JSON, {"image": N}; default 4); the '
-        "vision encoder's memory profile is sized for this many of the largest images",
+        help='images and videos one prompt may carry, e.g. \'{"image": 4, "video": 1}\'',
     )
     mm.add_argument(
-        "--max-pixels",
-        type=_positive_pixels,
+        "--mm-processor-kwargs",
+        type=_json_object,
         default=None,
-        help="largest image area the processor keeps (mm_processor_kwargs max_pixels); "
-        "larger images are scaled down, which saves encoder memory and prompt tokens",
+        help="min_pixels, max_pixels (images and video frames), fps, min_frames, max_frames, "
+        'total_pixels (videos), e.g. \'{"max_pixels": 1003520, "fps": 1}\'',
     )
     mm.add_argument(
-        "--min-pixels", type=_positive_pixels, default=None, help="mm_processor_kwargs min_pixels"
+        "--allow-remote-images",
+        action="store_true",
+        help="fetch http(s) image and video URLs (off: data: URLs only)",
     )
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object such as {{"image": 2}}: {text!r}')
+    return value
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -155,16 +135,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         load_format=ns.load_format,
         quantization=ns.quantization,
         cpu_offload_gb=ns.cpu_offload_gb,
-        **_mm_kwargs(ns),
+        limit_mm_per_prompt=ns.limit_mm_per_prompt,
+        mm_processor_kwargs=ns.mm_processor_kwargs,
+        allow_remote_images=ns.allow_remote_images,
     )
-
-
-def _mm_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    """The image options that were given (left out otherwise: text models reject them)."""
-    out: dict[str, Any] = {}
-    if ns.limit_mm_per_prompt is not None:
-        out["limit_mm_per_prompt"] = ns.limit_mm_per_prompt
-    pixels = {k: getattr(ns, k) for k in ("min_pixels", "max_pixels") if getattr(ns, k)}
-    if pixels:
-        out["mm_processor_kwargs"] = pixels
-    return out

@@ -2,8 +2,9 @@
 
 `Attention` writes this step's K/V into its layer's cache (bound by the runner as
 `module.kv_cache`, `[2, num_blocks, block_size, Hkv, D]`) and attends each sequence's queries to
-its cached prefix + new tokens. CUDA tensors use the Triton kernels, the CPU the torch
-references. `attn_metadata=None` means no cache: causal attention over all tokens as one sequence.
+its cached prefix + new tokens. CUDA tensors use the Triton kernels (without Triton: the
+graph-safe torch decode and SDPA prefill of `torch_paged.py`), the CPU the torch references.
+`attn_metadata=None` means no cache: causal attention over all tokens as one sequence.
 A layer built with `sliding_window` W (Mistral) lets query i see keys i - W < j <= i only, on
 every path; the window is the layer's, fixed for the model, so captured CUDA graphs keep it.
 
@@ -30,6 +31,11 @@ from pagoda.kernels.attention.reference import (
     paged_attention_ref,
     write_kv_cache_ref,
 )
+from pagoda.kernels.attention.torch_paged import (
+    decode_attention_static,
+    prefill_attention_sdpa,
+    write_kv_cache_static,
+)
 from pagoda.layers.rotary import MRotaryEmbedding, RotaryEmbedding
 from pagoda.platform import triton_available
 
@@ -50,6 +56,12 @@ class AttentionMetadata:
     # Split-KV factor for the Triton kernel; None = chosen per call. CUDA graphs fix it at
     # capture time because the automatic choice depends on host values of the step.
     num_splits: int | None = None
+
+
+def decode_only(md: AttentionMetadata) -> bool:
+    """One query per sequence and no rows beyond them (CUDA-graph padding rows come as
+    1-token sequences): what the graph-safe torch decode path takes."""
+    return md.max_query_len == 1 and md.num_actual_tokens == md.seq_lens.shape[0]
 
 
 @functools.cache
@@ -145,6 +157,29 @@ class Attention(nn.Module):
                 attn_metadata.max_seq_len,
                 out=out[:n],
                 num_splits=attn_metadata.num_splits,
+                sliding_window=self.sliding_window,
+            )
+        elif q.is_cuda and decode_only(attn_metadata):
+            # No host value of the step is read: the runner captures these steps in CUDA graphs.
+            write_kv_cache_static(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
+            out[:n] = decode_attention_static(
+                q[:n],
+                self.kv_cache,
+                attn_metadata.seq_lens,
+                attn_metadata.block_tables,
+                self.scale,
+                self.sliding_window,
+            )
+        elif q.is_cuda:
+            write_kv_cache_ref(k[:n], v[:n], self.kv_cache, attn_metadata.slot_mapping[:n])
+            prefill_attention_sdpa(
+                q[:n],
+                self.kv_cache,
+                attn_metadata.query_start_loc_cpu,
+                attn_metadata.seq_lens_cpu,
+                attn_metadata.block_tables,
+                self.scale,
+                out=out[:n],
                 sliding_window=self.sliding_window,
             )
         else:

@@ -117,7 +117,12 @@ class MRotaryEmbedding(RotaryEmbedding):
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, rope_theta: float, mrope_section: list[int]
+        self,
+        head_dim: int,
+        max_position: int,
+        rope_theta: float,
+        mrope_section: list[int],
+        interleaved: bool = False,
     ) -> None:
         super().__init__(head_dim, max_position, rope_theta)
         if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
@@ -126,6 +131,19 @@ class MRotaryEmbedding(RotaryEmbedding):
                 f"head_dim / 2 = {head_dim // 2}"
             )
         self.mrope_section = [int(n) for n in mrope_section]
+        self.interleaved = interleaved
+        half = head_dim // 2
+        if interleaved:
+            # Qwen3-VL: frequency j follows height when j % 3 == 1 and width when j % 3 == 2,
+            # within the first 3 * section bands of each; time everywhere else.
+            axis = [0] * half
+            for j in range(half):
+                for a in (1, 2):
+                    if j % 3 == a and j < 3 * self.mrope_section[a]:
+                        axis[j] = a
+        else:  # Qwen2-VL: contiguous bands (time, height, width)
+            axis = [a for a, n in enumerate(self.mrope_section) for _ in range(n)]
+        self.register_buffer("freq_axis", torch.tensor(axis), persistent=False)  # [D/2]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -147,13 +165,19 @@ class MRotaryEmbedding(RotaryEmbedding):
         """positions [3, T] -> per-token cos, sin [T, D/2] float32."""
         cos_axes = self.cos_cache[positions]  # [3, T, D/2]
         sin_axes = self.sin_cache[positions]
-        # Each frequency band takes the angle of its own axis (HF's mrope_section split).
-        cos = torch.cat([c[i] for i, c in enumerate(cos_axes.split(self.mrope_section, -1))], -1)
-        sin = torch.cat([s[i] for i, s in enumerate(sin_axes.split(self.mrope_section, -1))], -1)
+        # Each frequency takes the angle of its own axis (HF's mrope_section split).
+        half = cos_axes.shape[-1]
+        index = self.freq_axis.to(positions.device).view(1, 1, half)
+        index = index.expand(1, cos_axes.shape[1], half)
+        cos = torch.gather(cos_axes, 0, index)[0]  # [T, D/2]
+        sin = torch.gather(sin_axes, 0, index)[0]
         return cos, sin
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", mrope_section={self.mrope_section}"
+        return (
+            super().extra_repr()
+            + f", mrope_section={self.mrope_section}, interleaved={self.interleaved}"
+        )
 
 
 def rope_params_from_config(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -171,5 +195,8 @@ def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     mrope_section = (params or {}).get("mrope_section")
     if mrope_section:  # Qwen2-VL configs say rope_type "default" (5.x) or "mrope" (4.x)
-        return MRotaryEmbedding(head_dim, config.max_position_embeddings, theta, mrope_section)
+        interleaved = bool((params or {}).get("mrope_interleaved", False))
+        return MRotaryEmbedding(
+            head_dim, config.max_position_embeddings, theta, mrope_section, interleaved
+        )
     return RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)

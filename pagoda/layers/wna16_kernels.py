@@ -501,10 +501,132 @@ class MmaDequantCublas(_MmaLayout):
         return torch.nn.functional.linear(x, w.to(x.dtype), bias if fused else None), fused
 
 
+_INT4PACK_GROUPS = (32, 64, 128, 256)  # the group sizes `_weight_int4pack_mm` takes
+
+
+def _int4pack_group(cfg_k: int, group_size: int) -> int | None:
+    """The kernel's group size for a layer (a per-channel scale is repeated over groups of the
+    largest size dividing K), or None if it takes none."""
+    if group_size < cfg_k:
+        return group_size if group_size in _INT4PACK_GROUPS and cfg_k % group_size == 0 else None
+    return next((g for g in reversed(_INT4PACK_GROUPS) if cfg_k % g == 0), None)
+
+
+def _inner_k_tiles(k: int) -> int:
+    """The packing's K tiles per 32-bit word group (8, 4 or 2; K must hold whole tiles)."""
+    return next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+
+
+def int4pack_weight(
+    codes: torch.Tensor,  # [N, K] int8 signed 4-bit codes q in [-8, 7]
+    scale: torch.Tensor,  # [N, groups]
+    zero_point: torch.Tensor | None,  # [N, groups] integer (signed), None when symmetric
+    group: int,  # the kernel's group size (a multiple of the checkpoint's groups, see above)
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, scales-and-zeros [K / group, N, 2]) of PyTorch's int4 matmul.
+
+    `_weight_int4pack_mm` computes w = (u - 8) * scale + zero from unsigned codes u in [0, 15];
+    compressed-tensors (and pagoda's `UnpackedWeight`, AutoAWQ's converted alike) mean
+    w = (q - zp) * scale with signed q. So u = q + 8 (exact) and zero = -zp * scale, taken in
+    float32 and rounded once to `dtype`: |error| <= 8 * scale * 2^-8 = scale / 32 in bf16, and
+    0 exactly when symmetric. The CPU build packs int32 [N, K] codes, the CUDA one uint8
+    [N, K / 2] pairs with the even column in the high nibble.
+    """
+    n, k = codes.shape
+    per = k // scale.shape[1]  # checkpoint columns per scale
+    reps = per // group  # kernel groups per checkpoint group (> 1 only per channel)
+    s = scale.to(torch.float32).repeat_interleave(reps, dim=1)  # [N, K / group]
+    zero = torch.zeros_like(s)
+    if zero_point is not None:
+        zero = -zero_point.to(torch.float32).repeat_interleave(reps, dim=1) * s
+    scales_zeros = torch.stack([s.t(), zero.t()], dim=-1).to(dtype).contiguous()  # [G, N, 2]
+    u = codes.to(torch.int32) + 8  # [N, K] in [0, 15]
+    tiles = _inner_k_tiles(k)
+    if codes.device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), tiles)
+    else:
+        pairs = ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8).contiguous()  # [N, K / 2]
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+    return packed, scales_zeros
+
+
+def int4pack_mm(
+    x: torch.Tensor,  # [M, K] bf16
+    packed: torch.Tensor,
+    group: int,
+    scales_zeros: torch.Tensor,  # [K / group, N, 2]
+) -> torch.Tensor:  # [M, N]
+    """x @ W^T through PyTorch's int4 kernel of x's device."""
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group, scales_zeros)
+
+
+class TorchInt4pack(WNA16Kernel):
+    """PyTorch's own int4 matmul (`_weight_int4pack_mm`, CUDA sm_80+, bf16, every M): 4-bit
+    weights read once per step, no Triton needed (Jetson). After the Triton layouts: the
+    registry picks it where they are absent or cannot run the layer. `int4pack` [packed],
+    `int4pack_sz` [K / group, N, 2] (scale, zero)."""
+
+    name = "torch_int4mm"
+    layout = "int4pack"
+
+    @classmethod
+    def supports(cls, cfg):
+        if cfg.device_type != "cuda" or cfg.capability < (8, 0):
+            return False, "needs CUDA sm_80+ (PyTorch's int4 matmul)"
+        if cfg.bits != 4:
+            return False, f"bits={cfg.bits}, the int4 matmul takes 4"
+        if cfg.act_dtype != torch.bfloat16:
+            return False, f"activations are {cfg.act_dtype}, the int4 matmul takes bf16"
+        if cfg.n % 8 or cfg.k % 32:
+            return False, "needs N % 8 and K % 32"
+        if _int4pack_group(cfg.k, cfg.group_size) is None:
+            return False, f"group {cfg.group_size}: the int4 matmul takes 32, 64, 128 or 256"
+        return True, ""
+
+    @staticmethod
+    def prepare(layer: nn.Module, w: UnpackedWeight) -> None:
+        k = layer.in_features
+        group = _int4pack_group(k, layer.wna16_group_size)
+        assert group is not None, "supports() refused this layer"
+        packed, sz = int4pack_weight(w.codes, w.scale, w.zero_point, group, layer.params_dtype)
+        _param(layer, "int4pack", packed)
+        _param(layer, "int4pack_sz", sz)
+        layer.int4pack_group = group
+        layer.int4pack_zero_point = w.zero_point is not None
+
+    @staticmethod
+    def dequantize(layer):
+        """The codes back from the kernel itself (identity rows, 256 columns a call): exact,
+        since each weight's bf16 error is below half a scale step."""
+        n, k = layer.out_features, layer.in_features
+        group, sz = layer.int4pack_group, layer.int4pack_sz
+        s = sz[..., 0].t().to(torch.float32)  # [N, K / group]
+        zero = sz[..., 1].t().to(torch.float32)
+        rows = torch.arange(k, device=sz.device)
+        cols = []  # [<=256, N] rows of W^T, one identity slice at a time
+        for i in range(0, k, 256):
+            eye = torch.nn.functional.one_hot(rows[i : i + 256], k).to(sz.dtype)
+            cols.append(int4pack_mm(eye, layer.int4pack, group, sz))
+        w = torch.cat(cols).t().to(torch.float32).view(n, k // group, group)
+        q = torch.round((w - zero.unsqueeze(-1)) / s.unsqueeze(-1)).view(n, k).to(torch.int8)
+        keep = 1 if layer.wna16_group_size >= k else k // group  # per channel: one column
+        zp = torch.round(-zero / s)[:, :keep] if layer.int4pack_zero_point else None
+        return q, s[:, :keep], zp
+
+    @classmethod
+    def apply(cls, layer, x, bias):
+        out = int4pack_mm(x.contiguous(), layer.int4pack, layer.int4pack_group, layer.int4pack_sz)
+        return out, False
+
+
 # Priority order: layouts first to last, kernels within a layout first to last.
 KERNELS: tuple[tuple[type[WNA16Kernel], ...], ...] = (
     (MmaWgmmaTma, MmaWgmma, MmaGemv, MmaGemm, MmaDequantCublas),
     (TritonGemv, TritonGemm, TritonDequantCublas),
+    (TorchInt4pack,),
     (TorchDequant,),
 )
 KERNEL_NAMES = tuple(k.name for layout in KERNELS for k in layout)

@@ -465,6 +465,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     """
 
     vision_variant = "qwen2_5"
+    supports_video = True  # videos go through `embed_images` with t > 1 grids
     # The decoder's fusion tables and name mapping; gate/up also fuse in the vision MLP.
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     _stacked_params = LlamaForCausalLM._stacked_params

@@ -25,6 +25,10 @@ _MODELS: dict[str, tuple[str, str]] = {
         "pagoda.models.qwen2_5_vl",
         "Qwen2VLForConditionalGeneration",
     ),
+    "Qwen3VLForConditionalGeneration": (
+        "pagoda.models.qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+    ),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
@@ -37,6 +41,7 @@ _ARCHITECTURE_OF_MODEL_TYPE: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 
 

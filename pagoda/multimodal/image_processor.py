@@ -25,6 +25,7 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _PREPROCESSOR_FILE = "preprocessor_config.json"
 _MAX_ASPECT_RATIO = 200
+_IMAGE_KWARGS = ("min_pixels", "max_pixels")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,14 @@ class ImageProcessorConfig:
             ),
             "merge_size": int(getattr(vision_config, "spatial_merge_size", None) or 2),
         }
+        if str(getattr(vision_config, "model_type", "")).startswith("qwen3_vl"):
+            # Qwen3-VL's processor defaults (a checkpoint without preprocessor_config.json)
+            values.update(
+                image_mean=(0.5, 0.5, 0.5),
+                image_std=(0.5, 0.5, 0.5),
+                min_pixels=65536,
+                max_pixels=16777216,
+            )
         pre = _read_preprocessor_config(model_path)
         size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
         min_pixels = pre.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
@@ -97,7 +106,8 @@ class ImageProcessorConfig:
             values["image_std"] = tuple(float(x) for x in pre["image_std"])
         if pre.get("rescale_factor"):
             values["rescale_factor"] = float(pre["rescale_factor"])
-        values.update(processor_kwargs)
+        # The pixel bounds apply to images and video frames; other keys shape videos only.
+        values.update({k: v for k, v in processor_kwargs.items() if k in _IMAGE_KWARGS})
         return cls(**values)
 
 

@@ -56,6 +56,7 @@ QUANTIZABLE_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
     "MistralForCausalLM",
 )
 METHODS = ("gptq", "rtn", "awq")

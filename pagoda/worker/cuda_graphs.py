@@ -5,6 +5,9 @@ gaps. Inputs live in static buffers that each step overwrites; a batch of n requ
 graph of the smallest captured size >= n, the padding rows being one-token "sequences" that read
 the null block and write nowhere (slot -1). Attention's split-KV factor is fixed per graph at
 capture (chunks are sized from the real lengths at replay), so one graph serves every length.
+The torch attention (Triton absent) reads each row's whole captured block table, so there a size
+gets one graph per context bucket (1 Ki, 2 Ki, ... tokens up to max_model_len) and a replay
+takes the smallest bucket that holds the step's longest sequence.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class CudaGraphRunner:
         dtype: torch.dtype,
         device: torch.device,
         sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES,
+        context_buckets: bool = False,
     ) -> None:
         self.model = model
         self.max_model_len = max_model_len
@@ -68,6 +72,12 @@ class CudaGraphRunner:
         self.sizes = sorted({s for s in sizes if s <= max_num_seqs} | {min(max_num_seqs, 512)})
         max_bs = self.sizes[-1]
         self.max_blocks = -(-max_model_len // block_size)
+        # block-table widths captured (ascending); the last one covers max_model_len
+        self.widths = [self.max_blocks]
+        if context_buckets:
+            tokens = range(10, max(10, (max_model_len - 1).bit_length()))
+            self.widths = sorted({-(-(1 << t) // block_size) for t in tokens} | {self.max_blocks})
+            self.widths = [w for w in self.widths if w <= self.max_blocks]
         # [max_bs] static inputs; a replay reads whatever the step copied in
         self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
@@ -75,13 +85,13 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=device)
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # by (size, width)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.stats: GraphCaptureStats | None = None
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    def _metadata(self, size: int, width: int) -> AttentionMetadata:
         num_splits = None  # the split-KV factor only means something to the Triton kernels
         if triton_available():
             from pagoda.kernels.attention.triton_paged_attention import (
@@ -99,7 +109,7 @@ class CudaGraphRunner:
             num_actual_tokens=size,
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size],
+            block_tables=self.block_tables[:size, :width],
             slot_mapping=self.slot_mapping[:size],
             max_query_len=1,
             max_seq_len=self.max_model_len,
@@ -115,8 +125,9 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
-            md = self._metadata(size)
+        # largest first: smaller graphs reuse its pool
+        for size, width in [(s, w) for s in reversed(self.sizes) for w in reversed(self.widths)]:
+            md = self._metadata(size, width)
             args = (self.input_ids[:size], self.positions[:size], md)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -127,8 +138,8 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.model(*args)
-            self.graphs[size] = graph
-            self.outputs[size] = out
+            self.graphs[size, width] = graph
+            self.outputs[size, width] = out
         torch.cuda.synchronize(self.device)
         self.stats = GraphCaptureStats(
             sizes=list(self.sizes),
@@ -189,8 +200,9 @@ class CudaGraphRunner:
         self.block_tables[:size, :nb].copy_(_pinned(table), non_blocking=True)
         if fill_ids is not None:
             fill_ids(self.input_ids[:n])
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        width = next(w for w in self.widths if w >= nb)
+        self.graphs[size, width].replay()
+        return self.outputs[size, width][:n]
 
 
 def _pinned(arr: np.ndarray) -> torch.Tensor:

@@ -43,6 +43,11 @@ class MemoryReport:
     # Weights kept in pinned host memory and streamed per layer (cpu_offload_gb).
     cpu_offload_bytes: int = 0
     offloaded_layers: int = 0
+    # Vision-language models: the vision encoder's weights (inside weights_bytes) and its
+    # activation peak on the largest input the limits allow (inside peak activations).
+    encoder_weights_bytes: int = 0
+    encoder_activation_bytes: int = 0
+    encoder_profile_input: str = ""
     # Start-up: seconds from LLM(...) to ready, and the Triton kernels compiled meanwhile
     # (0: a warm cache; None: Triton not in use). Filled in by the engine.
     startup_time_s: float = 0.0
@@ -88,6 +93,15 @@ class MemoryReport:
                 f"{self.max_concurrency:.2f}x at max_model_len={self.max_model_len}",
             ),
         ]
+        if self.encoder_weights_bytes:
+            rows.append(
+                (
+                    "vision encoder",
+                    f"{self.encoder_weights_bytes / GiB:.3f} GiB weights, "
+                    f"{self.encoder_activation_bytes / GiB:.3f} GiB activations for "
+                    f"{self.encoder_profile_input}",
+                )
+            )
         if self.cuda_graph_sizes:
             rows.append(
                 (

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig
+from pagoda.kernels.attention.torch_paged import decode_gather_bytes
 from pagoda.kernels.workspace import SplitKWorkspace
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.embedding import LMHead
@@ -48,6 +49,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _CPU_DEFAULT_KV_CAP = 1 << 30
 # Prompt log-probs are computed in slices of rows whose float32 logits stay under this size.
 _PROMPT_LOGPROBS_SLICE_BYTES = 128 << 20
+# Without Triton a captured decode gathers each row's whole block table (max_model_len): the
+# graphs stop at the batch whose gather reaches this (graph memory is held for the engine's life).
+_TORCH_GRAPH_BYTES = 256 << 20
 
 logger = logging.getLogger("pagoda")
 
@@ -240,7 +244,7 @@ class ModelRunner:
             log(
                 "Triton is not installed: attention, norms, RoPE, LoRA and quantized matmuls "
                 "run on torch paths%s",
-                " and CUDA graphs are off" if self.device.type == "cuda" else "",
+                " (CUDA graphs for small decode batches)" if self.device.type == "cuda" else "",
             )
 
     # ------------------------------------------------------------------ set-up
@@ -274,14 +278,24 @@ class ModelRunner:
                 module.split_k_workspace = self.split_k_workspace
         if self.runner_config.multimodal is not None:
             from pagoda.multimodal.image_processor import ImageProcessorConfig
+            from pagoda.multimodal.video_processor import VideoOptions
             from pagoda.worker.encoder_runner import EncoderRunner
 
             mm, mc = self.runner_config.multimodal, self.model_config
             image_config = ImageProcessorConfig.from_model(
                 mc.model, mc.hf_config.vision_config, mm.processor_kwargs
             )
+            video_options = None
+            if getattr(self.model, "supports_video", False):
+                video_options = VideoOptions.from_model(mc.model, mm.processor_kwargs)
             self.encoder_runner = EncoderRunner(
-                self.model, image_config, mm, mc.max_model_len, self.device, self.dtype
+                self.model,
+                image_config,
+                mm,
+                mc.max_model_len,
+                self.device,
+                self.dtype,
+                video_options,
             )
         if self.runner_config.lora is not None:
             from pagoda.lora.manager import LoRAManager
@@ -358,8 +372,22 @@ class ModelRunner:
             in_use_at_start_bytes=snap.used_bytes if snap is not None else 0,
             cpu_offload_bytes=0 if self.offloader is None else self.offloader.host_bytes,
             offloaded_layers=0 if self.offloader is None else len(self.offloader.entries),
+            **self._encoder_memory(),
         )
         return self.memory_report
+
+    def _encoder_memory(self) -> dict[str, Any]:
+        """The vision encoder's share of the memory report (VL models)."""
+        er = self.encoder_runner
+        visual = getattr(self.model, "visual", None)
+        if er is None or visual is None:
+            return {}
+        weights = sum(p.numel() * p.element_size() for p in visual.parameters())
+        return dict(
+            encoder_weights_bytes=weights,
+            encoder_activation_bytes=er.profile_peak_bytes,
+            encoder_profile_input=er.profile_description(),
+        )
 
     def _profile(self, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int, int, int]:
         """(peak activation bytes, non-torch bytes, total bytes, budget bytes)."""
@@ -395,8 +423,8 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         self._profile_run(max_num_seqs, max_num_batched_tokens)
         if not triton_available():
-            # The torch attention path materialises [heads, q, k] float32 scores per sequence:
-            # its worst case is one prompt filling the whole step, not many short ones.
+            # The torch attention path runs per sequence (SDPA, with a [q, k] mask after a
+            # cached prefix): its worst case is one prompt filling the whole step.
             self._profile_run(1, min(max_num_batched_tokens, self.model_config.max_model_len))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -485,8 +513,14 @@ class ModelRunner:
         # The null block 0 is the exception: nothing writes it and CUDA-graph padding rows
         # (seq_len 1, block table all 0) read it, so it holds zeros.
         self.kv_caches = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        # Without Triton the CUDA decode reads (masked) slots past each sequence: zeroed, the
+        # cache never holds NaN bit patterns there (one memset at start-up).
+        torch_decode = self.device.type == "cuda" and not triton_available()
         for layer, cache in zip(layers, self.kv_caches, strict=True):
-            cache[:, 0].zero_()
+            if torch_decode:
+                cache.zero_()
+            else:
+                cache[:, 0].zero_()
             layer.kv_cache = cache
 
     def _warm_up_attention(self) -> None:
@@ -624,10 +658,21 @@ class ModelRunner:
         """Capture decode graphs (GPU, unless enforce_eager); recorded in the memory report."""
         if self.device.type != "cuda" or self.runner_config.enforce_eager:
             return
-        if not triton_available():
-            # The torch attention path reads sequence lengths on the host, which a replayed
-            # graph would keep from capture time: without Triton every step runs eagerly.
+        if not triton_available() and self.lora_manager is not None:
+            # LoRA's torch path groups tokens by adapter on the host, which a graph would keep.
+            logger.info("LoRA without Triton: CUDA graphs are off (every step runs eagerly)")
             return
+        if not triton_available():
+            # The torch decode path gathers every graph row's whole block table: batch sizes
+            # whose gather would pass _TORCH_GRAPH_BYTES run eagerly instead.
+            max_num_seqs = min(max_num_seqs, self._torch_graph_max_seqs())
+            if max_num_seqs < 1:
+                logger.info(
+                    "CUDA graphs are off: one sequence's decode gather at max_model_len "
+                    "exceeds %d MiB",
+                    _TORCH_GRAPH_BYTES >> 20,
+                )
+                return
         if self.offloader is not None:
             # Offload rebinds each streamed layer's weights from host-side hooks, which a
             # replayed graph would skip.
@@ -643,12 +688,21 @@ class ModelRunner:
             hidden_size=self.model_config.text_config.hidden_size,
             dtype=self.dtype,
             device=self.device,
+            context_buckets=not triton_available(),
         )
         stats = self.graph_runner.capture()
         if self.memory_report is not None:
             self.memory_report.cuda_graph_capture_time_s = stats.capture_time_s
             self.memory_report.cuda_graph_bytes = stats.memory_bytes
             self.memory_report.cuda_graph_sizes = stats.sizes
+
+    def _torch_graph_max_seqs(self) -> int:
+        """The largest decode batch whose torch attention (Triton absent) holds at most
+        _TORCH_GRAPH_BYTES of gathered keys, values and scores at max_model_len."""
+        layer = self.model.attention_layers()[0]
+        span = -(-self.model_config.max_model_len // self.block_size) * self.block_size
+        one = decode_gather_bytes(1, span, layer.num_kv_heads, layer.head_dim, self.dtype.itemsize)
+        return _TORCH_GRAPH_BYTES // one
 
     def shutdown(self) -> None:
         """Free every device allocation this runner made: CUDA graphs and their memory pool,

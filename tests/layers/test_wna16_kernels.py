@@ -162,7 +162,11 @@ def test_triton_optional(monkeypatch) -> None:
     monkeypatch.setattr(platform, "triton_available", lambda: False)
     assert wk.TritonGemm.can_implement(_cfg()) == (False, "triton not installed")
     assert wk.MmaGemv.can_implement(_cfg().rows(1, 1)) == (False, "triton not installed")
-    assert wk.choose_kernels(_cfg(), frozenset()).layout == "dequant"
+    # PyTorch's int4 matmul where it can (4-bit, bf16, sm_80+), else dequant per call
+    assert wk.choose_kernels(_cfg(), frozenset()).describe() == "torch_int4mm M=1.."
+    assert wk.choose_kernels(_cfg(capability=(8, 7), zp=True), frozenset()).layout == "int4pack"
+    for cfg in (_cfg(bits=8), _cfg(dtype=torch.float16), _cfg(capability=(7, 5)), _cfg(group=16)):
+        assert wk.choose_kernels(cfg, frozenset()).layout == "dequant"
 
 
 def test_disabled_kernels_env(monkeypatch) -> None:

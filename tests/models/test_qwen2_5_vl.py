@@ -196,10 +196,10 @@ def _pagoda_logits(model, processed) -> torch.Tensor:
         embeds = model.embed_input_ids(ids)
         positions = torch.arange(len(ids))
         if mm is not None:
-            cfg_pixels = [torch.from_numpy(img.pixels) for img in mm.images]
+            cfg_pixels = [torch.from_numpy(img.pixels) for img in mm.items]
             runner_cfg = _image_config(model)
             pixel_values = torch.cat([patchify(p, runner_cfg, torch.float32) for p in cfg_pixels])
-            image_embeds = model.embed_images(pixel_values, [img.grid_thw for img in mm.images])
+            image_embeds = model.embed_images(pixel_values, [img.grid_thw for img in mm.items])
             embeds[ids == IMAGE_TOKEN] = image_embeds
             positions = torch.from_numpy(mm.mrope_positions)
         return model.compute_logits(model(None, positions, None, inputs_embeds=embeds))
@@ -486,7 +486,7 @@ def test_encoder_memory_profile_is_bounded_by_context(tiny_vl, default_llm):
     image_config = ImageProcessorConfig(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
     def grids(limit: int, max_model_len: int) -> list[tuple[int, int, int]]:
-        mm = MultiModalConfig(limit_per_prompt=limit)
+        mm = MultiModalConfig(limit_per_prompt=limit, video_limit_per_prompt=0)
         runner = EncoderRunner(None, image_config, mm, max_model_len, "cpu", torch.float32)
         return runner.profile_grids()
 
@@ -497,7 +497,11 @@ def test_encoder_memory_profile_is_bounded_by_context(tiny_vl, default_llm):
     assert grids(3, 40) == [(1, 12, 12)]
     # the engine profiled with its own bounds (limit 2, max_model_len 512)
     runner = default_llm.llm_engine.core.runner.encoder_runner
-    assert runner.profile_grids() == [(1, 16, 16)] * 2
+    inputs = runner.profile_inputs()
+    assert inputs[:2] == [("image", (1, 16, 16))] * 2
+    # then one video (the default video limit) filling the rest of the 511 usable tokens
+    assert [kind for kind, _ in inputs[2:]] == ["video"]
+    assert sum(t * h * w // 4 for _, (t, h, w) in inputs) <= 511
     assert runner.estimate_bytes(vision_config) > 0
 
 

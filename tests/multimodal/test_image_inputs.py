@@ -259,7 +259,7 @@ def test_process_expands_placeholders_and_hashes():
     out_ids, mm = proc.process(ids, [a, b])
     assert mm.placeholders == [(2, 6), (11, 8)]
     assert out_ids == [1, START] + [IMAGE] * 6 + [END, 2, START] + [IMAGE] * 8 + [END, 3]
-    assert [h for _, _, h in mm.hash_ranges()] == [img.mm_hash for img in mm.images]
+    assert [h for _, _, h in mm.hash_ranges()] == [img.mm_hash for img in mm.items]
     assert mm.mrope_positions.shape == (3, len(out_ids))
     # an already expanded prompt is accepted as is
     again, mm2 = proc.process(out_ids, [a, b])
@@ -274,7 +274,7 @@ def test_process_expands_placeholders_and_hashes():
         ([1, START, IMAGE, END], 0, ValueError, "1 image placeholder"),
         ([1, 2], 1, ValueError, "0 image placeholder"),
         ([1, START, IMAGE, END] * 3, 3, ValueError, "limit_mm_per_prompt"),
-        ([1, VIDEO], 0, ValueError, "videos are not supported"),
+        ([1, VIDEO], 0, ValueError, "1 video placeholder"),
         ([1, IMAGE, IMAGE, IMAGE], 1, ValueError, "3 tokens long"),
     ],
 )
@@ -295,12 +295,12 @@ def test_process_names_the_bad_image_and_too_long_prompts():
 
 def test_multi_modal_data_shapes():
     img = _image(28, 28)
-    assert MultiModalProcessor.images_of({"image": img}) == [img]
-    assert MultiModalProcessor.images_of({"image": [img, img]}) == [img, img]
-    with pytest.raises(ValueError, match="unsupported modality video"):
-        MultiModalProcessor.images_of({"video": img})
+    assert MultiModalProcessor.media_of({"image": img}) == ([img], [])
+    assert MultiModalProcessor.media_of({"image": [img, img]}) == ([img, img], [])
+    with pytest.raises(ValueError, match="unsupported modality audio"):
+        MultiModalProcessor.media_of({"audio": img})
     with pytest.raises(TypeError, match="multi_modal_data"):
-        MultiModalProcessor.images_of([img])
+        MultiModalProcessor.media_of([img])
 
 
 def test_parse_chat_message_shapes():
@@ -323,9 +323,11 @@ def test_parse_chat_message_shapes():
         },
         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
     ]
-    normalized, images = proc.parse_chat(messages)
-    assert images == ["data:x", img, "https://x/bee.jpg", "hard.jpg", "data:y", img,
-                      "qwen-vl-utils.png"]  # fmt: skip
+    normalized, media = proc.parse_chat(messages)
+    assert all(kind == "image" for kind, _ in media)
+    sources = [source for _, source in media]
+    assert sources == ["data:x", img, "https://x/bee.jpg", "hard.jpg", "data:y", img,
+                       "qwen-vl-utils.png"]  # fmt: skip
     assert normalized[0]["content"] == "Answer only used english"
     assert normalized[1]["content"][:2] == [{"type": "image"}, {"type": "image"}]
     assert normalized[1]["content"][-1] == {"type": "text", "text": "Describe"}
@@ -343,10 +345,10 @@ def test_parse_chat_message_shapes():
 
 def test_multimodal_config_validation():
     assert MultiModalConfig.from_user({"image": 3}, None).limit_per_prompt == 3
-    with pytest.raises(ValueError, match="images only"):
-        MultiModalConfig.from_user({"video": 1}, None)
+    with pytest.raises(ValueError, match="unsupported modality audio"):
+        MultiModalConfig.from_user({"audio": 1}, None)
     with pytest.raises(ValueError, match="unknown key"):
-        MultiModalConfig.from_user(None, {"fps": 2})
+        MultiModalConfig.from_user(None, {"nframes": 2})
     with pytest.raises(ValueError, match="min_pixels"):
         MultiModalConfig.from_user(None, {"min_pixels": 10_000, "max_pixels": 100})
     with pytest.raises(ValueError, match=">= 0"):

@@ -26,10 +26,10 @@ def test_image_parts_under_a_text_only_template(tmp_path):
     )
     conv = _conversation(["a", "b"], "What is in the pictures?")
     processor = llm.llm_engine.input_processor
-    images: list = []
-    text = processor.render_chat(conv, chat_template=template, images=images)
+    media: list = []
+    text = processor.render_chat(conv, chat_template=template, media=media)
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-    assert text.count(placeholder) == 2 and len(images) == 2
+    assert text.count(placeholder) == 2 and [kind for kind, _ in media] == ["image"] * 2
     assert text.startswith("<|im_start|>user\n" + placeholder + "\n" + placeholder)
     greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     out = llm.chat(conv, greedy, chat_template=template, use_tqdm=False)[0]

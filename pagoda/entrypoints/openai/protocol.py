@@ -109,7 +109,7 @@ IGNORED_FIELDS = {
     "cache_salt": "the prefix cache is shared by all requests",
     "kv_transfer_params": "no disaggregated prefill",
     "vllm_xargs": "no extra engine arguments",
-    "mm_processor_kwargs": "images use the model's processor settings",
+    "mm_processor_kwargs": "images and videos use the server's processor settings",
     "length_penalty": "only used by beam search, which is not supported",
 }
 
@@ -385,7 +385,16 @@ class ImageContent(_Request):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextContent | ImageContent, Field(discriminator="type")]
+class VideoURL(_Request):
+    url: str
+
+
+class VideoContent(_Request):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextContent | ImageContent | VideoContent, Field(discriminator="type")]
 
 
 class FunctionCall(_Request):

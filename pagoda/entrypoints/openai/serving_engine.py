@@ -329,7 +329,7 @@ def process_chat_prompt(
     from jinja2 import TemplateError
 
     ip = engine.input_processor
-    images: list[Any] = []
+    media: list[tuple[str, Any]] = []
     try:
         text = ip.render_chat(
             messages,
@@ -337,7 +337,7 @@ def process_chat_prompt(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template_kwargs=template_kwargs,
-            images=images,
+            media=media,
         )
     except (ValueError, TypeError):
         raise
@@ -351,6 +351,6 @@ def process_chat_prompt(
     short = truncated(ids, truncate, ip.max_model_len)
     prompt: dict[str, Any] = {"prompt": text if len(short) == len(ids) else None}
     prompt["prompt_token_ids"] = short
-    if images:
-        prompt["multi_modal_data"] = {"image": images}
+    if media:
+        prompt["multi_modal_data"] = ip.mm_processor.multi_modal_data(media)
     return ip.process(prompt)
