@@ -237,8 +237,15 @@ class RunnerConfig:
     multimodal: MultiModalConfig | None = None  # None: a text-only model
     # GiB of decoder-layer weights kept in pinned host memory, streamed per layer (offload.py)
     cpu_offload_gb: float = 0.0
+    # Ranks the model is split over (pagoda.worker.tp_executor); 1: this process alone.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1 and self.cpu_offload_gb:
+            raise ValueError("cpu_offload_gb cannot be combined with tensor_parallel_size > 1")
         gb = self.cpu_offload_gb
         if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0:
             raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gb!r}")

@@ -1,4 +1,4 @@
-"""Issue 43, point 4 on the GPU: Qwen2.5-VL-3B-shape batch-1 decode without Triton, bf16 against
+"""Qwen2.5-VL-3B-shape batch-1 decode on the GPU without Triton, bf16 against
 W4A16 (PyTorch's int4 matmul), capability 8.7 (Orin) emulated, each engine in its own process
 with Triton hidden. Reports decode tok/s (batch 1 and 4), a 2048-token prefill, peak
 activations, the CUDA graph sizes captured and the quantized layers' layout; the target is

@@ -92,6 +92,19 @@ class EngineArgs:
     max_image_bytes: int = 20 << 20
     max_video_bytes: int = 256 << 20
     cpu_offload_gb: float = 0.0  # GiB of weights in pinned host memory, streamed per layer
+    tensor_parallel_size: int = 1  # ranks (processes, one GPU each on CUDA) the model spans
+
+    def _async_scheduling(self, device: Any) -> bool:
+        """On for CUDA unless set; never with tensor parallelism, whose ranks take every input
+        token from rank 0's host (an async step's input is on rank 0's device only)."""
+        tp = self.tensor_parallel_size
+        if tp != 1 and self.async_scheduling:
+            raise ValueError(
+                "async_scheduling=True cannot be combined with tensor_parallel_size > 1"
+            )
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device.type == "cuda" and tp == 1
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -207,9 +220,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_loras=lora_config.max_loras if lora_config is not None else None,
-            async_scheduling=(
-                device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
-            ),
+            async_scheduling=self._async_scheduling(device),
         )
         mm_config = None
         if getattr(hf_config, "vision_config", None) is not None:
@@ -229,6 +240,7 @@ class EngineArgs:
             lora=lora_config,
             multimodal=mm_config,
             cpu_offload_gb=self.cpu_offload_gb,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
         if runner_config.cpu_offload_gb and quant is not None:
             raise ValueError(

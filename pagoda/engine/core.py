@@ -15,7 +15,8 @@ from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
 from pagoda.step import SchedulerOutput
 from pagoda.worker.memory import MemoryReport
-from pagoda.worker.model_runner import ModelRunner, PendingOutput
+from pagoda.worker.model_runner import PendingOutput
+from pagoda.worker.tp_executor import make_model_runner
 
 if TYPE_CHECKING:
     from pagoda.structured_output import StructuredOutputManager
@@ -35,7 +36,8 @@ class EngineCore:
     ) -> None:
         # Set by the front end (it has the tokenizer) before the first constrained request.
         self.structured_output_manager = structured_output_manager
-        self.runner = ModelRunner(model_config, cache_config, runner_config)
+        # A ModelRunner, or the executor over tensor-parallel ranks (same interface).
+        self.runner = make_model_runner(model_config, cache_config, runner_config)
         self.runner.load_model()
         self.memory_report: MemoryReport = self.runner.initialize_kv_cache(
             scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens

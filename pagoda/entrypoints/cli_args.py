@@ -86,6 +86,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model: bool = True) -> None
         default=0.0,
         help="GiB of weights kept in pinned host memory and streamed to the GPU per layer",
     )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over N ranks (processes; one GPU each on CUDA, gloo on the CPU)",
+    )
     mm = parser.add_argument_group("vision-language models")
     mm.add_argument(
         "--limit-mm-per-prompt",
@@ -135,6 +142,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
         load_format=ns.load_format,
         quantization=ns.quantization,
         cpu_offload_gb=ns.cpu_offload_gb,
+        tensor_parallel_size=ns.tensor_parallel_size,
         limit_mm_per_prompt=ns.limit_mm_per_prompt,
         mm_processor_kwargs=ns.mm_processor_kwargs,
         allow_remote_images=ns.allow_remote_images,

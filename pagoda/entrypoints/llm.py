@@ -24,18 +24,13 @@ logger = logging.getLogger("pagoda")
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         unknown = (
-            set(kwargs)
-            - EngineArgs.field_names()
-            - {"tensor_parallel_size", "trust_remote_code", "print_memory_report"}
+            set(kwargs) - EngineArgs.field_names() - {"trust_remote_code", "print_memory_report"}
         )
         if unknown:
             raise TypeError(
                 f"LLM() got unknown argument(s) {', '.join(sorted(unknown))}; supported: "
                 f"{', '.join(sorted(EngineArgs.field_names()))}"
             )
-        tp = kwargs.pop("tensor_parallel_size", 1)
-        if tp != 1:
-            raise ValueError(f"tensor_parallel_size={tp} is not supported yet (only 1)")
         kwargs.pop("trust_remote_code", None)
         show = kwargs.pop("print_memory_report", True)
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))

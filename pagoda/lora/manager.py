@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,11 @@ class LoRAManager:
     ) -> None:
         self.config = lora_config
         self.dtype = dtype
+        # Tensor parallelism: (full tensor, this rank's shape, name) -> this rank's slice
+        # (`ModelSharder.shard`); None keeps adapters whole.
+        self.shard_tensor: Callable[[torch.Tensor, tuple[int, ...], str], torch.Tensor] | None = (
+            None
+        )
         self.device = device
         self.batch = LoRABatch(max_num_tokens, device)
         self.methods: dict[str, LoRALinearMethod] = {}
@@ -136,6 +142,11 @@ class LoRAManager:
             in_features = method.lora_a.shape[2]
             out_features = method.shard_sizes[shard]
             a, b = module.lora_a, module.lora_b
+            if self.shard_tensor is not None:
+                # Column-parallel layers split B's rows, row-parallel ones A's columns; the
+                # layer's all-reduce then sums the partial low-rank terms with the base output.
+                a = self.shard_tensor(a, (a.shape[0], in_features), module.name)
+                b = self.shard_tensor(b, (out_features, b.shape[1]), module.name)
             if a.shape[1] != in_features or b.shape[0] != out_features:
                 raise ValueError(
                     f"{where}: module {module.name!r} has lora_A {tuple(a.shape)} and lora_B "

@@ -192,12 +192,14 @@ def load_model(
     model_config: ModelConfig,
     device: torch.device | str,
     keep_on_host: Callable[[nn.Module], Sequence[nn.Module]] | None = None,
+    prepare: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Build the model of `model_config` on `device` and load its weights (eval mode).
 
     `keep_on_host(model)` names submodules (decoder layers, for cpu_offload_gb) that stay in
     host memory: the model is then built on the CPU and only the rest moves to `device`, so a
-    model larger than the device never has to fit on it."""
+    model larger than the device never has to fit on it. `prepare(model)` runs on the built
+    model before its weights load (tensor parallelism shards the loaders there)."""
     device = torch.device(device)
     model_cls = get_model_class(architectures_of(model_config.hf_config))
     dtype = getattr(torch, model_config.dtype)
@@ -214,6 +216,8 @@ def load_model(
         model = model_cls(model_config.hf_config, **kwargs)
     if keep_on_host is not None:
         _move_except(model, set(map(id, keep_on_host(model))), device)
+    if prepare is not None:
+        prepare(model)
 
     load_format = model_config.load_format
     if load_format == "dummy":

@@ -209,7 +209,11 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         runner_config: RunnerConfig,
+        sharder: Any = None,
     ) -> None:
+        # A tensor-parallel rank's `pagoda.distributed.sharding.ModelSharder` (None: the whole
+        # model); `model_config` then holds this rank's shapes.
+        self.sharder = sharder
         self.model_config = model_config
         self.cache_config = cache_config
         self.runner_config = runner_config
@@ -264,7 +268,8 @@ class ModelRunner:
                 self._offload_plan = plan_offload(layers, self.runner_config.cpu_offload_gb)
                 return [layers[i] for i in self._offload_plan.layer_indices]
 
-        self.model = load_model(self.model_config, self.device, keep_on_host)
+        prepare = None if self.sharder is None else self.sharder.prepare
+        self.model = load_model(self.model_config, self.device, keep_on_host, prepare)
         if keep_on_host is not None:
             from pagoda.worker.offload import LayerOffloader, decoder_layers
 
@@ -309,6 +314,8 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
+            if self.sharder is not None:
+                self.lora_manager.shard_tensor = self.sharder.shard
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.weights_bytes = torch.cuda.memory_allocated(self.device) - before

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda import __version__
 from pagoda.engine.args import EngineArgs
 from pagoda.engine.async_engine import EngineDeadError
+from pagoda.engine.data_parallel import DataParallelEngine
 from pagoda.engine.engine_process import ENGINE_MODES, ServerEngine, start_engine
 from pagoda.entrypoints.openai.errors import (
     APIError,
@@ -64,8 +66,17 @@ class ServerArgs:
     # Where the engine loop runs: "process" (its own, so it holds its own GIL), "thread" (of
     # the server process) or "auto" (process where one can be started).
     engine_mode: str = "auto"
+    # Engine processes behind this server (pagoda.engine.data_parallel); 1: one engine.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        dp = self.data_parallel_size
+        if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"--data-parallel-size must be an integer >= 1, got {dp!r}")
+        if dp > 1 and self.engine_mode == "thread":
+            raise ValueError(
+                "--data-parallel-size > 1 runs engine processes: not --engine-mode thread"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
@@ -169,6 +180,10 @@ def build_app(
     async def health() -> Response:
         if not async_engine.is_running:
             return error_response(503, "the engine is not running")
+        dead = getattr(async_engine, "dead_replicas", list)()  # data parallel
+        if dead:
+            which = ", ".join(map(str, dead))
+            return error_response(503, f"data-parallel replica(s) {which} not running")
         return JSONResponse({"status": "ok"})
 
     @app.get("/ping")
@@ -268,7 +283,10 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if server_args.gil_switch_interval_s is not None:
         sys.setswitchinterval(server_args.gil_switch_interval_s)
-    engine = start_engine(engine_args, server_args.engine_mode)
+    if server_args.data_parallel_size > 1:
+        engine: Any = DataParallelEngine(engine_args, server_args.data_parallel_size)
+    else:
+        engine = start_engine(engine_args, server_args.engine_mode)
     try:
         name = server_args.served_model_name or engine.model_name
         where = "in its own process" if engine.runs_in_process else "in a thread"

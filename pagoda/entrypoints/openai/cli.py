@@ -96,6 +96,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "with the HTTP side, or a thread of the server process (default auto: a process where "
         "one can be started)",
     )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive_int,
+        default=1,
+        help="engine processes (replicas, each with its own device and KV cache) behind this "
+        "server; requests go by load and by shared prompt prefix",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -153,6 +161,7 @@ def server_args_from(ns: argparse.Namespace, server_args_cls: type) -> Any:
         tool_call_parser=ns.tool_call_parser,
         gil_switch_interval_s=ns.gil_switch_interval,
         engine_mode=ns.engine_mode,
+        data_parallel_size=getattr(ns, "data_parallel_size", 1),
     )
     if ns.max_body_bytes is not None:
         kwargs["max_body_bytes"] = ns.max_body_bytes

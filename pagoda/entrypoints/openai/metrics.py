@@ -73,6 +73,16 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric(labels, value)
             yield c
+        loads = getattr(self.engine, "loads", None)  # data parallel: per-replica load
+        if loads is not None:
+            g = GaugeMetricFamily(
+                "pagoda_replica_requests",
+                "Requests in flight per data-parallel replica.",
+                labels=["model_name", "replica"],
+            )
+            for i, n in enumerate(loads()):
+                g.add_metric([self.model_name, str(i)], n)
+            yield g
 
 
 class _Alias(Collector):
