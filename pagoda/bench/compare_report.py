@@ -31,6 +31,9 @@ def metrics_for(settings: dict[str, Any]) -> list[Metric]:
     rows = [
         Metric("weights_gib", "weights in memory (GiB)", "gib", "lower"),
         Metric("weights_disk_gib", "weights on disk (GiB)", "gib", "lower"),
+        Metric(
+            "source_disk_gib", "source file on disk, before dequantization (GiB)", "gib", "lower"
+        ),
         Metric("kv_cache_gib", "KV cache available (GiB)", "gib", "higher"),
         Metric("kv_tokens", "KV cache capacity (tokens)", "tokens", "higher"),
         Metric(
@@ -57,9 +60,13 @@ def metrics_for(settings: dict[str, Any]) -> list[Metric]:
             Metric("throughput_tok_s", f"throughput, {n} requests (output tok/s)", "toks", "higher")
         )
     # every run has a perplexity: on --ppl-text, else on a default text (see compare_worker)
-    rows.append(
-        Metric("ppl", f"perplexity ({settings['ppl_window']}-token windows)", "ppl", "lower")
-    )
+    text = "your text" if settings.get("ppl_text") else "held-out text"
+    title = f"perplexity, {text} ({settings['ppl_window']}-token windows)"
+    rows.append(Metric("ppl", title, "ppl", "lower"))
+    rows += [
+        Metric("greedy_same", "greedy answers identical to the first's", "pct", "higher"),
+        Metric("greedy_tokens", "greedy answer tokens matching the first's", "pct", "higher"),
+    ]
     return rows
 
 
@@ -126,6 +133,8 @@ def fmt(value: float | None, kind: str) -> str:
         return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
     if kind == "toks":
         return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+    if kind == "pct":
+        return f"{100 * value:.0f} %"
     if kind == "ppl":
         return f"{value:.3f}" if value < 100 else f"{value:.1f}"
     return f"{value:g}"
@@ -149,7 +158,7 @@ def markdown_table(report: dict[str, Any]) -> str:
             v = c["values"].get(m.key)
             cell = fmt(v, m.kind)
             r = c["ratios"].get(m.key)
-            if v is not None and r is not None and c["label"] != ref:
+            if v is not None and r is not None and c["label"] != ref and m.kind != "pct":
                 cell += f" ({r:.2f}×)"
             cells.append(cell)
         if all(cell == "—" for cell in cells):
@@ -223,6 +232,20 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"`{ppl.get('tokens_sha256', '?')}`), by `{ppl.get('method', '?')}`: "
         "`pagoda eval perplexity MODEL --text FILE --window W` gives the same number."
     )
+    greedy = next(
+        (c["result"]["greedy"] for c in report["configs"] if (c.get("result") or {}).get("greedy")),
+        None,
+    )
+    if greedy:
+        parts.append("")
+        parts.append(
+            f"Greedy answers: {len(greedy['questions'])} short chat questions, "
+            f"{greedy['max_tokens']} tokens each, compared with **{report.get('reference')}**'s "
+            "answers: the share that are identical, and the share of its tokens reproduced "
+            "(each answer's common prefix)."
+        )
+    if report.get("wall_s") is not None:
+        parts += ["", f"Wall time of the command up to this table: {report['wall_s']:.0f} s."]
     notes = []
     cores = os.cpu_count() or 1
     loads = [

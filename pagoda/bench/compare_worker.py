@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pagoda.bench.heldout import HELDOUT_NAME, heldout_text
+
 PROGRESS_PREFIX = "@@progress "
 BAR_PREFIX = "@@bar "
 ERROR_PREFIX = "@@error "
@@ -113,22 +115,34 @@ def disk_size_gib(model: str) -> float | None:
     return sum(f.stat().st_size for f in files) / GiB if files else None
 
 
+def is_gguf(model: str) -> bool:
+    from pagoda.model_files import resolve_model
+
+    return resolve_model(None if model == "default" else model).kind == "gguf"
+
+
 # ---------------------------------------------------------------------- shared helpers
 
-DEFAULT_PPL_TEXT_NAME = "the Zen of Python (`import this`; the default without --ppl-text)"
+DEFAULT_PPL_TEXT_NAME = f"{HELDOUT_NAME}, held out from calibration (without --ppl-text)"
 
 
 def default_ppl_text() -> str:
-    """A short English text every Python has, the same in every version (`import this`):
-    a perplexity row without --ppl-text that needs no download. A smoke figure, not a
-    quality benchmark: pass --ppl-text with in-domain text for that."""
-    import codecs
-    import contextlib
-    import io
+    return heldout_text()
 
-    with contextlib.redirect_stdout(io.StringIO()):
-        import this
-    return codecs.decode(this.s, "rot13")
+
+# Greedy answers compared with the reference configuration's (`pagoda compare` reports how
+# many are identical and how many of the reference's tokens each one reproduces).
+GREEDY_QUESTIONS = (
+    "What is the capital of France?",
+    "Write a Python function that returns the square of a number.",
+    "Name three primary colors.",
+    "How many days are there in a leap year?",
+    "Explain in one sentence what a list is in Python.",
+    "What is 12 times 7?",
+    "Translate 'thank you' into Spanish.",
+    "What does a CPU do?",
+)
+GREEDY_MAX_TOKENS = 32
 
 
 def standard_workload_lengths(max_model_len: int) -> tuple[int, int, int, int]:
@@ -329,9 +343,22 @@ def run_pagoda(job: CompareJob, out: ResultFile | None = None) -> dict[str, Any]
         "notes": [],
     }
     result.update(_check_quantization(llm))
+    disk = disk_size_gib(job.model)
+    source_disk = None
+    if is_gguf(job.model):
+        # The engine runs the dequantized model: that is the full-precision configuration,
+        # so its size is what a full-precision checkpoint holds; the GGUF file is shown apart.
+        source_disk, disk = disk, report.weights_bytes / GiB
+        result["notes"].append(
+            f"{job.label}: dequantized from {Path(engine.source.path).name} "
+            f"({source_disk:.3g} GiB on disk) to {engine.model_config.dtype}; its weight rows "
+            "are the dequantized model's (the full-precision reference), the GGUF file's size "
+            "is the 'source file' row"
+        )
     result.update(
         weights_gib=report.weights_bytes / GiB,
-        weights_disk_gib=disk_size_gib(job.model),
+        weights_disk_gib=disk,
+        source_disk_gib=source_disk,
         kv_cache_gib=report.kv_cache_bytes / GiB,
         kv_tokens=report.kv_token_capacity,
         max_concurrency=report.max_concurrency,
@@ -354,6 +381,12 @@ def run_pagoda(job: CompareJob, out: ResultFile | None = None) -> dict[str, Any]
                 f"{job.label}: on CPU, W4A16 weights are held as int8 codes (one byte per 4-bit "
                 f"weight) for the torch kernels, so the in-memory weights are about twice the "
                 f"4-bit size{on_disk}; GPUs keep them packed"
+            )
+        if result.get("quantization"):
+            result["notes"].append(
+                f"{job.label}: the CPU has no int4 (or int8) matmul here: each quantized layer "
+                "is dequantized to float before its matmul, so its speed rows show that extra "
+                "work, not a speed-up; the speed-up needs a GPU kernel (BENCHMARKS.md)"
             )
     out = out or ResultFile(None)
     out.save(result)
@@ -477,8 +510,36 @@ def run_pagoda(job: CompareJob, out: ResultFile | None = None) -> dict[str, Any]
     else:
         result["perplexity"] = _pagoda_perplexity(job, llm, device)
         result["ppl"] = result["perplexity"]["ppl"]
+        out.save(result)
+    if out.has("greedy"):
+        result["greedy"] = out.previous["greedy"]
+    else:
+        result["greedy"] = _greedy_answers(llm)
     out.save(result, complete=True)
     return result
+
+
+def _greedy_answers(llm: Any) -> dict[str, Any] | None:
+    """The greedy answers to `GREEDY_QUESTIONS` (chat template), as token ids: the parent
+    compares them with the reference configuration's."""
+    from pagoda.sampling_params import SamplingParams
+
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
+        return None
+    progress(f"greedy answers: {len(GREEDY_QUESTIONS)} questions, {GREEDY_MAX_TOKENS} tokens")
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_MAX_TOKENS)
+    if getattr(tokenizer, "chat_template", None):
+        chats = [[{"role": "user", "content": q}] for q in GREEDY_QUESTIONS]
+        outs = [r.outputs[0] for r in llm.chat(chats, params, use_tqdm=False)]
+    else:  # a base model: the questions as plain prompts
+        outs = [r.outputs[0] for r in llm.generate(list(GREEDY_QUESTIONS), params, use_tqdm=False)]
+    return {
+        "max_tokens": GREEDY_MAX_TOKENS,
+        "questions": list(GREEDY_QUESTIONS),
+        "token_ids": [list(o.token_ids) for o in outs],
+        "texts": [o.text for o in outs],
+    }
 
 
 def _generate_counting(llm: Any, prompts: list, params: list, phase: str) -> list:

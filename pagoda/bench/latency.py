@@ -23,16 +23,15 @@ from pagoda.bench.common import (
     hf_model_from_config,
     write_result,
 )
-from pagoda.entrypoints.cli_args import add_async_scheduling_arg, add_speculative_config_arg
+from pagoda.entrypoints.cli_args import (
+    add_async_scheduling_arg,
+    add_model_arg,
+    add_speculative_config_arg,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="model dir, .gguf, or config:benchmarks/configs/qwen2.5-7b.json",
-    )
+    add_model_arg(p, help="model dir, .gguf, or config:benchmarks/configs/qwen2.5-7b.json")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--batch-size", type=int, default=1)

@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+from pagoda.bench.heldout import HELDOUT_TEXT
+from pagoda.entrypoints.cli_args import add_model_arg
+
 
 @dataclass
 class PerplexityResult:
@@ -131,13 +134,13 @@ def evaluate(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arg(parser, help="model directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="model directory or .gguf (default: the embedded SmolLM2)",
+        "--text",
+        default=str(HELDOUT_TEXT),
+        help="UTF-8 text file to score (default: 21.7k tokens of the Python tutorial shipped "
+        "with pagoda, held out from calibration)",
     )
-    parser.add_argument("--text", required=True, help="UTF-8 text file to score")
     parser.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--stride", type=int, default=None, help="default: the window")

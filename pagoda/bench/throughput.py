@@ -23,11 +23,15 @@ from pagoda.bench.common import (
     random_workload,
     write_result,
 )
-from pagoda.entrypoints.cli_args import add_async_scheduling_arg, add_speculative_config_arg
+from pagoda.entrypoints.cli_args import (
+    add_async_scheduling_arg,
+    add_model_arg,
+    add_speculative_config_arg,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None)
+    add_model_arg(p)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--num-requests", type=int, default=256)

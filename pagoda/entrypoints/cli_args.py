@@ -22,24 +22,46 @@ def add_async_scheduling_arg(parser: argparse.ArgumentParser | argparse._Argumen
     )
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    """The options of `LLM(...)`, as flags."""
-    if model_positional:
-        parser.add_argument(
-            "model",
-            nargs="?",
-            default=None,
-            help="model directory, .gguf file or config:PATH.json "
-            "(default: the embedded SmolLM2-135M-Instruct)",
+_MODEL_HELP = (
+    "model directory, .gguf file or config:PATH.json (default: the embedded SmolLM2-135M-Instruct)"
+)
+
+
+def add_model_arg(parser: argparse.ArgumentParser, help: str = _MODEL_HELP) -> None:
+    """`pagoda COMMAND [MODEL]`: the model as the first positional, `--model/-m` as an alias.
+
+    `merge_model_option` (run by `pagoda.cli.main` before every command) folds the two.
+    """
+    parser.add_argument("model", nargs="?", default=None, help=help)
+    parser.add_argument(
+        "--model",
+        "-m",
+        dest="model_option",
+        default=None,
+        metavar="MODEL",
+        help="the same as MODEL",
+    )
+
+
+def merge_model_option(ns: argparse.Namespace) -> None:
+    """Set `ns.model` from `--model` when the positional MODEL was not given."""
+    option = getattr(ns, "model_option", None)
+    if option is None:
+        return
+    if ns.model is not None and ns.model != option:
+        raise ValueError(
+            f"two models given: {ns.model!r} (MODEL) and {option!r} (--model); pass one"
         )
+    ns.model = option
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model: bool = True) -> None:
+    """The options of `LLM(...)`, as flags, after `[MODEL]` (`add_model_arg`; `model=False`
+    for a command that reads the model from its own positionals)."""
+    if model:
+        add_model_arg(parser)
     else:
-        parser.add_argument(
-            "--model",
-            "-m",
-            default=None,
-            help="model directory, .gguf file or config:PATH.json "
-            "(default: the embedded SmolLM2-135M-Instruct)",
-        )
+        parser.set_defaults(model=None)
     g = parser.add_argument_group("engine (vLLM's flags and meanings)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")

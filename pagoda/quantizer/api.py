@@ -44,7 +44,7 @@ from pagoda.quant.fp8 import FP8_SCHEMES, kv_cache_scheme_json
 from pagoda.quant.fp8 import quantization_config as fp8_quant_config
 from pagoda.quant.schemes import SCHEMES, scheme_args
 from pagoda.quant.schemes import quantization_config as make_quant_config
-from pagoda.quantizer.calibration import load_calibration_data
+from pagoda.quantizer.calibration import check_calibration_file, load_calibration_data
 from pagoda.quantizer.checkpoint import (
     check_output_dir,
     copy_model_files,
@@ -62,6 +62,7 @@ from pagoda.quantizer.pipeline import (
     check_group_size,
     check_ignore_matches,
     decoder_of,
+    default_group_size,
     dense_module_names,
     is_ignored,
     layer_targets,
@@ -152,7 +153,7 @@ def quantize(
     out_dir: str | os.PathLike[str],
     scheme: str | None = None,
     method: str | None = None,
-    group_size: int = 128,
+    group_size: int | None = None,
     ignore: list[str] | None = None,
     dataset: str | os.PathLike[str] | None = None,
     num_samples: int = 256,
@@ -177,8 +178,10 @@ def quantize(
     either spelling (`model.language_model.layers.0...` / `model.layers.0...`, `model.visual...`
     / `visual...`) and the vision tower is always kept (see `_keep_vision_dense`).
     `dataset="random"` draws random token ids (timing runs); a `config:PATH.json` model gets
-    deterministic random weights. `dtype`: what the checkpoint stores (scales, unquantized
-    tensors); "auto" takes the model's dtype (bfloat16 when it has none). `gptq_scales`:
+    deterministic random weights. `group_size`: None takes 128, or the largest of 64 / 32
+    that divides every quantized layer's input (a note on stderr says so). `dtype`: what the
+    checkpoint stores (scales, unquantized tensors); "auto" takes the model's dtype (bfloat16
+    when it has none). `gptq_scales`:
     "first_touch" (a group's scale from the error-updated weights when GPTQ reaches it) or
     "upfront" (from the original weights). `scheme`: default W4A16 (symmetric) for GPTQ
     and RTN, W4A16_ASYM for AWQ (scales and clipping, then RTN). `format`:
@@ -219,8 +222,11 @@ def quantize(
         raise ValueError(f"scheme {scheme!r} is not supported; use one of {names}")
     if actorder in ("none", "None", ""):
         actorder = None
+    auto_group = group_size is None
+    if auto_group:
+        group_size = 128  # until the model's shapes are known (below)
     if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be an integer, got {group_size!r}")
+        raise TypeError(f"group_size must be an integer or None (auto), got {group_size!r}")
     if not 0 <= dampening < 1:
         raise ValueError(f"dampening must be in [0, 1), got {dampening}")
     if block_size < 1:
@@ -248,6 +254,8 @@ def quantize(
     dataset_info = None
     if dataset is not None and dataset != "random":
         dataset_info = dataset_record(dataset)
+        # format, a usable sample, decodable images: before the model costs a load
+        check_calibration_file(dataset)
 
     source = resolve_model(model)
     hf_config = load_hf_config(source)
@@ -282,10 +290,21 @@ def quantize(
             raise ValueError(f"{arch} from a GGUF file cannot be quantized; use the HF directory")
         ignore = _keep_vision_dense(skeleton, arch, ignore)
     check_ignore_matches(skeleton, ignore, user_ignore)
-    if not fp8:
+    if fp8:
+        if quantizes_lm_head(skeleton, ignore):
+            raise ValueError(f"scheme {scheme} keeps lm_head dense; drop --quantize-lm-head")
+    else:
+        if auto_group:
+            group_size = default_group_size(skeleton, ignore)
+            if group_size != 128:
+                # e.g. SmolLM2's hidden size 576 = 9 x 64: 128 does not divide it
+                print(
+                    f"note: {arch}: group size {group_size}, the largest of 128/64/32 that "
+                    "divides every quantized layer's input (pass --group-size to choose)",
+                    file=sys.stderr,
+                )
+                args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
         check_group_size(skeleton, args, ignore)
-    elif quantizes_lm_head(skeleton, ignore):
-        raise ValueError(f"scheme {scheme} keeps lm_head dense; drop --quantize-lm-head")
     if format == "autoawq" and quantizes_lm_head(skeleton, ignore):
         raise ValueError(
             "format='autoawq' keeps lm_head unquantized (AutoAWQ checkpoints never quantize "

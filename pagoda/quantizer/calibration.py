@@ -73,12 +73,14 @@ def formats_help() -> str:
 
 @dataclass
 class _Dropped:
-    """Media dropped while reading chats (reported once, not per record)."""
+    """Media dropped while reading chats (reported once, not per record), and the image
+    references met on the way (checked by `check_calibration_file`)."""
 
     parts: int = 0
-    records: set[int] = field(default_factory=set)
+    records: set[str] = field(default_factory=set)
+    images: list[tuple[str, Any]] = field(default_factory=list)  # (where, source)
 
-    def add(self, index: int, n: int) -> None:
+    def add(self, index: str, n: int) -> None:
         if n:
             self.parts += n
             self.records.add(index)
@@ -97,17 +99,17 @@ class CalibrationData:
         return sum(int(s.numel()) for s in self.samples)
 
 
-def _strip_tags(text: str, index: int, dropped: _Dropped) -> str:
+def _strip_tags(text: str, index: str, dropped: _Dropped) -> str:
     stripped, n = _MEDIA_TAG.subn("", text)
     dropped.add(index, n)
     return stripped
 
 
 def _messages_from_conversation(
-    path: Path, index: int, conv: Any, dropped: _Dropped
+    path: Path, index: str, conv: Any, dropped: _Dropped
 ) -> list[dict[str, str]]:
     if not isinstance(conv, list) or not conv:
-        raise ValueError(f"{path}: record {index}: 'conversations' must be a non-empty list")
+        raise ValueError(f"{path}: {index}: 'conversations' must be a non-empty list")
     messages = []
     for turn_no, turn in enumerate(conv):
         if isinstance(turn, dict) and "value" not in turn and "content" in turn:
@@ -115,24 +117,22 @@ def _messages_from_conversation(
             messages.append(_message(path, index, turn_no, turn, dropped))
             continue
         if not isinstance(turn, dict) or "value" not in turn:
-            raise ValueError(
-                f"{path}: record {index}: turn {turn_no} needs 'from' and 'value' keys"
-            )
+            raise ValueError(f"{path}: {index}: turn {turn_no} needs 'from' and 'value' keys")
         role = _ROLES.get(str(turn.get("from", "")).lower())
         if role is None:
             raise ValueError(
-                f"{path}: record {index}: turn {turn_no} has unknown 'from' "
+                f"{path}: {index}: turn {turn_no} has unknown 'from' "
                 f"{turn.get('from')!r} (use human/gpt/system)"
             )
         if not isinstance(turn["value"], str):
-            raise ValueError(f"{path}: record {index}: turn {turn_no} 'value' is not a string")
+            raise ValueError(f"{path}: {index}: turn {turn_no} 'value' is not a string")
         messages.append(
             {"role": role, "content": _strip_tags(turn["value"], index, dropped).strip()}
         )
     return messages
 
 
-def _content_text(path: Path, index: int, turn_no: int, content: Any, dropped: _Dropped) -> str:
+def _content_text(path: Path, index: str, turn_no: int, content: Any, dropped: _Dropped) -> str:
     """A message's text: a string, or its text parts joined (media parts dropped)."""
     if content is None:
         return ""  # e.g. an assistant turn that only made tool calls
@@ -140,7 +140,7 @@ def _content_text(path: Path, index: int, turn_no: int, content: Any, dropped: _
         return _strip_tags(content, index, dropped)
     if not isinstance(content, list):
         raise ValueError(
-            f"{path}: record {index}: message {turn_no} 'content' must be a string or a list "
+            f"{path}: {index}: message {turn_no} 'content' must be a string or a list "
             f"of parts, got {type(content).__name__}"
         )
     texts = []
@@ -153,19 +153,20 @@ def _content_text(path: Path, index: int, turn_no: int, content: Any, dropped: _
             texts.append(_strip_tags(part["text"], index, dropped))
         elif kind in _MEDIA_PARTS:
             dropped.add(index, 1)
+            source = _image_source(part)
+            if source is not None:
+                dropped.images.append((f"{index}: message {turn_no} part {part_no}", source))
         else:
             raise ValueError(
-                f"{path}: record {index}: message {turn_no} part {part_no} is not a text or "
+                f"{path}: {index}: message {turn_no} part {part_no} is not a text or "
                 'image part (expected {"type": "text", "text": ...} or {"type": "image", ...})'
             )
     return "\n".join(t for t in texts if t)
 
 
-def _message(path: Path, index: int, turn_no: int, m: Any, dropped: _Dropped) -> dict[str, str]:
+def _message(path: Path, index: str, turn_no: int, m: Any, dropped: _Dropped) -> dict[str, str]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-        raise ValueError(
-            f"{path}: record {index}: message {turn_no} needs 'role' and 'content' keys"
-        )
+        raise ValueError(f"{path}: {index}: message {turn_no} needs 'role' and 'content' keys")
     return {
         "role": m["role"],
         "content": _content_text(path, index, turn_no, m["content"], dropped),
@@ -173,31 +174,33 @@ def _message(path: Path, index: int, turn_no: int, m: Any, dropped: _Dropped) ->
 
 
 def _check_messages(
-    path: Path, index: int, messages: Any, dropped: _Dropped
+    path: Path, index: str, messages: Any, dropped: _Dropped
 ) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{path}: record {index}: 'messages' must be a non-empty list")
+        raise ValueError(f"{path}: {index}: 'messages' must be a non-empty list")
     return [_message(path, index, i, m, dropped) for i, m in enumerate(messages)]
 
 
-def _record(path: Path, index: int, obj: Any, dropped: _Dropped) -> str | list[dict[str, str]]:
+def _record(path: Path, index: str, obj: Any, dropped: _Dropped) -> str | list[dict[str, str]]:
     """A text string or a chat (list of messages) from one JSON / JSONL record."""
     if isinstance(obj, str):
         return obj  # a JSON list of plain strings
     if not isinstance(obj, dict):
-        raise ValueError(
-            f"{path}: record {index}: expected a JSON object, got {type(obj).__name__}"
-        )
+        raise ValueError(f"{path}: {index}: expected a JSON object, got {type(obj).__name__}")
     if "conversations" in obj:
+        # LLaVA keeps the image file(s) beside the conversation
+        images = obj.get("image") or obj.get("images") or []
+        for source in images if isinstance(images, list) else [images]:
+            dropped.images.append((f"{index}: 'image'", source))
         return _messages_from_conversation(path, index, obj["conversations"], dropped)
     if "messages" in obj:
         return _check_messages(path, index, obj["messages"], dropped)
     if "text" in obj:
         if not isinstance(obj["text"], str):
-            raise ValueError(f"{path}: record {index}: 'text' is not a string")
+            raise ValueError(f"{path}: {index}: 'text' is not a string")
         return obj["text"]
     raise ValueError(
-        f"{path}: record {index}: no 'conversations', 'messages' or 'text' key "
+        f"{path}: {index}: no 'conversations', 'messages' or 'text' key "
         f"(keys: {', '.join(sorted(obj)) or 'none'})"
     )
 
@@ -239,7 +242,7 @@ def _read(path: Path, dropped: _Dropped) -> list[str | list[dict[str, str]]] | s
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}: line {line_no}: invalid JSON ({e.msg})") from None
-            records.append(_record(path, line_no, obj, dropped))
+            records.append(_record(path, f"line {line_no}", obj, dropped))
         return records
     if path.suffix == ".json" or stripped.startswith("["):
         try:
@@ -248,8 +251,90 @@ def _read(path: Path, dropped: _Dropped) -> list[str | list[dict[str, str]]] | s
             raise ValueError(f"{path}: invalid JSON at line {e.lineno} ({e.msg})") from None
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
-        return [_record(path, i, obj, dropped) for i, obj in enumerate(data)]
+        lines = _record_lines(raw, len(data))
+        return [
+            _record(path, f"record {i} (line {line})", obj, dropped)
+            for i, (obj, line) in enumerate(zip(data, lines, strict=True))
+        ]
     return raw
+
+
+def _record_lines(raw: str, count: int) -> list[int]:
+    """The line each element of a JSON list (already parsed: valid JSON) starts on."""
+    decoder = json.JSONDecoder()
+    pos = raw.index("[") + 1
+    lines = []
+    for _ in range(count):
+        while raw[pos] in " \t\r\n,":
+            pos += 1
+        lines.append(raw.count("\n", 0, pos) + 1)
+        _, pos = decoder.raw_decode(raw, pos)
+    return lines
+
+
+def _image_source(part: dict[str, Any]) -> Any:
+    """The reference an image part carries (OpenAI `image_url`, HF `image`), if any."""
+    for key in ("image_url", "image", "input_image", "url"):
+        value = part.get(key)
+        if isinstance(value, dict):
+            value = value.get("url")
+        if isinstance(value, str):
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class CalibrationCheck:
+    """What `check_calibration_file` found: records, the usable ones, images decoded."""
+
+    records: int
+    usable: int  # records (or plain-text chunks) with some text
+    images_checked: int
+    images_remote: int  # http(s) URLs: not fetched (the decoder is calibrated on text)
+
+
+def _has_text(record: str | list[dict[str, str]]) -> bool:
+    if isinstance(record, str):
+        return bool(record.strip())
+    return any(m["content"].strip() for m in record)
+
+
+def check_calibration_file(path: str | Path) -> CalibrationCheck:
+    """Validate a calibration file without a model or tokenizer: its format, at least one
+    record with text, and every image it references decodable (local paths relative to the
+    file; http(s) URLs are not fetched). Errors name the file and the line of the first bad
+    record; `quantize` runs this before it loads anything."""
+    from pagoda.config import MultiModalConfig
+    from pagoda.multimodal.image_loader import ImageLoader
+
+    path = Path(path)
+    dropped = _Dropped()
+    records = _read(path, dropped)
+    if isinstance(records, str):
+        return CalibrationCheck(1, 1, 0, 0)
+    usable = sum(_has_text(r) for r in records)
+    if not usable:
+        raise ValueError(
+            f"{path}: no usable calibration sample: every one of the {len(records)} record(s) "
+            "is empty once image parts and <image> tags are removed"
+        )
+    loader = ImageLoader(MultiModalConfig())
+    checked = remote = 0
+    for where, source in dropped.images:
+        if not isinstance(source, str):
+            raise ValueError(f"{path}: {where}: an image reference must be a string")
+        if source.startswith(("http://", "https://")):
+            remote += 1
+            continue
+        local = source
+        if not source.startswith(("data:", "file:")) and not Path(source).is_absolute():
+            local = str(path.parent / source)
+        try:
+            loader.load(local, allow_local_paths=True)
+        except ValueError as e:
+            raise ValueError(f"{path}: {where}: image not decodable ({e})") from None
+        checked += 1
+    return CalibrationCheck(len(records), usable, checked, remote)
 
 
 def _render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> str:
@@ -287,7 +372,7 @@ def load_calibration_data(
         sequences = [ids[i : i + max_seq_len] for i in range(0, len(ids), max_seq_len)]
         sequences = [s for s in sequences if len(s) >= 2]
     else:
-        for index, record in enumerate(records):
+        for record in records:
             if isinstance(record, str):
                 ids = _token_ids(tokenizer, record, add_special_tokens=True)
             else:
@@ -296,7 +381,7 @@ def load_calibration_data(
             if len(ids) >= 2:
                 sequences.append(ids[:max_seq_len])
             elif len(records) == 1:
-                raise ValueError(f"{path}: record {index} has no text after tokenisation")
+                raise ValueError(f"{path}: the only record has no text after tokenisation")
     if not sequences:
         raise ValueError(f"{path}: no calibration text found (every record is empty)")
     order = list(range(len(sequences)))

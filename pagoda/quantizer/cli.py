@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from pagoda.entrypoints.cli_args import add_model_arg
+
 
 def _group_size(text: str) -> int:
     try:
@@ -131,12 +133,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=formats_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    q.add_argument(
-        "model",
-        nargs="?",
-        default=None,
-        help="HF model directory or .gguf file (default: the embedded SmolLM2)",
-    )
+    add_model_arg(q, help="HF model directory or .gguf file (default: the embedded SmolLM2)")
     q.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     q.add_argument(
         "--scheme",
@@ -166,7 +163,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="checkpoint layout: compressed-tensors (pack-quantized), or AutoAWQ's GEMM "
         "layout (quant_method awq; 4-bit, lm_head dense)",
     )
-    q.add_argument("--group-size", type=_group_size, default=128, help="-1: per channel")
+    q.add_argument(
+        "--group-size",
+        type=_group_size,
+        default=None,
+        help="weights per scale; -1: per channel (default: 128, or the largest of 64 / 32 "
+        "that divides every quantized layer's input, with a note)",
+    )
     q.add_argument(
         "--ignore",
         action="append",

@@ -315,21 +315,41 @@ AWQ_MAPPINGS = {arch: DECODER_AWQ_MAPPINGS for arch in QUANTIZABLE_ARCHITECTURES
 _AWQ_UNCLIPPED = ("q_proj", "k_proj")
 
 
+def _quantized_inputs(model: nn.Module, ignore: list[str]) -> dict[int, list[str]]:
+    """Input size -> the names of the quantized modules that read it."""
+    sizes: dict[int, list[str]] = {}
+    layers = decoder_of(model)[0].layers
+    for i in range(len(layers)):
+        for t in layer_targets(model, i, ignore):
+            if any(t.quantized):
+                in_features = layers[i].get_submodule(t.attr).in_features
+                sizes.setdefault(in_features, []).extend(
+                    n for n, q in zip(t.hf_names, t.quantized) if q
+                )
+    if quantizes_lm_head(model, ignore):
+        sizes.setdefault(model.lm_head.hidden_size, []).append("lm_head")
+    return sizes
+
+
+def default_group_size(model: nn.Module, ignore: list[str], preferred: int = 128) -> int:
+    """`preferred` when it divides every quantized layer's input, else the largest smaller
+    candidate that does (SmolLM2's 576 = 9 x 64 takes 64), else -1 (per channel)."""
+    sizes = list(_quantized_inputs(model, ignore))
+    for g in sorted((g for g in _CANDIDATE_GROUPS if g <= preferred), reverse=True):
+        if all(s % g == 0 for s in sizes):
+            return g
+    return -1
+
+
 def check_group_size(model: nn.Module, args: WeightQuantArgs, ignore: list[str]) -> None:
     """One error naming every layer whose input size the group size does not divide."""
     if args.group_size == -1:
         return
-    bad: dict[int, list[str]] = {}
-    layers = decoder_of(model)[0].layers
-    for i in range(len(layers)):
-        for t in layer_targets(model, i, ignore):
-            module = layers[i].get_submodule(t.attr)
-            if any(t.quantized) and module.in_features % args.group_size:
-                bad.setdefault(module.in_features, []).extend(
-                    n for n, q in zip(t.hf_names, t.quantized) if q
-                )
-    if quantizes_lm_head(model, ignore) and model.lm_head.hidden_size % args.group_size:
-        bad.setdefault(model.lm_head.hidden_size, []).append("lm_head")
+    bad = {
+        size: names
+        for size, names in _quantized_inputs(model, ignore).items()
+        if size % args.group_size
+    }
     if not bad:
         return
     sizes = sorted(bad)

@@ -95,7 +95,9 @@ def test_table_on_stdout_and_report_md(result):
                 "max concurrency at max_model_len=128", "weights load time (s)",
                 "peak host RSS (GiB)", "TTFT p50, prompt 16 (ms)", "decode tok/s, batch 1",
                 "decode tok/s, batch 2", "throughput, 2 requests (output tok/s)",
-                "perplexity (64-token windows)"):  # fmt: skip
+                "perplexity, your text (64-token windows)",
+                "greedy answers identical to the first's",
+                "greedy answer tokens matching the first's"):  # fmt: skip
         assert f"| {row} |" in stdout, row
     # GPU-only rows are left out on CPU rather than filled with dashes
     assert "CUDA-graph" not in stdout and "peak GPU memory" not in stdout
@@ -123,6 +125,13 @@ def test_report_json_fields_and_ratios(result, models):
         assert large["ratios"][key] == pytest.approx(large["values"][key] / small["values"][key])
         assert small["ratios"][key] == pytest.approx(1.0)
     assert small["values"]["cuda_graph_s"] is None  # no graphs on CPU
+    # greedy answers: the reference agrees with itself; the other model has its own answers
+    assert small["values"]["greedy_same"] == small["values"]["greedy_tokens"] == 1.0
+    mine, ref = (c["result"]["greedy"]["token_ids"] for c in (large, small))
+    same = sum(a == b for a, b in zip(mine, ref)) / len(ref)
+    assert large["values"]["greedy_same"] == pytest.approx(same)
+    assert 0.0 <= large["values"]["greedy_tokens"] <= 1.0
+    assert report["wall_s"] > 0
     # weights: exactly the parameter bytes (fp32), and the ratio follows the parameter count
     params = {}
     for name, path in (("small", models[0]), ("large", models[1])):
@@ -258,16 +267,16 @@ def test_defaults_follow_the_device_and_help_says_so(capsys):
     ns = argparse.Namespace(device="cpu", **dict.fromkeys(compare.GPU_DEFAULTS))
     ns.iters = 3  # given by the user: kept
     assert compare.apply_device_defaults(ns) == "cpu"
-    assert ns.iters == 3 and ns.prompt_len == compare.CPU_DEFAULTS["prompt_len"] == 128
-    assert ns.batch_sizes == "1,4" and ns.throughput_requests == 8
+    assert ns.iters == 3 and ns.prompt_len == compare.CPU_DEFAULTS["prompt_len"] == 64
+    assert ns.batch_sizes == "1" and ns.throughput_requests == 0
     ns = argparse.Namespace(device="cuda", **dict.fromkeys(compare.GPU_DEFAULTS))
     compare.apply_device_defaults(ns)
     assert ns.batch_sizes == "1,8,64" and ns.output_len == 256
     with pytest.raises(SystemExit):
         cli.main(["compare", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 512 on GPU, 128 on CPU)" in help_text
-    assert "(default: 1,8,64 on GPU, 1,4 on CPU)" in help_text
+    assert "(default: 512 on GPU, 64 on CPU)" in help_text
+    assert "(default: 1,8,64 on GPU, 1 on CPU)" in help_text
 
 
 def test_titles_fit_their_figure():
@@ -357,3 +366,12 @@ def test_fp8_and_fp8_kv_rows_parse(tmp_path):
     with pytest.raises(ValueError, match="--kv-cache-dtype 'int8'"):
         compare.build_jobs(ns)
     assert compare_worker._scheme_name({"quant_method": "fp8"}).startswith("FP8_DYNAMIC")
+
+
+def test_greedy_agreement_counts_identical_answers_and_common_prefixes():
+    ref = {"greedy": {"token_ids": [[1, 2, 3, 4], [5, 6], [7, 8]]}}
+    mine = {"greedy": {"token_ids": [[1, 2, 3, 4], [5, 9], [0, 8]]}}
+    got = compare.greedy_agreement(mine, ref)
+    assert got["greedy_same"] == pytest.approx(1 / 3)
+    assert got["greedy_tokens"] == pytest.approx((4 + 1 + 0) / 8)
+    assert compare.greedy_agreement({}, ref) == {"greedy_same": None, "greedy_tokens": None}

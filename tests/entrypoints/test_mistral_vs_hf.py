@@ -204,7 +204,7 @@ def test_bad_window_in_config_is_one_clear_error(tmp_path, capsys):
 def test_gpu_mistral_7b_shapes_bf16(tmp_path, eager):
     """Mistral-7B's real heads / head size / vocabulary (benchmarks/configs/mistral-7b.json) with
     3 layers and a window of 64, bf16 on CUDA: prompts up to 300 tokens, prefix sharing and
-    chunked prefill. Sequences may only part at an exact bf16 tie in transformers' logits."""
+    chunked prefill. Sequences may only part where the two logits tie up to bf16 rounding."""
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -253,4 +253,11 @@ def test_gpu_mistral_7b_shapes_bf16(tmp_path, eager):
         k = next(j for j in range(len(r)) if g[j] != r[j])
         logits = ref_logits[i][k]
         gap = (logits[r[k]] - logits[g[k]]).item()
-        assert gap <= 2**-7 * abs(logits[r[k]].item()) + 1e-3, (i, k, gap, g, r)
+        # Both sides round their logits to bf16 (pagoda's LM head too, layers/embedding.py):
+        # each rounded value is within ulp / 2 of its exact value T, ulp(x) <= 2**-7 * |x|
+        # (8 significant bits). With the same T on both sides, transformers' rounded gap is at
+        # most (T_r - T_g) + ulp, and pagoda picking g means its rounded L_g >= L_r, so
+        # T_r - T_g <= ulp: rounding alone allows a gap of 2 ulp <= 2**-6 * |L| (|L| in
+        # [16, 32): ulp 0.125, gap 0.25). The 1e-3 is float32 noise in the comparison.
+        top = max(abs(logits[r[k]].item()), abs(logits[g[k]].item()))
+        assert gap <= 2**-6 * top + 1e-3, (i, k, gap, g, r)

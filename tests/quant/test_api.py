@@ -42,6 +42,21 @@ def test_group_size_error_is_short_and_names_working_sizes(tiny_llama, tmp_path,
     assert not (tmp_path / "o").exists()
 
 
+def test_default_group_size_is_the_largest_that_divides_every_input(
+    tiny_llama, tmp_path, capsys
+) -> None:
+    """No --group-size: 128 does not divide the tiny model's hidden size 64, so 64 (as 576 =
+    9 x 64 gives SmolLM2 64), with one note; an explicit size is still checked as given."""
+    out = tmp_path / "o"
+    assert main(["quantize", str(tiny_llama), "--out", str(out), "--method", "rtn"]) == 0
+    err = capsys.readouterr().err
+    assert "note: LlamaForCausalLM: group size 64, the largest of 128/64/32 that divides" in err
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    groups = [g["weights"]["group_size"] for g in config["config_groups"].values()]
+    assert groups == [64]
+    assert json.loads((out / "quantization_report.json").read_text())["group_size"] == 64
+
+
 def test_unsupported_scheme_and_architecture(tiny_llama, tmp_path) -> None:
     with pytest.raises(ValueError, match="use one of W4A16, W4A16_ASYM, W8A16"):
         quantize(str(tiny_llama), tmp_path / "o", scheme="W3A16", method="rtn")

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from pagoda.quantizer.calibration import FORMAT_EXAMPLES, formats_help, load_calibration_data
+from pagoda.quantizer.calibration import (
+    FORMAT_EXAMPLES,
+    check_calibration_file,
+    formats_help,
+    load_calibration_data,
+)
 
 
 class _Tok:
@@ -71,11 +77,11 @@ def test_plain_text_is_chunked(tmp_path: Path) -> None:
         ("missing.json", None, "missing.json: calibration file not found"),
         ("empty.txt", "  \n", "empty.txt: calibration file is empty"),
         ("bad.jsonl", '{"text": "ok"}\n{"text": ', "bad.jsonl: line 2: invalid JSON"),
-        ("nokey.jsonl", '{"text": "ok"}\n{"prompt": "x"}', "nokey.jsonl: record 2: no"),
+        ("nokey.jsonl", '{"text": "ok"}\n{"prompt": "x"}', "nokey.jsonl: line 2: no"),
         (
             "conv.json",
             '[{"conversations": [{"from": "robot", "value": "x"}]}]',
-            "conv.json: record 0: turn 0 has unknown 'from'",
+            "conv.json: record 0 (line 1): turn 0 has unknown 'from'",
         ),
         ("obj.json", '{"text": 1}', "obj.json: expected a JSON list"),
     ],
@@ -84,7 +90,7 @@ def test_errors_name_file_and_record(tmp_path: Path, name, content, message) -> 
     path = tmp_path / name
     if content is not None:
         path.write_text(content)
-    with pytest.raises((ValueError, FileNotFoundError), match=message.replace("(", r"\(")):
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
         load_calibration_data(path, _Tok())
 
 
@@ -150,7 +156,7 @@ def test_multimodal_messages_join_text_parts_and_drop_images(tmp_path: Path, cap
 def test_bad_content_part_names_record_and_part(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}))
-    with pytest.raises(ValueError, match="bad.jsonl: record 1: message 0 part 0 is not a text or"):
+    with pytest.raises(ValueError, match="bad.jsonl: line 1: message 0 part 0 is not a text or"):
         load_calibration_data(path, _Tok())
     path.write_text(json.dumps({"messages": [{"role": "user", "content": 3}]}))
     with pytest.raises(ValueError, match="'content' must be a string or a list of parts, got int"):
@@ -170,3 +176,63 @@ def test_long_plain_text_prints_no_tokenizer_warning(tmp_path: Path, capfd) -> N
     assert len(data.samples) > 10 and all(len(s) <= 32 for s in data.samples)
     out, err = capfd.readouterr()
     assert "Token indices sequence length" not in out + err
+
+
+def _png_data_url() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_chat(url: str) -> dict:
+    image = {"type": "image_url", "image_url": {"url": url}}
+    return {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}
+
+
+def test_check_accepts_decodable_images_and_names_the_line_of_a_bad_one(tmp_path: Path) -> None:
+    (tmp_path / "ok.png").write_bytes(__import__("base64").b64decode(_png_data_url()[22:]))
+    (tmp_path / "broken.png").write_bytes(b"not a png at all")
+    rows = [
+        _image_chat(_png_data_url()),
+        {"image": "ok.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}]},
+        _image_chat("https://example.com/a.png"),  # not fetched
+    ]
+    path = tmp_path / "cal.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    check = check_calibration_file(path)
+    assert (check.records, check.usable, check.images_checked, check.images_remote) == (3, 3, 2, 1)
+    rows.insert(1, _image_chat("broken.png"))
+    path.write_text("\n" + "".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"cal.jsonl: line 3: message 0 part 0: image not deco"):
+        check_calibration_file(path)
+
+
+def test_check_names_the_line_of_a_bad_record_in_a_json_list(tmp_path: Path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text('[\n  {"text": "fine"},\n\n  {"messages": []}\n]\n')
+    with pytest.raises(ValueError, match=r"cal.json: record 1 \(line 4\): 'messages' must be"):
+        check_calibration_file(path)
+
+
+def test_check_needs_one_usable_sample(tmp_path: Path) -> None:
+    path = tmp_path / "cal.jsonl"
+    rows = [{"text": "  "}, {"conversations": [{"from": "human", "value": "<image>\n"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match="no usable calibration sample: every one of the 2"):
+        check_calibration_file(path)
+
+
+def test_quantize_checks_the_calibration_file_before_loading_the_model(tmp_path: Path) -> None:
+    """A bad record fails in `quantize` before the model is resolved: even a model path that
+    does not exist is not reached."""
+    from pagoda.quantizer import quantize
+
+    path = tmp_path / "cal.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": 3}\n')
+    with pytest.raises(ValueError, match="cal.jsonl: line 2: 'text' is not a string"):
+        quantize(tmp_path / "no-such-model", tmp_path / "out", dataset=path)

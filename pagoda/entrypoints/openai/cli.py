@@ -27,8 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is: vLLM's flags have vLLM's meaning, and a flag pagoda cannot honour is an error that "
         "names it. Stop with Ctrl-C (SIGINT) or SIGTERM.",
     )
-    add_engine_args(p, model_positional=True)
-    p.add_argument("--model", dest="model_flag", default=None, help="the model (as MODEL)")
+    add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port)")
@@ -279,10 +278,6 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         ) from e
     from pagoda.engine.args import EngineArgs
 
-    if ns.model_flag is not None:
-        if ns.model is not None and ns.model != ns.model_flag:
-            raise ValueError(f"two models given: {ns.model!r} and --model {ns.model_flag!r}")
-        ns.model = ns.model_flag
     server_args = server_args_from(ns, ServerArgs)
     log_flag_notes(ns)
     engine_args = EngineArgs(**engine_kwargs(ns), **server_args.engine_overrides())
