@@ -130,6 +130,11 @@ class EngineArgs:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an integer, got {value!r}")
         speculative = SpeculativeConfig.from_user(self.speculative_config)  # bad keys: first
+        if speculative is not None and self.tensor_parallel_size != 1:
+            raise ValueError(
+                "speculative_config cannot be combined with tensor_parallel_size > 1 yet "
+                "(verify steps are not run across ranks); use one of the two"
+            )
         source = resolve_model(self.model)
         hf_config = load_hf_config(source, lazy=True)
         text_config = getattr(hf_config, "text_config", None) or hf_config

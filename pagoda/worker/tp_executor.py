@@ -97,8 +97,13 @@ def _initialize_kv_cache(
     return report
 
 
-def _capture(runner: ModelRunner, group: TensorParallelGroup, max_num_seqs: int) -> None:
-    runner.capture_cuda_graphs(max_num_seqs)
+def _capture(
+    runner: ModelRunner,
+    group: TensorParallelGroup,
+    max_num_seqs: int,
+    verify_query_len: int | None = None,
+) -> None:
+    runner.capture_cuda_graphs(max_num_seqs, verify_query_len)
 
 
 def _launch(runner: ModelRunner, group: TensorParallelGroup, sched: Any) -> None:
@@ -321,12 +326,20 @@ class TensorParallelExecutor:
         report.device = f"{report.device}, rank 0 of {self.world_size} (figures per rank)"
         return report
 
-    def capture_cuda_graphs(self, max_num_seqs: int) -> None:
-        self._call("capture", max_num_seqs)
+    def capture_cuda_graphs(self, max_num_seqs: int, verify_query_len: int | None = None) -> None:
+        self._call("capture", max_num_seqs, verify_query_len)
 
     @property
     def sliding_window(self) -> int | None:
         return self.runner.sliding_window
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def verify_graph_runner(self) -> Any:
+        return self.runner.verify_graph_runner  # None: TP never speculates (EngineArgs)
 
     @property
     def model(self) -> Any:

@@ -16,11 +16,13 @@ import pytest
 pytest.importorskip("triton")  # most scripts import the Triton kernels at the top
 
 ROOT = Path(__file__).resolve().parents[2]
-# no_triton_vl.py blocks `import triton` for its whole process on purpose (sys.modules)
+# the no-Triton benchmarks block `import triton` for their whole process on purpose
+# (sys.modules), which would break every script imported after them in the child process
+_BLOCKS_TRITON = ("no_triton_vl.py", "no_triton_decode.py")
 SCRIPTS = sorted(
     str(p.relative_to(ROOT))
     for p in (ROOT / "benchmarks").rglob("*.py")
-    if p.name != "no_triton_vl.py"
+    if p.name not in _BLOCKS_TRITON
 )
 
 _CHILD = """

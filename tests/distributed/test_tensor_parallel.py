@@ -166,3 +166,15 @@ def test_engine_args_and_flags() -> None:
 
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         RunnerConfig(tensor_parallel_size=0)
+
+
+def test_speculation_with_tensor_parallelism_is_a_clear_error():
+    from pagoda.engine.args import EngineArgs
+
+    args = EngineArgs(
+        model=None,
+        tensor_parallel_size=2,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+    )
+    with pytest.raises(ValueError, match="speculative_config cannot be combined"):
+        args.create_configs()
