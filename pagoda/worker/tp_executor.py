@@ -334,10 +334,6 @@ class TensorParallelExecutor:
         return self.runner.sliding_window
 
     @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    @property
     def verify_graph_runner(self) -> Any:
         return self.runner.verify_graph_runner  # None: TP never speculates (EngineArgs)
 
