@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagoda.engine.args import EngineArgs
-from pagoda.kernels.fp8.triton_gemv import fp8_gemv_ref
+from pagoda.kernels.fp8.ops import fp8_gemv_ref
 from pagoda.layers.fp8_linear import Fp8LinearMethod, Fp8W8A8Reference
 from pagoda.layers.linear import LinearBase
 from pagoda.models.loader import load_model

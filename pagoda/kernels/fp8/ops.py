@@ -45,6 +45,16 @@ def scaled_mm_ref(
     return y.to(out_dtype)
 
 
+def fp8_gemv_ref(
+    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp32 x @ (w_q * s)^T (+ bias) rounded to x's dtype."""
+    y = (x.float() @ w_q.float().t()) * w_scale.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 def scaled_mm(
     x_q: torch.Tensor,  # [M, K] e4m3, row-major
     x_scale: torch.Tensor,  # [M, 1] float32

@@ -89,13 +89,3 @@ def fp8_gemv(
         **pdl_launch_args(x),
     )  # fmt: skip
     return out
-
-
-def fp8_gemv_ref(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """fp32 x @ (w_q * s)^T (+ bias) rounded to x's dtype."""
-    y = (x.float() @ w_q.float().t()) * w_scale.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
