@@ -187,6 +187,7 @@ def test_unsupported_fp8_configs_name_the_problem(group, match) -> None:
 
 
 def test_registry_picks_by_capability() -> None:
+    pytest.importorskip("triton")  # the FP8 kernels need Triton; without it every table is dense
     from pagoda.layers.fp8_linear import Fp8Gemv, Fp8KernelConfig, Fp8ScaledMM
 
     def cfg(device, cap, acts="dynamic", n=4096, k=4096):
