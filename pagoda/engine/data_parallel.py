@@ -140,7 +140,7 @@ class DataParallelEngine(RequestAPI):
         snaps = [r.stats() for i, r in enumerate(self.replicas) if i not in self.dead_replicas()]
         snaps = snaps or [self.replicas[0].stats()]
         total = {
-            f.name: sum(getattr(s, f.name) for s in snaps)
+            f.name: _combine([getattr(s, f.name) for s in snaps])
             for f in dataclasses.fields(EngineStats)
             if f.name not in ("kv_cache_usage", "timestamp")
         }
@@ -198,3 +198,11 @@ class DataParallelEngine(RequestAPI):
     def shutdown(self, timeout: float | None = 30.0) -> None:
         with ThreadPoolExecutor(len(self.replicas)) as pool:
             list(pool.map(lambda r: r.shutdown(timeout), self.replicas))
+
+
+def _combine(values: list) -> Any:
+    """The replicas' values of one stats field: counts add up, per-step samples (tuples, e.g.
+    the tokens of each iteration) are concatenated."""
+    if values and isinstance(values[0], tuple):
+        return tuple(v for vals in values for v in vals)
+    return sum(values)
