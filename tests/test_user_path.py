@@ -173,10 +173,13 @@ def test_first_users_workflow(tmp_path, capsys):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     md = (cmp / "report.md").read_text()
+    from pagoda.bench.compare import CPU_DEFAULTS as cpu  # the rows follow the CPU defaults
+
+    batch_rows = [f"decode tok/s, batch {b}" for b in cpu["batch_sizes"].split(",")]
     for row in ("dtype | float32 | float32", "device | cpu | cpu", "weights in memory (GiB)",
                 "weights on disk (GiB)", "KV cache available (GiB)", "KV cache capacity (tokens)",
-                "weights load time (s)", "TTFT p50, prompt 128 (ms)", "decode tok/s, batch 1",
-                "decode tok/s, batch 4", "perplexity (256-token windows)"):  # fmt: skip
+                "weights load time (s)", f"TTFT p50, prompt {cpu['prompt_len']} (ms)",
+                *batch_rows, f"perplexity ({cpu['ppl_window']}-token windows)"):  # fmt: skip
         assert f"| {row} |" in md, row
     assert "W4A16 weights are held as int8 codes" in md
     assert "%|" in done.stderr  # the per-phase progress bars
