@@ -3,7 +3,7 @@ GPTQ / AWQ.
 
 Identical calibration samples (`pagoda quantize`'s draw from python3-doc library text, seed 0),
 lm_head dense, held-out perplexity on python3-doc tutorial + reference text. Each step is skipped
-when its output exists in --work; `--only STEP` runs one (parallel processes, one thread each).
+when its output exists in --work; `--only STEP` runs one.
 Usage: python benchmarks/quant/bench_quantizer.py --work DIR [--model X.gguf] [--lc-python PY]
 """
 
@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -36,6 +37,12 @@ LLMC = {
 STEPS = ("float32", *PAGODA, *LLMC)
 
 
+def _cpu_seconds(who: int) -> float:
+    """User + system CPU time (the machine may be shared: wall time alone overstates)."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _pagoda_run(step: str, work: Path, model: str, common: dict) -> dict:
     from pagoda.quantizer import quantize
 
@@ -45,9 +52,13 @@ def _pagoda_run(step: str, work: Path, model: str, common: dict) -> dict:
         kwargs = dict(common, scheme=scheme)
         if method == "rtn":
             kwargs["dataset"] = None  # RTN reads no data
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _cpu_seconds(resource.RUSAGE_SELF)
         report = quantize(model, work / step, method=method, **kwargs)
-        info = {"seconds": time.perf_counter() - start, "report": report.to_dict()}
+        info = {
+            "seconds": time.perf_counter() - start,
+            "cpu_seconds": _cpu_seconds(resource.RUSAGE_SELF) - cpu,
+            "report": report.to_dict(),
+        }
         info_file.write_text(json.dumps(info, indent=2))
     return json.loads(info_file.read_text())
 
@@ -63,7 +74,12 @@ def _llmc_run(step: str, work: Path, model: str, calib: Path, ns) -> dict | None
                 "--group-size", str(ns.group_size)]  # fmt: skip
         if step == "llmcompressor_gptq":
             argv += ["--actorder", "static"]
-        subprocess.run(argv, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cpu = _cpu_seconds(resource.RUSAGE_CHILDREN)
+        threads = str(torch.get_num_threads())
+        subprocess.run(argv, check=True, env={**os.environ, "OMP_NUM_THREADS": threads})
+        run = json.loads((out / "llmcompressor_run.json").read_text())
+        run["cpu_seconds_process"] = _cpu_seconds(resource.RUSAGE_CHILDREN) - cpu
+        (out / "llmcompressor_run.json").write_text(json.dumps(run, indent=2))
     return json.loads((out / "llmcompressor_run.json").read_text())
 
 
@@ -79,6 +95,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument(
         "--calib-bytes", type=int, default=400000, help="leading bytes of calib.txt (0: all)"
+    )
+    parser.add_argument("--dtype", default="float32", help="calibration compute dtype")
+    parser.add_argument(
+        "--eval-dtype", default="float32", help="dtype the checkpoints are scored in"
     )
     parser.add_argument("--only", default=None, choices=STEPS)
     parser.add_argument("--out", default=None, help="the JSON record (default: WORK/record.json)")
@@ -101,7 +121,7 @@ def main() -> None:
             calib.write_text(text[: text.rfind("\n") + 1], encoding="utf-8")
     model = ns.model or default_model_path()
     common = dict(group_size=ns.group_size, dataset=str(calib), num_samples=ns.num_samples,
-                  max_seq_len=ns.max_seq_len, seed=0, device="cpu", dtype="float32",
+                  max_seq_len=ns.max_seq_len, seed=0, device="cpu", dtype=ns.dtype,
                   actorder="static")  # fmt: skip
     runs: dict[str, dict] = {}
     results: dict[str, dict] = {}
@@ -114,10 +134,10 @@ def main() -> None:
                 continue
             runs[step] = run
         path = model if step == "float32" else str(work / step)
-        cache = work / f"eval_{step}_{ns.eval_tokens}_{ns.window}.json"
+        cache = work / f"eval_{step}_{ns.eval_tokens}_{ns.window}_{ns.eval_dtype}.json"
         if not cache.is_file():
             ppl = evaluate(path, str(heldout), ns.eval_tokens, ns.window, ns.window,
-                           device="cpu", dtype="float32")  # fmt: skip
+                           device="cpu", dtype=ns.eval_dtype)  # fmt: skip
             cache.write_text(json.dumps(asdict(ppl), indent=2))
         results[step] = json.loads(cache.read_text())
         print(f"{step:20s} ppl {results[step]['perplexity']:.3f} "
@@ -143,6 +163,7 @@ def main() -> None:
             **common,
             "eval_tokens": ns.eval_tokens,
             "window": ns.window,
+            "eval_dtype": ns.eval_dtype,
             "calibration": f"python3-doc library/*.html text, first {ns.calib_bytes} B",
             "heldout": "python3-doc tutorial/ + reference/*.html",
         },  # fmt: skip

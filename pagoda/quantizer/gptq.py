@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.quant.weights import QuantizedWeight, WeightQuantArgs
-from pagoda.quantizer.rtn import compute_qparams, fake_quantize, quantize_codes
+from pagoda.quantizer.rtn import fake_quantize, quantize_codes, search_qparams
+
+# Whether this CPU has native bf16 matrix units (oneDNN's check).
+_CPU_BF16_GEMM = (
+    torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+)
 
 
 class HessianAccumulator:
@@ -27,14 +32,20 @@ class HessianAccumulator:
         self.num_tokens = 0
 
     def add(self, x: torch.Tensor) -> None:  # x [..., in]
-        x = x.reshape(-1, x.shape[-1]).to(self.hessian.dtype)  # [n, in]
+        x = x.reshape(-1, x.shape[-1])  # [n, in]
         n = x.shape[0]
         if n == 0:
             return
         total = self.num_tokens + n
         # Keep the running mean (not the sum) so float32 never sees huge magnitudes.
         self.hessian.mul_(self.num_tokens / total)
-        self.hessian.addmm_(x.t(), x, alpha=2.0 / total)
+        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and _CPU_BF16_GEMM:
+            # bf16 inputs are exact in bf16: the CPU's bf16 GEMM (AMX / AVX512-BF16, ~4x its
+            # float32 GEMM) accumulates in float32 and rounds each sample's XᵀX once (2^-9).
+            self.hessian.add_((x.t() @ x).to(self.hessian.dtype), alpha=2.0 / total)
+        else:
+            x = x.to(self.hessian.dtype)
+            self.hessian.addmm_(x.t(), x, alpha=2.0 / total)
         self.num_tokens = total
 
 
@@ -99,6 +110,7 @@ def gptq_quantize(
         perm = torch.argsort(torch.diag(h), descending=True)
         w = w[:, perm]
         h = h[perm][:, perm]
+    importance = torch.diag(h).clone()  # [in] (permuted): how much each column's error costs
     u, used_rtn = _inverse_cholesky_upper(h, dampening)  # [in, in] upper
     del h
 
@@ -114,7 +126,7 @@ def gptq_quantize(
     ready = [False] * num_groups
     if scales == "upfront":
         for g, cols in enumerate(members_t):
-            s, z = compute_qparams(w[:, cols], args, scale_dtype)
+            s, z = search_qparams(w[:, cols], args, scale_dtype, importance[cols])
             scale[:, g] = s
             if zero is not None:
                 zero[:, g] = z
@@ -141,7 +153,7 @@ def gptq_quantize(
                 later = cols >= i2
                 if bool(later.any()) and i > 0:
                     current[:, later] -= err1[:, :i] @ u[i1 : i1 + i, cols[later]]
-                s, z = compute_qparams(current, args, scale_dtype)
+                s, z = search_qparams(current, args, scale_dtype, importance[cols])
                 scale[:, g] = s
                 if zero is not None:
                     zero[:, g] = z

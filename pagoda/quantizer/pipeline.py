@@ -584,7 +584,7 @@ def calibration_rope(model: nn.Module, device: torch.device) -> nn.Module:
 
 def _quantize_matrix(
     w: torch.Tensor,
-    hessian: torch.Tensor,
+    hessian: torch.Tensor | None,  # None only for RTN without calibration data
     args: WeightQuantArgs,
     options: PipelineOptions,
     report: QuantizeReport,
@@ -881,7 +881,7 @@ def _quantize_lm_head(
             acc.add(x)
         hessian = acc.hessian
     else:  # RTN without calibration data: the report's error is the plain weight error
-        hessian = torch.eye(hidden, device=device)
+        hessian = None
     qw, deq, loss = _quantize_matrix(weight, hessian, args, options, report, "lm_head")
     err = hessian_weighted_error(weight, deq, hessian)
     denom = hessian_weighted_error(weight, torch.zeros_like(weight), hessian)
@@ -992,11 +992,7 @@ def quantize_layers(
             module = layer.get_submodule(t.attr)
             t0 = time.perf_counter()
             weight = module.weight.data  # [sum(out), in]
-            hessian = (
-                hessians[t.attr].hessian
-                if t.attr in hessians
-                else torch.eye(module.in_features, device=device)
-            )
+            hessian = hessians[t.attr].hessian if t.attr in hessians else None  # None: H = I
             sizes = module.out_features_per_shard
             rows = _quantized_rows(layer, t)
             w = weight[rows].to(torch.float32)

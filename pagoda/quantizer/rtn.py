@@ -37,6 +37,34 @@ def compute_qparams(
     return scale, zero
 
 
+def search_qparams(
+    w: torch.Tensor,  # [out, cols] the columns of one group
+    args: WeightQuantArgs,
+    scale_dtype: torch.dtype,
+    importance: torch.Tensor | None = None,  # [cols] weight of each column's error (diag H)
+    grid: int = 100,
+    max_shrink: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # scale [out], zero [out] | None
+    """`compute_qparams` of the range shrunk by 1 - k / grid (k <= max_shrink * grid), per row
+    the shrink whose rounding has the lowest importance-weighted squared error.
+
+    Min-max spends the whole 4-bit grid on the outermost weight; clipping it a little
+    rounds the many inner weights more finely (the GPTQ reference's MSE quantizer)."""
+    w = w.to(torch.float32)
+    imp = torch.ones(w.shape[1], device=w.device) if importance is None else importance.float()
+    best_scale, best_zero = compute_qparams(w, args, scale_dtype)
+    best_err = ((w - fake_quantize(w, best_scale, best_zero, args)).pow(2) * imp).sum(dim=1)
+    for k in range(1, int(max_shrink * grid) + 1):
+        scale, zero = compute_qparams(w * (1 - k / grid), args, scale_dtype)
+        err = ((w - fake_quantize(w, scale, zero, args)).pow(2) * imp).sum(dim=1)  # [out]
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        if best_zero is not None:
+            best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
 def quantize_codes(
     w: torch.Tensor,  # [out, cols]
     scale: torch.Tensor,  # [out] or [out, cols]
@@ -88,8 +116,13 @@ def rtn_quantize(
 
 
 def hessian_weighted_error(
-    weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor
+    weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor | None
 ) -> float:
-    """tr((W - Q) H (W - Q)^T): the layer-output error GPTQ minimises, summed over rows."""
+    """tr((W - Q) H (W - Q)^T): the layer-output error GPTQ minimises, summed over rows.
+
+    `hessian` None stands for H = I (no calibration data): the plain squared error, without
+    the [in, in] product."""
     d = weight.to(torch.float32) - dequantized.to(torch.float32)  # [out, in]
+    if hessian is None:
+        return float(d.pow(2).sum(dtype=torch.float64))
     return float(((d @ hessian.to(torch.float32)) * d).sum(dtype=torch.float64))
