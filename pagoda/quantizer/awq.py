@@ -140,12 +140,11 @@ def search_clip(
     group = args.group_size_for(in_features)
     num_groups = in_features // group
     step = max(1, inputs.shape[0] // options.clip_tokens)
-    x = inputs[::step].to(torch.float32).reshape(-1, num_groups, group)  # [n, groups, G]
+    x = inputs[::step].reshape(-1, num_groups, group)  # [n, groups, G], the inputs' dtype
     best_all = []
     for r0 in range(0, out_features, options.clip_rows):
         w = weight[r0 : r0 + options.clip_rows].to(torch.float32)
         w = w.reshape(-1, num_groups, group)  # [o, groups, G]
-        reference = torch.einsum("ogk,ngk->ong", w, x)  # [o, n, groups]
         full = w.abs().amax(dim=-1)  # [o, groups]
         best_max = full.clone()
         best_err = torch.full_like(full, float("inf"))
@@ -153,8 +152,10 @@ def search_clip(
             limit = full * (1 - k / options.clip_grid)
             clipped = torch.maximum(torch.minimum(w, limit[..., None]), -limit[..., None])
             q = fake_quantize_groups(clipped.reshape(w.shape[0], -1), args, scale_dtype)
-            out = torch.einsum("ogk,ngk->ong", q.reshape(w.shape), x)
-            err = (out - reference).pow(2).mean(dim=1)  # [o, groups]
+            # The output error (Q - W) x in one product, in the inputs' dtype (bf16 inputs:
+            # the CPU's bf16 GEMM; the difference keeps its relative precision).
+            diff = (q.reshape(w.shape) - w).to(x.dtype)
+            err = torch.einsum("ogk,ngk->ong", diff, x).float().pow(2).mean(dim=1)  # [o, groups]
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best_max = torch.where(better, limit, best_max)
