@@ -16,37 +16,52 @@ import torch
 from pagoda.quant.weights import QuantizedWeight, WeightQuantArgs
 from pagoda.quantizer.rtn import fake_quantize, quantize_codes, search_qparams
 
-# Whether this CPU has native bf16 matrix units (oneDNN's check).
-_CPU_BF16_GEMM = (
-    torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-)
-
 
 class HessianAccumulator:
-    """Running H = 2 X Xᵀ / N for one linear input; float32 (or float64) whatever x's dtype."""
+    """Running H = 2 X Xᵀ / N for one linear input; float32 (or float64) whatever x's dtype.
+
+    Inputs are buffered up to `chunk_tokens` rows and multiplied as one chunk: each update
+    reads and writes all of H (94 MB for a 4864-wide input), so one per 256-token sample made
+    the accumulation memory-bound; a tall chunk is also a more efficient GEMM.
+    """
 
     def __init__(
-        self, in_features: int, device: torch.device | str, dtype: torch.dtype = torch.float32
+        self,
+        in_features: int,
+        device: torch.device | str,
+        dtype: torch.dtype = torch.float32,
+        chunk_tokens: int = 4096,
     ) -> None:
-        self.hessian = torch.zeros(in_features, in_features, device=device, dtype=dtype)
+        self._hessian = torch.zeros(in_features, in_features, device=device, dtype=dtype)
         self.num_tokens = 0
+        self.chunk_tokens = chunk_tokens
+        self._pending: list[torch.Tensor] = []  # each [n, in], not yet in H
+        self._pending_tokens = 0
 
     def add(self, x: torch.Tensor) -> None:  # x [..., in]
         x = x.reshape(-1, x.shape[-1])  # [n, in]
-        n = x.shape[0]
-        if n == 0:
+        if x.shape[0] == 0:
             return
-        total = self.num_tokens + n
+        self._pending.append(x)
+        self._pending_tokens += x.shape[0]
+        if self._pending_tokens >= self.chunk_tokens:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        x = torch.cat(self._pending).to(self._hessian.dtype)  # [n, in]
+        self._pending, self._pending_tokens = [], 0
+        total = self.num_tokens + x.shape[0]
         # Keep the running mean (not the sum) so float32 never sees huge magnitudes.
-        self.hessian.mul_(self.num_tokens / total)
-        if x.dtype == torch.bfloat16 and x.device.type == "cpu" and _CPU_BF16_GEMM:
-            # bf16 inputs are exact in bf16: the CPU's bf16 GEMM (AMX / AVX512-BF16, ~4x its
-            # float32 GEMM) accumulates in float32 and rounds each sample's XᵀX once (2^-9).
-            self.hessian.add_((x.t() @ x).to(self.hessian.dtype), alpha=2.0 / total)
-        else:
-            x = x.to(self.hessian.dtype)
-            self.hessian.addmm_(x.t(), x, alpha=2.0 / total)
+        self._hessian.mul_(self.num_tokens / total)
+        self._hessian.addmm_(x.t(), x, alpha=2.0 / total)
         self.num_tokens = total
+
+    @property
+    def hessian(self) -> torch.Tensor:  # [in, in]
+        self._flush()
+        return self._hessian
 
 
 @dataclass
