@@ -3,7 +3,7 @@ GPTQ / AWQ.
 
 Identical calibration samples (`pagoda quantize`'s draw from python3-doc library text, seed 0),
 lm_head dense, held-out perplexity on python3-doc tutorial + reference text. Each step is skipped
-when its output exists in --work; `--only STEP` runs one.
+when its output exists in --work; `--only STEP` runs one, `--steps A,B` records those.
 Usage: python benchmarks/quant/bench_quantizer.py --work DIR [--model X.gguf] [--lc-python PY]
 """
 
@@ -96,11 +96,14 @@ def main() -> None:
     parser.add_argument(
         "--calib-bytes", type=int, default=400000, help="leading bytes of calib.txt (0: all)"
     )
-    parser.add_argument("--dtype", default="float32", help="calibration compute dtype")
+    parser.add_argument("--dtype", default="float32", help="checkpoint dtype (CPU: fp32 math)")
     parser.add_argument(
         "--eval-dtype", default="float32", help="dtype the checkpoints are scored in"
     )
     parser.add_argument("--only", default=None, choices=STEPS)
+    parser.add_argument(
+        "--steps", default=",".join(STEPS), help="comma-separated steps of the record (default all)"
+    )
     parser.add_argument("--out", default=None, help="the JSON record (default: WORK/record.json)")
     ns = parser.parse_args()
 
@@ -125,7 +128,11 @@ def main() -> None:
                   actorder="static")  # fmt: skip
     runs: dict[str, dict] = {}
     results: dict[str, dict] = {}
-    for step in [ns.only] if ns.only else STEPS:
+    steps = ns.steps.split(",")
+    unknown = sorted(set(steps) - set(STEPS))
+    if unknown:
+        parser.error(f"unknown steps {', '.join(unknown)}; choose from {', '.join(STEPS)}")
+    for step in [ns.only] if ns.only else steps:
         if step in PAGODA:
             runs[step] = _pagoda_run(step, work, model, common)
         elif step in LLMC:
