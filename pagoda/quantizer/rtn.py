@@ -51,18 +51,17 @@ def search_qparams(
     Min-max spends the whole 4-bit grid on the outermost weight; clipping it a little
     rounds the many inner weights more finely (the GPTQ reference's MSE quantizer)."""
     w = w.to(torch.float32)
-    imp = torch.ones(w.shape[1], device=w.device) if importance is None else importance.float()
-    best_scale, best_zero = compute_qparams(w, args, scale_dtype)
-    best_err = ((w - fake_quantize(w, best_scale, best_zero, args)).pow(2) * imp).sum(dim=1)
-    for k in range(1, int(max_shrink * grid) + 1):
-        scale, zero = compute_qparams(w * (1 - k / grid), args, scale_dtype)
-        err = ((w - fake_quantize(w, scale, zero, args)).pow(2) * imp).sum(dim=1)  # [out]
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        if best_zero is not None:
-            best_zero = torch.where(better, zero, best_zero)
-    return best_scale, best_zero
+    out_features, cols = w.shape
+    imp = torch.ones(cols, device=w.device) if importance is None else importance.float()
+    # Every candidate at once: [K, out, cols] -> K x out rows of compute_qparams.
+    shrink = 1 - torch.arange(int(max_shrink * grid) + 1, device=w.device) / grid  # [K], 1 first
+    candidates = (w[None] * shrink[:, None, None]).reshape(-1, cols)  # [K * out, cols]
+    scale, zero = compute_qparams(candidates, args, scale_dtype)  # each [K * out]
+    original = w.repeat(shrink.shape[0], 1)  # [K * out, cols]
+    err = ((original - fake_quantize(original, scale, zero, args)).pow(2) * imp).sum(dim=1)
+    best = err.reshape(-1, out_features).argmin(dim=0)  # [out]; ties: the smaller shrink
+    pick = best * out_features + torch.arange(out_features, device=w.device)
+    return scale[pick], None if zero is None else zero[pick]
 
 
 def quantize_codes(
