@@ -31,7 +31,7 @@ DRAFT_LAYERS = 6
 @pytest.fixture(scope="module")
 def plain():
     llm = LLM(print_memory_report=False, max_model_len=512)
-    params = SamplingParams(temperature=0.0, max_tokens=32)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
     return llm, _chat(llm, params)
 
 
@@ -73,7 +73,7 @@ def test_self_draft_is_always_accepted(plain):
         max_model_len=512,
         speculative_config={"model": default_model_path(), "num_speculative_tokens": 4},
     )
-    out = _chat(llm, SamplingParams(temperature=0.0, max_tokens=32))
+    out = _chat(llm, SamplingParams(temperature=0.0, max_tokens=24))
     _check_equal(ref, out)
     drafted = sum(o.metrics.spec_num_draft_tokens for o in out)
     accepted = sum(o.metrics.spec_num_accepted_tokens for o in out)
@@ -89,7 +89,7 @@ def test_shallow_draft_rejections_keep_output(plain, shallow_draft):
         max_model_len=512,
         speculative_config={"model": shallow_draft, "num_speculative_tokens": 3},
     )
-    out = _chat(llm, SamplingParams(temperature=0.0, max_tokens=32))
+    out = _chat(llm, SamplingParams(temperature=0.0, max_tokens=24))
     _check_equal(ref, out)
     drafted = sum(o.metrics.spec_num_draft_tokens for o in out)
     accepted = sum(o.metrics.spec_num_accepted_tokens for o in out)
