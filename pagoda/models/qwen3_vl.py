@@ -303,7 +303,9 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     positions [T] or [3, T]; the vision linears go through `linear_method_factory`, so an
     ignore rule such as `re:.*visual.*` keeps the tower unquantized."""
 
-    supports_video = False  # Qwen3-VL's timestamped video prompts are not implemented
+    # Videos arrive as one (1, h, w) item per temporal patch (the tower attends within a
+    # frame), with their timestamps as prompt text.
+    supports_video = True
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     _stacked_params = LlamaForCausalLM._stacked_params
     _param_name_and_shard = LlamaForCausalLM._param_name_and_shard
