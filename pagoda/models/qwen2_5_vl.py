@@ -497,6 +497,13 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     def visual(self) -> VisionTransformer:
         return self.model.visual
 
+    def new_vision_tower(self) -> VisionTransformer:
+        """A separate, unquantized tower of this model's shape (on the current default device
+        and dtype): what calibration runs images through."""
+        return VisionTransformer(
+            self.hf_config.vision_config, self.vision_variant, default_linear_method_factory
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor | None,  # [T] int64

@@ -343,6 +343,11 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     def visual(self) -> Qwen3VisionTransformer:
         return self.model.visual
 
+    def new_vision_tower(self) -> Qwen3VisionTransformer:
+        """A separate, unquantized tower of this model's shape (on the current default device
+        and dtype): what calibration runs images through."""
+        return Qwen3VisionTransformer(self.hf_config.vision_config, default_linear_method_factory)
+
     def forward(
         self,
         input_ids: torch.Tensor | None,  # [T] int64
