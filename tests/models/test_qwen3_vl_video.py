@@ -243,3 +243,47 @@ def test_generate_with_video_data_and_clear_errors(tiny, llm):
     with pytest.raises(ValueError, match=r"3 videos.*limit_mm_per_prompt=\{'video': 3\}"):
         llm.chat(_conversation([], [VIDEOS["v1"]] * 3), GREEDY, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.gpu
+def test_gpu_4b_shape_video_matches_transformers_within_ties(tmp_path):
+    """Qwen3-VL-4B's shape (benchmarks/configs/qwen3-vl-4b.json, random bf16 weights), a
+    16-frame 640x360 video through the engine on CUDA (Triton kernels, CUDA graphs): greedy
+    tokens equal transformers' unless its own top two logits tie within bf16 rounding."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from tests.models.test_qwen3_vl import _input_processor
+
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "config.json").write_text(
+        (root / "benchmarks" / "configs" / "qwen3-vl-4b.json").read_text()
+    )
+    config = Qwen3VLConfig.from_pretrained(tmp_path)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = Qwen3VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+    hf.save_pretrained(tmp_path)
+    _tokenizer().save_pretrained(tmp_path)
+    conv = _conversation([], [_frames(16, 360, 640, 21)])
+    processed = _input_processor(tmp_path, hf.config).process_chat(conv)
+    ids, mm = processed.prompt_token_ids, processed.mm_inputs
+    frames = np.concatenate([item.pixels for item in mm.items])  # as pagoda resized them
+    kwargs = {k: v.cuda() for k, v in _hf_kwargs(ids, [], [frames]).items()}
+    kwargs["pixel_values_videos"] = kwargs["pixel_values_videos"].to(torch.bfloat16)
+    with torch.no_grad():
+        out = hf.generate(
+            **kwargs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    ref, logits = out.sequences[0, len(ids) :].tolist(), [s[0].float() for s in out.logits]
+    del hf, out
+    torch.cuda.empty_cache()
+    llm = _llm(tmp_path, device="cuda", dtype="bfloat16", max_model_len=4096,
+               gpu_memory_utilization=0.5)  # fmt: skip
+    (got,) = llm.chat(conv, GREEDY, use_tqdm=False)
+    assert got.prompt_token_ids == ids and ids.count(VIDEO_TOKEN) == 8 * 11 * 20
+    tokens = got.outputs[0].token_ids
+    if tokens != ref:
+        k = next(j for j in range(len(ref)) if tokens[j] != ref[j])
+        gap = (logits[k][ref[k]] - logits[k][tokens[k]]).item()
+        assert gap <= 2**-7 * abs(logits[k][ref[k]].item()) + 1e-3, (k, gap, tokens, ref)
