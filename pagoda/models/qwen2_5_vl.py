@@ -136,9 +136,17 @@ class VisionPatchEmbed(nn.Module):
 
     The weight keeps the checkpoint's [E, C, T, P, P] shape, so it loads (and could be
     quantization-ignored) by name; a matmul over flattened patches is the same operation.
+    Qwen3-VL's has a bias.
     """
 
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int):
+    def __init__(
+        self,
+        patch_size: int,
+        temporal_patch_size: int,
+        in_channels: int,
+        dim: int,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         self.dim = dim
         self.proj = nn.Module()
@@ -146,10 +154,11 @@ class VisionPatchEmbed(nn.Module):
             torch.empty(dim, in_channels, temporal_patch_size, patch_size, patch_size),
             requires_grad=False,
         )
+        self.proj.bias = nn.Parameter(torch.empty(dim), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, E]
         weight = self.proj.weight
-        return F.linear(x.to(weight.dtype), weight.view(self.dim, -1))
+        return F.linear(x.to(weight.dtype), weight.view(self.dim, -1), self.proj.bias)
 
 
 class VisionRotaryEmbedding(nn.Module):
@@ -433,29 +442,19 @@ def _int(value: Any) -> int:
 # ---------------------------------------------------------------------- the VL model
 
 
-class Qwen2_5_VLModel(nn.Module):
+class VLModel(nn.Module):
     """HF's `model.` submodule: the vision tower and the text decoder side by side."""
 
-    def __init__(
-        self, hf_config: Any, linear_method_factory: LinearMethodFactory, variant: str
-    ) -> None:
+    def __init__(self, visual: nn.Module, language_model: DecoderModel) -> None:
         super().__init__()
-        text_config = hf_config.text_config
-        self.visual = VisionTransformer(
-            hf_config.vision_config, variant, linear_method_factory, "model.visual"
-        )
-        # Qwen2 decoder: q/k/v bias, no o_proj bias; `get_rope` builds M-RoPE from
-        # `mrope_section`.
-        self.language_model = DecoderModel(
-            text_config,
-            DecoderOptions(qkv_bias=True),
-            linear_method_factory,
-            prefix="model.language_model",
-        )
+        self.visual = visual
+        self.language_model = language_model
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
-    """Qwen2.5-VL: `forward` takes token ids or `inputs_embeds`, positions [T] or [3, T].
+class QwenVLBase(nn.Module):
+    """What the Qwen-VL models share: `model.visual` beside `model.language_model` (built by
+    `build_vision_tower` / `build_decoder`), the LM head, both checkpoint layouts, and the
+    runner's interface. `forward` takes token ids or `inputs_embeds`, positions [T] or [3, T].
 
     For a sequential (layer-by-layer) quantization pipeline the decoder is
     `language_model` (`embed_tokens`, `layers`, `norm`, `rotary_emb`), exactly as for
@@ -464,8 +463,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     `re:.*visual.*` keeps the tower unquantized.
     """
 
-    vision_variant = "qwen2_5"
-    supports_video = True  # videos go through `embed_images` with t > 1 grids
+    supports_video = True
     # The decoder's fusion tables and name mapping; gate/up also fuse in the vision MLP.
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     _stacked_params = LlamaForCausalLM._stacked_params
@@ -479,7 +477,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self.hf_config = hf_config
         self.config = text_config
         factory = linear_method_factory or default_linear_method_factory
-        self.model = Qwen2_5_VLModel(hf_config, factory, self.vision_variant)
+        self.model = VLModel(self.build_vision_tower(factory), self.build_decoder(factory))
         self.image_token_id: int = hf_config.image_token_id
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = build_lm_head(
@@ -489,20 +487,26 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
             self.tie_word_embeddings,
         )
 
+    def build_vision_tower(self, linear_method_factory: LinearMethodFactory) -> nn.Module:
+        """The vision tower of `self.hf_config` (module prefix `model.visual`)."""
+        raise NotImplementedError
+
+    def build_decoder(self, linear_method_factory: LinearMethodFactory) -> DecoderModel:
+        """The text decoder of `self.hf_config` (module prefix `model.language_model`)."""
+        raise NotImplementedError
+
+    def new_vision_tower(self) -> nn.Module:
+        """A separate, unquantized tower of this model's shape (on the current default device
+        and dtype): what calibration runs images through."""
+        return self.build_vision_tower(default_linear_method_factory)
+
     @property
     def language_model(self) -> DecoderModel:
         return self.model.language_model
 
     @property
-    def visual(self) -> VisionTransformer:
+    def visual(self) -> nn.Module:
         return self.model.visual
-
-    def new_vision_tower(self) -> VisionTransformer:
-        """A separate, unquantized tower of this model's shape (on the current default device
-        and dtype): what calibration runs images through."""
-        return VisionTransformer(
-            self.hf_config.vision_config, self.vision_variant, default_linear_method_factory
-        )
 
     def forward(
         self,
@@ -554,6 +558,26 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         """
         return load_hf_weights(
             self, weights, _VISION_SKIPPED_SUFFIXES, rename=self.checkpoint_to_module_name
+        )
+
+
+class Qwen2_5_VLForConditionalGeneration(QwenVLBase):
+    """Qwen2.5-VL: the windowed vision tower in front of the Qwen2 decoder."""
+
+    vision_variant = "qwen2_5"
+
+    def build_vision_tower(self, linear_method_factory: LinearMethodFactory) -> VisionTransformer:
+        return VisionTransformer(
+            self.hf_config.vision_config, self.vision_variant, linear_method_factory
+        )
+
+    def build_decoder(self, linear_method_factory: LinearMethodFactory) -> DecoderModel:
+        # Qwen2: q/k/v bias, no o_proj bias; `get_rope` builds M-RoPE from `mrope_section`.
+        return DecoderModel(
+            self.hf_config.text_config,
+            DecoderOptions(qkv_bias=True),
+            linear_method_factory,
+            prefix="model.language_model",
         )
 
 

@@ -11,29 +11,26 @@ interleaved M-RoPE. Module names are transformers 5's (`model.visual`, `model.la
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.attention import Attention, AttentionMetadata
+from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.linear import (
     LinearMethodFactory,
     ReplicatedLinear,
-    default_linear_method_factory,
 )
 from pagoda.models.llama import (
     DecoderModel,
     DecoderOptions,
-    LlamaForCausalLM,
-    build_lm_head,
-    load_hf_weights,
 )
 from pagoda.models.qwen2_5_vl import (
-    Qwen2_5_VLForConditionalGeneration,
+    QwenVLBase,
     VisionBlock,
+    VisionPatchEmbed,
     VisionRotaryEmbedding,
     _full_cu_seqlens,
     _int,
@@ -41,30 +38,11 @@ from pagoda.models.qwen2_5_vl import (
     _vision_positions,
 )
 
-_VISION_SKIPPED_SUFFIXES = ("rotary_pos_emb.inv_freq",)
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "silu": F.silu,
 }
-
-
-class Qwen3VisionPatchEmbed(nn.Module):
-    """HF's Conv3d (stride == kernel, with bias) over pre-cut patches, as one matmul."""
-
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int):
-        super().__init__()
-        self.dim = dim
-        self.proj = nn.Module()
-        self.proj.weight = nn.Parameter(
-            torch.empty(dim, in_channels, temporal_patch_size, patch_size, patch_size),
-            requires_grad=False,
-        )
-        self.proj.bias = nn.Parameter(torch.empty(dim), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, E]
-        weight = self.proj.weight
-        return F.linear(x.to(weight.dtype), weight.view(self.dim, -1), self.proj.bias)
 
 
 class Qwen3VisionMLP(nn.Module):
@@ -183,8 +161,8 @@ class Qwen3VisionTransformer(nn.Module):
         dim = config.hidden_size
         self.patch_size = _int(config.patch_size)
         self.merge_size = config.spatial_merge_size
-        self.patch_embed = Qwen3VisionPatchEmbed(
-            self.patch_size, _int(config.temporal_patch_size), config.in_channels, dim
+        self.patch_embed = VisionPatchEmbed(
+            self.patch_size, _int(config.temporal_patch_size), config.in_channels, dim, bias=True
         )
         self.pos_embed = nn.Embedding(config.num_position_embeddings, dim)
         self.num_grid_per_side = int(config.num_position_embeddings**0.5)
@@ -278,90 +256,31 @@ class Qwen3VLTextModel(DecoderModel):
         return hidden
 
 
-class Qwen3VLModel(nn.Module):
-    """HF's `model.` submodule: the vision tower and the text decoder side by side."""
-
-    def __init__(self, hf_config: Any, linear_method_factory: LinearMethodFactory) -> None:
-        super().__init__()
-        self.visual = Qwen3VisionTransformer(
-            hf_config.vision_config, linear_method_factory, "model.visual"
-        )
-        self.language_model = Qwen3VLTextModel(
-            hf_config.text_config,
-            DecoderOptions(
-                qkv_bias=bool(getattr(hf_config.text_config, "attention_bias", False)),
-                o_proj_bias=bool(getattr(hf_config.text_config, "attention_bias", False)),
-                qk_norm=True,
-            ),
-            linear_method_factory,
-            prefix="model.language_model",
-        )
-
-
-class Qwen3VLForConditionalGeneration(nn.Module):
-    """Qwen3-VL (dense): `forward` takes token ids or `inputs_embeds` (with DeepStack columns),
-    positions [T] or [3, T]; the vision linears go through `linear_method_factory`, so an
-    ignore rule such as `re:.*visual.*` keeps the tower unquantized."""
-
-    # Videos arrive as one (1, h, w) item per temporal patch (the tower attends within a
-    # frame), with their timestamps as prompt text.
-    supports_video = True
-    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    _stacked_params = LlamaForCausalLM._stacked_params
-    _param_name_and_shard = LlamaForCausalLM._param_name_and_shard
-    checkpoint_to_module_name = staticmethod(
-        Qwen2_5_VLForConditionalGeneration.checkpoint_to_module_name
-    )
-    module_to_original_name = staticmethod(
-        Qwen2_5_VLForConditionalGeneration.module_to_original_name
-    )
+class Qwen3VLForConditionalGeneration(QwenVLBase):
+    """Qwen3-VL (dense): `inputs_embeds` carry the DeepStack columns ([T, hidden * (1 +
+    deepstack)]); videos arrive as one (1, h, w) item per temporal patch (the tower attends
+    within a frame), with their timestamps as prompt text."""
 
     def __init__(
         self, hf_config: Any, linear_method_factory: LinearMethodFactory | None = None
     ) -> None:
-        super().__init__()
-        text_config = hf_config.text_config
-        self.hf_config = hf_config
-        self.config = text_config
-        factory = linear_method_factory or default_linear_method_factory
-        self.model = Qwen3VLModel(hf_config, factory)
-        self.image_token_id: int = hf_config.image_token_id
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = build_lm_head(
-            text_config,
-            factory,
-            self.model.language_model.embed_tokens,
-            self.tie_word_embeddings,
-        )
+        super().__init__(hf_config, linear_method_factory)
         self.num_deepstack = len(self.model.visual.deepstack_visual_indexes)
 
-    @property
-    def language_model(self) -> DecoderModel:
-        return self.model.language_model
+    def build_vision_tower(
+        self, linear_method_factory: LinearMethodFactory
+    ) -> Qwen3VisionTransformer:
+        return Qwen3VisionTransformer(self.hf_config.vision_config, linear_method_factory)
 
-    @property
-    def visual(self) -> Qwen3VisionTransformer:
-        return self.model.visual
-
-    def new_vision_tower(self) -> Qwen3VisionTransformer:
-        """A separate, unquantized tower of this model's shape (on the current default device
-        and dtype): what calibration runs images through."""
-        return Qwen3VisionTransformer(self.hf_config.vision_config, default_linear_method_factory)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,  # [T] int64
-        positions: torch.Tensor,  # [T], or [3, T] M-RoPE positions when images are in the step
-        attn_metadata: AttentionMetadata | None = None,
-        inputs_embeds: torch.Tensor | None = None,  # [T, hidden * (1 + deepstack)]
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.model.language_model(input_ids, positions, attn_metadata, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.language_model.layers]
+    def build_decoder(self, linear_method_factory: LinearMethodFactory) -> Qwen3VLTextModel:
+        text_config = self.hf_config.text_config
+        bias = bool(getattr(text_config, "attention_bias", False))
+        return Qwen3VLTextModel(
+            text_config,
+            DecoderOptions(qkv_bias=bias, o_proj_bias=bias, qk_norm=True),
+            linear_method_factory,
+            prefix="model.language_model",
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden * (1 + deepstack)]: token embeddings, zero DeepStack columns."""
@@ -370,16 +289,3 @@ class Qwen3VLForConditionalGeneration(nn.Module):
             return embeds
         zeros = embeds.new_zeros(embeds.shape[0], embeds.shape[1] * self.num_deepstack)
         return torch.cat([embeds, zeros], dim=-1)
-
-    def embed_images(
-        self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
-    ) -> torch.Tensor:
-        """[N patches, C*T*P*P] -> [image tokens, hidden * (1 + deepstack)] (model dtype)."""
-        embeds = self.model.visual(pixel_values.to(self.model.visual.dtype), grid_thw)
-        return embeds.to(self.model.language_model.embed_tokens.weight.dtype)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; ValueError for unknown tensors and unloaded parameters."""
-        return load_hf_weights(
-            self, weights, _VISION_SKIPPED_SUFFIXES, rename=self.checkpoint_to_module_name
-        )
