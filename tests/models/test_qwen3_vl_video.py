@@ -20,6 +20,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from tests.models.test_qwen2_5_vl import IMAGE_TOKEN, IMAGES, _data_url, _tokenizer
+from tests.models.test_qwen2_5_vl_video import _llm as _video_llm
 from tests.models.test_qwen3_vl import _hf_inputs, save_tiny_qwen3_vl
 from tests.multimodal.test_video_inputs import _encode_lossless
 
@@ -58,12 +59,7 @@ def llm(tiny) -> LLM:
 
 
 def _llm(path: Path, **kwargs) -> LLM:
-    options = dict(
-        dtype="float32", device="cpu", max_model_len=512, block_size=8,
-        limit_mm_per_prompt={"image": 1, "video": 2}, print_memory_report=False,
-    )  # fmt: skip
-    options.update(kwargs)
-    return LLM(str(path), **options)
+    return _video_llm(path, **{"limit_mm_per_prompt": {"image": 1, "video": 2}, **kwargs})
 
 
 def _conversation(image_keys: list[str], videos: list, question: str = QUESTION) -> list[dict]:
