@@ -277,7 +277,6 @@ class MultiModalProcessor:
         for start, length, kind in runs:
             item = next(order[kind])
             if kind == "video" and self.timestamped_video:
-                video, times = item
                 if length != 1:
                     raise ValueError(
                         f"video {index[kind]}: its placeholder is {length} tokens long; write "
@@ -289,22 +288,13 @@ class MultiModalProcessor:
                 if (
                     ids
                     and ids[-1] == self.vision_start_id
-                    and (prev < len(token_ids) and token_ids[prev] == self.vision_end_id)
+                    and prev < len(token_ids)
+                    and token_ids[prev] == self.vision_end_id
                 ):
                     # the template's start / end tokens give way to each patch's own
                     ids.pop()
                     prev += 1
-                for patch, seconds in zip(
-                    split_temporal_patches(video, self.image_config.temporal_patch_size),
-                    times,
-                    strict=True,
-                ):
-                    ids.extend(self._timestamp_ids(seconds))
-                    ids.append(self.vision_start_id)
-                    placeholders.append((len(ids), patch.num_tokens))
-                    ids.extend([self.video_token_id] * patch.num_tokens)
-                    ids.append(self.vision_end_id)
-                    items.append(patch)
+                self._write_timestamped_video(*item, ids, placeholders, items)
                 continue
             if kind == "video":
                 item = item[0]
@@ -338,6 +328,25 @@ class MultiModalProcessor:
             return preprocess_image(image, self.image_config)
         except (ValueError, TypeError) as e:
             raise type(e)(f"image {i}: {e}") from None
+
+    def _write_timestamped_video(
+        self,
+        video: ImageInput,
+        times: Sequence[float],
+        ids: list[int],
+        placeholders: list[tuple[int, int]],
+        items: list[ImageInput],
+    ) -> None:
+        """Append a Qwen3-VL video: per temporal patch "<t seconds>", vision start, its
+        tokens, vision end; each patch becomes its own item."""
+        patches = split_temporal_patches(video, self.image_config.temporal_patch_size)
+        for patch, seconds in zip(patches, times, strict=True):
+            ids.extend(self._timestamp_ids(seconds))
+            ids.append(self.vision_start_id)
+            placeholders.append((len(ids), patch.num_tokens))
+            ids.extend([self.video_token_id] * patch.num_tokens)
+            ids.append(self.vision_end_id)
+            items.append(patch)
 
     def _timestamp_ids(self, seconds: float) -> list[int]:
         if self.tokenizer is None:
