@@ -272,10 +272,11 @@ def quantize(
     # Cheap checks first: a wrong --out or --dataset must not cost a model load.
     check_output_dir(out_dir)
     dataset_info = None
+    remote_images = 0
     if dataset is not None and dataset != "random":
         dataset_info = dataset_record(dataset)
         # format, a usable sample, decodable images: before the model costs a load
-        check_calibration_file(dataset)
+        remote_images = check_calibration_file(dataset).images_remote
 
     source = resolve_model(model)
     hf_config = load_hf_config(source)
@@ -361,6 +362,12 @@ def quantize(
             raise ValueError(f"{source.path} has no tokenizer to read the calibration data")
         mm_processor = None
         if vision_language and not text_only_calibration:
+            if remote_images:
+                raise ValueError(
+                    f"{dataset}: {remote_images} image(s) are http(s) URLs, which calibration "
+                    "does not fetch: save them beside the file and reference the files, or "
+                    "pass --text-only-calibration"
+                )
             mm_processor = _calibration_processor(source.path, hf_config, tokenizer)
         data = load_calibration_data(
             dataset, tokenizer, num_samples, max_seq_len, seed, mm_processor

@@ -15,7 +15,7 @@ lm_head is quantized with the same scheme (RTN needs no Hessian).
 
 Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) go the same way through their text
 decoder (`model.language_model`); the vision tower is never quantized. Calibration samples with
-images or videos run them through the tower first (full precision, loaded once, then dropped):
+images or videos run them through the tower first (unquantized, loaded once, then dropped):
 its outputs replace the placeholder rows of layer 0's inputs, the samples' M-RoPE positions
 drive every layer, and Qwen3-VL's DeepStack features are added after the first layers, so the
 statistics see the image tokens as serving does. Names inside the pipeline are pagoda's module
@@ -640,7 +640,7 @@ def vision_rows(
     device: torch.device,
     dtype: torch.dtype,
 ) -> list[VisionRows | None]:
-    """The vision tower (full precision, built on `device` for this call only) over each
+    """The vision tower (unquantized, built on `device` for this call only) over each
     sample's images and videos, as the model runner encodes them (`patchify`, `embed_images`
     layout: main | DeepStack columns); items past a truncated sample's end are skipped."""
     hidden = model.config.hidden_size

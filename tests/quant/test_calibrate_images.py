@@ -221,3 +221,8 @@ def test_hessian_counts_the_image_rows(tmp_path, recording):
     # the image rows (and their start / end tokens) are gone from the statistics
     assert recording[0].num_tokens == text_only["num_tokens"] < first.num_tokens
     assert first.num_tokens - recording[0].num_tokens == data.num_vision_tokens + 2 * 2
+    remote = tmp_path / "remote.jsonl"
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    remote.write_text(json.dumps({"messages": [{"role": "user", "content": [image, "Hi"]}]}))
+    with pytest.raises(ValueError, match=r"1 image\(s\) are http\(s\) URLs.*text-only"):
+        quantize(str(src), tmp_path / "r", method="rtn", dataset=str(remote), progress=False)
