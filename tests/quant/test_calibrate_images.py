@@ -89,7 +89,8 @@ def test_calibration_forward_is_the_served_forward(tmp_path):
     first layers, interleaved M-RoPE) equals the served model's on the same prompts."""
     src = tmp_path / "src"
     hf = save_tiny_qwen3_vl(src)
-    data, config, dense, image_config = _setup(src, hf, _records(tmp_path, video=True))
+    dataset = _records(tmp_path, video=True)
+    data, config, dense, image_config = _setup(src, hf, dataset)
     assert len(data.samples) == 4 and sum(mm is not None for mm in data.mm_inputs) == 3
     vision_tokens = sum(int(((s == IMAGE_TOKEN) | (s == VIDEO_TOKEN)).sum()) for s in data.samples)
     assert data.num_vision_tokens == vision_tokens > 0
@@ -127,6 +128,14 @@ def test_calibration_forward_is_the_served_forward(tmp_path):
         state.advance(layer, index)
         for got, outputs in zip(state.hidden_states, served, strict=True):
             torch.testing.assert_close(got, outputs[index], rtol=1e-5, atol=1e-5)
+    # the same file through `pagoda quantize` (GPTQ), the tower left dense
+    with contextlib.redirect_stderr(io.StringIO()):
+        report = quantize(
+            str(src), tmp_path / "q", method="gptq", group_size=32, dataset=str(dataset),
+            num_samples=8, max_seq_len=512, progress=False,
+        )  # fmt: skip
+    assert report.num_vision_tokens == data.num_vision_tokens
+    assert report.num_tokens == data.num_tokens
 
 
 def _served_qkv_inputs(dense, image_config, data) -> torch.Tensor:
