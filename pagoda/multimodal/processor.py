@@ -270,6 +270,7 @@ class MultiModalProcessor:
         }
         order = {"image": iter(loaded["image"]), "video": iter(clips)}
         index = {"image": 0, "video": 0}
+        video_tokens: list[int] = []  # each video's tokens in the prompt (timestamps included)
         items: list[ImageInput] = []
         ids: list[int] = []
         placeholders: list[tuple[int, int]] = []
@@ -294,7 +295,9 @@ class MultiModalProcessor:
                     # the template's start / end tokens give way to each patch's own
                     ids.pop()
                     prev += 1
+                before = len(ids)
                 self._write_timestamped_video(*item, ids, placeholders, items)
+                video_tokens.append(len(ids) - before)
                 continue
             if kind == "video":
                 item = item[0]
@@ -312,7 +315,7 @@ class MultiModalProcessor:
             items.append(item)
         ids.extend(token_ids[prev:])
         if len(ids) >= self.max_model_len:
-            raise ValueError(self._too_long(len(ids), loaded))
+            raise ValueError(self._too_long(len(ids), loaded, video_tokens))
         positions, delta = mrope_positions(
             len(ids),
             placeholders,
@@ -391,18 +394,20 @@ class MultiModalProcessor:
             return (1.0,)
         return (item.second_per_grid, float(self.tokens_per_second))
 
-    def _too_long(self, length: int, loaded: Mapping[str, list[ImageInput]]) -> str:
+    def _too_long(
+        self, length: int, loaded: Mapping[str, list[ImageInput]], video_tokens: Sequence[int]
+    ) -> str:
         parts = []
         videos = loaded["video"]
+        counts = list(video_tokens) or [v.num_tokens for v in videos]
         if len(videos) == 1:
             v = videos[0]
             parts.append(
-                f"the video needs {v.num_tokens} tokens ({v.pixels.shape[0]} frames of "
+                f"the video needs {counts[0]} tokens ({v.pixels.shape[0]} frames of "
                 f"{v.pixels.shape[2]}x{v.pixels.shape[1]})"
             )
         elif videos:
-            counts = ", ".join(str(v.num_tokens) for v in videos)
-            parts.append(f"the videos need {counts} tokens")
+            parts.append(f"the videos need {', '.join(map(str, counts))} tokens")
         image_tokens = sum(img.num_tokens for img in loaded["image"])
         if loaded["image"]:
             parts.append(f"{len(loaded['image'])} image(s) need {image_tokens} tokens")

@@ -239,6 +239,17 @@ def test_generate_with_video_data_and_clear_errors(tiny, llm):
     with pytest.raises(ValueError, match=r"3 videos.*limit_mm_per_prompt=\{'video': 3\}"):
         llm.chat(_conversation([], [VIDEOS["v1"]] * 3), GREEDY, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+    # too long: the count includes the timestamps and each patch's start / end tokens
+    from pagoda.config import MultiModalConfig
+    from pagoda.multimodal.processor import MultiModalProcessor
+
+    tokenizer = _tokenizer()
+    short = MultiModalProcessor.from_model(
+        str(tiny[0]), tiny[1].config, tokenizer, MultiModalConfig(), max_model_len=20
+    )
+    stamps = sum(len(tokenizer.encode(f"<{t} seconds>")) for t in ("0.2", "1.2"))
+    with pytest.raises(ValueError, match=rf"the video needs {12 + 4 + stamps} tokens \(4 frames"):
+        short.process([VIDEO_TOKEN], [], videos=[VIDEOS["v1"]])
 
 
 @pytest.mark.gpu
