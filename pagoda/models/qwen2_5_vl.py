@@ -131,6 +131,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- vision modules
 
 
+def vision_linear(
+    in_features: int, out_features: int, linear_method_factory: LinearMethodFactory, name: str
+) -> ReplicatedLinear:
+    """A vision linear with bias, its method asked of the factory under its module name (so an
+    ignore rule such as `re:.*visual.*` keeps it dense)."""
+    return ReplicatedLinear(
+        in_features,
+        out_features,
+        bias=True,
+        linear_method=linear_method_factory(name),
+        prefix=name,
+    )
+
+
 class VisionPatchEmbed(nn.Module):
     """HF's Conv3d with stride == kernel over pre-cut patches, computed as one matmul.
 
@@ -188,20 +202,8 @@ class VisionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = ReplicatedLinear(
-            dim,
-            3 * dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.qkv"),
-            prefix=f"{prefix}.qkv",
-        )
-        self.proj = ReplicatedLinear(
-            dim,
-            dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.proj"),
-            prefix=f"{prefix}.proj",
-        )
+        self.qkv = vision_linear(dim, 3 * dim, linear_method_factory, f"{prefix}.qkv")
+        self.proj = vision_linear(dim, dim, linear_method_factory, f"{prefix}.proj")
 
     def forward(
         self, x: torch.Tensor, segments: _Segments, cos: torch.Tensor, sin: torch.Tensor
@@ -242,13 +244,7 @@ class VisionSwiGLU(nn.Module):
             linear_method=linear_method_factory(f"{prefix}.gate_up_proj"),
             prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = ReplicatedLinear(
-            hidden,
-            dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.down_proj"),
-            prefix=f"{prefix}.down_proj",
-        )
+        self.down_proj = vision_linear(hidden, dim, linear_method_factory, f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -262,20 +258,8 @@ class VisionQuickGeluMLP(nn.Module):
         self, dim: int, hidden: int, linear_method_factory: LinearMethodFactory, prefix: str
     ) -> None:
         super().__init__()
-        self.fc1 = ReplicatedLinear(
-            dim,
-            hidden,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.fc1"),
-            prefix=f"{prefix}.fc1",
-        )
-        self.fc2 = ReplicatedLinear(
-            hidden,
-            dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.fc2"),
-            prefix=f"{prefix}.fc2",
-        )
+        self.fc1 = vision_linear(dim, hidden, linear_method_factory, f"{prefix}.fc1")
+        self.fc2 = vision_linear(hidden, dim, linear_method_factory, f"{prefix}.fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -323,23 +307,12 @@ class PatchMerger(nn.Module):
         self.hidden_size = context_dim * merge_size**2
         self.ln_q = _vision_norm(norm, context_dim)
         # A ModuleList keeps HF's nn.Sequential names: mlp.0 (Linear), mlp.1 (GELU), mlp.2.
+        size, factory = self.hidden_size, linear_method_factory
         self.mlp = nn.ModuleList(
             [
-                ReplicatedLinear(
-                    self.hidden_size,
-                    self.hidden_size,
-                    bias=True,
-                    linear_method=linear_method_factory(f"{prefix}.mlp.0"),
-                    prefix=f"{prefix}.mlp.0",
-                ),
+                vision_linear(size, size, factory, f"{prefix}.mlp.0"),
                 nn.GELU(),
-                ReplicatedLinear(
-                    self.hidden_size,
-                    out_dim,
-                    bias=True,
-                    linear_method=linear_method_factory(f"{prefix}.mlp.2"),
-                    prefix=f"{prefix}.mlp.2",
-                ),
+                vision_linear(size, out_dim, factory, f"{prefix}.mlp.2"),
             ]
         )
 

@@ -21,7 +21,6 @@ from torch import nn
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.linear import (
     LinearMethodFactory,
-    ReplicatedLinear,
 )
 from pagoda.models.llama import (
     DecoderModel,
@@ -36,6 +35,7 @@ from pagoda.models.qwen2_5_vl import (
     _int,
     _Segments,
     _vision_positions,
+    vision_linear,
 )
 
 _ACTIVATIONS = {
@@ -60,20 +60,8 @@ class Qwen3VisionMLP(nn.Module):
         if act not in _ACTIVATIONS:
             raise NotImplementedError(f"vision hidden_act={act!r} is not supported")
         self.act = _ACTIVATIONS[act]
-        self.linear_fc1 = ReplicatedLinear(
-            dim,
-            hidden,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.linear_fc1"),
-            prefix=f"{prefix}.linear_fc1",
-        )
-        self.linear_fc2 = ReplicatedLinear(
-            hidden,
-            dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.linear_fc2"),
-            prefix=f"{prefix}.linear_fc2",
-        )
+        self.linear_fc1 = vision_linear(dim, hidden, linear_method_factory, f"{prefix}.linear_fc1")
+        self.linear_fc2 = vision_linear(hidden, dim, linear_method_factory, f"{prefix}.linear_fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
@@ -96,20 +84,9 @@ class Qwen3PatchMerger(nn.Module):
         self.hidden_size = context_dim * merge_size**2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.hidden_size if postshuffle_norm else context_dim, eps=1e-6)
-        self.linear_fc1 = ReplicatedLinear(
-            self.hidden_size,
-            self.hidden_size,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.linear_fc1"),
-            prefix=f"{prefix}.linear_fc1",
-        )
-        self.linear_fc2 = ReplicatedLinear(
-            self.hidden_size,
-            out_dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.linear_fc2"),
-            prefix=f"{prefix}.linear_fc2",
-        )
+        size, factory = self.hidden_size, linear_method_factory
+        self.linear_fc1 = vision_linear(size, size, factory, f"{prefix}.linear_fc1")
+        self.linear_fc2 = vision_linear(size, out_dim, factory, f"{prefix}.linear_fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N / merge**2, out]
         if self.postshuffle_norm:
