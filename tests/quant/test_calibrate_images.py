@@ -89,8 +89,7 @@ def test_calibration_forward_is_the_served_forward(tmp_path):
     first layers, interleaved M-RoPE) equals the served model's on the same prompts."""
     src = tmp_path / "src"
     hf = save_tiny_qwen3_vl(src)
-    dataset = _records(tmp_path, video=True)
-    data, config, dense, image_config = _setup(src, hf, dataset)
+    data, config, dense, image_config = _setup(src, hf, _records(tmp_path, video=True))
     assert len(data.samples) == 4 and sum(mm is not None for mm in data.mm_inputs) == 3
     vision_tokens = sum(int(((s == IMAGE_TOKEN) | (s == VIDEO_TOKEN)).sum()) for s in data.samples)
     assert data.num_vision_tokens == vision_tokens > 0
@@ -128,14 +127,6 @@ def test_calibration_forward_is_the_served_forward(tmp_path):
         state.advance(layer, index)
         for got, outputs in zip(state.hidden_states, served, strict=True):
             torch.testing.assert_close(got, outputs[index], rtol=1e-5, atol=1e-5)
-    # the same file through `pagoda quantize` (GPTQ), the tower left dense
-    with contextlib.redirect_stderr(io.StringIO()):
-        report = quantize(
-            str(src), tmp_path / "q", method="gptq", group_size=32, dataset=str(dataset),
-            num_samples=8, max_seq_len=512, progress=False,
-        )  # fmt: skip
-    assert report.num_vision_tokens == data.num_vision_tokens
-    assert report.num_tokens == data.num_tokens
 
 
 def _served_qkv_inputs(dense, image_config, data) -> torch.Tensor:
@@ -151,18 +142,26 @@ def _served_qkv_inputs(dense, image_config, data) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def test_fp8_and_awq_calibrate_with_images(tmp_path):
+@pytest.fixture(scope="module")
+def qwen2_5_vl(tmp_path_factory):
+    """A tiny Qwen2.5-VL, its image calibration file, the samples, and layer 0's q/k/v input
+    on every served prompt row."""
+    root = tmp_path_factory.mktemp("calibrate_images")
+    src = root / "src"
+    hf = save_tiny_vl(src)
+    dataset = _records(root, video=False)
+    data, _, dense, image_config = _setup(src, hf, dataset)
+    return src, dataset, data, _served_qkv_inputs(dense, image_config, data)
+
+
+def test_fp8_and_awq_calibrate_with_images(tmp_path, qwen2_5_vl):
     """FP8's static input scale of layer 0's q_proj is max |x| / 448 over the served rows,
     image rows included; AWQ's searches run on the same samples."""
     from safetensors.torch import load_file
 
     from pagoda.quant.fp8 import static_input_scale
 
-    src = tmp_path / "src"
-    hf = save_tiny_vl(src)
-    dataset = _records(tmp_path, video=False)
-    data, _, dense, image_config = _setup(src, hf, dataset)
-    x = _served_qkv_inputs(dense, image_config, data)
+    src, dataset, data, x = qwen2_5_vl
     with contextlib.redirect_stderr(io.StringIO()):
         fp8 = quantize(
             str(src), tmp_path / "f", scheme="FP8", dataset=str(dataset), num_samples=8,
@@ -170,9 +169,10 @@ def test_fp8_and_awq_calibrate_with_images(tmp_path):
         )  # fmt: skip
         awq = quantize(
             str(src), tmp_path / "a", method="awq", group_size=32, dataset=str(dataset),
-            num_samples=8, max_seq_len=512, progress=False,
+            num_samples=1, max_seq_len=512, progress=False,
         )  # fmt: skip
-    assert fp8.num_vision_tokens == awq.num_vision_tokens == data.num_vision_tokens
+    assert fp8.num_vision_tokens == data.num_vision_tokens
+    assert awq.num_samples == 1 and awq.num_vision_tokens > 0  # one sample, with an image
     scale = load_file(tmp_path / "f" / "model.safetensors")[
         "model.layers.0.self_attn.q_proj.input_scale"
     ]
@@ -195,15 +195,12 @@ def recording(monkeypatch):
     return _Recording.made
 
 
-def test_hessian_counts_the_image_rows(tmp_path, recording):
+def test_hessian_counts_the_image_rows(tmp_path, recording, qwen2_5_vl):
     """Qwen2.5-VL, GPTQ: layer 0's q/k/v Hessian is 2 XᵀX / N over every served prompt row,
     image rows included; text-only calibration (the CLI flag) counts only the text."""
-    src = tmp_path / "src"
-    hf = save_tiny_vl(src)
-    dataset = _records(tmp_path, video=False)
-    data, _, dense, image_config = _setup(src, hf, dataset)
+    src, dataset, data, x = qwen2_5_vl
     assert data.num_vision_tokens > 0
-    x = _served_qkv_inputs(dense, image_config, data).double()
+    x = x.double()
     want = (2 * x.T @ x / x.shape[0]).float()
 
     with contextlib.redirect_stderr(io.StringIO()):
