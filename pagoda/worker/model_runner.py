@@ -348,7 +348,9 @@ class ModelRunner:
             )
             video_options = None
             if getattr(self.model, "supports_video", False):
-                video_options = VideoOptions.from_model(mc.model, mm.processor_kwargs)
+                video_options = VideoOptions.from_model(
+                    mc.model, mm.processor_kwargs, image_config.factor
+                )
             self.encoder_runner = EncoderRunner(
                 self.model,
                 image_config,

@@ -117,6 +117,23 @@ def test_w4a16_tp2_matches_one_rank(fixture: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "autoawq"])
+def test_w4a16_tp4_matches_one_rank(fmt: str, tmp_path: Path) -> None:
+    # The fixtures above have layers whose input splits four ways into less than one group;
+    # here every row-parallel input (hidden 128, intermediate 256) splits into whole groups of
+    # 32 at tp=4, in both layouts pagoda writes (AutoAWQ packs its codes along the output).
+    from pagoda.quantizer.api import quantize
+
+    dense = save_tiny_model("llama", tmp_path / "dense", hidden_size=128, intermediate_size=256)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the quantizer copies a tokenizer
+        (dense / name).write_bytes((FIXTURES / "llmcompressor-tiny-w4a16/sym" / name).read_bytes())
+    out = tmp_path / fmt
+    quantize(str(dense), str(out), scheme="W4A16_ASYM", method="rtn", group_size=32,
+             format=fmt, dtype="float32", progress=False)  # fmt: skip
+    _assert_same_as_one_rank(_run("compare", str(out), "1", "2", "4", timeout=900))
+
+
+@pytest.mark.slow
 def test_lora_tp2_matches_one_rank(tiny_llama: Path, tmp_path: Path) -> None:
     from tests.lora.adapters import make_adapter
 

@@ -7,12 +7,14 @@ the error handlers that turn every client mistake into an OpenAI-style 4xx. `run
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,7 +238,14 @@ def build_app(
     no_docs: dict[str, object] = (
         {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await chat.check_template()
+        yield
+
     app = FastAPI(
+        lifespan=lifespan,
         title="pagoda",
         summary="OpenAI-compatible LLM server",
         version=__version__,

@@ -9,12 +9,14 @@ choice, then content and `tool_calls` deltas, as OpenAI's chunk format does.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from pagoda.engine.async_engine import RequestStream
 from pagoda.engine.engine_process import ServerEngine
@@ -70,6 +72,39 @@ from pagoda.entrypoints.openai.tool_parsers import (
     parser_for_template,
 )
 
+logger = logging.getLogger(__name__)
+
+# A tool the probe renders the template with: a template that renders tools shows its name.
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "pagoda_probe_tool",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
+TOOLS_DROPPED = (
+    "the chat template does not render `tools`: the model never saw the tool definitions, so "
+    'tool_choice "auto" cannot produce a tool call; serve with --chat-template <a template that '
+    'renders tools>, or force a call with tool_choice "required" or a named tool'
+)
+
+
+def template_drops_tools(input_processor: Any, chat_template: str | None) -> bool:
+    """Whether the template renders a conversation the same with and without a tool.
+
+    False where it cannot be told (no tokenizer or template, or the probe fails to render).
+    """
+    conversation = [{"role": "user", "content": "hi"}]
+    try:
+        with_tool = input_processor.render_chat(
+            conversation, chat_template=chat_template, chat_template_kwargs={"tools": [_PROBE_TOOL]}
+        )
+        without = input_processor.render_chat(conversation, chat_template=chat_template)
+    except Exception:  # noqa: BLE001 - any failure means "unknown", and requests report their own
+        return False
+    return with_tool == without
+
 
 def _finish_reason(reason: str | None, calls: int) -> str | None:
     # A generation that ended by itself with tool calls asks the client to run them.
@@ -98,6 +133,27 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_call_parser = tool_call_parser
         if tool_call_parser is not None:
             get_tool_parser(tool_call_parser)
+        self._drops_tools: dict[str | None, bool] = {}  # by template text
+
+    def drops_tools(self, input_processor: Any, template: str | None) -> bool:
+        """`template_drops_tools`, remembered per template (called on the tokenizer thread)."""
+        if template not in self._drops_tools:
+            self._drops_tools[template] = template_drops_tools(input_processor, template)
+        return self._drops_tools[template]
+
+    async def check_template(self) -> None:
+        """At start-up: warn when the served template drops tools while auto tool choice is on."""
+        if self.options.enable_auto_tool_choice is False:
+            return
+        template = self.options.chat_template
+
+        def probe(engine: Any) -> bool:
+            ip = engine.input_processor
+            used = template or getattr(ip.tokenizer, "chat_template", None)
+            return used is not None and self.drops_tools(ip, used)
+
+        if await self.engine.run(probe):
+            logger.warning("%s; requests that send tools get this note", TOOLS_DROPPED)
 
     def _parser(self, req: ChatCompletionRequest, template: str | None) -> ToolParser | None:
         mode = req.tool_call_mode
@@ -141,6 +197,7 @@ class OpenAIServingChat(OpenAIServing):
         limit = self.engine.max_model_len
         req.to_sampling_params(max_tokens=None)  # validate before touching the engine
         template_used: list[str | None] = [None]
+        tools_dropped = [False]
         rid = req.request_id or random_id("chatcmpl")
 
         def prepare(engine: LLMEngine) -> list:
@@ -157,6 +214,8 @@ class OpenAIServingChat(OpenAIServing):
             )
             tokenizer = engine.tokenizer
             template_used[0] = chat_template or getattr(tokenizer, "chat_template", None)
+            if req.tools and req.tool_call_mode == "auto" and template_used[0] is not None:
+                tools_dropped[0] = self.drops_tools(engine.input_processor, template_used[0])
             n_prompt = len(processed.prompt_token_ids)
             max_tokens = max_tokens_for(n_prompt, requested, default_max_tokens, limit)
             params = req.to_sampling_params(max_tokens)
@@ -174,8 +233,13 @@ class OpenAIServingChat(OpenAIServing):
         last = req.messages[-1]
         if req.echo and last.role == "assistant" and isinstance(last.content, str):
             echo = last.content
+        # The note on a dropped tool list: a Warning header (RFC 9111 code 299), and `warnings`
+        # in a non-streamed body.
+        note = {"Warning": f'299 pagoda "{TOOLS_DROPPED}"'} if tools_dropped[0] else {}
         if req.stream:
-            return EventStream(self._stream(req, rid, streams, trackers, parser, echo, reasoning))
+            stream = EventStream(self._stream(req, rid, streams, trackers, parser, echo, reasoning))
+            stream.headers.update(note)
+            return stream
         result = await unless_disconnected(request, collect(streams, trackers, req.n))
         if result is None:
             return Response(status_code=499)
@@ -220,7 +284,12 @@ class OpenAIServingChat(OpenAIServing):
                 else None
             ),
         )
-        return dump(body, req.return_token_ids)
+        response = dump(body, req.return_token_ids)
+        if not note:
+            return response
+        data = json.loads(response.body)
+        data["warnings"] = [TOOLS_DROPPED]
+        return JSONResponse(data, headers=note)
 
     async def _stream(
         self,

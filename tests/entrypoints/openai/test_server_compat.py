@@ -371,6 +371,42 @@ def test_tools_and_history_reach_the_template(server):
     assert r.status_code == 200, r.text
 
 
+def test_template_that_drops_tools_is_named_at_start_up_and_in_the_response(
+    server, async_engine, caplog
+):
+    import asyncio
+
+    from pagoda.entrypoints.openai.serving_chat import TOOLS_DROPPED, OpenAIServingChat
+    from pagoda.entrypoints.openai.serving_engine import ServingOptions
+
+    # SmolLM2's own template renders no tools: start-up warns (the lifespan hook's check) ...
+    chat = OpenAIServingChat(async_engine, "m", metrics=None)
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        asyncio.run(chat.check_template())
+    assert TOOLS_DROPPED in caplog.text
+    # ... and a request with tools and tool_choice "auto" carries the note, streamed or not
+    body = {"messages": CHAT, "tools": [WEATHER_TOOL], "tool_choice": "auto", "max_tokens": 2}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["warnings"] == [TOOLS_DROPPED]
+    assert "does not render `tools`" in r.headers["warning"]
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", headers=server.headers,
+        json={**body, "stream": True}, timeout=120,
+    ) as s:  # fmt: skip
+        assert s.status_code == 200 and "does not render `tools`" in s.headers["warning"]
+        s.read()
+    # no note where the template renders the tools, or where no tool is offered
+    for quiet in ({**body, "chat_template": TOOL_TEMPLATE}, {"messages": CHAT, "max_tokens": 2}):
+        r = _post(server, "/v1/chat/completions", quiet)
+        assert r.status_code == 200 and "warnings" not in r.json() and "warning" not in r.headers
+    # a server started with a template that renders tools says nothing
+    caplog.clear()
+    options = ServingOptions(chat_template=TOOL_TEMPLATE)
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        asyncio.run(OpenAIServingChat(async_engine, "m", None, options=options).check_template())
+    assert TOOLS_DROPPED not in caplog.text
+
+
 def test_chat_template_and_kwargs_are_honored(server):
     template = (
         "{% for m in messages %}[{{ m.role }}|{{ greeting }}] {{ m.content }}\n{% endfor %}"
