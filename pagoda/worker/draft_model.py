@@ -71,8 +71,9 @@ class DraftModel:
         inter = getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
         return num_tokens * (6 * cfg.hidden_size + 3 * inter) * 4
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Same blocks as the target's cache (block 0, the null block, zeroed likewise)."""
+    def allocate_kv_cache(self, num_blocks: int, zero_all: bool = False) -> None:
+        """Same blocks as the target's cache, zeroed as the runner zeroes the target's: the
+        null block 0, or all of it (`zero_all`: the CUDA decode without Triton)."""
         mc = self.model_config
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         layers = self.model.attention_layers()
@@ -80,7 +81,10 @@ class DraftModel:
             torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in layers
         ]
         for layer, cache in zip(layers, self.kv_caches, strict=True):
-            cache.view(torch.uint8)[:, 0].zero_()
+            if zero_all:
+                cache.view(torch.uint8).zero_()
+            else:
+                cache.view(torch.uint8)[:, 0].zero_()
             layer.kv_cache = cache
 
     def release_kv_cache(self) -> None:

@@ -602,7 +602,7 @@ class ModelRunner:
                 cache.view(torch.uint8)[:, 0].zero_()
             layer.kv_cache = cache
         if self.draft is not None:
-            self.draft.allocate_kv_cache(num_blocks)
+            self.draft.allocate_kv_cache(num_blocks, zero_all=torch_decode)
 
     def _warm_up_attention(self) -> None:
         """Compile the paged-attention kernel's mixed-step variants now (CUDA with Triton): a
@@ -948,8 +948,7 @@ class ModelRunner:
                 ids = self._to_dev(token_ids)
                 if pending is not None:
                     pending.fill_ids(ids)
-            positions = arrays["positions"]
-            self.draft.forward(ids, self._to_dev(positions), md)
+            self.draft.forward(ids, self._to_dev(arrays["positions"]), md)
 
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, arrays["qsl"])
         spec = [i for i, r in enumerate(reqs) if r.spec_token_ids]

@@ -4,7 +4,8 @@ The draft shares the target's blocks (its own KV cache) and follows every step: 
 equals plain decoding's under prefix caching, chunked prefill and preemption, for a draft that
 is the target itself (every draft accepted) and for unrelated drafts (bf16-shaped and W4A16:
 rejections). Seeded sampling is reproducible, no block leaks, an incompatible draft is one
-ValueError naming both models, and `--speculative-config` reaches the engine.
+ValueError naming both models, and `--speculative-config` reaches the engine. On a GPU the
+target's graphs run beside the eager draft.
 """
 
 from __future__ import annotations
@@ -171,3 +172,20 @@ def test_cli_json_reaches_the_engine(models):
     assert scheduler.speculative.method == "draft_model"
     assert scheduler.speculative.num_speculative_tokens == 2
     assert runner.draft_model.model == models["other"]
+
+
+@pytest.mark.gpu
+def test_gpu_draft_equals_plain(models):
+    """On CUDA: target decode and verify steps from graphs, the draft eager; same tokens."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=256)
+    plain = LLM(models["self"], **kw)
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    plain.shutdown()
+    llm = LLM(models["self"], speculative_config=_spec(models["other"]), **kw)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ref, spec, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert sum(o.metrics.spec_num_draft_tokens for o in spec) > 0
+    llm.shutdown()
