@@ -292,8 +292,8 @@ def _checkpoint_quantization(
 def _draft_model_config(draft: str, target: ModelConfig, seed: int) -> ModelConfig:
     """The draft model's config: any format the target could be (safetensors, W4A16, GGUF),
     loaded in the target's dtype for the target's context. Its token ids must mean what the
-    target's do: the same vocabulary size and the same special-token ids, else a ValueError
-    naming both models before either loads."""
+    target's do: a vocabulary no larger than the target's and the same special-token ids, else
+    a ValueError naming both models before either loads."""
     source = resolve_model(draft)
     hf_config = load_hf_config(source, lazy=True)
     if getattr(hf_config, "vision_config", None) is not None:
@@ -303,9 +303,12 @@ def _draft_model_config(draft: str, target: ModelConfig, seed: int) -> ModelConf
         )
     text, draft_text = target.text_config, hf_config
     mismatches = []
-    if draft_text.vocab_size != text.vocab_size:
+    # A smaller draft vocabulary is the padded-embedding case (Qwen2.5-7B pads 151,936 ids to
+    # 152,064, its 0.5B draft does not): the draft proposes ids the target has; a target id past
+    # the draft's table (a padding id) reaches the draft clamped, which only costs acceptance.
+    if draft_text.vocab_size > text.vocab_size:
         mismatches.append(
-            f"vocab_size {draft_text.vocab_size} (draft) vs {text.vocab_size} (target)"
+            f"vocab_size {draft_text.vocab_size} (draft) > {text.vocab_size} (target)"
         )
     for name in ("bos_token_id", "eos_token_id"):
         a = _token_ids(draft_text, name)

@@ -39,6 +39,8 @@ class DraftModel:
         self.model: Any = None
         self.kv_caches: list[torch.Tensor] = []
         self.weights_bytes = 0
+        # Target ids past a smaller draft vocabulary (padding ids) are clamped into it.
+        self.vocab_size: int = model_config.text_config.vocab_size
 
     def load(self, target_window: int | None) -> None:
         """Load the weights. `target_window`: the window the KV manager frees the target's
@@ -97,7 +99,7 @@ class DraftModel:
         """Run the target's step batch: writes the draft's KV at the step's slots. Drafts the
         target rejects leave stale entries that the steps recomputing those positions
         overwrite, as in the target's cache."""
-        self.model(ids, positions, md)
+        self.model(ids.clamp(max=self.vocab_size - 1), positions, md)
 
     def propose(
         self,
@@ -120,7 +122,7 @@ class DraftModel:
         want = np.asarray(num_tokens, dtype=np.int64)
         rows = np.arange(len(token_ids))  # the batch rows still drafting
         steps: list[tuple[np.ndarray, torch.Tensor]] = []  # (batch rows, their drafts)
-        ids = to_dev(ids.numpy())
+        ids = to_dev(ids.clamp(max=self.vocab_size - 1).numpy())
         for step in range(int(want.max())):
             if step:
                 keep = want[rows] > step

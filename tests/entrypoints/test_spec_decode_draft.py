@@ -150,7 +150,7 @@ def test_no_block_leak_over_many_requests(models):
 
 def test_incompatible_draft_is_one_clear_error(models, tmp_path):
     vocab = save_tiny_model("llama", tmp_path / "vocab", vocab_size=512)
-    with pytest.raises(ValueError, match=r"vocab_size 512 \(draft\) vs 384 \(target\)") as e:
+    with pytest.raises(ValueError, match=r"vocab_size 512 \(draft\) > 384 \(target\)") as e:
         EngineArgs(model=models["self"], speculative_config=_spec(str(vocab))).create_configs()
     assert str(vocab) in str(e.value) and models["self"] in str(e.value)
     eos = save_tiny_model("llama", tmp_path / "eos", vocab_size=384, eos_token_id=7)
@@ -160,6 +160,21 @@ def test_incompatible_draft_is_one_clear_error(models, tmp_path):
         EngineArgs(
             model=models["self"], speculative_config=_spec(models["other"]), tensor_parallel_size=2
         ).create_configs()
+
+
+def test_draft_with_a_smaller_vocabulary(models, tmp_path):
+    # A target with padded embeddings (400 ids) and a draft of 384: the prompt's ids past the
+    # draft's table reach it clamped; the output is the target's own.
+    target = save_tiny_model("llama", tmp_path / "padded", vocab_size=400)
+    prompts = [[390, 399, *p] for p in _prompts()]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = _llm(target).generate(prompts, greedy, use_tqdm=False)
+    spec = _llm(target, speculative_config=_spec(models["other"])).generate(
+        prompts, greedy, use_tqdm=False
+    )
+    for a, b in zip(plain, spec, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert sum(o.metrics.spec_num_draft_tokens for o in spec) > 0
 
 
 def test_cli_json_reaches_the_engine(models):
