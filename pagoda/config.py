@@ -131,9 +131,11 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model (method "draft_model")
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    # Running requests above which a step does not speculate (verifying k extra positions
-    # costs more than it saves once the batch is compute-bound); None: always speculate.
-    disable_by_batch_size: int | None = None
+    # Running + waiting requests above which a step does not speculate; None: always. Default
+    # 8: on an H100 verifying k = 4 drafts costs 1.6-1.8x a plain step at batch 8 and 2.0-3.1x
+    # at 32-128 (3B/7B W4A16, BENCHMARKS.md), more than the 1.1-3 tokens a step that real
+    # chat and extraction prompts accept; past 8 speculation would make serving slower.
+    disable_by_batch_size: int | None = 8
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -335,6 +337,9 @@ class RunnerConfig:
     cpu_offload_gb: float = 0.0
     # Ranks the model is split over (pagoda.worker.tp_executor); 1: this process alone.
     tensor_parallel_size: int = 1
+    # Speculative decoding with a draft model: its config (the target's dtype and context);
+    # the runner loads it next to the target (pagoda.worker.draft_model).
+    draft_model: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -342,6 +347,10 @@ class RunnerConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if tp > 1 and self.cpu_offload_gb:
             raise ValueError("cpu_offload_gb cannot be combined with tensor_parallel_size > 1")
+        if tp > 1 and self.draft_model is not None:
+            raise ValueError(
+                "a speculative draft model cannot be combined with tensor_parallel_size > 1"
+            )
         gb = self.cpu_offload_gb
         if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0:
             raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gb!r}")

@@ -1,8 +1,9 @@
 """The step description: what the scheduler hands the model runner for one engine step.
 
 `SchedulerOutput` (the requests of the step, running first) of `ScheduledRequest` (one request's
-share: its new tokens, block table, sampling parameters). Plain data that lives below both the
-engine, which builds it, and the worker, which reads it.
+share: its new tokens, block table, sampling parameters), and `DraftRequest` (what a draft model
+proposes from after a step). Plain data that lives below both the engine, which builds it, and
+the worker, which reads it.
 """
 
 from __future__ import annotations
@@ -46,3 +47,14 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)  # since the previous schedule()
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """A request the draft model proposes for after a step (speculative decoding)."""
+
+    req_id: str
+    block_ids: list[int]  # the scheduler's list: covers position + num_tokens - 1 (lookahead)
+    token_id: int  # the newest token, not in the KV cache yet
+    position: int  # its position
+    num_tokens: int  # drafts wanted (>= 1)

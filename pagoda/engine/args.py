@@ -172,45 +172,7 @@ class EngineArgs:
             if load_format == "auto":
                 load_format = "gguf"
 
-        quant = quantization_config(hf_config)
-        requested = normalize_quant_method(self.quantization)
-        if requested == "fp8" and quant is None:
-            quant = fp8_at_load_config()  # vLLM's meaning: FP8_DYNAMIC, quantized while loading
-        if requested is not None and quant is None and source.quant_override is None:
-            raise ValueError(
-                f"quantization={self.quantization!r} was requested but the checkpoint has no "
-                "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
-                "`pagoda quantize`, or quantization='fp8' to quantize to FP8 at load)"
-            )
-        if quant is None and source.quant_override == "fp8":
-            # `config:...:fp8`: random FP8_DYNAMIC weights stored as llmcompressor writes them
-            quant = fp8_quantization_config(
-                FP8_SCHEMES["FP8_DYNAMIC"], ["lm_head", "re:.*visual.*"]
-            )
-        if quant is None and source.quant_override in _DUMMY_QUANT:
-            quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])
-        if quant is None and source.quant_override == "awq":
-            from pagoda.quant.formats.autoawq import quantization_config as awq_config
-
-            quant = awq_config(group_size=128, zero_point=True)
-        if quant is not None:
-            method = quant.get("quant_method")
-            method = method.lower() if isinstance(method, str) else method
-            if method not in QUANT_METHODS:
-                raise ValueError(
-                    f"the checkpoint's quant_method={method!r} is not supported; pagoda serves "
-                    "compressed-tensors (pagoda quantize, llmcompressor), gptq and awq (AutoAWQ "
-                    "GEMM) checkpoints"
-                )
-            if requested not in (None, method):
-                raise ValueError(
-                    f"quantization={self.quantization!r} was requested but the checkpoint is "
-                    f"{method!r}"
-                )
-            try:
-                parse_quantization_config(quant)  # every bad field: one clear error, now
-            except NotImplementedError as e:
-                raise ValueError(str(e)) from None
+        quant = _checkpoint_quantization(hf_config, source, self.quantization)
 
         model_config = ModelConfig(
             model=source.path,
@@ -222,6 +184,9 @@ class EngineArgs:
             gguf_file=source.path if source.kind == "gguf" else None,
             quantization=quant,
         )
+        draft_config = None
+        if speculative is not None and speculative.method == "draft_model":
+            draft_config = _draft_model_config(speculative.model, model_config, self.seed)
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             max_batched = 8192 if device.type == "cuda" else 2048
@@ -268,6 +233,7 @@ class EngineArgs:
             multimodal=mm_config,
             cpu_offload_gb=self.cpu_offload_gb,
             tensor_parallel_size=self.tensor_parallel_size,
+            draft_model=draft_config,
         )
         if runner_config.cpu_offload_gb and quant is not None:
             raise ValueError(
@@ -277,3 +243,107 @@ class EngineArgs:
         if runner_config.cpu_offload_gb and lora_config is not None:
             raise ValueError("cpu_offload_gb cannot be combined with enable_lora yet")
         return source, model_config, cache_config, scheduler_config, runner_config
+
+
+def _checkpoint_quantization(
+    hf_config: Any, source: ModelSource, requested_name: str | None
+) -> dict | None:
+    """The quantization_config to load with: the checkpoint's, a dummy run's, or FP8 at load;
+    every bad field is one clear ValueError now."""
+    quant = quantization_config(hf_config)
+    requested = normalize_quant_method(requested_name)
+    if requested == "fp8" and quant is None:
+        quant = fp8_at_load_config()  # vLLM's meaning: FP8_DYNAMIC, quantized while loading
+    if requested is not None and quant is None and source.quant_override is None:
+        raise ValueError(
+            f"quantization={requested_name!r} was requested but the checkpoint has no "
+            "quantization_config (pagoda serves pre-quantized checkpoints; make one with "
+            "`pagoda quantize`, or quantization='fp8' to quantize to FP8 at load)"
+        )
+    if quant is None and source.quant_override == "fp8":
+        # `config:...:fp8`: random FP8_DYNAMIC weights stored as llmcompressor writes them
+        quant = fp8_quantization_config(FP8_SCHEMES["FP8_DYNAMIC"], ["lm_head", "re:.*visual.*"])
+    if quant is None and source.quant_override in _DUMMY_QUANT:
+        quant = _dummy_quantization_config(*_DUMMY_QUANT[source.quant_override])
+    if quant is None and source.quant_override == "awq":
+        from pagoda.quant.formats.autoawq import quantization_config as awq_config
+
+        quant = awq_config(group_size=128, zero_point=True)
+    if quant is not None:
+        method = quant.get("quant_method")
+        method = method.lower() if isinstance(method, str) else method
+        if method not in QUANT_METHODS:
+            raise ValueError(
+                f"the checkpoint's quant_method={method!r} is not supported; pagoda serves "
+                "compressed-tensors (pagoda quantize, llmcompressor), gptq and awq (AutoAWQ "
+                "GEMM) checkpoints"
+            )
+        if requested not in (None, method):
+            raise ValueError(
+                f"quantization={requested_name!r} was requested but the checkpoint is {method!r}"
+            )
+        try:
+            parse_quantization_config(quant)  # every bad field: one clear error, now
+        except NotImplementedError as e:
+            raise ValueError(str(e)) from None
+    return quant
+
+
+def _draft_model_config(draft: str, target: ModelConfig, seed: int) -> ModelConfig:
+    """The draft model's config: any format the target could be (safetensors, W4A16, GGUF),
+    loaded in the target's dtype for the target's context. Its token ids must mean what the
+    target's do: a vocabulary no larger than the target's and the same special-token ids, else
+    a ValueError naming both models before either loads."""
+    source = resolve_model(draft)
+    hf_config = load_hf_config(source, lazy=True)
+    if getattr(hf_config, "vision_config", None) is not None:
+        raise ValueError(
+            f"speculative draft model {source.path!r} is a vision-language model; the draft "
+            "must be a text-only model (it reads the image placeholder ids as text)"
+        )
+    text, draft_text = target.text_config, hf_config
+    mismatches = []
+    # A smaller draft vocabulary is the padded-embedding case (Qwen2.5-7B pads 151,936 ids to
+    # 152,064, its 0.5B draft does not): the draft proposes ids the target has; a target id past
+    # the draft's table (a padding id) reaches the draft clamped, which only costs acceptance.
+    if draft_text.vocab_size > text.vocab_size:
+        mismatches.append(
+            f"vocab_size {draft_text.vocab_size} (draft) > {text.vocab_size} (target)"
+        )
+    for name in ("bos_token_id", "eos_token_id"):
+        a = _token_ids(draft_text, name)
+        b = _token_ids(text, name) or _token_ids(target.hf_config, name)
+        if a and b and not (a & b):
+            mismatches.append(f"{name} {sorted(a)} (draft) vs {sorted(b)} (target)")
+    if mismatches:
+        raise ValueError(
+            f"speculative draft model {source.path!r} does not share the tokenizer of the "
+            f"target {target.model!r}: {'; '.join(mismatches)}"
+        )
+    max_pos = getattr(draft_text, "max_position_embeddings", None) or 4096
+    if max_pos < target.max_model_len:
+        raise ValueError(
+            f"speculative draft model {source.path!r} has max_position_embeddings={max_pos}, "
+            f"less than the target's max_model_len={target.max_model_len}; lower max_model_len"
+        )
+    load_format = {"config": "dummy", "gguf": "gguf"}.get(source.kind, "auto")
+    return ModelConfig(
+        model=source.path,
+        hf_config=hf_config,
+        dtype=target.dtype,
+        max_model_len=target.max_model_len,
+        load_format=load_format,
+        seed=seed,
+        gguf_file=source.path if source.kind == "gguf" else None,
+        quantization=_checkpoint_quantization(hf_config, source, None),
+    )
+
+
+def _token_ids(config: Any, name: str) -> set[int]:
+    """A config's special-token id(s) as a set (empty when unset)."""
+    value = getattr(config, name, None)
+    if value is None:
+        return set()
+    return {
+        v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int)
+    }

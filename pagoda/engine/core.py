@@ -15,7 +15,7 @@ from pagoda.engine.kv_cache_manager import KVCacheManager
 from pagoda.engine.ngram_proposer import NgramProposer
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
-from pagoda.step import SchedulerOutput
+from pagoda.step import DraftRequest, SchedulerOutput
 from pagoda.worker.memory import MemoryReport
 from pagoda.worker.model_runner import PendingOutput
 from pagoda.worker.tp_executor import make_model_runner
@@ -64,13 +64,13 @@ class EngineCore:
         self.proposer: NgramProposer | None = None
         # Verify steps replay CUDA graphs of query length 1 + k: pad every request to k drafts.
         self.pad_drafts = self.runner.verify_graph_runner is not None
-        if self.speculative is not None:
+        if self.speculative is not None and self.speculative.method == "ngram":
             spec = self.speculative
-            if spec.method != "ngram":
-                raise ValueError(f"speculative_config.method={spec.method!r} is not supported yet")
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
             )
+        # "draft_model": the runner holds the draft; it proposes after each speculating step.
+        self.draft_model = self.speculative is not None and self.speculative.method == "draft_model"
         # The step launched on the device whose output is not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
@@ -136,8 +136,11 @@ class EngineCore:
             pending = self.runner.launch(sched_out)
             self._sample_constrained(pending)
             self._count_step(sched_out)
-            return outputs + self.scheduler.update_from_output(sched_out, pending.result())
-        if self.proposer is not None:
+            outputs += self.scheduler.update_from_output(sched_out, pending.result())
+            if speculate and self.draft_model:
+                self._propose_with_draft(sched_out)
+            return outputs
+        if self.speculative is not None:
             # Drafts proposed for a request a speculative step could not fit: a step of the
             # async loop must not verify them (its next schedule runs before its output lands).
             for request in self.scheduler.running:
@@ -159,7 +162,7 @@ class EngineCore:
     def _speculates(self) -> bool:
         """Whether this step speculates: a proposer, and a batch small enough for it to pay
         (`disable_by_batch_size`); otherwise the step takes the plain (async) loop."""
-        if self.proposer is None:
+        if self.speculative is None:
             return False
         limit = self.speculative.disable_by_batch_size
         sched = self.scheduler
@@ -169,8 +172,10 @@ class EngineCore:
         """Draft tokens for every running request in a decode step.
 
         With verify graphs every request of a step that speculates gets exactly k drafts, short
-        proposals padded with -1 (never accepted; the first one acts as the target's own token)."""
-        self._propose_each()
+        proposals padded with -1 (never accepted; the first one acts as the target's own token).
+        A draft model proposed after the previous step already (`_propose_with_draft`)."""
+        if self.proposer is not None:
+            self._propose_each()
         k = self.speculative.num_speculative_tokens
         if self.pad_drafts:
             running = self.scheduler.running
@@ -192,6 +197,41 @@ class EngineCore:
                 and request.num_computed_tokens == request.num_tokens - 1
             ):
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids)
+
+    def _propose_with_draft(self, sched_out: SchedulerOutput) -> None:
+        """Draft tokens from the draft model for the requests that just got a token: it runs
+        from each one's newest token, k tokens (fewer near max_tokens or max_model_len)."""
+        k = self.speculative.num_speculative_tokens
+        max_len = self.scheduler.max_model_len
+        reqs: list[DraftRequest] = []
+        requests = self.scheduler.requests
+        for sched in sched_out.scheduled:
+            request = requests.get(sched.req_id)
+            if (
+                not sched.do_sample
+                or request is None
+                or request.status != RequestStatus.RUNNING
+                or request.structured_output is not None  # its mask is known one token ahead
+                or request.num_pending_tokens
+                or request.num_computed_tokens != request.num_tokens - 1
+            ):
+                continue
+            n = min(k, max_len - request.num_tokens)
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                n = min(n, max_tokens - request.num_output_tokens - 1)
+            if n > 0:
+                reqs.append(
+                    DraftRequest(
+                        request.request_id,
+                        self.kv_cache_manager.get_block_ids(request.request_id),
+                        request.all_token_ids[-1],
+                        request.num_tokens - 1,
+                        n,
+                    )
+                )
+        for req_id, drafts in self.runner.propose_drafts(reqs).items():
+            requests[req_id].spec_token_ids = drafts
 
     def _sample_constrained(self, pending: PendingOutput) -> None:
         """Fill the grammar bitmasks of a step launched up to its logits, then sample it."""

@@ -265,13 +265,19 @@ class KVCacheManager:
     # -- state changes ---------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_block_ids: Sequence[int] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_block_ids: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `new_computed_block_ids` are prefix-hit blocks from `get_computed_blocks`, not yet
-        counted in `request.num_computed_tokens`. Returns the newly allocated block ids, or None
-        (and changes nothing) when the free pool cannot cover them.
+        counted in `request.num_computed_tokens`. `num_lookahead_tokens` more slots are
+        reserved past them (a draft model writes its proposals' KV there after the step); they
+        are never hashed. Returns the newly allocated block ids, or None (and changes nothing)
+        when the free pool cannot cover them.
         """
         bs = self.block_size
         req_id = request.request_id
@@ -284,7 +290,7 @@ class KVCacheManager:
             # and no block becomes full or leaves the window, so there is nothing to do.
             num_total = request.num_computed_tokens + num_new_tokens
             if (
-                num_total <= len(req_blocks) * bs
+                num_total + num_lookahead_tokens <= len(req_blocks) * bs
                 and (
                     not self.enable_caching
                     or min(num_total, request.num_tokens) // bs
@@ -298,7 +304,8 @@ class KVCacheManager:
         assert not (new_computed_block_ids and num_owned), "prefix hits only for a fresh request"
 
         num_total = request.num_computed_tokens + num_hit * bs + num_new_tokens
-        num_new_blocks = max(0, -(-num_total // bs) - num_owned - num_hit)
+        num_slots = num_total + num_lookahead_tokens
+        num_new_blocks = max(0, -(-num_slots // bs) - num_owned - num_hit)
         # Hits out of the window are not taken at all (their entries become the null block); a
         # hit on a free cached block takes it out of the free queue as well.
         hit_ids = list(new_computed_block_ids)

@@ -60,6 +60,11 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._num_sync_requests = 0  # unfinished requests with Request.needs_sync
         self._aborted_outputs: list[EngineCoreOutput] = []  # ended by schedule() itself
+        # A draft model writes the KV of its k proposals after each step: slots reserved ahead.
+        spec = scheduler_config.speculative
+        self.num_lookahead_tokens = (
+            spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+        )
 
     def needs_sync(self) -> bool:
         """Whether some unfinished request's sampling needs every token on the host first."""
@@ -198,7 +203,8 @@ class Scheduler:
                 if num_new > budget and not self.enable_chunked_prefill:
                     break
                 num_new = min(num_new, budget, self.max_model_len - num_computed)
-                if kv.allocate_slots(request, num_new, hit_ids) is None:
+                lookahead = self._lookahead(num_computed + num_new)
+                if kv.allocate_slots(request, num_new, hit_ids, lookahead) is None:
                     break  # stays at the head of the queue: FCFS, no overtaking
                 self.waiting.popleft()
                 self.running.append(request)
@@ -378,7 +384,8 @@ class Scheduler:
 
         Returns False when `request` itself had to be preempted.
         """
-        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+        lookahead = self._lookahead(request.num_computed_tokens + num_new)
+        while self.kv_cache_manager.allocate_slots(request, num_new, (), lookahead) is None:
             # Recompute is cheaper to implement than swapping and, with prefix caching, often
             # finds the victim's blocks still cached when it is re-admitted.
             victim = self.running.pop()
@@ -388,10 +395,15 @@ class Scheduler:
                 return False
         return True
 
+    def _lookahead(self, num_total: int) -> int:
+        """Slots past a step's tokens for the draft model's proposals (within the context)."""
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - num_total))
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # proposed for KV that is gone
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:

@@ -195,7 +195,8 @@ def add_speculative_config_arg(parser: argparse.ArgumentParser | argparse._Argum
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or a draft model sharing the '
+        'target\'s tokenizer: \'{"model": DRAFT, "num_speculative_tokens": 4}\'',
     )
 
 

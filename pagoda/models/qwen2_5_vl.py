@@ -131,14 +131,36 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- vision modules
 
 
+def vision_linear(
+    in_features: int, out_features: int, linear_method_factory: LinearMethodFactory, name: str
+) -> ReplicatedLinear:
+    """A vision linear with bias, its method asked of the factory under its module name (so an
+    ignore rule such as `re:.*visual.*` keeps it dense)."""
+    return ReplicatedLinear(
+        in_features,
+        out_features,
+        bias=True,
+        linear_method=linear_method_factory(name),
+        prefix=name,
+    )
+
+
 class VisionPatchEmbed(nn.Module):
     """HF's Conv3d with stride == kernel over pre-cut patches, computed as one matmul.
 
     The weight keeps the checkpoint's [E, C, T, P, P] shape, so it loads (and could be
     quantization-ignored) by name; a matmul over flattened patches is the same operation.
+    Qwen3-VL's has a bias.
     """
 
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int):
+    def __init__(
+        self,
+        patch_size: int,
+        temporal_patch_size: int,
+        in_channels: int,
+        dim: int,
+        bias: bool = False,
+    ) -> None:
         super().__init__()
         self.dim = dim
         self.proj = nn.Module()
@@ -146,10 +168,11 @@ class VisionPatchEmbed(nn.Module):
             torch.empty(dim, in_channels, temporal_patch_size, patch_size, patch_size),
             requires_grad=False,
         )
+        self.proj.bias = nn.Parameter(torch.empty(dim), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, E]
         weight = self.proj.weight
-        return F.linear(x.to(weight.dtype), weight.view(self.dim, -1))
+        return F.linear(x.to(weight.dtype), weight.view(self.dim, -1), self.proj.bias)
 
 
 class VisionRotaryEmbedding(nn.Module):
@@ -179,20 +202,8 @@ class VisionAttention(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim**-0.5
-        self.qkv = ReplicatedLinear(
-            dim,
-            3 * dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.qkv"),
-            prefix=f"{prefix}.qkv",
-        )
-        self.proj = ReplicatedLinear(
-            dim,
-            dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.proj"),
-            prefix=f"{prefix}.proj",
-        )
+        self.qkv = vision_linear(dim, 3 * dim, linear_method_factory, f"{prefix}.qkv")
+        self.proj = vision_linear(dim, dim, linear_method_factory, f"{prefix}.proj")
 
     def forward(
         self, x: torch.Tensor, segments: _Segments, cos: torch.Tensor, sin: torch.Tensor
@@ -233,13 +244,7 @@ class VisionSwiGLU(nn.Module):
             linear_method=linear_method_factory(f"{prefix}.gate_up_proj"),
             prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = ReplicatedLinear(
-            hidden,
-            dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.down_proj"),
-            prefix=f"{prefix}.down_proj",
-        )
+        self.down_proj = vision_linear(hidden, dim, linear_method_factory, f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,20 +258,8 @@ class VisionQuickGeluMLP(nn.Module):
         self, dim: int, hidden: int, linear_method_factory: LinearMethodFactory, prefix: str
     ) -> None:
         super().__init__()
-        self.fc1 = ReplicatedLinear(
-            dim,
-            hidden,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.fc1"),
-            prefix=f"{prefix}.fc1",
-        )
-        self.fc2 = ReplicatedLinear(
-            hidden,
-            dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.fc2"),
-            prefix=f"{prefix}.fc2",
-        )
+        self.fc1 = vision_linear(dim, hidden, linear_method_factory, f"{prefix}.fc1")
+        self.fc2 = vision_linear(hidden, dim, linear_method_factory, f"{prefix}.fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -314,23 +307,12 @@ class PatchMerger(nn.Module):
         self.hidden_size = context_dim * merge_size**2
         self.ln_q = _vision_norm(norm, context_dim)
         # A ModuleList keeps HF's nn.Sequential names: mlp.0 (Linear), mlp.1 (GELU), mlp.2.
+        size, factory = self.hidden_size, linear_method_factory
         self.mlp = nn.ModuleList(
             [
-                ReplicatedLinear(
-                    self.hidden_size,
-                    self.hidden_size,
-                    bias=True,
-                    linear_method=linear_method_factory(f"{prefix}.mlp.0"),
-                    prefix=f"{prefix}.mlp.0",
-                ),
+                vision_linear(size, size, factory, f"{prefix}.mlp.0"),
                 nn.GELU(),
-                ReplicatedLinear(
-                    self.hidden_size,
-                    out_dim,
-                    bias=True,
-                    linear_method=linear_method_factory(f"{prefix}.mlp.2"),
-                    prefix=f"{prefix}.mlp.2",
-                ),
+                vision_linear(size, out_dim, factory, f"{prefix}.mlp.2"),
             ]
         )
 
@@ -433,29 +415,19 @@ def _int(value: Any) -> int:
 # ---------------------------------------------------------------------- the VL model
 
 
-class Qwen2_5_VLModel(nn.Module):
+class VLModel(nn.Module):
     """HF's `model.` submodule: the vision tower and the text decoder side by side."""
 
-    def __init__(
-        self, hf_config: Any, linear_method_factory: LinearMethodFactory, variant: str
-    ) -> None:
+    def __init__(self, visual: nn.Module, language_model: DecoderModel) -> None:
         super().__init__()
-        text_config = hf_config.text_config
-        self.visual = VisionTransformer(
-            hf_config.vision_config, variant, linear_method_factory, "model.visual"
-        )
-        # Qwen2 decoder: q/k/v bias, no o_proj bias; `get_rope` builds M-RoPE from
-        # `mrope_section`.
-        self.language_model = DecoderModel(
-            text_config,
-            DecoderOptions(qkv_bias=True),
-            linear_method_factory,
-            prefix="model.language_model",
-        )
+        self.visual = visual
+        self.language_model = language_model
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
-    """Qwen2.5-VL: `forward` takes token ids or `inputs_embeds`, positions [T] or [3, T].
+class QwenVLBase(nn.Module):
+    """What the Qwen-VL models share: `model.visual` beside `model.language_model` (built by
+    `build_vision_tower` / `build_decoder`), the LM head, both checkpoint layouts, and the
+    runner's interface. `forward` takes token ids or `inputs_embeds`, positions [T] or [3, T].
 
     For a sequential (layer-by-layer) quantization pipeline the decoder is
     `language_model` (`embed_tokens`, `layers`, `norm`, `rotary_emb`), exactly as for
@@ -464,8 +436,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
     `re:.*visual.*` keeps the tower unquantized.
     """
 
-    vision_variant = "qwen2_5"
-    supports_video = True  # videos go through `embed_images` with t > 1 grids
+    supports_video = True
     # The decoder's fusion tables and name mapping; gate/up also fuse in the vision MLP.
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     _stacked_params = LlamaForCausalLM._stacked_params
@@ -479,7 +450,7 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         self.hf_config = hf_config
         self.config = text_config
         factory = linear_method_factory or default_linear_method_factory
-        self.model = Qwen2_5_VLModel(hf_config, factory, self.vision_variant)
+        self.model = VLModel(self.build_vision_tower(factory), self.build_decoder(factory))
         self.image_token_id: int = hf_config.image_token_id
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = build_lm_head(
@@ -489,12 +460,25 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
             self.tie_word_embeddings,
         )
 
+    def build_vision_tower(self, linear_method_factory: LinearMethodFactory) -> nn.Module:
+        """The vision tower of `self.hf_config` (module prefix `model.visual`)."""
+        raise NotImplementedError
+
+    def build_decoder(self, linear_method_factory: LinearMethodFactory) -> DecoderModel:
+        """The text decoder of `self.hf_config` (module prefix `model.language_model`)."""
+        raise NotImplementedError
+
+    def new_vision_tower(self) -> nn.Module:
+        """A separate, unquantized tower of this model's shape (on the current default device
+        and dtype): what calibration runs images through."""
+        return self.build_vision_tower(default_linear_method_factory)
+
     @property
     def language_model(self) -> DecoderModel:
         return self.model.language_model
 
     @property
-    def visual(self) -> VisionTransformer:
+    def visual(self) -> nn.Module:
         return self.model.visual
 
     def forward(
@@ -547,6 +531,26 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         """
         return load_hf_weights(
             self, weights, _VISION_SKIPPED_SUFFIXES, rename=self.checkpoint_to_module_name
+        )
+
+
+class Qwen2_5_VLForConditionalGeneration(QwenVLBase):
+    """Qwen2.5-VL: the windowed vision tower in front of the Qwen2 decoder."""
+
+    vision_variant = "qwen2_5"
+
+    def build_vision_tower(self, linear_method_factory: LinearMethodFactory) -> VisionTransformer:
+        return VisionTransformer(
+            self.hf_config.vision_config, self.vision_variant, linear_method_factory
+        )
+
+    def build_decoder(self, linear_method_factory: LinearMethodFactory) -> DecoderModel:
+        # Qwen2: q/k/v bias, no o_proj bias; `get_rope` builds M-RoPE from `mrope_section`.
+        return DecoderModel(
+            self.hf_config.text_config,
+            DecoderOptions(qkv_bias=True),
+            linear_method_factory,
+            prefix="model.language_model",
         )
 
 

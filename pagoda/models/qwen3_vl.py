@@ -11,60 +11,38 @@ interleaved M-RoPE. Module names are transformers 5's (`model.visual`, `model.la
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.attention import Attention, AttentionMetadata
+from pagoda.layers.attention import AttentionMetadata
 from pagoda.layers.linear import (
     LinearMethodFactory,
-    ReplicatedLinear,
-    default_linear_method_factory,
 )
 from pagoda.models.llama import (
     DecoderModel,
     DecoderOptions,
-    LlamaForCausalLM,
-    build_lm_head,
-    load_hf_weights,
 )
 from pagoda.models.qwen2_5_vl import (
-    Qwen2_5_VLForConditionalGeneration,
+    QwenVLBase,
     VisionBlock,
+    VisionPatchEmbed,
     VisionRotaryEmbedding,
     _full_cu_seqlens,
     _int,
     _Segments,
     _vision_positions,
+    vision_linear,
 )
 
-_VISION_SKIPPED_SUFFIXES = ("rotary_pos_emb.inv_freq",)
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
     "silu": F.silu,
 }
-
-
-class Qwen3VisionPatchEmbed(nn.Module):
-    """HF's Conv3d (stride == kernel, with bias) over pre-cut patches, as one matmul."""
-
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, dim: int):
-        super().__init__()
-        self.dim = dim
-        self.proj = nn.Module()
-        self.proj.weight = nn.Parameter(
-            torch.empty(dim, in_channels, temporal_patch_size, patch_size, patch_size),
-            requires_grad=False,
-        )
-        self.proj.bias = nn.Parameter(torch.empty(dim), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C*T*P*P] -> [N, E]
-        weight = self.proj.weight
-        return F.linear(x.to(weight.dtype), weight.view(self.dim, -1), self.proj.bias)
 
 
 class Qwen3VisionMLP(nn.Module):
@@ -82,20 +60,8 @@ class Qwen3VisionMLP(nn.Module):
         if act not in _ACTIVATIONS:
             raise NotImplementedError(f"vision hidden_act={act!r} is not supported")
         self.act = _ACTIVATIONS[act]
-        self.linear_fc1 = ReplicatedLinear(
-            dim,
-            hidden,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.linear_fc1"),
-            prefix=f"{prefix}.linear_fc1",
-        )
-        self.linear_fc2 = ReplicatedLinear(
-            hidden,
-            dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.linear_fc2"),
-            prefix=f"{prefix}.linear_fc2",
-        )
+        self.linear_fc1 = vision_linear(dim, hidden, linear_method_factory, f"{prefix}.linear_fc1")
+        self.linear_fc2 = vision_linear(hidden, dim, linear_method_factory, f"{prefix}.linear_fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
@@ -118,20 +84,9 @@ class Qwen3PatchMerger(nn.Module):
         self.hidden_size = context_dim * merge_size**2
         self.postshuffle_norm = postshuffle_norm
         self.norm = nn.LayerNorm(self.hidden_size if postshuffle_norm else context_dim, eps=1e-6)
-        self.linear_fc1 = ReplicatedLinear(
-            self.hidden_size,
-            self.hidden_size,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.linear_fc1"),
-            prefix=f"{prefix}.linear_fc1",
-        )
-        self.linear_fc2 = ReplicatedLinear(
-            self.hidden_size,
-            out_dim,
-            bias=True,
-            linear_method=linear_method_factory(f"{prefix}.linear_fc2"),
-            prefix=f"{prefix}.linear_fc2",
-        )
+        size, factory = self.hidden_size, linear_method_factory
+        self.linear_fc1 = vision_linear(size, size, factory, f"{prefix}.linear_fc1")
+        self.linear_fc2 = vision_linear(size, out_dim, factory, f"{prefix}.linear_fc2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, E] -> [N / merge**2, out]
         if self.postshuffle_norm:
@@ -183,8 +138,8 @@ class Qwen3VisionTransformer(nn.Module):
         dim = config.hidden_size
         self.patch_size = _int(config.patch_size)
         self.merge_size = config.spatial_merge_size
-        self.patch_embed = Qwen3VisionPatchEmbed(
-            self.patch_size, _int(config.temporal_patch_size), config.in_channels, dim
+        self.patch_embed = VisionPatchEmbed(
+            self.patch_size, _int(config.temporal_patch_size), config.in_channels, dim, bias=True
         )
         self.pos_embed = nn.Embedding(config.num_position_embeddings, dim)
         self.num_grid_per_side = int(config.num_position_embeddings**0.5)
@@ -278,83 +233,31 @@ class Qwen3VLTextModel(DecoderModel):
         return hidden
 
 
-class Qwen3VLModel(nn.Module):
-    """HF's `model.` submodule: the vision tower and the text decoder side by side."""
-
-    def __init__(self, hf_config: Any, linear_method_factory: LinearMethodFactory) -> None:
-        super().__init__()
-        self.visual = Qwen3VisionTransformer(
-            hf_config.vision_config, linear_method_factory, "model.visual"
-        )
-        self.language_model = Qwen3VLTextModel(
-            hf_config.text_config,
-            DecoderOptions(
-                qkv_bias=bool(getattr(hf_config.text_config, "attention_bias", False)),
-                o_proj_bias=bool(getattr(hf_config.text_config, "attention_bias", False)),
-                qk_norm=True,
-            ),
-            linear_method_factory,
-            prefix="model.language_model",
-        )
-
-
-class Qwen3VLForConditionalGeneration(nn.Module):
-    """Qwen3-VL (dense): `forward` takes token ids or `inputs_embeds` (with DeepStack columns),
-    positions [T] or [3, T]; the vision linears go through `linear_method_factory`, so an
-    ignore rule such as `re:.*visual.*` keeps the tower unquantized."""
-
-    supports_video = False  # Qwen3-VL's timestamped video prompts are not implemented
-    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    _stacked_params = LlamaForCausalLM._stacked_params
-    _param_name_and_shard = LlamaForCausalLM._param_name_and_shard
-    checkpoint_to_module_name = staticmethod(
-        Qwen2_5_VLForConditionalGeneration.checkpoint_to_module_name
-    )
-    module_to_original_name = staticmethod(
-        Qwen2_5_VLForConditionalGeneration.module_to_original_name
-    )
+class Qwen3VLForConditionalGeneration(QwenVLBase):
+    """Qwen3-VL (dense): `inputs_embeds` carry the DeepStack columns ([T, hidden * (1 +
+    deepstack)]); videos arrive as one (1, h, w) item per temporal patch (the tower attends
+    within a frame), with their timestamps as prompt text."""
 
     def __init__(
         self, hf_config: Any, linear_method_factory: LinearMethodFactory | None = None
     ) -> None:
-        super().__init__()
-        text_config = hf_config.text_config
-        self.hf_config = hf_config
-        self.config = text_config
-        factory = linear_method_factory or default_linear_method_factory
-        self.model = Qwen3VLModel(hf_config, factory)
-        self.image_token_id: int = hf_config.image_token_id
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = build_lm_head(
-            text_config,
-            factory,
-            self.model.language_model.embed_tokens,
-            self.tie_word_embeddings,
-        )
+        super().__init__(hf_config, linear_method_factory)
         self.num_deepstack = len(self.model.visual.deepstack_visual_indexes)
 
-    @property
-    def language_model(self) -> DecoderModel:
-        return self.model.language_model
+    def build_vision_tower(
+        self, linear_method_factory: LinearMethodFactory
+    ) -> Qwen3VisionTransformer:
+        return Qwen3VisionTransformer(self.hf_config.vision_config, linear_method_factory)
 
-    @property
-    def visual(self) -> Qwen3VisionTransformer:
-        return self.model.visual
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,  # [T] int64
-        positions: torch.Tensor,  # [T], or [3, T] M-RoPE positions when images are in the step
-        attn_metadata: AttentionMetadata | None = None,
-        inputs_embeds: torch.Tensor | None = None,  # [T, hidden * (1 + deepstack)]
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.model.language_model(input_ids, positions, attn_metadata, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.language_model.layers]
+    def build_decoder(self, linear_method_factory: LinearMethodFactory) -> Qwen3VLTextModel:
+        text_config = self.hf_config.text_config
+        bias = bool(getattr(text_config, "attention_bias", False))
+        return Qwen3VLTextModel(
+            text_config,
+            DecoderOptions(qkv_bias=bias, o_proj_bias=bias, qk_norm=True),
+            linear_method_factory,
+            prefix="model.language_model",
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden * (1 + deepstack)]: token embeddings, zero DeepStack columns."""
@@ -363,16 +266,3 @@ class Qwen3VLForConditionalGeneration(nn.Module):
             return embeds
         zeros = embeds.new_zeros(embeds.shape[0], embeds.shape[1] * self.num_deepstack)
         return torch.cat([embeds, zeros], dim=-1)
-
-    def embed_images(
-        self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
-    ) -> torch.Tensor:
-        """[N patches, C*T*P*P] -> [image tokens, hidden * (1 + deepstack)] (model dtype)."""
-        embeds = self.model.visual(pixel_values.to(self.model.visual.dtype), grid_thw)
-        return embeds.to(self.model.language_model.embed_tokens.weight.dtype)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named tensors; ValueError for unknown tensors and unloaded parameters."""
-        return load_hf_weights(
-            self, weights, _VISION_SKIPPED_SUFFIXES, rename=self.checkpoint_to_module_name
-        )

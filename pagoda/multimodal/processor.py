@@ -4,7 +4,8 @@ Finds the images and videos in chat messages (vLLM's, OpenAI's and Hugging Face'
 has the chat template place one placeholder per item, loads and resizes them (videos: frames
 sampled and decoded first), expands each placeholder to the item's token count, and computes the
 prompt's M-RoPE positions. The result travels with the request as `MultiModalInputs`; the items'
-content hashes key the prefix cache.
+content hashes key the prefix cache. Qwen3-VL writes a video as its temporal patches, each after
+a "<t seconds>" timestamp and between vision start / end tokens, as its own processor does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from pagoda.config import MultiModalConfig
 from pagoda.multimodal.image_loader import ImageLoader
@@ -23,6 +26,8 @@ from pagoda.multimodal.video_processor import (
     VideoOptions,
     preprocess_video,
     sample_frame_indices,
+    split_temporal_patches,
+    temporal_patch_times,
 )
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -51,10 +56,12 @@ class MultiModalProcessor:
         self.image_config = image_config
         self.video_options = video_options or VideoOptions()
         self.limit = mm_config.limit_per_prompt
-        # Qwen3-VL's videos (frames separated by timestamp text) are not implemented.
-        self.video_supported = self.video_token_id is not None and (
-            getattr(hf_config, "model_type", None) != "qwen3_vl"
-        )
+        self.video_supported = self.video_token_id is not None
+        # Qwen3-VL: timestamp text before each temporal patch instead of time positions.
+        self.timestamped_video = getattr(hf_config, "model_type", None) == "qwen3_vl"
+        self.tokenizer = tokenizer
+        self.vision_start_id: int | None = getattr(hf_config, "vision_start_token_id", None)
+        self.vision_end_id: int | None = getattr(hf_config, "vision_end_token_id", None)
         self.video_limit = mm_config.video_limit_per_prompt if self.video_supported else 0
         # Qwen2.5-VL spaces a video's temporal positions by its frame timing; Qwen2-VL (no
         # tokens_per_second) by one per temporal patch.
@@ -98,7 +105,9 @@ class MultiModalProcessor:
             template = _processor_chat_template(model_path)
             if template:
                 tokenizer.chat_template = template
-        video_options = VideoOptions.from_model(model_path, mm_config.processor_kwargs)
+        video_options = VideoOptions.from_model(
+            model_path, mm_config.processor_kwargs, image_config.factor
+        )
         return cls(hf_config, tokenizer, image_config, mm_config, max_model_len, video_options)
 
     # ------------------------------------------------------------------ chat
@@ -254,18 +263,44 @@ class MultiModalProcessor:
                 )
         if not runs:
             return list(token_ids), None
+        clips = [self._load_video(i, s, allow_local_paths) for i, s in enumerate(videos)]
         loaded: dict[str, list[ImageInput]] = {
             "image": [self._load_image(i, s, allow_local_paths) for i, s in enumerate(images)],
-            "video": [self._load_video(i, s, allow_local_paths) for i, s in enumerate(videos)],
+            "video": [video for video, _ in clips],
         }
-        order = {"image": iter(loaded["image"]), "video": iter(loaded["video"])}
+        order = {"image": iter(loaded["image"]), "video": iter(clips)}
         index = {"image": 0, "video": 0}
+        video_tokens: list[int] = []  # each video's tokens in the prompt (timestamps included)
         items: list[ImageInput] = []
         ids: list[int] = []
         placeholders: list[tuple[int, int]] = []
         prev = 0
         for start, length, kind in runs:
             item = next(order[kind])
+            if kind == "video" and self.timestamped_video:
+                if length != 1:
+                    raise ValueError(
+                        f"video {index[kind]}: its placeholder is {length} tokens long; write "
+                        f"one video token ({self.video_placeholder}) where the video goes"
+                    )
+                index[kind] += 1
+                ids.extend(token_ids[prev:start])
+                prev = start + 1
+                if (
+                    ids
+                    and ids[-1] == self.vision_start_id
+                    and prev < len(token_ids)
+                    and token_ids[prev] == self.vision_end_id
+                ):
+                    # the template's start / end tokens give way to each patch's own
+                    ids.pop()
+                    prev += 1
+                before = len(ids)
+                self._write_timestamped_video(*item, ids, placeholders, items)
+                video_tokens.append(len(ids) - before)
+                continue
+            if kind == "video":
+                item = item[0]
             if length not in (1, item.num_tokens):
                 raise ValueError(
                     f"{kind} {index[kind]}: its placeholder is {length} tokens long; it must be "
@@ -280,7 +315,7 @@ class MultiModalProcessor:
             items.append(item)
         ids.extend(token_ids[prev:])
         if len(ids) >= self.max_model_len:
-            raise ValueError(self._too_long(len(ids), loaded))
+            raise ValueError(self._too_long(len(ids), loaded, video_tokens))
         positions, delta = mrope_positions(
             len(ids),
             placeholders,
@@ -297,7 +332,34 @@ class MultiModalProcessor:
         except (ValueError, TypeError) as e:
             raise type(e)(f"image {i}: {e}") from None
 
-    def _load_video(self, i: int, source: Any, allow_local_paths: bool) -> ImageInput:
+    def _write_timestamped_video(
+        self,
+        video: ImageInput,
+        times: Sequence[float],
+        ids: list[int],
+        placeholders: list[tuple[int, int]],
+        items: list[ImageInput],
+    ) -> None:
+        """Append a Qwen3-VL video: per temporal patch "<t seconds>", vision start, its
+        tokens, vision end; each patch becomes its own item."""
+        patches = split_temporal_patches(video, self.image_config.temporal_patch_size)
+        for patch, seconds in zip(patches, times, strict=True):
+            ids.extend(self._timestamp_ids(seconds))
+            ids.append(self.vision_start_id)
+            placeholders.append((len(ids), patch.num_tokens))
+            ids.extend([self.video_token_id] * patch.num_tokens)
+            ids.append(self.vision_end_id)
+            items.append(patch)
+
+    def _timestamp_ids(self, seconds: float) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("Qwen3-VL videos need the tokenizer (their frames carry timestamps)")
+        return list(self.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False))
+
+    def _load_video(
+        self, i: int, source: Any, allow_local_paths: bool
+    ) -> tuple[ImageInput, list[float]]:
+        """The preprocessed video and the time of each temporal patch, in seconds."""
         options, tp = self.video_options, self.image_config.temporal_patch_size
         try:
             if isinstance(source, (list, tuple)) and any(
@@ -319,7 +381,11 @@ class MultiModalProcessor:
                     "send fewer frames or raise the limit with mm_processor_kwargs="
                     f"{{'max_frames': {count}}}"
                 )
-            return preprocess_video(video.frames, fps, options, self.image_config)
+            times = video.frame_times
+            if times is None:  # given frames: one every 1 / fps seconds from the start
+                times = np.arange(count, dtype=np.float64) / fps
+            item = preprocess_video(video.frames, fps, options, self.image_config)
+            return item, temporal_patch_times(times, tp)
         except (ValueError, TypeError) as e:
             raise type(e)(f"video {i}: {e}") from None
 
@@ -328,18 +394,20 @@ class MultiModalProcessor:
             return (1.0,)
         return (item.second_per_grid, float(self.tokens_per_second))
 
-    def _too_long(self, length: int, loaded: Mapping[str, list[ImageInput]]) -> str:
+    def _too_long(
+        self, length: int, loaded: Mapping[str, list[ImageInput]], video_tokens: Sequence[int]
+    ) -> str:
         parts = []
         videos = loaded["video"]
+        counts = list(video_tokens) or [v.num_tokens for v in videos]
         if len(videos) == 1:
             v = videos[0]
             parts.append(
-                f"the video needs {v.num_tokens} tokens ({v.pixels.shape[0]} frames of "
+                f"the video needs {counts[0]} tokens ({v.pixels.shape[0]} frames of "
                 f"{v.pixels.shape[2]}x{v.pixels.shape[1]})"
             )
         elif videos:
-            counts = ", ".join(str(v.num_tokens) for v in videos)
-            parts.append(f"the videos need {counts} tokens")
+            parts.append(f"the videos need {', '.join(map(str, counts))} tokens")
         image_tokens = sum(img.num_tokens for img in loaded["image"])
         if loaded["image"]:
             parts.append(f"{len(loaded['image'])} image(s) need {image_tokens} tokens")

@@ -34,6 +34,8 @@ class LoadedVideo:
 
     frames: np.ndarray
     sample_fps: float | None
+    # seconds of each kept frame into the clip (decoded videos; None: frames given as is)
+    frame_times: np.ndarray | None = None
 
 
 class VideoLoader:
@@ -168,6 +170,7 @@ class VideoLoader:
                 total = self._count_frames(av, data)
                 indices, sample_fps = sampler(total, fps)
                 frames = self._read_frames(av, data, indices)
+            times = indices.astype(np.float64) / fps
         except (av.error.FFmpegError, OSError, EOFError) as e:
             # (PyAV's errors are also ValueErrors; their text names an internal '<none>' file)
             reason = getattr(e, "strerror", None) or type(e).__name__
@@ -176,7 +179,7 @@ class VideoLoader:
             ) from None
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
-        return LoadedVideo(np.stack(frames), sample_fps)
+        return LoadedVideo(np.stack(frames), sample_fps, times)
 
     def _probe(self, av: Any, data: bytes) -> tuple[int, float]:
         """(frame count, frames per second) from the container's header."""

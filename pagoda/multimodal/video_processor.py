@@ -6,6 +6,8 @@ models were released with): `fps` frames a second, an even count between `min_fr
 frames together about `total_pixels`. Frames are resized like images (PIL bicubic, sides a
 multiple of patch_size * merge_size) and padded to a multiple of `temporal_patch_size` by
 repeating the last one; `patchify_video_reference` is the NumPy form of what the runner does.
+Qwen3-VL videos are one image-like item per temporal patch (`split_temporal_patches`), each
+after its timestamp text (`temporal_patch_times`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ from pagoda.multimodal.image_processor import ImageProcessorConfig, smart_resize
 from pagoda.multimodal.inputs import ImageInput
 
 _VIDEO_PREPROCESSOR_FILE = "video_preprocessor_config.json"
-# qwen-vl-utils' defaults (in pixels of 28x28 merged patches).
-_VIDEO_MIN_PIXELS = 128 * 28 * 28
-_VIDEO_MAX_PIXELS = 768 * 28 * 28
-_VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
+# qwen-vl-utils' defaults, in merged tokens (times factor**2 pixels: 28x28 for Qwen2-VL /
+# Qwen2.5-VL, 32x32 for Qwen3-VL).
+_VIDEO_MIN_TOKENS = 128
+_VIDEO_MAX_TOKENS = 768
+_VIDEO_TOTAL_TOKENS = 128000 * 0.9
+_VIDEO_MIN_PIXELS = _VIDEO_MIN_TOKENS * 28 * 28
+_VIDEO_MAX_PIXELS = _VIDEO_MAX_TOKENS * 28 * 28
+_VIDEO_TOTAL_PIXELS = int(_VIDEO_TOTAL_TOKENS * 28 * 28)
+# Video processors whose `size.longest_edge` bounds the whole clip (t * h * w), not one frame.
+_CLIP_BUDGET_PROCESSORS = ("Qwen3VLVideoProcessor",)
 # mm_processor_kwargs that shape videos (min_pixels / max_pixels apply to images too).
 VIDEO_KWARGS = ("fps", "min_frames", "max_frames", "total_pixels", "min_pixels", "max_pixels")
 
@@ -65,17 +73,28 @@ class VideoOptions:
 
     @classmethod
     def from_model(
-        cls, model_path: str | None, processor_kwargs: Mapping[str, Any]
+        cls, model_path: str | None, processor_kwargs: Mapping[str, Any], factor: int = 28
     ) -> VideoOptions:
-        """qwen-vl-utils' defaults < the model's video_preprocessor_config.json < the user's."""
+        """qwen-vl-utils' defaults < the model's video_preprocessor_config.json < the user's.
+
+        `factor` is the model's merged-patch side in pixels (qwen-vl-utils scales its pixel
+        defaults with it). Qwen3-VL's file bounds the whole clip with `size.longest_edge`: that
+        becomes `total_pixels`, as the per-frame cap of its own processor reads it.
+        """
         values: dict[str, Any] = {}
+        if factor != 28:
+            values["min_pixels"] = _VIDEO_MIN_TOKENS * factor * factor
+            values["max_pixels"] = _VIDEO_MAX_TOKENS * factor * factor
+            values["total_pixels"] = int(_VIDEO_TOTAL_TOKENS * factor * factor)
         pre = _read_json(model_path, _VIDEO_PREPROCESSOR_FILE)
         size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
         lo = pre.get("min_pixels") or size.get("shortest_edge")
         hi = pre.get("max_pixels") or size.get("longest_edge")
         if lo:
             values["min_pixels"] = int(lo)
-        if hi:
+        if hi and pre.get("video_processor_type") in _CLIP_BUDGET_PROCESSORS:
+            values["total_pixels"] = int(hi)
+        elif hi:
             values["max_pixels"] = int(hi)
         for key in ("fps", "min_frames", "max_frames"):
             if pre.get(key):
@@ -227,3 +246,44 @@ def patchify_video_reference(frames: np.ndarray, config: ImageProcessorConfig) -
     x = x.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p)
     x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # [gt, gh/m, gw/m, m, m, C, tp, P, P]
     return np.ascontiguousarray(x).reshape(gt * gh * gw, c * tp * p * p)
+
+
+def temporal_patch_times(frame_times: np.ndarray, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal patch: the mean of its first and last frame's time, the last
+    frame repeated to fill the final patch (Qwen3-VL's processor, `_calculate_timestamps`)."""
+    times = [float(t) for t in frame_times]
+    if not times:
+        raise ValueError("the video has no frames")
+    times += [times[-1]] * (-len(times) % temporal_patch_size)
+    return [
+        (times[i] + times[i + temporal_patch_size - 1]) / 2
+        for i in range(0, len(times), temporal_patch_size)
+    ]
+
+
+def split_temporal_patches(video: ImageInput, temporal_patch_size: int) -> list[ImageInput]:
+    """A preprocessed video -> one item per temporal patch, grid (1, h, w) each.
+
+    For an encoder whose attention stays within a frame (Qwen3-VL: full attention per temporal
+    patch, position embeddings repeated over time) this is the same computation as the whole
+    video; each item is keyed by its own content, so a repeated clip reuses its patches.
+    """
+    t, h, w = video.grid_thw
+    per_patch = video.num_tokens // t
+    items = []
+    for k in range(t):
+        frames = video.pixels[k * temporal_patch_size : (k + 1) * temporal_patch_size]
+        digest = hashlib.blake2b(frames.tobytes(), digest_size=16)
+        digest.update(np.asarray(frames.shape, dtype=np.int64).tobytes())
+        digest.update(b"video-patch")
+        items.append(
+            ImageInput(
+                pixels=frames,
+                grid_thw=(1, h, w),
+                mm_hash=digest.hexdigest(),
+                num_tokens=per_patch,
+                modality="video",
+                second_per_grid=video.second_per_grid,
+            )
+        )
+    return items

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from pagoda.config import ModelConfig, normalize_dtype
+from pagoda.config import ModelConfig, MultiModalConfig, normalize_dtype
 from pagoda.model_files import (
     load_hf_config,
     load_tokenizer,
@@ -38,6 +38,8 @@ from pagoda.model_files import (
     resolve_model,
 )
 from pagoda.models.registry import architectures_of, get_model_class
+from pagoda.multimodal.image_processor import ImageProcessorConfig
+from pagoda.multimodal.processor import MultiModalProcessor
 from pagoda.platform import resolve_device
 from pagoda.quant.formats.autoawq import quantization_config as autoawq_quant_config
 from pagoda.quant.fp8 import FP8_SCHEMES, kv_cache_scheme_json
@@ -104,8 +106,8 @@ def dataset_record(dataset: str | os.PathLike[str]) -> dict[str, Any]:
 def _keep_vision_dense(skeleton: torch.nn.Module, arch: str, ignore: list[str]) -> list[str]:
     """`ignore` plus the vision linears it does not cover, with a note saying so.
 
-    The pipeline calibrates the text decoder on text; the vision tower is never quantized (as
-    in llmcompressor's Qwen2.5-VL examples, which all ignore `re:.*visual.*`). Without an ignore
+    The pipeline quantizes the text decoder; the vision tower is never quantized (as in
+    llmcompressor's Qwen2.5-VL examples, which all ignore `re:.*visual.*`). Without an ignore
     rule for it the tower would still be left dense, but a checkpoint whose config claimed it
     quantized would not load, so the rule is added for the user.
     """
@@ -119,7 +121,7 @@ def _keep_vision_dense(skeleton: torch.nn.Module, arch: str, ignore: list[str]) 
     if not missing:
         return ignore
     print(
-        f"note: {arch}: the vision tower is kept unquantized (text-only calibration); "
+        f"note: {arch}: the vision tower is kept unquantized; "
         f"{len(missing)} of its {len(outside)} linear modules were not matched by the ignore "
         "list, so they are ignored too (pass --ignore 're:.*visual.*' to say so explicitly)",
         file=sys.stderr,
@@ -148,6 +150,20 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+def _image_config(model_path: str, hf_config: Any) -> ImageProcessorConfig:
+    return ImageProcessorConfig.from_model(model_path, hf_config.vision_config, {})
+
+
+def _calibration_processor(model_path: str, hf_config: Any, tokenizer: Any) -> MultiModalProcessor:
+    """The serving path's image / video processor, with no per-prompt media limit (a
+    calibration record holds what it holds; `max_seq_len` truncates the sample)."""
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    limit = 1 << 16
+    mm_config = MultiModalConfig(limit_per_prompt=limit, video_limit_per_prompt=limit)
+    max_len = getattr(text_config, "max_position_embeddings", None) or 1 << 20
+    return MultiModalProcessor.from_model(model_path, hf_config, tokenizer, mm_config, max_len)
+
+
 def quantize(
     model: str | os.PathLike[str] | None,
     out_dir: str | os.PathLike[str],
@@ -168,6 +184,7 @@ def quantize(
     gptq_scales: str = "first_touch",
     format: str = "compressed-tensors",
     kv_cache_dtype: str | None = None,
+    text_only_calibration: bool = False,
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
@@ -190,6 +207,9 @@ def quantize(
     activation scales from `dataset`), min-max rounded as llmcompressor's QuantizationModifier
     does (`method` "rtn", the default for them). `kv_cache_dtype="fp8"`: calibrate per-layer
     K / V scales on `dataset` and write compressed-tensors' `kv_cache_scheme`.
+    Vision-language models see the images and videos of `dataset`'s chats through their
+    (unquantized) vision tower, so the decoder's statistics include the image tokens;
+    `text_only_calibration` drops them and calibrates on the text alone.
     """
     start = time.perf_counter()
     fp8 = scheme is not None and scheme.upper() in FP8_SCHEMES
@@ -252,10 +272,11 @@ def quantize(
     # Cheap checks first: a wrong --out or --dataset must not cost a model load.
     check_output_dir(out_dir)
     dataset_info = None
+    remote_images = 0
     if dataset is not None and dataset != "random":
         dataset_info = dataset_record(dataset)
         # format, a usable sample, decodable images: before the model costs a load
-        check_calibration_file(dataset)
+        remote_images = check_calibration_file(dataset).images_remote
 
     source = resolve_model(model)
     hf_config = load_hf_config(source)
@@ -328,7 +349,8 @@ def quantize(
         if template:
             tokenizer.chat_template = template
     samples: list[torch.Tensor] = []
-    num_tokens = 0
+    num_tokens = num_vision_tokens = 0
+    mm_inputs: list[Any] = []
     if dataset == "random":
         # Random token ids: for timing runs (e.g. dummy `config:` models), not for quality.
         g = torch.Generator().manual_seed(seed)
@@ -338,8 +360,20 @@ def quantize(
     elif dataset is not None:
         if tokenizer is None:
             raise ValueError(f"{source.path} has no tokenizer to read the calibration data")
-        data = load_calibration_data(dataset, tokenizer, num_samples, max_seq_len, seed)
+        mm_processor = None
+        if vision_language and not text_only_calibration:
+            if remote_images:
+                raise ValueError(
+                    f"{dataset}: {remote_images} image(s) are http(s) URLs, which calibration "
+                    "does not fetch: save them beside the file and reference the files, or "
+                    "pass --text-only-calibration"
+                )
+            mm_processor = _calibration_processor(source.path, hf_config, tokenizer)
+        data = load_calibration_data(
+            dataset, tokenizer, num_samples, max_seq_len, seed, mm_processor
+        )
         samples, num_tokens = data.samples, data.num_tokens
+        mm_inputs, num_vision_tokens = data.mm_inputs, data.num_vision_tokens
     if source.kind == "config":
         weights = WeightSource.dummy(skeleton, seed)
     else:
@@ -354,6 +388,7 @@ def quantize(
         group_size=-1 if fp8 else group_size,
         num_samples=len(samples),
         num_tokens=num_tokens,
+        num_vision_tokens=num_vision_tokens,
         device=str(dev),
         dataset=dataset_info or ({"path": "random"} if dataset == "random" else None),
         ignore=list(user_ignore),
@@ -398,6 +433,8 @@ def quantize(
             report,
             lm_head=quantize_head,
             kv_cache_scales=kv_cache_dtype is not None,
+            mm_inputs=mm_inputs,
+            image_config=_image_config(source.path, hf_config) if mm_inputs else None,
         )
         quantized_modules = {name.rsplit(".", 1)[0] for name in compressed}
         state: dict[str, torch.Tensor] = {}

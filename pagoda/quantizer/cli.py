@@ -82,6 +82,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         progress=not ns.no_progress,
         gptq_scales=ns.gptq_scales,
         format=ns.format,
+        text_only_calibration=ns.text_only_calibration,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -193,6 +194,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="calibration file: messages / conversations / text records (.json or .jsonl), "
         "or plain text; formats below",
+    )
+    q.add_argument(
+        "--text-only-calibration",
+        action="store_true",
+        help="vision-language models: drop the chats' images and videos and calibrate the "
+        "decoder on their text (default: the images go through the unquantized vision tower, "
+        "so the statistics include the image tokens)",
     )
     q.add_argument("--num-samples", type=int, default=256)
     q.add_argument("--max-seq-len", type=int, default=2048)

@@ -13,10 +13,13 @@ The LM head, when quantized (not ignored, embeddings untied), comes last: the fi
 the decoder runs on the quantized decoder's outputs, its outputs give lm_head's Hessian, and
 lm_head is quantized with the same scheme (RTN needs no Hessian).
 
-Vision-language models (Qwen2.5-VL, Qwen2-VL) go the same way through their text decoder
-(`model.language_model`), calibrated on text only; the vision tower is never quantized. Names
-inside the pipeline are pagoda's module names (transformers 5's); `WeightSource` maps them to
-and from the checkpoint's own layout.
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) go the same way through their text
+decoder (`model.language_model`); the vision tower is never quantized. Calibration samples with
+images or videos run them through the tower first (unquantized, loaded once, then dropped):
+its outputs replace the placeholder rows of layer 0's inputs, the samples' M-RoPE positions
+drive every layer, and Qwen3-VL's DeepStack features are added after the first layers, so the
+statistics see the image tokens as serving does. Names inside the pipeline are pagoda's module
+names (transformers 5's); `WeightSource` maps them to and from the checkpoint's own layout.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from torch import nn
 from pagoda.layers.linear import LinearBase
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import get_rope
+from pagoda.multimodal.image_processor import ImageProcessorConfig
+from pagoda.multimodal.inputs import MultiModalInputs
 from pagoda.quant.formats.autoawq import pack_awq_gemm
 from pagoda.quant.formats.compressed_tensors import compress
 from pagoda.quant.fp8 import Fp8Args
@@ -57,6 +62,7 @@ from pagoda.quantizer.awq_guard import (
 from pagoda.quantizer.fp8 import AmaxObserver, KVScaleObserver, fp8_tensors, quantize_fp8_shards
 from pagoda.quantizer.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quantizer.rtn import hessian_weighted_error, rtn_quantize
+from pagoda.worker.encoder_runner import patchify
 
 # Architectures whose decoder layers the pipeline knows how to run (the Llama skeleton).
 QUANTIZABLE_ARCHITECTURES = (
@@ -425,6 +431,7 @@ class QuantizeReport:
     num_samples: int
     num_tokens: int
     device: str
+    num_vision_tokens: int = 0  # image / video tokens among num_tokens (vision tower outputs)
     layers: list[LayerReport] = field(default_factory=list)
     seconds: float = 0.0
     rtn_fallbacks: list[str] = field(default_factory=list)
@@ -441,8 +448,9 @@ class QuantizeReport:
     def summary(self) -> str:
         lines = [
             f"{self.method} {self.scheme} group {self.group_size}: {len(self.layers)} layers, "
-            f"{self.num_samples} samples / {self.num_tokens} tokens, {self.seconds:.1f} s on "
-            f"{self.device}",
+            f"{self.num_samples} samples / {self.num_tokens} tokens"
+            + (f" ({self.num_vision_tokens} image/video)" if self.num_vision_tokens else "")
+            + f", {self.seconds:.1f} s on {self.device}",
             f"{'layer':>5} {'seconds':>8} {'worst module':<40} {'rel. error':>10}",
         ]
         for layer in self.layers:
@@ -506,17 +514,24 @@ def _load_layer(
             setattr(p, key, value)
         if p.is_floating_point():
             p.data = p.data.to(dtype)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    prefix = f"{decoder_of(model)[1]}.layers.{index}."
+    _fill_module(model, layer, f"{decoder_of(model)[1]}.layers.{index}.", source, f"layer {index}")
+
+
+def _fill_module(
+    model: nn.Module, module: nn.Module, prefix: str, source: WeightSource, what: str
+) -> None:
+    """Load every checkpoint tensor under `prefix` (module names) into `module`'s parameters
+    (fused shards through their loaders); ValueError for strays and for missing weights."""
+    params = {prefix + n: p for n, p in module.named_parameters(remove_duplicate=False)}
     seen = set()
     for name, tensor in source.with_prefix(prefix):
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith(("rotary_emb.inv_freq", "rotary_pos_emb.inv_freq")):
             continue
         param_name, shard = model._param_name_and_shard(name)
         param = params.get(param_name)
         if param is None:
-            raise ValueError(f"checkpoint tensor {name} matches no parameter of layer {index}")
-        tensor = tensor.to(device=device, dtype=param.dtype)
+            raise ValueError(f"checkpoint tensor {name} matches no parameter of {what}")
+        tensor = tensor.to(device=param.device, dtype=param.dtype)
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             param.data.copy_(tensor)
@@ -525,9 +540,9 @@ def _load_layer(
         else:
             loader(param, tensor, shard)
         seen.add(param_name)
-    missing = [n for n in params if n.startswith(prefix) and n not in seen]
+    missing = [n for n in params if n not in seen]
     if missing:
-        raise ValueError(f"checkpoint is missing weights of layer {index}: {', '.join(missing)}")
+        raise ValueError(f"checkpoint is missing weights of {what}: {', '.join(missing)}")
 
 
 def text_positions(num_tokens: int, device: torch.device | str) -> torch.Tensor:
@@ -540,14 +555,127 @@ def text_positions(num_tokens: int, device: torch.device | str) -> torch.Tensor:
     return torch.arange(num_tokens, device=device)
 
 
-def _run_layer(layer: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+Positions = list[torch.Tensor | None]  # per sample: [3, T] M-RoPE positions, None for text
+
+
+def _positions(x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    return text_positions(x.shape[0], x.device) if positions is None else positions
+
+
+def _run_layer(
+    layer: nn.Module, inputs: list[torch.Tensor], positions: Positions | None = None
+) -> list[torch.Tensor]:
     """Each sample through one decoder layer; returns hidden + residual, the next input."""
+    positions = positions or [None] * len(inputs)
     outputs = []
-    for hidden in inputs:
-        positions = text_positions(hidden.shape[0], hidden.device)
-        out, residual = layer(positions, hidden, None, None)
+    for hidden, pos in zip(inputs, positions, strict=True):
+        out, residual = layer(_positions(hidden, pos), hidden, None, None)
         outputs.append(out + residual)
     return outputs
+
+
+@dataclass
+class VisionRows:
+    """One sample's image / video tokens: their rows and the vision tower's outputs there."""
+
+    rows: torch.Tensor  # [n] long, rows of the sample
+    embeds: torch.Tensor  # [n, hidden]: layer 0's inputs at those rows
+    deepstack: torch.Tensor | None  # [n, k, hidden]: added after decoder layers 0..k-1
+
+
+@dataclass
+class CalibrationState:
+    """What the next decoder layer reads: each sample's hidden states [T, hidden], its
+    positions, and its vision rows (DeepStack features still to add)."""
+
+    hidden_states: list[torch.Tensor]
+    positions: Positions | None  # None: every sample is text
+    vision: list[VisionRows | None]
+
+    @classmethod
+    def start(
+        cls,
+        model: nn.Module,
+        source: WeightSource,
+        samples: list[torch.Tensor],
+        mm_inputs: list[MultiModalInputs | None],
+        image_config: ImageProcessorConfig | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> CalibrationState:
+        """Layer 0's inputs: token embeddings, image / video rows from the vision tower."""
+        hidden_states = layer_inputs(model, source, samples, device, dtype)
+        if not any(mm is not None for mm in mm_inputs):
+            return cls(hidden_states, None, [])
+        if image_config is None:
+            raise ValueError("samples with images need the model's image_config")
+        vision = vision_rows(model, source, samples, mm_inputs, image_config, device, dtype)
+        positions: Positions = [None] * len(samples)
+        for i, (ids, mm, v) in enumerate(zip(samples, mm_inputs, vision, strict=True)):
+            if mm is not None:
+                positions[i] = torch.from_numpy(mm.mrope_positions[:, : ids.numel()]).to(device)
+            if v is not None:
+                hidden_states[i][v.rows] = v.embeds
+        return cls(hidden_states, positions, vision)
+
+    def advance(self, layer: nn.Module, index: int) -> None:
+        """Run decoder layer `index`: its outputs (plus DeepStack features) become the state."""
+        with torch.no_grad():
+            self.hidden_states = _run_layer(layer, self.hidden_states, self.positions)
+        for h, v in zip(self.hidden_states, self.vision):
+            if v is not None and v.deepstack is not None and index < v.deepstack.shape[1]:
+                h[v.rows] += v.deepstack[:, index]  # Qwen3-VL: after the first layers
+
+
+def _module_name(model: nn.Module, target: nn.Module) -> str:
+    return next(name for name, module in model.named_modules() if module is target)
+
+
+def vision_rows(
+    model: nn.Module,
+    source: WeightSource,
+    samples: list[torch.Tensor],
+    mm_inputs: list[MultiModalInputs | None],
+    image_config: ImageProcessorConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> list[VisionRows | None]:
+    """The vision tower (unquantized, built on `device` for this call only) over each
+    sample's images and videos, as the model runner encodes them (`patchify`, `embed_images`
+    layout: main | DeepStack columns); items past a truncated sample's end are skipped."""
+    hidden = model.config.hidden_size
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as the loader builds it: rotary tables stay float32
+    try:
+        with torch.device(device):
+            tower = model.new_vision_tower()
+    finally:
+        torch.set_default_dtype(previous)
+    _fill_module(model, tower, _module_name(model, model.visual) + ".", source, "the vision tower")
+    out: list[VisionRows | None] = []
+    for ids, mm in zip(samples, mm_inputs, strict=True):
+        n = int(ids.numel())
+        kept = (
+            [(item, off, k) for item, (off, k) in zip(mm.items, mm.placeholders) if off < n]
+            if mm
+            else []
+        )
+        if not kept:
+            out.append(None)
+            continue
+        pixels = [torch.from_numpy(item.pixels).to(device) for item, _, _ in kept]
+        pixel_values = torch.cat([patchify(p, image_config, dtype) for p in pixels])
+        with torch.no_grad():
+            embeds = tower(pixel_values, [item.grid_thw for item, _, _ in kept])  # [N, H*(1+k)]
+        rows = torch.cat([torch.arange(off, off + k) for _, off, k in kept]).to(device)
+        inside = rows < n
+        rows, embeds = rows[inside], embeds[inside].to(dtype)
+        deepstack = None
+        if embeds.shape[1] > hidden:
+            deepstack = embeds[:, hidden:].reshape(rows.shape[0], -1, hidden)
+        out.append(VisionRows(rows, embeds[:, :hidden], deepstack))
+    del tower
+    return out
 
 
 def layer_inputs(
@@ -624,7 +752,10 @@ def pack_module(qw: QuantizedWeight, args: WeightQuantArgs, options: PipelineOpt
 
 
 def _capture_inputs(
-    layer: nn.Module, attrs: list[str], hidden_states: list[torch.Tensor]
+    layer: nn.Module,
+    attrs: list[str],
+    hidden_states: list[torch.Tensor],
+    positions: Positions | None = None,
 ) -> dict[str, list[torch.Tensor]]:
     """The input of each linear `attrs` on every sample (each [T, in]), from one layer pass."""
     captured: dict[str, list[torch.Tensor]] = {a: [] for a in attrs}
@@ -635,16 +766,19 @@ def _capture_inputs(
         for a in attrs
     ]
     with torch.no_grad():
-        _run_layer(layer, hidden_states)
+        _run_layer(layer, hidden_states, positions)
     for h in handles:
         h.remove()
     return captured
 
 
-def _module_outputs(module: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`module` on each sample; attention takes the text positions too."""
+def _module_outputs(
+    module: nn.Module, inputs: list[torch.Tensor], positions: Positions | None = None
+) -> list[torch.Tensor]:
+    """`module` on each sample; attention takes the sample's positions too."""
     if hasattr(module, "qkv_proj"):
-        return [module(text_positions(x.shape[0], x.device), x, None) for x in inputs]
+        positions = positions or [None] * len(inputs)
+        return [module(_positions(x, p), x, None) for x, p in zip(inputs, positions, strict=True)]
     # Token-wise modules: one large matmul beats one per sample on a CPU.
     return [module(torch.cat(inputs))]
 
@@ -674,16 +808,17 @@ def _search_linear_scales(
     x_mean: torch.Tensor,
     args: WeightQuantArgs,
     options: PipelineOptions,
+    positions: Positions | None = None,
 ) -> ScaleSearch:
     """`search_scales` for `linear` (`x_mean`: mean |x| per channel over every calibration
     token), scored by the output MSE of `inspect` (which contains it) on `inputs`; `linear`
     keeps its original weight afterwards."""
     original = linear.weight.data
-    reference = _module_outputs(inspect, inputs)
+    reference = _module_outputs(inspect, inputs, positions)
 
     def loss_of(candidate: torch.Tensor) -> float:
         linear.weight.data = candidate
-        return _output_mse(reference, _module_outputs(inspect, inputs))
+        return _output_mse(reference, _module_outputs(inspect, inputs, positions))
 
     try:
         return search_scales(original, x_mean, args, loss_of, options.awq, options.scale_dtype)
@@ -700,6 +835,7 @@ def smooth_layer(
     args: WeightQuantArgs,
     options: PipelineOptions,
     search_samples: list[int] | None = None,
+    positions: Positions | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[SmoothReport]]:
     """AWQ's scale search for each mapping in turn, folded into the layer's weights at once
     (the next search sees them). `captured` holds the inputs of the quantized linears and is
@@ -726,10 +862,13 @@ def smooth_layer(
         inspect = layer.get_submodule(m.inspect)
         inputs = captured[m.linear]  # the inspected module reads the same input
         scored = inputs if search_samples is None else [inputs[i] for i in search_samples]
+        scored_positions = positions
+        if positions is not None and search_samples is not None:
+            scored_positions = [positions[i] for i in search_samples]
         original = linear.weight.data
         with torch.no_grad():
             result = _search_linear_scales(
-                linear, inspect, scored, activation_mean(inputs), args, options
+                linear, inspect, scored, activation_mean(inputs), args, options, scored_positions
             )
             s = result.scales.to(original.device)  # [in]
             linear.weight.data = (original.float() * s).to(original.dtype)
@@ -808,6 +947,7 @@ def _awq_layer(
     options: PipelineOptions,
     layer_report: LayerReport,
     compressed: dict[str, torch.Tensor],
+    positions: Positions | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
     """AWQ on one layer: scale searches, clip search, then the guard's pick among smoothed +
     clipped, smoothed, and plain rounding of the unsmoothed layer (by the layer's output error
@@ -816,20 +956,25 @@ def _awq_layer(
     round, where clipped; attr -> the linears' inputs in the picked layer)."""
     scored = evaluation_samples([h.shape[0] for h in hidden_states], options.awq.search_tokens)
     guard_inputs = [hidden_states[i] for i in scored]
+    guard_positions = None if positions is None else [positions[i] for i in scored]
+
+    def run(layer: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _run_layer(layer, inputs, guard_positions)
+
     rounded = [RoundedTarget(t.attr, _quantized_rows(layer, t)) for t in targets]
     original = {k: v.clone() for k, v in layer.state_dict().items()}
     with torch.no_grad():
-        reference = _run_layer(layer, guard_inputs)  # the float layer
+        reference = run(layer, guard_inputs)  # the float layer
 
     def error(rounded_from: dict[str, torch.Tensor] | None = None) -> float:
         weights = rounded_weights(layer, rounded, args, options.scale_dtype, rounded_from)
-        return layer_error(layer, weights, guard_inputs, reference, _run_layer)
+        return layer_error(layer, weights, guard_inputs, reference, run)
 
     errors = {"rtn": error()}
-    captured = _capture_inputs(layer, [t.attr for t in targets], hidden_states)
+    captured = _capture_inputs(layer, [t.attr for t in targets], hidden_states, positions)
     unsmoothed = dict(captured)  # smooth_layer replaces the lists it rescales
     changed, layer_report.smoothing = smooth_layer(
-        model, layer, index, mappings, captured, args, options, scored
+        model, layer, index, mappings, captured, args, options, scored, positions
     )
     errors["scales"] = error()
     clipped: dict[str, torch.Tensor] = {}
@@ -910,6 +1055,8 @@ def quantize_layers(
     on_layer: Callable[[int], None] | None = None,
     lm_head: bool = False,
     kv_cache_scales: bool = False,
+    mm_inputs: list[MultiModalInputs | None] | None = None,
+    image_config: ImageProcessorConfig | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize every decoder layer of `model` (built on meta); returns the tensors that
     replace the checkpoint's: each quantized module's (`{module}.weight_packed`, ... or
@@ -918,6 +1065,8 @@ def quantize_layers(
     `lm_head`: quantize the LM head too, after the last layer (see `_quantize_lm_head`).
     FP8 args (`pagoda.quantizer.fp8`): min-max e4m3 codes, static input scales from the
     calibration pass; `kv_cache_scales`: each layer's `self_attn.k_scale` / `v_scale` too.
+    `mm_inputs` (vision-language models, one per sample or empty): the samples' images and
+    videos go through the vision tower (`vision_rows`; `image_config` prepares their pixels).
     Tensor names are module names; `WeightSource.checkpoint_name` turns them into the
     checkpoint's layout.
     """
@@ -933,8 +1082,12 @@ def quantize_layers(
     if awq and not samples:
         raise ValueError("AWQ needs calibration data: pass dataset (a .json, .jsonl or .txt file)")
     rope = calibration_rope(model, device)
-    # Inputs of layer 0, captured once: the embeddings of every sample.
-    hidden_states = layer_inputs(model, source, samples, device, dtype)  # each [T, hidden]
+    # Inputs of layer 0, captured once: the embeddings of every sample (image rows from the
+    # vision tower), each [T, hidden].
+    state = CalibrationState.start(
+        model, source, samples, mm_inputs or [], image_config, device, dtype
+    )
+    hidden_states, positions = state.hidden_states, state.positions
     compressed: dict[str, torch.Tensor] = {}
     decoder, decoder_name = decoder_of(model)
     layers = decoder.layers
@@ -960,7 +1113,7 @@ def quantize_layers(
         if awq:
             rounded_from, inputs = _awq_layer(
                 model, layer, index, mappings, targets, hidden_states, args, options,
-                layer_report, compressed,
+                layer_report, compressed, positions,
             )  # fmt: skip
             for t in targets:  # Hessians of the rounded layer's inputs, for the report
                 acc = HessianAccumulator(layer.get_submodule(t.attr).in_features, device)
@@ -978,7 +1131,7 @@ def quantize_layers(
                     module.register_forward_pre_hook(lambda _m, inp, acc=acc: acc.add(inp[0]))
                 )
             with torch.no_grad():
-                _run_layer(layer, hidden_states)
+                _run_layer(layer, hidden_states, positions)
             for h in handles:
                 h.remove()
         inputs_amax.remove()
@@ -1055,8 +1208,9 @@ def quantize_layers(
                 row += size
         del hessians
         if samples:
-            with torch.no_grad():
-                hidden_states = _run_layer(layer, hidden_states)
+            state.hidden_states = hidden_states
+            state.advance(layer, index)
+            hidden_states = state.hidden_states
         layer.self_attn.rotary_emb = None  # shared: must not follow the layer to meta
         layer.to("meta")  # offload: only one layer is ever materialised
         if device.type == "cuda":

@@ -35,6 +35,7 @@ from pagoda.layers.sampler import (
 from pagoda.models.loader import load_model
 from pagoda.platform import capability as platform_capability
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
+from pagoda.worker.draft_model import DraftModel
 from pagoda.worker.memory import (
     MemoryReport,
     blocks_for_budget,
@@ -43,7 +44,7 @@ from pagoda.worker.memory import (
 )
 
 if TYPE_CHECKING:
-    from pagoda.step import ScheduledRequest, SchedulerOutput
+    from pagoda.step import DraftRequest, ScheduledRequest, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Without an explicit budget a CPU run keeps its KV cache modest: enough for the configured
@@ -279,6 +280,7 @@ class ModelRunner:
         self.verify_graph_runner: Any = None  # speculative verify steps (query length 1 + k)
         self.lora_manager: Any = None  # pagoda.lora.manager.LoRAManager when LoRA is enabled
         self.encoder_runner: Any = None  # pagoda.worker.encoder_runner.EncoderRunner (VL models)
+        self.draft: DraftModel | None = None  # speculative decoding's draft model
         self._pin = self.device.type == "cuda"
         # The last launched step's sampled ids (on the device) and each sampling request's row:
         # the inputs of requests scheduled before that step's output reached the host.
@@ -330,6 +332,11 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, (LinearBase, LMHead)):
                 module.split_k_workspace = self.split_k_workspace
+        if self.runner_config.draft_model is not None:
+            self.draft = DraftModel(
+                self.runner_config.draft_model, self.device, self.kv_dtype, self.block_size
+            )
+            self.draft.load(self.sliding_window)
         if self.runner_config.multimodal is not None:
             from pagoda.multimodal.image_processor import ImageProcessorConfig
             from pagoda.multimodal.video_processor import VideoOptions
@@ -341,7 +348,9 @@ class ModelRunner:
             )
             video_options = None
             if getattr(self.model, "supports_video", False):
-                video_options = VideoOptions.from_model(mc.model, mm.processor_kwargs)
+                video_options = VideoOptions.from_model(
+                    mc.model, mm.processor_kwargs, image_config.factor
+                )
             self.encoder_runner = EncoderRunner(
                 self.model,
                 image_config,
@@ -375,14 +384,14 @@ class ModelRunner:
             )
             if self.offloader is not None:  # host copies are reported apart
                 self.weights_bytes += self.offloader.staging_bytes
+            if self.draft is not None:
+                self.weights_bytes += self.draft.weights_bytes
         self.load_time_s = time.perf_counter() - t0
 
     def initialize_kv_cache(self, max_num_seqs: int, max_num_batched_tokens: int) -> MemoryReport:
         """Profile the largest step, size the KV cache from what is left, allocate it."""
         mc, cc = self.model_config, self.cache_config
-        per_block = kv_bytes_per_block(
-            mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize
-        )
+        per_block = self._kv_bytes_per_block(self.block_size)
         t0 = time.perf_counter()
         peak_act, non_torch, total, budget = self._profile(max_num_seqs, max_num_batched_tokens)
         profile_time = time.perf_counter() - t0
@@ -434,6 +443,16 @@ class ModelRunner:
         )
         return self.memory_report
 
+    def _kv_bytes_per_block(self, block_size: int) -> int:
+        """K and V of one block in every layer: the target's, and the draft's that shares it."""
+        mc = self.model_config
+        n = kv_bytes_per_block(
+            mc.num_layers, block_size, mc.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize
+        )
+        if self.draft is not None:
+            n += self.draft.kv_bytes_per_block() // self.block_size * block_size
+        return n
+
     def _encoder_memory(self) -> dict[str, Any]:
         """The vision encoder's share of the memory report (VL models)."""
         er = self.encoder_runner
@@ -458,6 +477,8 @@ class ModelRunner:
             inter = getattr(self.model_config.text_config, "intermediate_size", 4 * hidden)
             peak = max_num_batched_tokens * (6 * hidden + 3 * inter) * 4
             peak += min(max_num_seqs, max_num_batched_tokens) * vocab * 4 * 3
+            if self.draft is not None:  # runs while the target's last hidden rows are alive
+                peak += self.draft.activation_bytes(max_num_batched_tokens)
             if self.encoder_runner is not None:  # the largest images through the vision tower
                 vision_config = self.model_config.hf_config.vision_config
                 peak += self.encoder_runner.estimate_bytes(vision_config)
@@ -465,14 +486,9 @@ class ModelRunner:
             if self.cache_config.kv_cache_memory is None:
                 # Enough for every sequence at full length, never more than the cap: CPU memory
                 # is shared with everything else on the machine.
-                mc = self.model_config
-                full = (
-                    max_num_seqs
-                    * (mc.max_model_len + self.block_size)
-                    * kv_bytes_per_block(
-                        mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.kv_dtype.itemsize
-                    )
-                )
+                per_token = self._kv_bytes_per_block(1)
+                max_len = self.model_config.max_model_len
+                full = max_num_seqs * (max_len + self.block_size) * per_token
                 budget = min(budget, self.weights_bytes + peak + min(full, _CPU_DEFAULT_KV_CAP))
             return peak, 0, total, budget
         torch.cuda.synchronize(self.device)
@@ -537,6 +553,8 @@ class ModelRunner:
             # through the decoder forward, as in a real prefill step.
             embeds = self.encoder_runner.profile(input_ids)
         hidden = self.model(input_ids, positions, md, inputs_embeds=embeds)
+        if self.draft is not None:
+            self.draft.forward(input_ids, positions, md)
         idx = torch.tensor(np.cumsum(lens) - 1, device=self.device)
         logits = self.model.compute_logits(hidden[idx])
         # The sampler's worst case: every row random with top-p (a full sort of the vocab).
@@ -583,6 +601,8 @@ class ModelRunner:
             else:
                 cache.view(torch.uint8)[:, 0].zero_()
             layer.kv_cache = cache
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks, zero_all=torch_decode)
 
     def _warm_up_attention(self) -> None:
         """Compile the paged-attention kernel's mixed-step variants now (CUDA with Triton): a
@@ -592,7 +612,10 @@ class ModelRunner:
         from pagoda.kernels.attention.triton_paged_attention import warm_up_mixed_steps
 
         done = set()
-        for layer in self.model.attention_layers():
+        layers = self.model.attention_layers()
+        if self.draft is not None:
+            layers = [*layers, *self.draft.model.attention_layers()]
+        for layer in layers:
             key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.sliding_window)
             if key in done or layer.kv_cache is None:  # no cache bound: nothing to read
                 continue
@@ -610,6 +633,8 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.kv_cache = None
         self.kv_caches = []
+        if self.draft is not None:
+            self.draft.release_kv_cache()
 
     # ------------------------------------------------------------------ execution
 
@@ -803,6 +828,9 @@ class ModelRunner:
             self.offloader = None
         if self.model is not None:
             self._release_kv_cache()
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
         self.graph_runner = self.encoder_runner = self.lora_manager = self.model = None
         self.split_k_workspace = None  # the split-K kernels' scratch (the layers' went above)
         self.kv_caches = []
@@ -893,6 +921,7 @@ class ModelRunner:
         if self.lora_manager is not None:
             # Per token (graph padding included) for graph replays, per request otherwise.
             self.lora_manager.prepare([r.lora_key for r in reqs], num_new, padded=graph_size)
+        md = ids = None
         if graph_size is not None:
             hidden = graphs.run(
                 graph_size,
@@ -911,6 +940,15 @@ class ModelRunner:
                 if embeds is not None:
                     pending.fill_embeds(embeds, ids, self.model)
             hidden = self.model(ids, self._to_dev(rope_positions), md, inputs_embeds=embeds)
+        if self.draft is not None:
+            # The draft follows every step (eagerly), so its cache holds what the target's
+            # does; text positions even where the target's are M-RoPE.
+            if md is None:
+                md = self._build_metadata(num_computed, num_new, [], num_tokens, arrays)
+                ids = self._to_dev(token_ids)
+                if pending is not None:
+                    pending.fill_ids(ids)
+            self.draft.forward(ids, self._to_dev(arrays["positions"]), md)
 
         prompt_logprobs = self._prompt_logprobs(reqs, hidden, arrays["qsl"])
         spec = [i for i, r in enumerate(reqs) if r.spec_token_ids]
@@ -992,6 +1030,23 @@ class ModelRunner:
             logits, smd, to_device(drafts, torch.int64, self.device), row_generators
         )
         return _SpecResult(sreqs, out)
+
+    @torch.inference_mode()
+    def propose_drafts(self, reqs: list[DraftRequest]) -> dict[str, list[int]]:
+        """The draft model's proposals for the requests of the step just processed: each
+        from its newest token (the one the next step verifies drafts after)."""
+        if self.draft is None or not reqs:
+            return {}
+        width = max(-(-(r.position + r.num_tokens) // self.block_size) for r in reqs)
+        table = np.stack([self._block_row(r.req_id, r.block_ids)[:width] for r in reqs])
+        drafts = self.draft.propose(
+            [r.token_id for r in reqs],
+            [r.position for r in reqs],
+            table,
+            [r.num_tokens for r in reqs],
+            self._to_dev,
+        )
+        return {r.req_id: d for r, d in zip(reqs, drafts, strict=True)}
 
     def _prompt_logprobs(
         self, reqs: list[ScheduledRequest], hidden: torch.Tensor, qsl: np.ndarray

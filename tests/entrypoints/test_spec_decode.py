@@ -106,11 +106,13 @@ def small_vocab_path(tmp_path_factory):
     return path
 
 
-def test_sampled_tokens_follow_plain_distribution(small_vocab_path):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_plain_distribution(small_vocab_path, proposer):
     """The first 4 tokens of many samples of one prompt, speculative vs plain (2-sample
     chi-square per position), with temperature, top-k, top-p and all three penalties: the
     target's distribution at each verified position must see the drafts before it. The prompt
-    is the model's own greedy continuation, so the n-gram proposer finds likely drafts."""
+    is the model's own greedy continuation, so the n-gram proposer finds likely drafts; the
+    draft model is the target itself (its greedy drafts: the likeliest tokens)."""
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompt = [5, 9, 11]
     prompt += (
@@ -128,7 +130,12 @@ def test_sampled_tokens_follow_plain_distribution(small_vocab_path):
         ignore_eos=True,
     )
     outs = {}
-    for name, kw in (("plain", {}), ("spec", dict(speculative_config=NGRAM))):
+    # 300 requests at once: speculate at every batch size (the default stops above 8)
+    config = NGRAM
+    if proposer == "draft_model":
+        config = {"model": str(small_vocab_path), "num_speculative_tokens": 4}
+    always = {**config, "disable_by_batch_size": None}
+    for name, kw in (("plain", {}), ("spec", dict(speculative_config=always))):
         llm = _llm(small_vocab_path, max_num_seqs=128, seed=3, **kw)
         res = llm.generate([prompt] * n, params, use_tqdm=False)
         outs[name] = torch.tensor([r.outputs[0].token_ids for r in res])  # [n, 4]

@@ -1,14 +1,23 @@
-"""Speculative decoding (n-gram) with a Qwen2.5-VL target: greedy output equals plain output.
+"""Speculative decoding with a Qwen2.5-VL target: greedy output equals plain output.
 
 The tiny random Qwen2.5-VL of test_qwen2_5_vl.py, prompts with no, one and two images: drafts
-are verified on text positions (M-RoPE position + the prompt's delta) while the prompt keeps its
-image embeddings and 3-D positions.
+(n-gram, or a text-only draft model on 1-D positions over the token ids) are verified on text
+positions (M-RoPE position + the prompt's delta) while the prompt keeps its image embeddings and
+3-D positions.
 """
 
 from __future__ import annotations
 
+from safetensors.torch import save_file
+
 from pagoda import SamplingParams
-from tests.models.test_qwen2_5_vl import CASES, _conversation, _llm, tiny_vl  # noqa: F401
+from tests.models.test_qwen2_5_vl import (  # noqa: F401
+    CASES,
+    TEXT_CONFIG,
+    _conversation,
+    _llm,
+    tiny_vl,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
@@ -28,5 +37,48 @@ def test_speculative_greedy_equals_plain_with_images(tiny_vl):  # noqa: F811
     # Drafts were verified on text positions after the images (this random model accepts
     # few or none: the rejected ones test the rows' M-RoPE positions as much).
     assert sum(o.metrics.spec_num_draft_tokens for o in spec) > 0, "no draft was verified"
+    runner = llm.llm_engine.core.runner.encoder_runner
+    assert not runner.cache and not runner.users and not runner.held  # nothing leaks
+
+
+def _text_draft(vl_model, path) -> str:
+    """The VL model's own language model saved as a text-only Qwen2: a draft that reads image
+    placeholder ids as text with 1-D positions (so it is right on text, guesses after images)."""
+    from transformers import Qwen2Config
+
+    text = vl_model.config.text_config
+    config = Qwen2Config(
+        **{k: v for k, v in TEXT_CONFIG.items() if k != "rope_parameters"},
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=True,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    config.save_pretrained(path)
+    prefix = "model.language_model."
+    weights = {
+        "model." + k.removeprefix(prefix): v.contiguous()
+        for k, v in vl_model.state_dict().items()
+        if k.startswith(prefix)
+    }
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+def test_text_draft_greedy_equals_plain_with_images(tiny_vl, tmp_path):  # noqa: F811
+    path, vl_model = tiny_vl
+    draft = _text_draft(vl_model, tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    convs = [_conversation(keys) for keys in CASES.values()]
+    plain = _llm(path, limit_mm_per_prompt={"image": 2}).chat(convs, params, use_tqdm=False)
+    spec_config = {"model": draft, "num_speculative_tokens": 3}
+    llm = _llm(path, limit_mm_per_prompt={"image": 2}, speculative_config=spec_config)
+    spec = llm.chat(convs, params, use_tqdm=False)
+    for name, a, b in zip(CASES, plain, spec, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
+    drafted = sum(o.metrics.spec_num_draft_tokens for o in spec)
+    accepted = sum(o.metrics.spec_num_accepted_tokens for o in spec)
+    assert 0 < accepted <= drafted
     runner = llm.llm_engine.core.runner.encoder_runner
     assert not runner.cache and not runner.users and not runner.held  # nothing leaks

@@ -167,6 +167,27 @@ def test_video_options_validation(tmp_path):
         MultiModalConfig.from_user({"audio": 1}, None)
 
 
+def test_qwen3_vl_video_options_and_timestamps(tmp_path):
+    """Qwen3-VL: qwen-vl-utils' token defaults at its 32-pixel merged patches; its processor
+    file's `longest_edge` bounds the whole clip; timestamps as its processor computes them."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from pagoda.multimodal.video_processor import temporal_patch_times
+
+    opts = VideoOptions.from_model(None, {}, factor=32)
+    assert (opts.min_pixels, opts.max_pixels) == (128 * 32 * 32, 768 * 32 * 32)
+    assert opts.total_pixels == int(128000 * 0.9 * 32 * 32)
+    (tmp_path / "video_preprocessor_config.json").write_text(
+        '{"video_processor_type": "Qwen3VLVideoProcessor", '
+        '"size": {"shortest_edge": 4096, "longest_edge": 25165824}}'
+    )
+    opts = VideoOptions.from_model(str(tmp_path), {"max_pixels": 32 * 32 * 100}, factor=32)
+    assert (opts.min_pixels, opts.max_pixels, opts.total_pixels) == (4096, 102400, 25165824)
+    for indices, fps in [([0, 13, 26, 39], 20.0), ([0, 5, 10, 15, 20], 7.5), ([3], 2.0)]:
+        expected = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, 2)
+        assert temporal_patch_times(np.asarray(indices) / fps, 2) == pytest.approx(expected)
+
+
 # ---------------------------------------------------------------------- pixels
 
 

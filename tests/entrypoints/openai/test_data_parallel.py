@@ -2,7 +2,8 @@
 
 200 concurrent completions all succeed and both replicas take some; prompts sharing a prefix
 follow it to the replica that cached it (its prefix-cache hits grow); a killed replica makes
-/health a 503 naming it while requests keep succeeding on the other.
+/health a 503 naming it, its in-flight requests end with a 503, and requests keep succeeding on
+the other.
 """
 
 from __future__ import annotations
@@ -89,7 +90,24 @@ def test_shared_prefixes_follow_their_cache(dp_server) -> None:
 def test_dead_replica_is_reported_and_avoided(dp_server) -> None:
     engine, url = dp_server
     assert httpx.get(f"{url}/health").status_code == 200
-    engine.replicas[1]._proc.kill()
+    # Long requests in flight on both replicas when replica 1 dies: its own end with a 503
+    # naming the dead engine (never a hang), the other replica's finish.
+    from concurrent.futures import ThreadPoolExecutor
+
+    # distinct prompts, so that they are routed by load (a shared prefix would pin them to one)
+    bodies = [{**_completion(f"{i} in flight", 240), "ignore_eos": True} for i in range(4)]
+    with ThreadPoolExecutor(4) as pool, httpx.Client(timeout=300) as client:
+        futures = [pool.submit(client.post, f"{url}/v1/completions", json=b) for b in bodies]
+        deadline = time.monotonic() + 120
+        while min(engine.loads()) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert min(engine.loads()) > 0, engine.loads()
+        engine.replicas[1]._proc.kill()
+        replies = [f.result(timeout=240) for f in futures]
+    codes = sorted(r.status_code for r in replies)
+    assert 200 in codes and 503 in codes and set(codes) <= {200, 503}, codes
+    failed = next(r for r in replies if r.status_code == 503)
+    assert "engine" in failed.json()["error"]["message"], failed.text
     engine.replicas[1]._proc.wait(10)
     deadline = time.monotonic() + 10
     while engine.replicas[1].is_running and time.monotonic() < deadline:
