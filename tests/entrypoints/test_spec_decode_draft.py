@@ -19,6 +19,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.engine.args import EngineArgs
 from pagoda.entrypoints.cli_args import add_engine_args, engine_kwargs, merge_model_option
+from tests.entrypoints.test_spec_decode import _llm
 from tests.helpers import save_tiny_model, tiny_config
 
 
@@ -43,18 +44,6 @@ def models(tmp_path_factory):
 def _prompts() -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(3, 384) for _ in range(n)] for n in (9, 23, 40, 5)]
-
-
-def _llm(path, **kw) -> LLM:
-    kw.setdefault("max_model_len", 256)
-    return LLM(
-        str(path),
-        dtype="float32",
-        device="cpu",
-        skip_tokenizer_init=True,
-        print_memory_report=False,
-        **kw,
-    )
 
 
 def _spec(draft: str, k: int = 3, **kw) -> dict:
