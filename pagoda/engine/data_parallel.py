@@ -94,6 +94,9 @@ class DataParallelEngine(RequestAPI):
         self._prefix_owner: OrderedDict[tuple | str, int] = OrderedDict()
         self._prefix_tokens = _PREFIX_BLOCKS * args.block_size
         self.routed = [0] * data_parallel_size  # calls sent to each replica
+        # calls routed to a replica whose streams are not registered there yet: counted in
+        # `loads`, so concurrent arrivals see each other's choices (not all the same idle one)
+        self._pending = [0] * data_parallel_size
         self.prefix_routed = 0  # of which followed a known prefix
         self.startup_time_s = time.perf_counter() - t0
 
@@ -132,8 +135,8 @@ class DataParallelEngine(RequestAPI):
         return [i for i, r in enumerate(self.replicas) if not r.is_running]
 
     def loads(self) -> list[int]:
-        """Requests in flight per replica."""
-        return [len(r._streams) for r in self.replicas]
+        """Requests in flight per replica (routed ones still being added included)."""
+        return [len(r._streams) + p for r, p in zip(self.replicas, self._pending, strict=True)]
 
     def stats(self) -> EngineStats:
         """The replicas' snapshots summed (usage: the mean of the live ones)."""
@@ -179,6 +182,7 @@ class DataParallelEngine(RequestAPI):
                 while len(self._prefix_owner) > _MAX_PREFIXES:
                     self._prefix_owner.popitem(last=False)
             self.routed[choice] += 1
+            self._pending[choice] += len(items)
         return choice
 
     async def _add(
@@ -190,8 +194,12 @@ class DataParallelEngine(RequestAPI):
         # prompt's tokens; every replica has the same tokenizer, so the items travel as they are.
         first = self._live()[0]
         items = await first.run(lambda frontend: list(prepare(frontend)))
-        replica = self.replicas[self._choose(items)]
-        return await replica._add(lambda _frontend: items, ids_for)
+        choice = self._choose(items)
+        try:
+            return await self.replicas[choice]._add(lambda _frontend: items, ids_for)
+        finally:
+            with self._lock:
+                self._pending[choice] -= len(items)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -29,11 +29,14 @@ _CHILD = """
 import importlib.util, json, sys, traceback
 failed = {}
 for path in json.loads(sys.argv[1]):
+    # as `python path` does: the script's own folder first on sys.path (sibling imports)
+    sys.path.insert(0, path.rsplit("/", 1)[0])
     spec = importlib.util.spec_from_file_location("_bench_" + path.replace("/", "_")[:-3], path)
     try:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
     except BaseException:
         failed[path] = traceback.format_exc(limit=3)
+    sys.path.pop(0)
 print(json.dumps(failed))
 """
 
