@@ -100,3 +100,17 @@ def cuda_available() -> bool:
 def triton_available() -> bool:
     """Whether the `triton` package is installed (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def cpu_has_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX / AVX512-BF16, oneDNN's own
+    check): there a bf16 GEMM runs about 4x its float32 one; elsewhere bf16 is emulated and
+    slower than float32."""
+    mkldnn = torch.backends.mkldnn
+    if not mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False

@@ -40,7 +40,7 @@ from pagoda.model_files import (
 from pagoda.models.registry import architectures_of, get_model_class
 from pagoda.multimodal.image_processor import ImageProcessorConfig
 from pagoda.multimodal.processor import MultiModalProcessor
-from pagoda.platform import resolve_device
+from pagoda.platform import cpu_has_bf16_gemm, resolve_device
 from pagoda.quant.formats.autoawq import quantization_config as autoawq_quant_config
 from pagoda.quant.fp8 import FP8_SCHEMES, kv_cache_scheme_json
 from pagoda.quant.fp8 import quantization_config as fp8_quant_config
@@ -89,6 +89,17 @@ def _storage_dtype(dtype: str, hf_config: Any) -> torch.dtype:
         if name == "auto":
             name = "bfloat16"
     return getattr(torch, name)
+
+
+def calibration_dtype(device: torch.device, storage_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the calibration forward passes: the checkpoint's on a GPU; on a CPU the
+    checkpoint's bf16 where the CPU multiplies bf16 natively (about 4x its float32 GEMM, and
+    the numerics the model is served with), else float32 (emulated half types are slower)."""
+    if device.type != "cpu":
+        return storage_dtype
+    if storage_dtype == torch.bfloat16 and cpu_has_bf16_gemm():
+        return torch.bfloat16
+    return torch.float32
 
 
 def dataset_record(dataset: str | os.PathLike[str]) -> dict[str, Any]:
@@ -291,8 +302,7 @@ def quantize(
         raise ValueError(f"{source.path} is already quantized (it has a quantization_config)")
     dev = resolve_device(device)
     storage_dtype = _storage_dtype(dtype, hf_config)
-    # CPU kernels for half types are slow: calibrate in float32 there.
-    compute_dtype = torch.float32 if dev.type == "cpu" else storage_dtype
+    compute_dtype = calibration_dtype(dev, storage_dtype)
     text_config = getattr(hf_config, "text_config", None) or hf_config
     model_config = ModelConfig(
         model=source.path,
@@ -390,6 +400,7 @@ def quantize(
         num_tokens=num_tokens,
         num_vision_tokens=num_vision_tokens,
         device=str(dev),
+        calibration_dtype=str(compute_dtype).removeprefix("torch."),
         dataset=dataset_info or ({"path": "random"} if dataset == "random" else None),
         ignore=list(user_ignore),
         seed=seed,

@@ -261,3 +261,34 @@ def test_sigterm_removes_the_staging_directory_and_stale_ones_are_swept(
     live.mkdir()
     quantize(str(tiny_llama), out, method="rtn", group_size=32, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "out"]
+
+
+def test_calibration_dtype_follows_the_cpus_bf16_support(monkeypatch) -> None:
+    """A GPU calibrates in the checkpoint's dtype; a CPU in bf16 only for a bf16 checkpoint on a
+    CPU with native bf16 GEMM (oneDNN's check), else float32 (fp16 is emulated on CPUs)."""
+    import torch
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    for half in (torch.bfloat16, torch.float16):
+        assert api.calibration_dtype(gpu, half) == half
+    monkeypatch.setattr(api, "cpu_has_bf16_gemm", lambda: True)
+    assert api.calibration_dtype(cpu, torch.bfloat16) == torch.bfloat16
+    assert api.calibration_dtype(cpu, torch.float16) == torch.float32
+    assert api.calibration_dtype(cpu, torch.float32) == torch.float32
+    monkeypatch.setattr(api, "cpu_has_bf16_gemm", lambda: False)
+    assert api.calibration_dtype(cpu, torch.bfloat16) == torch.float32
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_report_names_the_calibration_dtype(
+    tiny_llama, calib_text, tmp_path, monkeypatch, native
+) -> None:
+    monkeypatch.setattr(api, "cpu_has_bf16_gemm", lambda: native)
+    report = quantize(
+        str(tiny_llama), tmp_path / "q", method="gptq", group_size=32, dataset=str(calib_text),
+        num_samples=2, max_seq_len=16, device="cpu", dtype="bfloat16", progress=False,
+    )  # fmt: skip
+    assert report.calibration_dtype == ("bfloat16" if native else "float32")
+    saved = json.loads((tmp_path / "q" / "quantization_report.json").read_text())
+    assert saved["calibration_dtype"] == report.calibration_dtype
+    assert f"({report.calibration_dtype} forward)" in report.summary()
