@@ -76,7 +76,9 @@ def _llmc_run(step: str, work: Path, model: str, calib: Path, ns) -> dict | None
             argv += ["--actorder", "static"]
         cpu = _cpu_seconds(resource.RUSAGE_CHILDREN)
         threads = str(torch.get_num_threads())
-        subprocess.run(argv, check=True, env={**os.environ, "OMP_NUM_THREADS": threads})
+        # pagoda (calibration draw, tokenizer) from this checkout, whatever the venv has
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(HERE.parents[1])}
+        subprocess.run(argv, check=True, env=env)
         run = json.loads((out / "llmcompressor_run.json").read_text())
         run["cpu_seconds_process"] = _cpu_seconds(resource.RUSAGE_CHILDREN) - cpu
         (out / "llmcompressor_run.json").write_text(json.dumps(run, indent=2))

@@ -1,5 +1,6 @@
 """FP8 quality on the CPU with real weights: perplexity of full precision, FP8_DYNAMIC W8A8 and
-FP8 KV caches (calibrated e4m3, uncalibrated e5m2) on held-out text.
+FP8 KV caches (calibrated e4m3, uncalibrated e5m2) on held-out text, W8A8's loss split into
+its activations' share (per kind of linear) and its weights'.
 
 W8A8: the dense checkpoint quantized at load (`quantization="fp8"`: per-channel e4m3 weights)
 and every FP8 layer switched to `Fp8W8A8Reference`, which rounds activations per token as the
@@ -25,6 +26,7 @@ import torch
 from pagoda.bench.perplexity import perplexity_of_model
 from pagoda.engine.args import EngineArgs
 from pagoda.kernels.attention.reference import to_cache_dtype
+from pagoda.kernels.fp8.ops import per_token_quant_ref
 from pagoda.layers.attention import Attention
 from pagoda.layers.fp8_linear import Fp8LinearMethod
 from pagoda.layers.linear import LinearBase
@@ -55,6 +57,18 @@ def _kv_round_trip(model, dtype: torch.dtype, scales: dict[str, tuple[float, flo
 
         handles.append(m.register_forward_pre_hook(hook))
     return handles
+
+
+def _activation_round_trip(model, names: list[str]):
+    """Pre-hooks rounding the input of each linear `names` per token to e4m3 and back (what
+    W8A8 does to activations), the weights left in float."""
+
+    def hook(_m, args):
+        x = args[0]
+        x_q, scale = per_token_quant_ref(x.reshape(-1, x.shape[-1]))
+        return ((x_q.float() * scale).reshape(x.shape).to(x.dtype), *args[1:])
+
+    return [model.get_submodule(n).register_forward_pre_hook(hook) for n in names]
 
 
 def _calibrate_kv(model, ids: list[int], window: int, n: int) -> dict[str, tuple[float, float]]:
@@ -114,11 +128,27 @@ def main() -> None:
         score(label, dense)
         for h in handles:
             h.remove()
-    del dense
     fp8, _ = _load(ns.model, "fp8")
-    for layer in fp8.modules():
-        if isinstance(layer, LinearBase) and isinstance(layer.linear_method, Fp8LinearMethod):
-            layer.linear_method.use_w8a8_reference(layer)
+    fp8_linears = [
+        name
+        for name, layer in fp8.named_modules()
+        if isinstance(layer, LinearBase) and isinstance(layer.linear_method, Fp8LinearMethod)
+    ]
+    # W8A8's loss, decomposed: the activations' per-token rounding alone (float weights), per
+    # kind of linear and all together, then the weights' alone (the CPU's W8A16 kernel)
+    kinds = sorted({name.rpartition(".")[2] for name in fp8_linears})
+    for kind in [*kinds, None]:
+        handles = _activation_round_trip(
+            dense, [n for n in fp8_linears if kind is None or n.endswith("." + kind)]
+        )
+        score(f"FP8 activations only ({kind or 'every FP8 linear'}, per token)", dense)
+        for h in handles:
+            h.remove()
+    del dense
+    score("FP8 weights only (per channel; activations unrounded)", fp8)
+    for name in fp8_linears:
+        layer = fp8.get_submodule(name)
+        layer.linear_method.use_w8a8_reference(layer)
     score("FP8_DYNAMIC W8A8 (weights per channel, activations per token)", fp8)
     base = rows["full precision (float32)"]["perplexity"]
     for r in rows.values():

@@ -46,6 +46,7 @@ from pagoda.quant.fp8 import FP8_SCHEMES, kv_cache_scheme_json
 from pagoda.quant.fp8 import quantization_config as fp8_quant_config
 from pagoda.quant.schemes import SCHEMES, scheme_args
 from pagoda.quant.schemes import quantization_config as make_quant_config
+from pagoda.quantizer.awq import AWQOptions
 from pagoda.quantizer.calibration import check_calibration_file, load_calibration_data
 from pagoda.quantizer.checkpoint import (
     check_output_dir,
@@ -196,6 +197,7 @@ def quantize(
     format: str = "compressed-tensors",
     kv_cache_dtype: str | None = None,
     text_only_calibration: bool = False,
+    awq_clip: bool = False,
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
@@ -220,7 +222,8 @@ def quantize(
     K / V scales on `dataset` and write compressed-tensors' `kv_cache_scheme`.
     Vision-language models see the images and videos of `dataset`'s chats through their
     (unquantized) vision tower, so the decoder's statistics include the image tokens;
-    `text_only_calibration` drops them and calibrates on the text alone.
+    `text_only_calibration` drops them and calibrates on the text alone. `awq_clip`: AWQ
+    also searches per-group weight clipping (see `AWQOptions.clip` for why it is off).
     """
     start = time.perf_counter()
     fp8 = scheme is not None and scheme.upper() in FP8_SCHEMES
@@ -231,6 +234,8 @@ def quantize(
             f"scheme {scheme} is min-max rounded (as llmcompressor's QuantizationModifier); "
             f"method={method!r} does not apply to it: use method 'rtn' or leave it unset"
         )
+    if awq_clip and method != "awq":
+        raise ValueError(f"awq_clip applies to method 'awq', not {method!r}")
     if fp8 and format != "compressed-tensors":
         raise ValueError(f"scheme {scheme} is written as compressed-tensors only")
     if kv_cache_dtype not in (None, "fp8", "fp8_e4m3"):
@@ -414,6 +419,7 @@ def quantize(
         storage_dtype=storage_dtype,
         progress=progress,
         gptq_scales=gptq_scales,
+        awq=AWQOptions(clip=awq_clip),
         format=format,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))

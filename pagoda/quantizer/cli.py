@@ -83,6 +83,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         gptq_scales=ns.gptq_scales,
         format=ns.format,
         text_only_calibration=ns.text_only_calibration,
+        awq_clip=ns.awq_clip,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -148,7 +149,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         choices=["gptq", "rtn", "awq"],
         help="default gptq (rtn for the FP8 schemes, which are min-max rounded); awq: AWQ's "
-        "activation-aware scales and clipping, then round to nearest",
+        "activation-aware scales, then round to nearest",
+    )
+    q.add_argument(
+        "--awq-clip",
+        action="store_true",
+        help="AWQ: also search per-group weight clipping (AutoAWQ's clip). Off by default: "
+        "on Qwen2.5-Coder-0.5B it lowered calibration error but raised held-out perplexity",
     )
     q.add_argument(
         "--kv-cache-dtype",

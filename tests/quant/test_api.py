@@ -292,3 +292,16 @@ def test_report_names_the_calibration_dtype(
     saved = json.loads((tmp_path / "q" / "quantization_report.json").read_text())
     assert saved["calibration_dtype"] == report.calibration_dtype
     assert f"({report.calibration_dtype} forward)" in report.summary()
+
+
+def test_awq_clips_only_when_asked(tiny_llama, calib_text, tmp_path) -> None:
+    """AWQ's clip search is opt-in (`awq_clip` / --awq-clip): the guard's candidates show
+    whether it ran; asking for it with another method is an error."""
+    common = dict(method="awq", group_size=32, dataset=str(calib_text), num_samples=2,
+                  max_seq_len=16, device="cpu", dtype="float32", progress=False)  # fmt: skip
+    plain = quantize(str(tiny_llama), tmp_path / "a", **common)
+    clipped = quantize(str(tiny_llama), tmp_path / "b", awq_clip=True, **common)
+    assert all(set(lr.awq_errors) == {"rtn", "scales"} for lr in plain.layers)
+    assert all(set(lr.awq_errors) == {"rtn", "scales", "scales+clip"} for lr in clipped.layers)
+    with pytest.raises(ValueError, match="awq_clip applies to method 'awq', not 'gptq'"):
+        quantize(str(tiny_llama), tmp_path / "c", method="gptq", awq_clip=True)
