@@ -28,6 +28,7 @@ def _engine(*loads: int) -> dp.DataParallelEngine:
     engine._prefix_owner = OrderedDict()
     engine._prefix_tokens = 32
     engine.routed = [0] * len(loads)
+    engine._pending = [0] * len(loads)
     engine.prefix_routed = 0
     return engine
 
@@ -59,6 +60,30 @@ def test_short_prompts_and_dead_replicas_go_by_load() -> None:
     engine.replicas[0].is_running = False
     with pytest.raises(EngineDeadError, match="no data-parallel replica is running"):
         engine._choose(_items([1]))
+
+
+def test_calls_still_being_added_count_as_load() -> None:
+    """Concurrent arrivals: each is routed before the previous one's streams exist on its
+    replica; counting the routed-but-not-added calls spreads them instead of sending all to
+    the replica that looked idle (as a burst of 4 did, all to replica 0)."""
+    engine = _engine(0, 0)
+    assert [engine._choose(_items([i])) for i in range(4)] == [0, 1, 0, 1]
+    assert engine.loads() == [2, 2]
+
+    async def add(_make, _ids):  # the replica's own _add: streams registered, then returned
+        return []
+
+    import asyncio
+
+    engine.replicas[0]._add = add
+    engine._live = lambda: engine.replicas
+
+    async def run(frontend_call):
+        return frontend_call(None)
+
+    engine.replicas[0].run = run
+    asyncio.run(engine._add(lambda _frontend: _items([9]), lambda n: ["x"]))
+    assert engine._pending == [2, 2]  # that call's own pending count was released
 
 
 def test_size_is_checked() -> None:
