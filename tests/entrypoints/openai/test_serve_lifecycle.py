@@ -45,18 +45,22 @@ def gauge(url: str, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def _long_stream(client, results: list, i: int) -> None:
+def _long_stream(
+    client, results: list, i: int, max_tokens: int = 16, started: threading.Event | None = None
+) -> None:
     try:
         stream = client.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": f"Count to {100 + i}."}],
-            max_tokens=16,
+            max_tokens=max_tokens,
             stream=True,
             extra_body={"ignore_eos": True},
         )
         text = ""
         finish = None
         for chunk in stream:
+            if started is not None:
+                started.set()  # the request is in the engine: it has streamed a chunk
             if chunk.choices:
                 text += chunk.choices[0].delta.content or ""
                 finish = chunk.choices[0].finish_reason or finish
@@ -71,9 +75,12 @@ def test_engine_killed_server_exits_nonzero():
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     results: list = [None]
-    t = threading.Thread(target=_long_stream, args=(client, results, 0))
+    # A stream far longer than the kill takes (a fast machine runs 16 tokens in under a second),
+    # killed once its first chunk has arrived: it is in flight when the engine dies.
+    started = threading.Event()
+    t = threading.Thread(target=_long_stream, args=(client, results, 0, 1500, started))
     t.start()
-    time.sleep(1.0)
+    assert started.wait(60), "the stream never started"
     os.kill(engine_pid(proc.pid), signal.SIGKILL)
     t0 = time.monotonic()
     code = proc.wait(30)
@@ -147,9 +154,10 @@ def test_restart_engine_serves_again_and_reasoning():
         assert thought == msg.reasoning_content and content == msg.content
 
         results: list = [None]
-        t = threading.Thread(target=_long_stream, args=(client, results, 0))
+        started = threading.Event()
+        t = threading.Thread(target=_long_stream, args=(client, results, 0, 1500, started))
         t.start()
-        time.sleep(1.0)
+        assert started.wait(60), "the stream never started"
         old = engine_pid(proc.pid)
         os.kill(old, signal.SIGKILL)
         t.join(60)
