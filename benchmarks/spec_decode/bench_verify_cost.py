@@ -138,6 +138,48 @@ def _graph_forward_time(runner, reqs, ctx: int, k: int, iters: int) -> float | N
         return None
 
 
+def kernel_profile(runner, ctx: int, ks: list[int], batch: int, top: int = 25) -> dict:
+    """GPU time per kernel name of one eager forward + LM head at query length 1 + k (batch
+    `batch`), for each k: where verification's extra time goes (kernel times are those a
+    graph replays; the launch gaps are not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bs = runner.block_size
+    blocks = -(-(ctx + 9) // bs)
+    block_ids = [list(range(1 + i * blocks, 1 + (i + 1) * blocks)) for i in range(batch)]
+    out = {}
+    for k in ks:
+        num_new = [1 + k] * batch
+        n = batch * (1 + k)
+        arrays = runner._prepare_arrays([ctx] * batch, num_new, block_ids, n)
+        md = runner._build_metadata([ctx] * batch, num_new, [], n, arrays)
+        ids = torch.zeros(n, dtype=torch.long, device=runner.device)
+        pos = torch.from_numpy(arrays["positions"]).to(runner.device)
+        with torch.inference_mode():
+            for _ in range(3):
+                runner.model.compute_logits(runner.model(ids, pos, md))
+            _sync()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    runner.model.compute_logits(runner.model(ids, pos, md))
+                _sync()
+        per: dict[str, list] = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                d = per.setdefault(ev.name[:90], [0.0, 0])
+                d[0] += ev.device_time / 5
+                d[1] += 1
+        rows = sorted(per.items(), key=lambda kv: -kv[1][0])
+        out[str(k)] = dict(
+            total_us=sum(v[0] for v in per.values()),
+            kernels=[dict(name=n, us=round(v[0], 1), calls=v[1] // 5) for n, v in rows[:top]],
+        )
+        print(f"profile batch {batch} k={k}: {out[str(k)]['total_us']:.0f} us of kernels", flush=True)
+        for r in out[str(k)]["kernels"][:12]:
+            print(f"  {r['us']:9.1f} us {r['calls']:4d}x {r['name']}", flush=True)
+    return out
+
+
 class ReplayProposer:
     """Drafts = the target's own greedy continuation from here, each token replaced by another
     with probability `corruption`: a proposer of known acceptance (benchmark only)."""
@@ -235,6 +277,9 @@ def main() -> None:
     p.add_argument("--e2e-k", type=int, default=4)
     p.add_argument("--e2e-corruptions", default="0,0.2,0.5,1.0")
     p.add_argument("--e2e-output-len", type=int, default=128)
+    p.add_argument("--profile-batches", default="", help="kernel time per name at these batches")
+    p.add_argument("--profile-ks", default="0,1,4")
+    p.add_argument("--skip-costs", action="store_true", help="profile only")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     ns = p.parse_args()
@@ -259,11 +304,21 @@ def main() -> None:
             skip_tokenizer_init=True,
             print_memory_report=False,
         )
-        rows = verify_costs(llm, batches, ks, ns.ctx, ns.iters)
         name = model.replace("config:benchmarks/configs/", "").replace("/", "_").replace(":", "_")
-        (out / f"verify_{name}.json").write_text(
-            json.dumps(dict(env, model=model, ctx=ns.ctx, rows=rows), indent=1)
-        )
+        if not ns.skip_costs:
+            rows = verify_costs(llm, batches, ks, ns.ctx, ns.iters)
+            (out / f"verify_{name}.json").write_text(
+                json.dumps(dict(env, model=model, ctx=ns.ctx, rows=rows), indent=1)
+            )
+        if ns.profile_batches and torch.cuda.is_available():
+            pks = [int(x) for x in ns.profile_ks.split(",")]
+            prof = {
+                b: kernel_profile(llm.llm_engine.core.runner, ns.ctx, pks, int(b))
+                for b in ns.profile_batches.split(",")
+            }
+            (out / f"profile_{name}.json").write_text(
+                json.dumps(dict(env, model=model, ctx=ns.ctx, batches=prof), indent=1)
+            )
         llm.shutdown()
         del llm
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
