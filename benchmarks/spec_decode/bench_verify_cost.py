@@ -79,6 +79,8 @@ def verify_costs(llm: LLM, batches: list[int], ks: list[int], ctx: int, iters: i
             ]
             sched = SchedulerOutput(reqs, batch * (1 + k))
             step = _time(lambda sched=sched: runner.launch(sched).result(), iters)
+            if PROFILE_LAUNCH[0] and batch == 1 and k == max(ks):
+                _profile_launch(runner, sched)
             graph = _graph_forward_time(runner, reqs, ctx, k, iters)
             if base is None:
                 base = step
@@ -99,6 +101,20 @@ def verify_costs(llm: LLM, batches: list[int], ks: list[int], ctx: int, iters: i
 
 
 _GRAPHS_OK = [True]
+PROFILE_LAUNCH = [False]
+
+
+def _profile_launch(runner, sched) -> None:
+    """Host and device time of the engine's own step (`runner.launch`), by op: where a verify
+    step's time goes beyond its forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            runner.launch(sched).result()
+        _sync()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
 
 
 def _graph_forward_time(runner, reqs, ctx: int, k: int, iters: int) -> float | None:
@@ -111,6 +127,7 @@ def _graph_forward_time(runner, reqs, ctx: int, k: int, iters: int) -> float | N
     num_tokens = n * (1 + k)
     arrays = runner._prepare_arrays([ctx] * n, num_new, [r.block_ids for r in reqs], num_tokens)
     md = runner._build_metadata([ctx] * n, num_new, [], num_tokens, arrays)
+    md.uniform_query_len = True  # as the engine's verify graphs: the fused attention may run
     ids = torch.zeros(num_tokens, dtype=torch.long, device=runner.device)
     pos = torch.from_numpy(arrays["positions"]).to(runner.device)
     model = runner.model
@@ -153,6 +170,7 @@ def kernel_profile(runner, ctx: int, ks: list[int], batch: int, top: int = 25) -
         n = batch * (1 + k)
         arrays = runner._prepare_arrays([ctx] * batch, num_new, block_ids, n)
         md = runner._build_metadata([ctx] * batch, num_new, [], n, arrays)
+        md.uniform_query_len = True  # as the engine's verify graphs
         ids = torch.zeros(n, dtype=torch.long, device=runner.device)
         pos = torch.from_numpy(arrays["positions"]).to(runner.device)
         with torch.inference_mode():
@@ -174,7 +192,9 @@ def kernel_profile(runner, ctx: int, ks: list[int], batch: int, top: int = 25) -
             total_us=sum(v[0] for v in per.values()),
             kernels=[dict(name=n, us=round(v[0], 1), calls=v[1] // 5) for n, v in rows[:top]],
         )
-        print(f"profile batch {batch} k={k}: {out[str(k)]['total_us']:.0f} us of kernels", flush=True)
+        print(
+            f"profile batch {batch} k={k}: {out[str(k)]['total_us']:.0f} us of kernels", flush=True
+        )
         for r in out[str(k)]["kernels"][:12]:
             print(f"  {r['us']:9.1f} us {r['calls']:4d}x {r['name']}", flush=True)
     return out
@@ -280,9 +300,11 @@ def main() -> None:
     p.add_argument("--profile-batches", default="", help="kernel time per name at these batches")
     p.add_argument("--profile-ks", default="0,1,4")
     p.add_argument("--skip-costs", action="store_true", help="profile only")
+    p.add_argument("--profile-launch", action="store_true", help="op table of a batch-1 step")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     ns = p.parse_args()
+    PROFILE_LAUNCH[0] = ns.profile_launch
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(x) for x in ns.batches.split(",")]

@@ -19,11 +19,16 @@ for run in "${runs[@]}"; do
       tests/entrypoints/test_spec_decode.py tests/entrypoints/test_spec_decode_draft.py \
       tests/models/test_qwen2_5_vl_spec.py > "$OUT/spec_gpu_tests.log" 2>&1
     grep -E "passed|failed|Error|assert" "$OUT/spec_gpu_tests.log" | tail -25
+    # the fused decode / verify attention, every case compiled (not only the gpu-marked ones)
+    timeout 240 python3 -m pytest -q -rf --tb=short -p no:cacheprovider \
+      tests/kernels/test_fused_decode_attention.py tests/kernels/test_fp8_kv_cache.py \
+      > "$OUT/attention_gpu_tests.log" 2>&1
+    grep -E "passed|failed|Error|assert" "$OUT/attention_gpu_tests.log" | tail -25
     ;;
   w4a16 | bf16)
     m=$cfg; [ "$run" = w4a16 ] && m=$cfg:w4a16
     timeout 200 python3 benchmarks/spec_decode/bench_verify_cost.py --models "$m" \
-      --batches 1,8,32,128 --ks 0,1,2,4,8 --profile-batches 1 --profile-ks 0,1,4 \
+      --batches 1,8,32,128 --ks 0,1,2,4,8 --profile-batches 1 --profile-ks 0,1,4 --profile-launch \
       --commit "${RUN_COMMIT:-unknown}" --out "$OUT/$run" 2>&1 | grep -v -i warn | tee "$OUT/$run.log"
     ;;
   e2e)

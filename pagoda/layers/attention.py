@@ -30,6 +30,7 @@ from torch import nn
 
 from pagoda import envs
 from pagoda.kernels.attention.reference import (
+    FUSED_MAX_QUERY_ROWS,
     check_sliding_window,
     paged_attention_ref,
     write_kv_cache_ref,
@@ -59,6 +60,9 @@ class AttentionMetadata:
     # Split-KV factor for the Triton kernel; None = chosen per call. CUDA graphs fix it at
     # capture time because the automatic choice depends on host values of the step.
     num_splits: int | None = None
+    # Set where every sequence has exactly max_query_len new tokens by construction (the
+    # speculative verify graphs: 1 + k each), so the fused decode attention may take the step.
+    uniform_query_len: bool = False
 
 
 # `kv_cache_dtype` names (vLLM's): "fp8" is e4m3 (3 mantissa bits, range +-448: needs the
@@ -281,21 +285,32 @@ class Attention(nn.Module):
         """Whether `forward_fused_decode` may replace RoPE + `forward` for this step.
 
         Needs a decode-only batch (one token per sequence, no padding rows beyond the
-        sequences: CUDA-graph padding comes as 1-token sequences with slot -1), CUDA tensors, a
+        sequences: CUDA-graph padding comes as 1-token sequences with slot -1) or a verify step
+        (`uniform_query_len`: 1 + k tokens per sequence, no sliding window, at most
+        `FUSED_MAX_QUERY_ROWS` query rows a KV head), CUDA tensors, a
         bound cache of q's dtype or FP8, Triton, and a cos/sin-table RoPE with [T] positions: plain
         RoPE, or M-RoPE (Qwen2-VL / Qwen2.5-VL) given [T] positions — the encoder runner's
         decode steps, where every axis holds the same position and M-RoPE is plain RoPE on the
         same table. [3, T] positions (image tokens in the step) never take this path.
         """
+        if attn_metadata is None:
+            return False
+        q_len = attn_metadata.max_query_len
+        if q_len > 1 and not (
+            attn_metadata.uniform_query_len
+            and self.sliding_window is None
+            and self.num_heads // self.num_kv_heads * q_len <= FUSED_MAX_QUERY_ROWS
+        ):
+            return False
         return (
-            attn_metadata is not None
-            and attn_metadata.max_query_len == 1
-            and q.is_cuda
+            q.is_cuda
             and self.kv_cache is not None
             and (self.kv_cache.dtype == q.dtype or self.kv_cache.element_size() == 1)
             and type(rotary_emb) in (RotaryEmbedding, MRotaryEmbedding)
             and positions.dim() == 1
-            and q.shape[0] == attn_metadata.num_actual_tokens == attn_metadata.seq_lens.shape[0]
+            and q.shape[0]
+            == attn_metadata.num_actual_tokens
+            == attn_metadata.seq_lens.shape[0] * q_len
             and _fused_decode_kernel() is not None
         )
 
@@ -330,11 +345,14 @@ class Attention(nn.Module):
             attn_metadata.block_tables,
             self.scale,
             attn_metadata.max_seq_len,
-            num_splits=attn_metadata.num_splits,
+            # a verify step splits the keys by the fused kernel's own choice for its programs
+            # (the metadata's factor is the paged attention's, 1 for multi-token queries)
+            num_splits=attn_metadata.num_splits if attn_metadata.max_query_len == 1 else None,
             sliding_window=self.sliding_window,
             kv_prefetch=_kv_prefetch(),
             k_scale=self._scales()[0],
             v_scale=self._scales()[1],
+            query_len=attn_metadata.max_query_len,
         )
 
     def _forward_no_cache(

@@ -121,6 +121,7 @@ class CudaGraphRunner:
             query_start_loc_cpu=list(range(0, (size + 1) * q, q)),
             seq_lens_cpu=[q] * size,
             num_splits=num_splits,
+            uniform_query_len=q > 1,
         )
 
     @torch.inference_mode()

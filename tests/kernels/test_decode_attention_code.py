@@ -33,7 +33,7 @@ def _compile_ptx(kv_pf_bytes: int = 0) -> str:
     consts = dict(
         NUM_QUERIES_PER_KV=8, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16,
         BLOCK_N=16, NUM_SPLITS=32, SLIDING=False, DROP=16, DOT_PRECISION="tf32",
-        UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, KV_PF_BYTES=kv_pf_bytes,
+        UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, KV_PF_BYTES=kv_pf_bytes, QLEN=1,
     )  # fmt: skip
     sig = {n: "constexpr" if n in consts else _PTRS.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=consts)

@@ -174,16 +174,20 @@ def test_engine_with_fp8_kv_cache_on_gpu(kv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", FP8)
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_fused_decode_attention_on_fp8_cache(dtype, num_splits):
+@pytest.mark.parametrize("query_len", [1, 5])
+def test_fused_decode_attention_on_fp8_cache(dtype, num_splits, query_len):
     """RoPE + FP8 cache write + attention in one launch against the unfused reference: the
-    new key / value in the cache bit for bit, outputs within bf16 rounding."""
+    new keys / values in the cache bit for bit, outputs within bf16 rounding; one new token a
+    sequence (decode) and five (a verify step of 4 drafts)."""
     if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs sm_89+")
     from pagoda.kernels.attention.reference import fused_decode_attention_ref
     from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
     from tests.kernels.test_fused_decode_attention import make_case
 
-    case = make_case([1, 17, 300, 2000], 28, 4, 128, torch.bfloat16, device="cuda")
+    case = make_case(
+        [query_len, 17, 300, 2000], 28, 4, 128, torch.bfloat16, device="cuda", query_len=query_len
+    )
     ks, vs = 0.011, 0.007
     # the cached keys in FP8 (NaN slots become NaN in e4m3 / e5m2 too)
     cache = torch.empty_like(case.kv_cache, dtype=dtype)
@@ -198,6 +202,7 @@ def test_fused_decode_attention_on_fp8_cache(dtype, num_splits):
         case.positions, case.q, case.k, case.v, case.cos, case.sin, out_cache,
         case.slot_mapping, case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
         max(case.seq_lens_cpu), num_splits=num_splits, k_scale=ks, v_scale=vs,
+        query_len=query_len,
     )  # fmt: skip
     n = case.num_real
     written = case.slot_mapping[:n]

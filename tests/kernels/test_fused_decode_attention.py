@@ -59,12 +59,13 @@ class Case:
     seq_lens: torch.Tensor  # [T]
     block_tables: torch.Tensor  # [T, max_blocks]
     seq_lens_cpu: list[int]
-    num_padding: int  # trailing tokens with slot -1 (CUDA-graph batch padding)
+    num_padding: int  # trailing sequences with slot -1 (CUDA-graph batch padding)
     scale: float
+    query_len: int = 1  # new tokens per sequence
 
     @property
-    def num_real(self) -> int:
-        return len(self.seq_lens_cpu) - self.num_padding
+    def num_real(self) -> int:  # tokens of real sequences
+        return (len(self.seq_lens_cpu) - self.num_padding) * self.query_len
 
 
 def make_case(
@@ -78,9 +79,13 @@ def make_case(
     block_size: int = 16,
     seed: int = 0,
     device: str = DEVICE,
+    query_len: int = 1,
 ) -> Case:
-    """Random decode batch: cached keys [0, len - 1) per sequence in shuffled blocks, NaN
-    elsewhere (block 0, the null block, included); padding tokens as the graph runner pads."""
+    """Random decode batch: cached keys [0, len - Q) per sequence in shuffled blocks, NaN
+    elsewhere (block 0, the null block, included), Q = `query_len` new tokens per sequence (a
+    verify step when Q > 1); padding sequences as the graph runner pads (Q tokens, length Q,
+    slot -1)."""
+    q_len = query_len
     g = torch.Generator(device=device).manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3  # + null block 0 and spares
@@ -100,22 +105,24 @@ def make_case(
         first += nb
         block_tables[b, :nb] = ids.to(torch.int32)
         keys = cache[:, ids].flatten(1, 2)  # copy: [2, nb * bs, Hkv, D]
-        keys[:, : seq_len - 1] = torch.randn(
-            2, seq_len - 1, num_kv_heads, head_dim, generator=g, device=device
+        keys[:, : seq_len - q_len] = torch.randn(
+            2, seq_len - q_len, num_kv_heads, head_dim, generator=g, device=device
         ).to(dtype)
         cache[:, ids] = keys.view(2, nb, block_size, num_kv_heads, head_dim)
-        pos = seq_len - 1
-        slots.append(int(ids[pos // block_size]) * block_size + pos % block_size)
-    all_lens = list(seq_lens) + [1] * num_padding
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(int(ids[pos // block_size]) * block_size + pos % block_size)
+    all_lens = list(seq_lens) + [q_len] * num_padding
     qkv = torch.randn(
-        num_seqs, (num_heads + 2 * num_kv_heads) * head_dim, generator=g, device=device
+        num_seqs * q_len, (num_heads + 2 * num_kv_heads) * head_dim, generator=g, device=device
     ).to(dtype)
     q, k, v = qkv.split(
         [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
     )
     rope = RotaryEmbedding(head_dim, max(all_lens) + 8, rope_theta=10000.0).to(device)
     return Case(
-        positions=torch.tensor([n - 1 for n in all_lens], dtype=torch.int64, device=device),
+        positions=torch.tensor(
+            [p for n in all_lens for p in range(n - q_len, n)], dtype=torch.int64, device=device
+        ),
         qkv=qkv,
         q=q,
         k=k,
@@ -123,13 +130,16 @@ def make_case(
         cos=rope.cos_cache,
         sin=rope.sin_cache,
         kv_cache=cache,
-        slot_mapping=torch.tensor(slots + [-1] * num_padding, dtype=torch.int64, device=device),
-        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(
+            slots + [-1] * (num_padding * q_len), dtype=torch.int64, device=device
+        ),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len,
         seq_lens=torch.tensor(all_lens, dtype=torch.int32, device=device),
         block_tables=block_tables,
         seq_lens_cpu=all_lens,
         num_padding=num_padding,
         scale=head_dim**-0.5,
+        query_len=q_len,
     )
 
 
@@ -137,7 +147,7 @@ def run_fused(case: Case, cache: torch.Tensor, **kwargs) -> torch.Tensor:
     return fused_decode_attention_triton(
         case.positions, case.q, case.k, case.v, case.cos, case.sin, cache, case.slot_mapping,
         case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
-        max(case.seq_lens_cpu), **kwargs,
+        max(case.seq_lens_cpu), query_len=case.query_len, **kwargs,
     )  # fmt: skip
 
 
@@ -256,7 +266,7 @@ def test_contiguous_inputs_and_out_buffer():
 
 def test_bad_arguments():
     case = make_case([5, 9], 8, 2, 64, torch.float32, num_padding=0)
-    with pytest.raises(ValueError, match="decode-only"):
+    with pytest.raises(ValueError, match="tokens per sequence"):
         fused_decode_attention_triton(
             case.positions, case.q, case.k, case.v, case.cos, case.sin, case.kv_cache,
             case.slot_mapping, case.query_start_loc[:2], case.seq_lens[:1],
@@ -270,6 +280,41 @@ def test_bad_arguments():
         )  # fmt: skip
     with pytest.raises(ValueError, match="num_splits"):
         run_fused(case, case.kv_cache.clone(), num_splits=0)
+
+
+# ---- several new tokens per sequence (speculative verify steps) -----------------------------
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("query_len", [2, 5, 9])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA, ids=GQA_IDS)
+def test_verify_step_matches_reference(num_heads, num_kv_heads, query_len, num_splits):
+    """1 + k tokens per sequence (k drafts): causal among the new tokens, every cached key
+    visible, the new keys stored; contexts across block edges, a sequence holding only its
+    new tokens, and graph-padding sequences."""
+    if num_heads // num_kv_heads * query_len > 128:
+        pytest.skip("over MAX_QUERY_ROWS: the paged attention takes such steps")
+    lens = [query_len, query_len + 1, 16 + query_len, 70, 300]
+    case = make_case(
+        lens, num_heads, num_kv_heads, 64, torch.bfloat16, query_len=query_len, num_padding=2,
+        seed=20 + query_len,
+    )  # fmt: skip
+    check(case, num_splits=num_splits)
+
+
+def test_verify_step_float32():
+    """float32 (exact up to summation order), 5 tokens a sequence, 2 splits (the FP8 cache:
+    `test_fp8_kv_cache.py`, on the GPU)."""
+    check(make_case([9, 40, 130], 8, 2, 64, torch.float32, query_len=5, seed=31), num_splits=2)
+
+
+def test_verify_step_rejects_window_and_too_many_rows():
+    case = make_case([20, 30], 8, 2, 64, torch.float32, query_len=4, num_padding=0)
+    with pytest.raises(ValueError, match="sliding window"):
+        run_fused(case, case.kv_cache.clone(), sliding_window=8)
+    case = make_case([40], 14, 2, 64, torch.float32, query_len=19, num_padding=0)
+    with pytest.raises(ValueError, match="query rows"):
+        run_fused(case, case.kv_cache.clone())
 
 
 # ---- the model layer: DecoderAttention's two paths -------------------------------------------
@@ -313,10 +358,11 @@ def _decode_metadata(case: Case) -> AttentionMetadata:
         seq_lens=case.seq_lens,
         block_tables=case.block_tables,
         slot_mapping=case.slot_mapping,
-        max_query_len=1,
+        max_query_len=case.query_len,
         max_seq_len=max(case.seq_lens_cpu),
         query_start_loc_cpu=case.query_start_loc.tolist(),
         seq_lens_cpu=case.seq_lens_cpu,
+        uniform_query_len=case.query_len > 1,
     )
 
 
@@ -346,6 +392,48 @@ def test_decoder_attention_fused_path_matches_unfused(monkeypatch, rope):
     torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0, equal_nan=True)
     n = case.num_real
     assert_close(got[:n], want[:n], dtype)
+
+
+def test_decoder_attention_verify_step_fused_matches_unfused(monkeypatch):
+    """A verify step (5 tokens a sequence, as the verify graphs run it) through the layer:
+    the fused path's output and cache equal the unfused path's (RoPE, cache write, paged
+    attention); a step not marked uniform, or a sliding-window layer, never takes it."""
+    dtype = torch.bfloat16
+    layer = _layer(False, dtype, "cpu")
+    case = make_case([5, 20, 33], 4, 2, 64, dtype, seed=14, device="cpu", query_len=5)
+    md = _decode_metadata(case)
+    hidden = torch.randn(case.q.shape[0], 128, generator=torch.Generator().manual_seed(15))
+    hidden = hidden.to(dtype)
+    want, want_cache = _run_layer(layer, case, hidden, md)
+    md.uniform_query_len = False  # e.g. an eager prefill of equal-length prompts
+    assert not layer.attn.use_fused_decode(case.positions, case.q, layer.rotary_emb, md)
+    md.uniform_query_len = True
+    monkeypatch.setattr(Attention, "use_fused_decode", lambda self, *args: True)
+    got, got_cache = _run_layer(layer, case, hidden, md)
+    torch.testing.assert_close(got_cache, want_cache, rtol=0, atol=0, equal_nan=True)
+    assert_close(got[: case.num_real], want[: case.num_real], dtype)
+
+
+def test_fused_path_predicate_for_multi_token_steps():
+    """`use_fused_decode` for query length > 1 (checked before the device): only steps marked
+    uniform, without a sliding window, within the row limit."""
+    case = make_case([20], 4, 2, 64, torch.float32, device="cpu", query_len=3, num_padding=0)
+    md = _decode_metadata(case)
+    attn = Attention(4, 64, 0.125, 2)
+    fake_cuda = SimpleNamespace(is_cuda=True, shape=case.q.shape, dtype=case.q.dtype)
+    attn.kv_cache = case.kv_cache
+    rope = RotaryEmbedding(64, 64, rope_theta=10000.0)
+    uses = attn.use_fused_decode
+    triton_ok = attention_mod._fused_decode_kernel() is not None
+    assert uses(case.positions, fake_cuda, rope, md) == triton_ok
+    md.uniform_query_len = False
+    assert not uses(case.positions, fake_cuda, rope, md)
+    md.uniform_query_len = True
+    attn.sliding_window = 16
+    assert not uses(case.positions, fake_cuda, rope, md)
+    attn.sliding_window = None
+    md.max_query_len = 65  # 2 heads a KV head x 65 tokens > 128 rows
+    assert not uses(case.positions, fake_cuda, rope, md)
 
 
 def test_env_var_turns_fused_path_off(monkeypatch):

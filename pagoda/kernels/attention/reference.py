@@ -16,6 +16,11 @@ import torch
 
 from pagoda.kernels.norm_act.reference import apply_rotary_ref
 
+# The fused decode attention with several new tokens per sequence (a speculative verify step)
+# holds a tile row per (new token, query head of a KV head); past this many rows the paged
+# attention takes the step.
+FUSED_MAX_QUERY_ROWS = 128
+
 
 def write_kv_cache_ref(
     key: torch.Tensor,  # [T, Hkv, D]

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from pagoda import platform
-from pagoda.kernels.attention.reference import check_sliding_window
+from pagoda.kernels.attention.reference import FUSED_MAX_QUERY_ROWS, check_sliding_window
 from pagoda.kernels.attention.triton_paged_attention import (
     _LOG2E,
     _attn_range,
@@ -52,6 +52,7 @@ from pagoda.kernels.norm_act.triton_fused_ops import _drop_bits, _round
 from pagoda.kernels.pdl import pdl_launch_args
 
 _KV_PF_BLOCKS = 4  # cache blocks a split prefetches before the wait (sm_90)
+MAX_QUERY_ROWS = FUSED_MAX_QUERY_ROWS
 KV_PF_BLOCKS = tl.constexpr(_KV_PF_BLOCKS)
 
 # 16-byte aligned address ($1), a size in bytes, a multiple of 16 ($2); only thread 0 of the
@@ -92,6 +93,205 @@ def _rotate_neox(x, x_partner, cos, sin, sign, DROP: tl.constexpr):
     `apply_rotary_ref` bit for bit.
     """
     return _round(_round(x * cos, DROP) + sign * _round(x_partner * sin, DROP), DROP)
+
+
+@triton.jit
+def _decode_prologue(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+    slot_mapping_ptr, tok, kv_head, split, qk_scale, k_scale, v_scale,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_cos, stride_sin,
+    stride_cb, stride_ct, stride_ch, stride_cd,
+    NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, DROP: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """One new token per sequence (`tok`): rotate its q heads of the group and its k, store k/v
+    at its slot (split 0), and start the online softmax with the new key.
+    Returns (acc, l, m, q_rot, head, row_valid, q_mask, tok per row)."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+
+    half = HEAD_DIM // 2  # constexpr arithmetic
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    # Rotate-half on whole rows: lane d reads its pair partner too (an L1 hit), so q stays one
+    # [BLOCK_M, D] tile for a single K = D dot per key tile.
+    first_half = offs_d < half
+    partner = tl.where(first_half, offs_d + half, offs_d - half)
+    freq = tl.where(first_half, offs_d, offs_d - half)
+    sign = tl.where(first_half, -1.0, 1.0)
+    # The layer (like HF) casts the float32 table rows to the model dtype before multiplying.
+    cos = tl.load(cos_ptr + pos * stride_cos + freq, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + freq, mask=d_mask, other=0.0).to(tl.float32)
+    cos = _round(cos, DROP)
+    sin = _round(sin, DROP)
+
+    # Row m of the tile is query head kv_head * G + m; rows >= G are padding for tl.dot.
+    offs_m = tl.arange(0, BLOCK_M)
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m
+    row_valid = offs_m < NUM_QUERIES_PER_KV
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    q_row = q_ptr + tok * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
+    q_x = tl.load(q_row + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+    q_p = tl.load(q_row + partner[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+    k_row = k_ptr + tok * stride_kt + kv_head * stride_kh
+    k_x = tl.load(k_row + offs_d * stride_kd, mask=d_mask, other=0.0).to(tl.float32)
+    k_p = tl.load(k_row + partner * stride_kd, mask=d_mask, other=0.0).to(tl.float32)
+    v_new = tl.load(v_ptr + tok * stride_vt + kv_head * stride_vh + offs_d * stride_vd,
+                    mask=d_mask, other=0.0)  # fmt: skip
+    if LAUNCH_DEPS:  # inputs read: the next kernel may launch (it still waits)
+        tl.extra.cuda.gdc_launch_dependents()
+
+    # Rotated values are exact in the model dtype (float32 here, so the casts below are exact).
+    q_rot = _rotate_neox(q_x, q_p, cos[None, :], sin[None, :], sign[None, :], DROP)
+    k_rot = _rotate_neox(k_x, k_p, cos, sin, sign, DROP)  # [HEAD_DIM_PAD]
+
+    # Split 0 owns the new token: it writes the token's K/V to the cache (every split of the
+    # group holds the same values; one store is enough). A scalar branch rather than a mask:
+    # the interpreter turns `tensor & scalar` masks into int32, which tl.store rejects.
+    # An FP8 cache stores K / k_scale and V / v_scale; the new key and value then take part in
+    # this step as stored (what later steps read back), in stored units like the cached tiles:
+    # k_scale is folded into qk_scale, v_scale into the output.
+    if FP8_MAX > 0:
+        k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
+        v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        k_st = k_st.to(k_cache_ptr.dtype.element_ty)
+        v_st = v_st.to(v_cache_ptr.dtype.element_ty)
+        k_use = k_st.to(tl.float32)
+    else:
+        k_st = k_rot.to(k_cache_ptr.dtype.element_ty)
+        v_st = v_new.to(v_cache_ptr.dtype.element_ty)
+        k_use = k_rot
+    if (split == 0) & (slot >= 0):
+        c_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        c_off += kv_head * stride_ch + offs_d * stride_cd
+        tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
+        tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
+
+    # Race freedom: nothing in this launch reads the new token's slot. Programs of one launch
+    # are unordered (the other splits of this group may run before split 0 stores), and even
+    # within split 0 the threads that store are not the ones that would load the tile back
+    # without a barrier. So cache tiles cover only keys [0, ctx), and the key at position ctx is
+    # folded in from registers by split 0 as the first key of its online softmax (score q . k,
+    # weight 1, value v_new). Padding tokens (slot -1, seq_len 1) thus attend to their own k/v
+    # alone: no cache access, a finite don't-care output. Split 0 always holds a key, as
+    # `_split_kv_reduce_kernel` requires.
+    first = (split == 0).to(tl.float32)
+    s_new = tl.sum(q_rot * k_use[None, :], 1) * qk_scale  # [BLOCK_M], log2 domain
+    m_i = tl.where(split == 0, s_new, float("-inf"))
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + first
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    acc += (v_st.to(tl.float32) * first)[None, :]
+
+    tok_r = tl.zeros([BLOCK_M], dtype=tl.int64) + tok
+    return acc, l_i, m_i, q_rot, head, row_valid, q_mask, tok_r
+
+
+@triton.jit
+def _new_key(
+    k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, t,
+    kv_head, split, k_scale, v_scale, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
+    stride_vd, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_cd,
+    offs_d, d_mask, partner, freq, sign,
+    BLOCK_SIZE: tl.constexpr, DROP: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """Token t's rotated key and value of `kv_head` as this step uses them (float32, in stored
+    units for an FP8 cache); split 0 stores them at its slot (slot < 0: padding, no store)."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    cos = _round(tl.load(cos_ptr + pos * stride_cos + freq, mask=d_mask, other=0.0), DROP)
+    sin = _round(tl.load(sin_ptr + pos * stride_sin + freq, mask=d_mask, other=0.0), DROP)
+    k_row = k_ptr + t * stride_kt + kv_head * stride_kh
+    k_x = tl.load(k_row + offs_d * stride_kd, mask=d_mask, other=0.0).to(tl.float32)
+    k_p = tl.load(k_row + partner * stride_kd, mask=d_mask, other=0.0).to(tl.float32)
+    v_new = tl.load(v_ptr + t * stride_vt + kv_head * stride_vh + offs_d * stride_vd,
+                    mask=d_mask, other=0.0)  # fmt: skip
+    k_rot = _rotate_neox(k_x, k_p, cos.to(tl.float32), sin.to(tl.float32), sign, DROP)
+    if FP8_MAX > 0:
+        k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
+        v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        k_st = k_st.to(k_cache_ptr.dtype.element_ty)
+        v_st = v_st.to(v_cache_ptr.dtype.element_ty)
+    else:
+        k_st = k_rot.to(k_cache_ptr.dtype.element_ty)
+        v_st = v_new.to(v_cache_ptr.dtype.element_ty)
+    if (split == 0) & (slot >= 0):
+        c_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        c_off += kv_head * stride_ch + offs_d * stride_cd
+        tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
+        tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
+    return k_st.to(tl.float32), v_st.to(tl.float32)
+
+
+@triton.jit
+def _multi_query_prologue(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+    slot_mapping_ptr, tok, kv_head, split, qk_scale, k_scale, v_scale,
+    stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd, stride_cos, stride_sin,
+    stride_cb, stride_ct, stride_ch, stride_cd,
+    NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, DROP: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr, FP8_MAX: tl.constexpr,
+    QLEN: tl.constexpr,
+):  # fmt: skip
+    """QLEN new tokens per sequence, tokens tok .. tok + QLEN - 1 at positions ctx .. ctx +
+    QLEN - 1 (a speculative verify step: the last known token and k drafts). Row r of the tile
+    is token j = r // G, query head kv_head * G + r % G (G = NUM_QUERIES_PER_KV). Each new key
+    i is rotated, stored at its slot by split 0 and folded into split 0's online softmax from
+    registers for the rows j >= i (causal), as the decode prologue does with its one key: the
+    cache tiles then cover keys [0, ctx), which every row sees and nothing in the launch
+    writes. Returns what `_decode_prologue` returns."""
+    half = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    first_half = offs_d < half
+    partner = tl.where(first_half, offs_d + half, offs_d - half)
+    freq = tl.where(first_half, offs_d, offs_d - half)
+    sign = tl.where(first_half, -1.0, 1.0)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    j = offs_m // NUM_QUERIES_PER_KV  # the row's token within the sequence
+    head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
+    row_valid = offs_m < NUM_QUERIES_PER_KV * QLEN
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    tok_r = tok + tl.where(row_valid, j, 0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok_r).to(tl.int64)  # [BLOCK_M]
+    cos = tl.load(cos_ptr + pos[:, None] * stride_cos + freq[None, :], mask=q_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos[:, None] * stride_sin + freq[None, :], mask=q_mask, other=0.0)
+    cos = _round(cos.to(tl.float32), DROP)
+    sin = _round(sin.to(tl.float32), DROP)
+    q_row = q_ptr + tok_r[:, None] * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
+    q_x = tl.load(q_row + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+    q_p = tl.load(q_row + partner[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
+    q_rot = _rotate_neox(q_x, q_p, cos, sin, sign[None, :], DROP)
+
+    # split 0 folds the new keys in; other splits start empty (m = -inf, l = 0)
+    is_split0 = (tl.zeros([BLOCK_M], dtype=tl.int32) + split) == 0
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for i in tl.static_range(QLEN):
+        k_use, v_use = _new_key(
+            k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+            slot_mapping_ptr, tok + i, kv_head, split, k_scale, v_scale,
+            stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, stride_cos,
+            stride_sin, stride_cb, stride_ct, stride_ch, stride_cd,
+            offs_d, d_mask, partner, freq, sign, BLOCK_SIZE, DROP, FP8_MAX,
+        )  # fmt: skip
+        s = tl.sum(q_rot * k_use[None, :], 1) * qk_scale  # [BLOCK_M], log2 domain
+        s = tl.where((j >= i) & is_split0, s, float("-inf"))
+        m_new = tl.maximum(m_i, s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no NaN
+        p = tl.exp2(s - m_ref)
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v_use[None, :]
+        m_i = m_new
+    if LAUNCH_DEPS:  # inputs read: the next kernel may launch (it still waits)
+        tl.extra.cuda.gdc_launch_dependents()
+    return acc, l_i, m_i, q_rot, head, row_valid, q_mask, tok_r
 
 
 # The block-table width changes per eager step: one compile for all (no mid-serving compile).
@@ -151,20 +351,23 @@ def _fused_decode_attention_kernel(
     PDL_EARLY: tl.constexpr = False,  # trigger the next launch first thing (pdl.py)
     KV_PF_BYTES: tl.constexpr = 0,  # bytes of one cache block (all KV heads) to prefetch; 0: off
     FP8_MAX: tl.constexpr = 0.0,  # an FP8 cache's largest value (0: the cache holds q's dtype)
+    QLEN: tl.constexpr = 1,  # new tokens per sequence (1 + k in a speculative verify step)
 ):
     if USE_PDL and PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    tok = seq.to(tl.int64)  # decode-only batch: one token per sequence, in sequence order
+    tok = seq.to(tl.int64) * QLEN  # the sequence's first new token (QLEN per sequence, in order)
     # Before the wait only what no kernel of this step writes: the step's inputs (lengths,
     # block table, copied in by the stream before the chain started), this layer's cache (only
     # this launch writes it, at the new token's slot, which it never reads back: a prefetched
     # block may hold that slot, harmlessly). (A pre-wait part may overlap any earlier kernel of
     # the chain still running, not just the previous one.)
     seq_len = tl.load(seq_lens_ptr + seq)
-    ctx = seq_len - 1  # cached keys before this step's token, which sits at position ctx
+    # cached keys before this step's tokens, the first of which sits at position ctx (padding
+    # sequences of a verify graph have seq_len = QLEN: no cached key)
+    ctx = tl.maximum(seq_len - QLEN, 0)
     # The one query at position ctx sees cached keys [kv_start, ctx): with a window W those from
     # ctx - W + 1 on, so the range starts there and no key in it needs a window mask.
     if SLIDING:
@@ -183,87 +386,35 @@ def _fused_decode_attention_kernel(
                 prefetch_l2(v_cache_ptr + blk * stride_cb, KV_PF_BYTES)
     if USE_PDL:  # qkv comes from the projection still running: wait before reading it
         tl.extra.cuda.gdc_wait()
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-
-    half = HEAD_DIM // 2  # constexpr arithmetic
+    if QLEN == 1:
+        acc, l_i, m_i, q_rot, head, row_valid, q_mask, tok_r = _decode_prologue(
+            q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+            slot_mapping_ptr, tok, kv_head, split, qk_scale, k_scale, v_scale,
+            stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+            stride_vt, stride_vh, stride_vd, stride_cos, stride_sin,
+            stride_cb, stride_ct, stride_ch, stride_cd,
+            NUM_QUERIES_PER_KV, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, DROP,
+            USE_PDL and not PDL_EARLY, FP8_MAX,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i, q_rot, head, row_valid, q_mask, tok_r = _multi_query_prologue(
+            q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
+            slot_mapping_ptr, tok, kv_head, split, qk_scale, k_scale, v_scale,
+            stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+            stride_vt, stride_vh, stride_vd, stride_cos, stride_sin,
+            stride_cb, stride_ct, stride_ch, stride_cd,
+            NUM_QUERIES_PER_KV, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, DROP,
+            USE_PDL and not PDL_EARLY, FP8_MAX, QLEN,
+        )  # fmt: skip
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    # Rotate-half on whole rows: lane d reads its pair partner too (an L1 hit), so q stays one
-    # [BLOCK_M, D] tile for a single K = D dot per key tile.
-    first_half = offs_d < half
-    partner = tl.where(first_half, offs_d + half, offs_d - half)
-    freq = tl.where(first_half, offs_d, offs_d - half)
-    sign = tl.where(first_half, -1.0, 1.0)
-    # The layer (like HF) casts the float32 table rows to the model dtype before multiplying.
-    cos = tl.load(cos_ptr + pos * stride_cos + freq, mask=d_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + freq, mask=d_mask, other=0.0).to(tl.float32)
-    cos = _round(cos, DROP)
-    sin = _round(sin, DROP)
-
-    # Row m of the tile is query head kv_head * G + m; rows >= G are padding for tl.dot.
-    offs_m = tl.arange(0, BLOCK_M)
-    head = kv_head * NUM_QUERIES_PER_KV + offs_m
-    row_valid = offs_m < NUM_QUERIES_PER_KV
-    q_mask = row_valid[:, None] & d_mask[None, :]
-    q_row = q_ptr + tok * stride_qt + head[:, None] * stride_qh  # [BLOCK_M, 1]
-    q_x = tl.load(q_row + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
-    q_p = tl.load(q_row + partner[None, :] * stride_qd, mask=q_mask, other=0.0).to(tl.float32)
-    k_row = k_ptr + tok * stride_kt + kv_head * stride_kh
-    k_x = tl.load(k_row + offs_d * stride_kd, mask=d_mask, other=0.0).to(tl.float32)
-    k_p = tl.load(k_row + partner * stride_kd, mask=d_mask, other=0.0).to(tl.float32)
-    v_new = tl.load(v_ptr + tok * stride_vt + kv_head * stride_vh + offs_d * stride_vd,
-                    mask=d_mask, other=0.0)  # fmt: skip
-    if USE_PDL and not PDL_EARLY:  # inputs read: the next kernel may launch (it still waits)
-        tl.extra.cuda.gdc_launch_dependents()
-
-    # Rotated values are exact in the model dtype (float32 here, so the casts below are exact).
-    q_rot = _rotate_neox(q_x, q_p, cos[None, :], sin[None, :], sign[None, :], DROP)
-    k_rot = _rotate_neox(k_x, k_p, cos, sin, sign, DROP)  # [HEAD_DIM_PAD]
-
-    # Split 0 owns the new token: it writes the token's K/V to the cache (every split of the
-    # group holds the same values; one store is enough). A scalar branch rather than a mask:
-    # the interpreter turns `tensor & scalar` masks into int32, which tl.store rejects.
-    # An FP8 cache stores K / k_scale and V / v_scale; the new key and value then take part in
-    # this step as stored (what later steps read back), in stored units like the cached tiles:
-    # k_scale is folded into qk_scale, v_scale into the output.
-    if FP8_MAX > 0:
-        k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
-        v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-        k_st = k_st.to(k_cache_ptr.dtype.element_ty)
-        v_st = v_st.to(v_cache_ptr.dtype.element_ty)
-        k_use = k_st.to(tl.float32)
-    else:
-        k_st = k_rot.to(k_cache_ptr.dtype.element_ty)
-        v_st = v_new.to(v_cache_ptr.dtype.element_ty)
-        k_use = k_rot
-    if (split == 0) & (slot >= 0):
-        c_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-        c_off += kv_head * stride_ch + offs_d * stride_cd
-        tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
-        tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
-
-    # Race freedom: nothing in this launch reads the new token's slot. Programs of one launch
-    # are unordered (the other splits of this group may run before split 0 stores), and even
-    # within split 0 the threads that store are not the ones that would load the tile back
-    # without a barrier. So cache tiles cover only keys [0, ctx), and the key at position ctx is
-    # folded in from registers by split 0 as the first key of its online softmax (score q . k,
-    # weight 1, value v_new). Padding tokens (slot -1, seq_len 1) thus attend to their own k/v
-    # alone: no cache access, a finite don't-care output. Split 0 always holds a key, as
-    # `_split_kv_reduce_kernel` requires.
-    first = (split == 0).to(tl.float32)
-    s_new = tl.sum(q_rot * k_use[None, :], 1) * qk_scale  # [BLOCK_M], log2 domain
-    m_i = tl.where(split == 0, s_new, float("-inf"))
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + first
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    acc += (v_st.to(tl.float32) * first)[None, :]
 
     if UPCAST_DOT:  # the interpreter multiplies bf16 dot operands as raw bits: stay float32
         q = q_rot
     else:
         q = q_rot.to(q_ptr.dtype.element_ty)
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-    # The causal limit of `_attn_tile` is just ctx.
+    # Every row sees every cached key (all before ctx): the causal limit of `_attn_tile` is ctx.
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + ctx
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
@@ -276,13 +427,16 @@ def _fused_decode_attention_kernel(
     if NUM_SPLITS == 1:
         o = acc * (v_scale / l_i[:, None])  # l_i >= 1: the top-scoring key has weight 1
         tl.store(
-            out_ptr + tok * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out_ptr
+            + tok_r[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
             o.to(out_ptr.dtype.element_ty),
             mask=q_mask,
         )
     else:
         # Unnormalised partials in the layout `_split_kv_reduce_kernel` reads.
-        part = (tok * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] int64
+        part = (tok_r * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M] int64
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :],
             acc * v_scale,
@@ -346,12 +500,15 @@ def fused_decode_attention_triton(
     kv_prefetch: bool = True,  # sm_90: the splits' first cache blocks into the L2 pre-wait
     k_scale: float = 1.0,  # FP8 cache (float8_e4m3fn / e5m2): K stored / k_scale
     v_scale: float = 1.0,
+    query_len: int = 1,  # new tokens per sequence: T = B * query_len (a verify step: 1 + k)
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
 
-    Equivalent to `apply_rotary` + `write_kv_cache` + `paged_attention` (max_query_len 1) on a
-    batch whose sequence b is token b. q, k and v are left unmodified (rotation happens in
-    registers). One launch, plus `_split_kv_reduce_kernel` when num_splits > 1.
+    Equivalent to `apply_rotary` + `write_kv_cache` + `paged_attention` on a batch whose
+    sequence b owns tokens [b * query_len, (b + 1) * query_len), causal among themselves
+    (query_len > 1: a speculative verify step; no sliding window, and at most
+    `MAX_QUERY_ROWS` query rows of a GQA group). q, k and v are left unmodified (rotation
+    happens in registers). One launch, plus `_split_kv_reduce_kernel` when num_splits > 1.
     """
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, N, bs, Hkv, D], got {tuple(kv_cache.shape)}")
@@ -367,6 +524,11 @@ def fused_decode_attention_triton(
         raise ValueError(f"k and v must have {num_kv_heads} heads like kv_cache")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if query_len > 1 and num_heads // num_kv_heads * query_len > MAX_QUERY_ROWS:
+        raise ValueError(
+            f"query_len={query_len} x {num_heads // num_kv_heads} heads a KV head is over "
+            f"{MAX_QUERY_ROWS} query rows: use the paged attention"
+        )
     fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if not fp8:
         k_scale = v_scale = 1.0  # scales describe FP8 storage only (as in the reference)
@@ -382,13 +544,16 @@ def fused_decode_attention_triton(
         )
     if sin_cache.shape != cos_cache.shape:
         raise ValueError(f"sin_cache {list(sin_cache.shape)} != cos_cache {list(cos_cache.shape)}")
-    if seq_lens.shape[0] != num_tokens or slot_mapping.shape[0] < num_tokens:
+    num_seqs = seq_lens.shape[0]
+    if query_len < 1 or num_seqs * query_len != num_tokens or slot_mapping.shape[0] < num_tokens:
         raise ValueError(
-            f"decode-only batch: need one sequence per token, got T={num_tokens}, "
-            f"B={seq_lens.shape[0]}, {slot_mapping.shape[0]} slots"
+            f"need query_len={query_len} tokens per sequence, got T={num_tokens}, "
+            f"B={num_seqs}, {slot_mapping.shape[0]} slots"
         )
-    if block_tables.shape[0] < num_tokens or query_start_loc.shape[0] != num_tokens + 1:
-        raise ValueError(f"block_tables must be [{num_tokens}, *], query_start_loc [T+1]")
+    if block_tables.shape[0] < num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"block_tables must be [{num_seqs}, *], query_start_loc [B+1]")
+    if query_len > 1 and sliding_window is not None:
+        raise ValueError("query_len > 1 with a sliding window: use the paged attention")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
     check_sliding_window(sliding_window)
@@ -403,14 +568,15 @@ def fused_decode_attention_triton(
     sin_cache = sin_cache if sin_cache.stride(1) == 1 else sin_cache.contiguous()
 
     kv_len = effective_kv_len(max_seq_len, 1, sliding_window)  # keys one program reads
-    if num_splits is None:
-        num_splits = choose_num_splits(num_tokens, num_kv_heads, 1, kv_len, _num_sms(q.device))
+    if num_splits is None:  # a program per (sequence, KV head) whatever query_len is
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, 1, kv_len, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    kv_pf_bytes = _kv_block_bytes(kv_cache, num_tokens * num_splits) if kv_prefetch else 0
+    kv_pf_bytes = _kv_block_bytes(kv_cache, num_seqs * num_splits) if kv_prefetch else 0
     qpk = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
-    block_m, block_n, num_warps, num_stages = _launch_config(1, kv_len, qpk, num_splits)
+    # a tile row per (new token, query head of the group)
+    block_m, block_n, num_warps, num_stages = _launch_config(1, kv_len, qpk * query_len, num_splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # fp32 would silently use tf32 on tensor cores; keep it exact (fp32 is a test dtype only).
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -425,7 +591,7 @@ def fused_decode_attention_triton(
     else:
         part_acc = part_m = part_l = out  # never touched: NUM_SPLITS == 1 prunes those stores
 
-    _fused_decode_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
+    _fused_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q3, k3, v3, positions, cos_cache, sin_cache, k_cache, v_cache,
         slot_mapping, seq_lens, block_tables, out3, part_acc, part_m, part_l,
         scale * _LOG2E * k_scale, float(k_scale), float(v_scale), sliding_window or 0,
@@ -437,12 +603,12 @@ def fused_decode_attention_triton(
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
         KV_PF_BYTES=kv_pf_bytes, FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
-        num_warps=num_warps, num_stages=num_stages,
+        QLEN=query_len, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q, early=True),
     )  # fmt: skip
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_tokens, num_heads)](
-            out3, part_acc, part_m, part_l, query_start_loc, num_tokens, num_heads,
+            out3, part_acc, part_m, part_l, query_start_loc, num_seqs, num_heads,
             *out3.stride(),
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
