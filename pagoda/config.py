@@ -118,6 +118,7 @@ _SPEC_KEYS = {
     "prompt_lookup_max",
     "prompt_lookup_min",
     "disable_by_batch_size",
+    "adaptive",
 }
 
 
@@ -136,6 +137,9 @@ class SpeculativeConfig:
     # at 32-128 (3B/7B W4A16, BENCHMARKS.md), more than the 1.1-3 tokens a step that real
     # chat and extraction prompts accept; past 8 speculation would make serving slower.
     disable_by_batch_size: int | None = 8
+    # Within that limit, speculate only at batch sizes where speculating steps measure more
+    # tokens a second than plain ones (pagoda/engine/spec_governor.py); False: always.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
@@ -159,6 +163,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) > "
                 f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(
+                f"speculative_config.adaptive must be true or false, got {self.adaptive!r}"
             )
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):

@@ -78,8 +78,13 @@ def main() -> None:
     ns = p.parse_args()
     configs = {
         "plain": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": ns.k, "prompt_lookup_max": 4},
-        "draft": {"model": ns.draft, "num_speculative_tokens": ns.k},
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": ns.k,
+            "prompt_lookup_max": 4,
+            "adaptive": False,
+        },
+        "draft": {"model": ns.draft, "num_speculative_tokens": ns.k, "adaptive": False},
     }
     methods = ns.methods.split(",")
     if "draft" in methods and ns.draft is None:

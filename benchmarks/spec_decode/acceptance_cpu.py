@@ -93,7 +93,13 @@ def main() -> None:
     ns = p.parse_args()
     log = record_accepts()
     greedy = SamplingParams(temperature=0.0, max_tokens=ns.max_tokens)
-    spec_cfg = {"method": "ngram", "num_speculative_tokens": ns.k, "prompt_lookup_max": 4}
+    # every step speculates: the acceptance of the drafts themselves
+    spec_cfg = {
+        "method": "ngram",
+        "num_speculative_tokens": ns.k,
+        "prompt_lookup_max": 4,
+        "adaptive": False,
+    }
     result: dict = dict(
         commit=ns.commit, date=time.strftime("%Y-%m-%d"), device="cpu", model="SmolLM2-135M"
     )

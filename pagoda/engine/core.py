@@ -7,6 +7,7 @@ reference to any front end, so it could move to its own process unchanged.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ from pagoda.engine.kv_cache_manager import KVCacheManager
 from pagoda.engine.ngram_proposer import NgramProposer
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
+from pagoda.engine.spec_governor import SpecGovernor
 from pagoda.step import DraftRequest, SchedulerOutput
 from pagoda.worker.memory import MemoryReport
 from pagoda.worker.model_runner import PendingOutput
@@ -28,6 +30,13 @@ if TYPE_CHECKING:
 
 # How long an idle step waits for a grammar compile before returning (seconds).
 _GRAMMAR_WAIT_S = 0.005
+
+
+def _decode_only(sched_out: SchedulerOutput) -> bool:
+    """Every request of the step computes only its newest token and its drafts (no prompt)."""
+    return bool(sched_out.scheduled) and all(
+        r.num_new_tokens == 1 + len(r.spec_token_ids) for r in sched_out.scheduled
+    )
 
 
 class EngineCore:
@@ -71,6 +80,13 @@ class EngineCore:
             )
         # "draft_model": the runner holds the draft; it proposes after each speculating step.
         self.draft_model = self.speculative is not None and self.speculative.method == "draft_model"
+        # Speculate where it measures faster (spec_governor.py); None: by batch size only.
+        self.governor: SpecGovernor | None = None
+        if self.speculative is not None and self.speculative.adaptive:
+            self.governor = SpecGovernor()
+        # The previous step() of the async plain loop: (start time, batch, decode-only), to
+        # time the step whose output the next call drains.
+        self._last_plain: tuple[float, int, bool] | None = None
         # The step launched on the device whose output is not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
@@ -121,9 +137,11 @@ class EngineCore:
         grammar), and only then are the bitmasks filled and the sampler launched, so the mask
         of step N+1 follows the token of step N while the forward of N+1 runs on the device.
         """
+        t_start = time.perf_counter()
         speculate = self._speculates()
         if not self.async_scheduling or self.scheduler.needs_sync() or speculate:
             # Speculative decoding proposes from the host's token history: in order.
+            self._last_plain = None
             outputs = self._drain()
             if speculate:
                 self._propose()
@@ -136,9 +154,17 @@ class EngineCore:
             pending = self.runner.launch(sched_out)
             self._sample_constrained(pending)
             self._count_step(sched_out)
-            outputs += self.scheduler.update_from_output(sched_out, pending.result())
+            step_outputs = self.scheduler.update_from_output(sched_out, pending.result())
+            outputs += step_outputs
             if speculate and self.draft_model:
                 self._propose_with_draft(sched_out)
+            if self.governor is not None and _decode_only(sched_out):
+                self.governor.record(
+                    len(sched_out.scheduled),
+                    speculate,
+                    sum(len(o.new_token_ids) for o in step_outputs),
+                    time.perf_counter() - t_start,
+                )
             return outputs
         if self.speculative is not None:
             # Drafts proposed for a request a speculative step could not fit: a step of the
@@ -152,6 +178,18 @@ class EngineCore:
             launched = (sched_out, self.runner.launch(sched_out))
             self._count_step(sched_out)
         outputs = self._drain() + self.scheduler.pop_aborted_outputs()
+        if self.governor is not None:
+            # In steady state a call of the async loop lasts one device step; the tokens it
+            # drains are those of the step the previous call launched.
+            last = self._last_plain
+            if last is not None and last[2]:
+                tokens = sum(len(o.new_token_ids) for o in outputs)
+                self.governor.record(last[1], False, tokens, t_start - last[0])
+            self._last_plain = (
+                (t_start, len(sched_out.scheduled), _decode_only(sched_out))
+                if launched is not None
+                else None
+            )
         if launched is not None:
             self._sample_constrained(launched[1])
         else:
@@ -160,13 +198,24 @@ class EngineCore:
         return outputs
 
     def _speculates(self) -> bool:
-        """Whether this step speculates: a proposer, and a batch small enough for it to pay
-        (`disable_by_batch_size`); otherwise the step takes the plain (async) loop."""
+        """Whether this step speculates: a proposer, a batch within `disable_by_batch_size`,
+        and — with `adaptive` — a decode step whose batch size measures faster speculating
+        (`SpecGovernor`); otherwise the step takes the plain (async) loop. Seeded sampling in
+        the batch keeps the choice by batch size alone, so those outputs stay reproducible
+        (they consume random numbers differently in the two modes)."""
         if self.speculative is None:
             return False
         limit = self.speculative.disable_by_batch_size
         sched = self.scheduler
-        return limit is None or sched.num_running + sched.num_waiting <= limit
+        if limit is not None and sched.num_running + sched.num_waiting > limit:
+            return False
+        if self.governor is None or sched.num_waiting or not sched.num_running:
+            return True
+        for r in sched.running:
+            sp = r.sampling_params
+            if sp.seed is not None and sp.temperature > 0:
+                return True
+        return self.governor.choose(sched.num_running)
 
     def _propose(self) -> None:
         """Draft tokens for every running request in a decode step.

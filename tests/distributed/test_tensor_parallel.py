@@ -191,7 +191,7 @@ def test_speculation_with_tensor_parallelism_is_a_clear_error():
     args = EngineArgs(
         model=None,
         tensor_parallel_size=2,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "adaptive": False},
     )
     with pytest.raises(ValueError, match="speculative_config cannot be combined"):
         args.create_configs()

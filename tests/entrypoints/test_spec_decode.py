@@ -18,7 +18,9 @@ from scipy.stats import chi2_contingency
 from pagoda import LLM, SamplingParams
 from tests.helpers import save_tiny_model
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# adaptive off: speculation on every step (what these tests check; test_spec_governor.py
+# and `test_adaptive_*` below cover the choice)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False}
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _spec(draft: str, k: int = 3, **kw) -> dict:
-    return {"model": draft, "num_speculative_tokens": k, **kw}
+    return {"model": draft, "num_speculative_tokens": k, "adaptive": False, **kw}
 
 
 VARIANTS = {

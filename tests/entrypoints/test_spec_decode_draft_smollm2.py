@@ -71,7 +71,11 @@ def test_self_draft_is_always_accepted(plain):
     llm = LLM(
         print_memory_report=False,
         max_model_len=512,
-        speculative_config={"model": default_model_path(), "num_speculative_tokens": 4},
+        speculative_config={
+            "model": default_model_path(),
+            "num_speculative_tokens": 4,
+            "adaptive": False,
+        },
     )
     out = _chat(llm, SamplingParams(temperature=0.0, max_tokens=24))
     _check_equal(ref, out)
@@ -87,7 +91,7 @@ def test_shallow_draft_rejections_keep_output(plain, shallow_draft):
     llm = LLM(
         print_memory_report=False,
         max_model_len=512,
-        speculative_config={"model": shallow_draft, "num_speculative_tokens": 3},
+        speculative_config={"model": shallow_draft, "num_speculative_tokens": 3, "adaptive": False},
     )
     out = _chat(llm, SamplingParams(temperature=0.0, max_tokens=24))
     _check_equal(ref, out)

@@ -25,7 +25,8 @@ PROMPTS = [
     "Extract the year from: 'The bridge opened on 12 May 1937 after four years of work.'",
     f"Add a docstring to each function:\n\n```python\n{CODE}```",
 ]
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+# adaptive off: speculation on every step (what these tests check)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "adaptive": False}
 
 
 @pytest.fixture(scope="module")

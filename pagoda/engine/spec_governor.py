@@ -1,0 +1,91 @@
+"""When speculation pays: tokens a second measured on the engine's own steps, by batch size.
+
+Speculative decoding wins when the tokens a verify step emits outweigh its cost against a plain
+decode step; both depend on the model, the GPU, the batch size and, above all, on how often the
+drafts are right, which changes with the prompts being served (chat accepts little, extraction
+and code a lot). A fixed batch-size limit cannot know that: with poor drafts a batch of one is
+slower speculating than not. So the engine measures instead. For each batch-size bucket (1, 2-3,
+4-7, 8-15, ...) it keeps a moving average of the decode throughput — tokens emitted a second of
+wall time — of speculating steps and of plain steps, each measured on decode-only steps of that
+mode, and speculates while the speculating rate is at least the plain one. A bucket with a mode
+not yet measured tries it; the mode not chosen is re-measured every `probe_every` steps of the
+bucket, so a change in acceptance (a new kind of prompt) is seen within a few probes, and at most
+one step in `probe_every` runs in the slower mode.
+
+Time is read from an injectable clock; `SpecGovernor` knows nothing of the engine beyond the
+numbers it is given (`core.EngineCore` feeds it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+def bucket_of(batch: int) -> int:
+    """Batch-size bucket: 1, 2-3, 4-7, 8-15, ... -> 0, 1, 2, 3, ..."""
+    return max(batch, 1).bit_length() - 1
+
+
+@dataclass
+class _Bucket:
+    rate: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
+    samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    since_probe: int = 0
+
+
+class SpecGovernor:
+    def __init__(
+        self,
+        alpha: float = 0.2,
+        probe_every: int = 50,
+        warmup_samples: int = 3,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        # alpha: weight of a new sample in the moving average; warmup_samples: steps measured
+        # in a mode before its rate is trusted (the first are plain averages, see `record`).
+        self.alpha = alpha
+        self.probe_every = probe_every
+        self.warmup_samples = warmup_samples
+        self.clock = clock
+        self.buckets: dict[int, _Bucket] = {}
+        self.num_probes = 0
+
+    def _bucket(self, batch: int) -> _Bucket:
+        return self.buckets.setdefault(bucket_of(batch), _Bucket())
+
+    def choose(self, batch: int) -> bool:
+        """Whether the next step of `batch` running requests speculates."""
+        b = self._bucket(batch)
+        for mode in (True, False):  # measure each mode first
+            if b.samples[mode] < self.warmup_samples:
+                return mode
+        spec, plain = b.rate[True], b.rate[False]
+        best = spec >= plain
+        b.since_probe += 1
+        if b.since_probe >= self.probe_every:
+            b.since_probe = 0
+            self.num_probes += 1
+            return not best
+        return best
+
+    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step of `batch` requests emitted `tokens` tokens in `seconds`."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        b = self._bucket(batch)
+        rate = tokens / seconds
+        n = b.samples[speculated]
+        old = b.rate[speculated]
+        # the first samples average evenly, later ones decay with alpha
+        w = max(self.alpha, 1.0 / (n + 1))
+        b.rate[speculated] = rate if old is None else (1 - w) * old + w * rate
+        b.samples[speculated] = n + 1
+
+    def speedup(self, batch: int) -> float | None:
+        """Measured speculating / plain tokens a second in `batch`'s bucket (None: unmeasured)."""
+        b = self.buckets.get(bucket_of(batch))
+        if b is None or b.rate[True] is None or b.rate[False] is None:
+            return None
+        return b.rate[True] / b.rate[False]
