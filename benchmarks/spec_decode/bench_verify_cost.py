@@ -289,6 +289,65 @@ def end_to_end(
     return rows
 
 
+def draft_cost(
+    model: str, drafts: list[str], batches: list[int], k: int, prompt_len: int, output_len: int,
+    max_model_len: int,
+) -> list[dict]:  # fmt: skip
+    """Wall time of a speculating step with a draft model (random weights: the drafts are
+    rejected, so every step runs the draft k + 1 times and verifies; the accepted length is
+    what real weights give, measured on the CPU) against a plain decode step, per batch."""
+    common = dict(
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+        max_model_len=max_model_len,
+        skip_tokenizer_init=True,
+        max_num_seqs=max(batches),
+        print_memory_report=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    rows = []
+    plain = LLM(model, gpu_memory_utilization=0.3, **common)
+    plain_step = {}
+    for batch in batches:
+        rng = random.Random(batch)
+        prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(batch)]
+        plain.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+        t = time.perf_counter()
+        plain.generate(prompts, params, use_tqdm=False)
+        plain_step[batch] = (time.perf_counter() - t) / output_len
+    plain.shutdown()
+    del plain
+    for draft in drafts:
+        spec = LLM(
+            model,
+            speculative_config={"model": draft, "num_speculative_tokens": k, "adaptive": False},
+            gpu_memory_utilization=0.6,
+            **common,
+        )
+        for batch in batches:
+            rng = random.Random(batch)
+            prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(batch)]
+            spec.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+            t = time.perf_counter()
+            out = spec.generate(prompts, params, use_tqdm=False)
+            t_spec = time.perf_counter() - t
+            steps = statistics.mean(o.metrics.spec_num_steps for o in out)
+            acc = sum(o.metrics.spec_num_accepted_tokens for o in out)
+            row = dict(
+                batch=batch,
+                k=k,
+                draft=draft,
+                plain_step_s=plain_step[batch],
+                spec_step_s=t_spec / steps if steps else None,
+                spec_step_ratio=t_spec / steps / plain_step[batch] if steps else None,
+                mean_accepted_length=1 + acc / sum(o.metrics.spec_num_steps for o in out),
+            )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        spec.shutdown()
+        del spec
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--models", nargs="+", required=True)
@@ -305,6 +364,7 @@ def main() -> None:
     p.add_argument("--profile-ks", default="0,1,4")
     p.add_argument("--skip-costs", action="store_true", help="profile only")
     p.add_argument("--profile-launch", action="store_true", help="op table of a batch-1 step")
+    p.add_argument("--draft-models", nargs="*", default=[], help="draft-model step cost")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     ns = p.parse_args()
@@ -320,6 +380,8 @@ def main() -> None:
         date=time.strftime("%Y-%m-%d"),
     )
     for model in ns.models:
+        if ns.skip_costs and not ns.profile_batches:
+            break  # nothing measured on this engine
         llm = LLM(
             model,
             dtype="bfloat16" if torch.cuda.is_available() else "float32",
@@ -348,6 +410,19 @@ def main() -> None:
         llm.shutdown()
         del llm
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if ns.draft_models:
+        rows = draft_cost(
+            ns.e2e_model or ns.models[0],
+            ns.draft_models,
+            [int(x) for x in ns.e2e_batches.split(",")],
+            ns.e2e_k,
+            ns.ctx,
+            ns.e2e_output_len,
+            ns.ctx + ns.e2e_output_len + 64,
+        )
+        (out / "draft_cost.json").write_text(
+            json.dumps(dict(env, model=ns.e2e_model or ns.models[0], rows=rows), indent=1)
+        )
     if ns.e2e_model:
         rows = end_to_end(
             ns.e2e_model,

@@ -37,5 +37,12 @@ for run in "${runs[@]}"; do
       --e2e-corruptions 0,0.3,0.6,1.0 --commit "${RUN_COMMIT:-unknown}" --out "$OUT/e2e" 2>&1 \
       | grep -v -i warn | tee "$OUT/e2e.log"
     ;;
+  draft)
+    timeout 300 python3 benchmarks/spec_decode/bench_verify_cost.py --models "$cfg:w4a16" \
+      --skip-costs --draft-models config:benchmarks/configs/qwen2.5-0.5b.json \
+      config:benchmarks/configs/qwen2.5-0.5b.json:w4a16 --e2e-batches 1,4 \
+      --commit "${RUN_COMMIT:-unknown}" --out "$OUT/draft" 2>&1 | grep -v -i warn \
+      | tee "$OUT/draft.log"
+    ;;
   esac
 done

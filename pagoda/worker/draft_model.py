@@ -4,6 +4,9 @@ It owns a paged KV cache of its own, laid out like the target's and addressed by
 tables and slot mapping, so the scheduler's blocks cover both. It runs every step's batch after
 the target (prompt chunks, decodes and verify steps alike; 1-D positions over the token ids, also
 for an M-RoPE target), then proposes k tokens per request greedily from the accepted ones.
+On CUDA it replays graphs of its own (`capture_graphs`): decode graphs for the proposing steps
+and the decode steps it follows, verify-shaped graphs (1 + k tokens a sequence) for the verify
+steps; prompt chunks run eagerly.
 """
 
 from __future__ import annotations
@@ -41,6 +44,60 @@ class DraftModel:
         self.weights_bytes = 0
         # Target ids past a smaller draft vocabulary (padding ids) are clamped into it.
         self.vocab_size: int = model_config.text_config.vocab_size
+        # CUDA graphs by query length (1: decode / propose steps; 1 + k: verify steps)
+        self.graphs: dict[int, Any] = {}
+
+    def capture_graphs(
+        self, max_num_seqs: int, max_model_len: int, query_lens: list[int], dtype: torch.dtype
+    ) -> list:
+        """Capture the draft's graphs for these query lengths (activations in `dtype`, the
+        runner's); returns their stats."""
+        from pagoda.worker.cuda_graphs import CudaGraphRunner
+
+        stats = []
+        cfg = self.model_config.text_config
+        for q in query_lens:
+            runner = CudaGraphRunner(
+                self.model,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                block_size=self.block_size,
+                hidden_size=cfg.hidden_size,
+                dtype=dtype,
+                device=self.device,
+                query_len=q,
+            )
+            stats.append(runner.capture())
+            self.graphs[q] = runner
+        return stats
+
+    def run_graph(
+        self,
+        query_len: int,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        table: np.ndarray,
+        fill_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
+        """Replay the graph for len(seq_lens) sequences of `query_len` tokens; None where no
+        graph fits (the caller runs eagerly)."""
+        runner = self.graphs.get(query_len)
+        if runner is None:
+            return None
+        size = runner.padded_size(len(seq_lens))
+        if size is None:
+            return None
+        ids = np.minimum(token_ids, self.vocab_size - 1)
+        fill = fill_ids
+        if fill_ids is not None:  # ids written on the device are clamped there too
+
+            def fill(buf: torch.Tensor) -> None:
+                fill_ids(buf)
+                buf.clamp_(max=self.vocab_size - 1)
+
+        return runner.run(size, ids, positions, slots, seq_lens, table, fill_ids=fill)
 
     def load(self, target_window: int | None) -> None:
         """Load the weights. `target_window`: the window the KV manager frees the target's
@@ -122,7 +179,8 @@ class DraftModel:
         want = np.asarray(num_tokens, dtype=np.int64)
         rows = np.arange(len(token_ids))  # the batch rows still drafting
         steps: list[tuple[np.ndarray, torch.Tensor]] = []  # (batch rows, their drafts)
-        ids = to_dev(ids.clamp(max=self.vocab_size - 1).numpy())
+        host_ids = ids.clamp(max=self.vocab_size - 1).numpy()
+        ids = to_dev(host_ids)
         for step in range(int(want.max())):
             if step:
                 keep = want[rows] > step
@@ -135,6 +193,16 @@ class DraftModel:
             max_blocks = int(-(-int(seq_lens.max()) // bs))
             sub = table[rows, :max_blocks]  # [n, max_blocks]
             slots = sub[np.arange(n), p // bs].astype(np.int64) * bs + p % bs
+            # the ids of step > 0 are on the device (the previous argmax): copied in there
+            fill = None if step == 0 else (lambda buf, ids=ids: buf.copy_(ids))
+            hidden = self.run_graph(
+                1, host_ids[rows] if step == 0 else np.zeros(n, np.int64), p, slots, seq_lens,
+                np.ascontiguousarray(sub), fill,
+            )  # fmt: skip
+            if hidden is not None:
+                ids = self.model.compute_logits(hidden).argmax(dim=-1)  # [n]
+                steps.append((rows, ids))
+                continue
             qsl = np.arange(n + 1, dtype=np.int32)
             md = AttentionMetadata(
                 num_actual_tokens=n,
@@ -157,5 +225,8 @@ class DraftModel:
         return drafts
 
     def close(self) -> None:
+        for runner in self.graphs.values():
+            runner.close()
+        self.graphs = {}
         self.release_kv_cache()
         self.model = None

@@ -796,6 +796,15 @@ class ModelRunner:
             vstats = self.verify_graph_runner.capture()
             stats.capture_time_s += vstats.capture_time_s
             stats.memory_bytes += vstats.memory_bytes
+        if self.draft is not None and self.lora_manager is None and triton_available():
+            # the draft's own graphs: its proposing steps and the decode / verify steps it
+            # follows (what the target replays, the draft replays too)
+            q_lens = [1] if self.verify_graph_runner is None else [1, verify_query_len]
+            for dstats in self.draft.capture_graphs(
+                max_num_seqs, self.model_config.max_model_len, q_lens, self.dtype
+            ):
+                stats.capture_time_s += dstats.capture_time_s
+                stats.memory_bytes += dstats.memory_bytes
         if self.memory_report is not None:
             self.memory_report.cuda_graph_capture_time_s = stats.capture_time_s
             self.memory_report.cuda_graph_bytes = stats.memory_bytes
@@ -940,9 +949,22 @@ class ModelRunner:
                 if embeds is not None:
                     pending.fill_embeds(embeds, ids, self.model)
             hidden = self.model(ids, self._to_dev(rope_positions), md, inputs_embeds=embeds)
-        if self.draft is not None:
-            # The draft follows every step (eagerly), so its cache holds what the target's
-            # does; text positions even where the target's are M-RoPE.
+        if self.draft is not None and not (
+            graph_size is not None
+            and self.draft.run_graph(
+                graphs.query_len,
+                token_ids,
+                arrays["positions"],
+                arrays["slots"],
+                arrays["seq_lens"],
+                arrays["table"],
+                fill_ids=fill_ids,
+            )
+            is not None
+        ):
+            # The draft follows every step (a graph where the target replayed one), so its
+            # cache holds what the target's does; text positions even where the target's are
+            # M-RoPE.
             if md is None:
                 md = self._build_metadata(num_computed, num_new, [], num_tokens, arrays)
                 ids = self._to_dev(token_ids)

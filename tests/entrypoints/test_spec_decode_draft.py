@@ -180,7 +180,8 @@ def test_cli_json_reaches_the_engine(models):
 
 @pytest.mark.gpu
 def test_gpu_draft_equals_plain(models):
-    """On CUDA: target decode and verify steps from graphs, the draft eager; same tokens."""
+    """On CUDA: target and draft replay graphs (decode, verify, the draft's proposing steps);
+    same tokens as plain decoding, and the draft's graphs did run."""
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     kw = dict(device="cuda", dtype="float32", skip_tokenizer_init=True, max_model_len=256)
@@ -188,8 +189,20 @@ def test_gpu_draft_equals_plain(models):
     ref = plain.generate(prompts, params, use_tqdm=False)
     plain.shutdown()
     llm = LLM(models["self"], speculative_config=_spec(models["other"]), **kw)
+    draft = llm.llm_engine.core.runner.draft
+    assert sorted(draft.graphs) == [1, 1 + 3]  # k = 3
+    replays = {q: 0 for q in draft.graphs}
+    for q, runner in draft.graphs.items():
+        run = runner.run
+
+        def counted(*a, q=q, run=run, **k):
+            replays[q] += 1
+            return run(*a, **k)
+
+        runner.run = counted
     spec = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(ref, spec, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
     assert sum(o.metrics.spec_num_draft_tokens for o in spec) > 0
+    assert replays[1] > 0 and replays[4] > 0, replays
     llm.shutdown()
