@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from pagoda.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
 from pagoda.engine.kv_cache_manager import KVCacheManager
-from pagoda.engine.ngram_proposer import NgramProposer
+from pagoda.engine.ngram_proposer import NgramIndex, NgramProposer
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.scheduler import EngineCoreOutput, Scheduler
 from pagoda.engine.spec_governor import SpecGovernor
@@ -245,7 +245,11 @@ class EngineCore:
                 and not request.num_pending_tokens
                 and request.num_computed_tokens == request.num_tokens - 1
             ):
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
+                if request.ngram_index is None:
+                    request.ngram_index = NgramIndex()
+                request.spec_token_ids = self.proposer.propose(
+                    request.all_token_ids, state=request.ngram_index
+                )
 
     def _propose_with_draft(self, sched_out: SchedulerOutput) -> None:
         """Draft tokens from the draft model for the requests that just got a token: it runs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -78,6 +78,8 @@ class Request:
     # Speculative decoding: the proposer's drafts for the next step (consumed by schedule()),
     # and what verification made of them so far.
     spec_token_ids: list[int] = field(init=False, default_factory=list)
+    # The n-gram proposer's index of this request's history (engine/ngram_proposer.py).
+    ngram_index: Any = field(init=False, default=None)
     num_spec_steps: int = field(init=False, default=0)  # steps that verified >= 1 draft
     num_draft_tokens: int = field(init=False, default=0)
     num_accepted_tokens: int = field(init=False, default=0)
