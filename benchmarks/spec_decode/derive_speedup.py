@@ -6,6 +6,10 @@ drafts costs the verify forward replayed from a graph of query length 1 + k plus
 per-step overhead measured at k = 0 (engine step - graph forward); a step without drafts costs
 a plain decode step. Speed-up = plain time per token / speculative time per token. Assumes the
 acceptance of the 135M model on these prompts; a larger target accepts at least as often.
+
+With `--draft-cost` (bench_verify_cost.py --draft-models: a speculating step with a draft
+model against a plain step, GPU) and `--pair` (acceptance.py on a real draft / target pair,
+CPU): speed-up = tokens a decode step of the pair x plain step / speculating step, per kind.
 """
 
 from __future__ import annotations
@@ -17,10 +21,18 @@ from pathlib import Path
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--acceptance", required=True)
-    p.add_argument("--verify", nargs="+", required=True)
+    p.add_argument("--acceptance")
+    p.add_argument("--verify", nargs="+", default=[])
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--draft-cost", help="draft_cost.json of bench_verify_cost.py")
+    p.add_argument("--pair", help="acceptance.py JSON of a real draft / target pair")
     ns = p.parse_args()
+    if ns.draft_cost and ns.pair:
+        draft_table(
+            json.loads(Path(ns.draft_cost).read_text()), json.loads(Path(ns.pair).read_text())
+        )
+    if not ns.acceptance:
+        return
     acc = json.loads(Path(ns.acceptance).read_text())["acceptance"]
     k = str(ns.k)
     print(f"| model | batch | {' | '.join(acc)} |")
@@ -46,6 +58,17 @@ def main() -> None:
                 cells.append(f"{tps * t0 / t_step:.2f}×")
             name = d["model"].replace("config:benchmarks/configs/", "")
             print(f"| {name} | {b} | {' | '.join(cells)} |")
+
+
+def draft_table(cost: dict, pair: dict) -> None:
+    kinds = pair["methods"]["draft"]["kinds"]
+    print(f"| draft | batch | step ÷ plain | {' | '.join(kinds)} |")
+    print("|---|---:|---:|" + "---:|" * len(kinds))
+    for r in cost["rows"]:
+        ratio = r["spec_step_ratio"]
+        cells = [f"{kinds[k]['tokens_per_decode_step'] / ratio:.2f}×" for k in kinds]
+        name = r["draft"].replace("config:benchmarks/configs/", "")
+        print(f"| {name} | {r['batch']} | {ratio:.2f} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
