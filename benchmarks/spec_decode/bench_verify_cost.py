@@ -210,7 +210,7 @@ class ReplayProposer:
         self.corruption = corruption
         self.rng = random.Random(seed)
 
-    def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], k: int | None = None, state=None) -> list[int]:
         k = self.k if k is None else k
         for prompt, cont in self.reference.items():
             n = len(prompt)
@@ -348,6 +348,63 @@ def draft_cost(
     return rows
 
 
+def vl_end_to_end(
+    model: str, k: int, corruptions: list[float], output_len: int, max_model_len: int = 4096
+) -> list[dict]:
+    """Qwen2.5-VL with an image (a 640x480 data-URL chat), batch 1: plain against speculating
+    with the known-acceptance proposer; greedy tokens must be equal."""
+    from pagoda.bench.edge import _chat
+
+    tok = str(Path(__file__).resolve().parents[2] / "tests/fixtures/qwen2.5-tokenizer")
+    common = dict(
+        tokenizer=tok,
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+        max_model_len=max_model_len,
+        limit_mm_per_prompt={"image": 1},
+        print_memory_report=False,
+    )
+    plain = LLM(model, gpu_memory_utilization=0.3, **common)
+    spec = LLM(
+        model,
+        speculative_config={"method": "ngram", "num_speculative_tokens": k, "adaptive": False},
+        gpu_memory_utilization=0.6,
+        **common,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    messages = _chat(640, 480, 0)
+    plain.chat(messages, SamplingParams(max_tokens=4), use_tqdm=False)
+    t = time.perf_counter()
+    (ref,) = plain.chat(messages, params, use_tqdm=False)
+    t_plain = time.perf_counter() - t
+    reference = {tuple(ref.prompt_token_ids): ref.outputs[0].token_ids}
+    rows = []
+    for c in corruptions:
+        core = spec.llm_engine.core
+        core.proposer = ReplayProposer(k, reference, c, seed=1)
+        core.kv_cache_manager.reset_prefix_cache()
+        t = time.perf_counter()
+        (out,) = spec.chat(messages, params, use_tqdm=False)
+        t_spec = time.perf_counter() - t
+        m = out.metrics
+        row = dict(
+            model=model,
+            batch=1,
+            k=k,
+            corruption=c,
+            prompt_tokens=len(ref.prompt_token_ids),
+            plain_s=t_plain,
+            spec_s=t_spec,
+            speedup=t_plain / t_spec,
+            mean_accepted_length=(
+                1 + m.spec_num_accepted_tokens / m.spec_num_steps if m.spec_num_steps else None
+            ),
+            greedy_identical=out.outputs[0].token_ids == ref.outputs[0].token_ids,
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--models", nargs="+", required=True)
@@ -365,6 +422,7 @@ def main() -> None:
     p.add_argument("--skip-costs", action="store_true", help="profile only")
     p.add_argument("--profile-launch", action="store_true", help="op table of a batch-1 step")
     p.add_argument("--draft-models", nargs="*", default=[], help="draft-model step cost")
+    p.add_argument("--vl-model", default=None, help="Qwen2.5-VL known-acceptance run, an image")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     ns = p.parse_args()
@@ -410,6 +468,12 @@ def main() -> None:
         llm.shutdown()
         del llm
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if ns.vl_model:
+        rows = vl_end_to_end(
+            ns.vl_model, ns.e2e_k, [float(x) for x in ns.e2e_corruptions.split(",")],
+            ns.e2e_output_len,
+        )  # fmt: skip
+        (out / "vl_known_acceptance.json").write_text(json.dumps(dict(env, rows=rows), indent=1))
     if ns.draft_models:
         rows = draft_cost(
             ns.e2e_model or ns.models[0],

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Speculative decoding on one GPU (issue 39): the spec-decode GPU tests, the verify cost of
+# Speculative decoding on one GPU: the spec-decode GPU tests, the verify cost of
 # k = 0..8 with a per-kernel profile, and the known-acceptance end-to-end run (random weights of
 # the real Qwen2.5-3B shape). Usage: OUT=out RUN_COMMIT=<hash> bash
-# benchmarks/spec_decode/run_spec_gpu.sh [tests] [w4a16] [bf16] [e2e] [draft]
+# benchmarks/spec_decode/run_spec_gpu.sh [tests] [w4a16] [bf16] [e2e] [draft] [vl]
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-out}
@@ -36,6 +36,11 @@ for run in "${runs[@]}"; do
       --skip-costs --e2e-model "$cfg:w4a16" --e2e-batches 1,8,32,128 \
       --e2e-corruptions 0,0.3,0.6,1.0 --commit "${RUN_COMMIT:-unknown}" --out "$OUT/e2e" 2>&1 \
       | grep -v -i warn | tee "$OUT/e2e.log"
+    ;;
+  vl)
+    timeout 240 python3 benchmarks/spec_decode/bench_verify_cost.py --models x --skip-costs \
+      --vl-model config:benchmarks/configs/qwen2.5-vl-3b.json --e2e-corruptions 0,0.3,1.0 \
+      --commit "${RUN_COMMIT:-unknown}" --out "$OUT/vl" 2>&1 | grep -v -i warn | tee "$OUT/vl.log"
     ;;
   draft)
     timeout 300 python3 benchmarks/spec_decode/bench_verify_cost.py --models "$cfg:w4a16" \
