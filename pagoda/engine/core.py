@@ -84,9 +84,11 @@ class EngineCore:
         self.governor: SpecGovernor | None = None
         if self.speculative is not None and self.speculative.adaptive:
             self.governor = SpecGovernor()
-        # The previous step() of the async plain loop: (start time, batch, decode-only), to
-        # time the step whose output the next call drains.
-        self._last_plain: tuple[float, int, bool] | None = None
+        # The previous step() of the async plain loop: (start time, batch, decode-only, whether
+        # it drained a step launched by the call before it), to time the step whose output the
+        # next call drains; and the previous step()'s kind ("spec", "sync", "async").
+        self._last_plain: tuple[float, int, bool, bool] | None = None
+        self._last_kind = ""
         # The step launched on the device whose output is not processed yet (async scheduling).
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         self.num_steps = 0
@@ -142,6 +144,10 @@ class EngineCore:
         if not self.async_scheduling or self.scheduler.needs_sync() or speculate:
             # Speculative decoding proposes from the host's token history: in order.
             self._last_plain = None
+            # a step that first waits for another kind of step is not timed
+            kind = "spec" if speculate else "sync"
+            steady = self._last_kind == kind and self._in_flight is None
+            self._last_kind = kind
             outputs = self._drain()
             if speculate:
                 self._propose()
@@ -158,7 +164,7 @@ class EngineCore:
             outputs += step_outputs
             if speculate and self.draft_model:
                 self._propose_with_draft(sched_out)
-            if self.governor is not None and _decode_only(sched_out):
+            if self.governor is not None and steady and _decode_only(sched_out):
                 self.governor.record(
                     len(sched_out.scheduled),
                     speculate,
@@ -177,16 +183,20 @@ class EngineCore:
         if sched_out.scheduled:
             launched = (sched_out, self.runner.launch(sched_out))
             self._count_step(sched_out)
+        self._last_kind = "async"
+        drained = self._in_flight is not None
         outputs = self._drain() + self.scheduler.pop_aborted_outputs()
         if self.governor is not None:
             # In steady state a call of the async loop lasts one device step; the tokens it
-            # drains are those of the step the previous call launched.
+            # drains are those of the step the previous call launched. The first call after a
+            # sync step waits for nothing, so the one after it would look too fast: a sample
+            # needs the previous call to have drained a step too.
             last = self._last_plain
-            if last is not None and last[2]:
+            if last is not None and last[2] and last[3]:
                 tokens = sum(len(o.new_token_ids) for o in outputs)
                 self.governor.record(last[1], False, tokens, t_start - last[0])
             self._last_plain = (
-                (t_start, len(sched_out.scheduled), _decode_only(sched_out))
+                (t_start, len(sched_out.scheduled), _decode_only(sched_out), drained)
                 if launched is not None
                 else None
             )

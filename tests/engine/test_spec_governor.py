@@ -43,13 +43,14 @@ def test_good_drafts_keep_speculating():
 
 def test_poor_drafts_turn_it_off_and_cost_little():
     """1.1 tokens a verify step at 1.5x the cost: speculating alone would run at 0.73x; the
-    governor ends within 2 % of plain decoding."""
+    governor ends within 2 % of plain decoding (outside the 1.25x band a probe is 1 step in
+    50 at 0.73x: 0.5 %, plus the 4 warm-up steps)."""
     gov = SpecGovernor(probe_every=50)
     sim = Sim(gov, 1)
     sim.run(2000, plain_s=2e-3, spec_s=3e-3, tokens=1.1)
     plain_rate = 1 / 2e-3
     assert sim.tokens / sim.time > 0.98 * plain_rate
-    assert sim.spec_steps < 2000 / 50 + 10  # warm-up and one probe in 50
+    assert sim.spec_steps <= 2000 / 50 + 4 + 1  # one probe in 50 and the warm-up
 
 
 def test_acceptance_change_is_followed():
@@ -74,7 +75,8 @@ def test_batch_sizes_are_judged_apart():
     for _ in range(20):
         small.run(25, plain_s=2e-3, spec_s=2.6e-3, tokens=2.5)
         large.run(25, plain_s=5e-3, spec_s=15e-3, tokens=2.5)
-    assert small.spec_steps > 450 and large.spec_steps < 50
+    # batch 64 speculating runs at 0.83x, inside the 1.25x band: a probe every 10 steps
+    assert small.spec_steps > 450 and large.spec_steps <= 500 / 10 + 4 + 1
     assert gov.speedup(1) > 1 > gov.speedup(64)
 
 
