@@ -362,6 +362,9 @@ def vl_end_to_end(
         max_model_len=max_model_len,
         limit_mm_per_prompt={"image": 1},
         print_memory_report=False,
+        # both engines prefill the whole prompt every time (a prefix-cache hit in one of them
+        # would compute the prompt's tail with other kernel shapes than the other's prefill)
+        enable_prefix_caching=False,
     )
     plain = LLM(model, gpu_memory_utilization=0.3, **common)
     spec = LLM(

@@ -394,12 +394,14 @@ def test_decoder_attention_fused_path_matches_unfused(monkeypatch, rope):
     assert_close(got[:n], want[:n], dtype)
 
 
-def test_decoder_attention_verify_step_fused_matches_unfused(monkeypatch):
+@pytest.mark.parametrize("rope", ["qwen2", "qwen2_5_vl"])
+def test_decoder_attention_verify_step_fused_matches_unfused(monkeypatch, rope):
     """A verify step (5 tokens a sequence, as the verify graphs run it) through the layer:
     the fused path's output and cache equal the unfused path's (RoPE, cache write, paged
-    attention); a step not marked uniform, or a sliding-window layer, never takes it."""
+    attention), with M-RoPE's [T] positions too; a step not marked uniform never takes it."""
     dtype = torch.bfloat16
-    layer = _layer(False, dtype, "cpu")
+    mrope = MRotaryEmbedding(64, 8192, 10000.0, [8, 12, 12]) if rope == "qwen2_5_vl" else None
+    layer = _layer(False, dtype, "cpu", rope=mrope)
     case = make_case([5, 20, 33], 4, 2, 64, dtype, seed=14, device="cpu", query_len=5)
     md = _decode_metadata(case)
     hidden = torch.randn(case.q.shape[0], 128, generator=torch.Generator().manual_seed(15))
