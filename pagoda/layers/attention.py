@@ -31,6 +31,7 @@ from torch import nn
 from pagoda import envs
 from pagoda.kernels.attention.reference import (
     FUSED_MAX_QUERY_ROWS,
+    FUSED_MAX_VERIFY_SEQS,
     check_sliding_window,
     paged_attention_ref,
     write_kv_cache_ref,
@@ -287,7 +288,8 @@ class Attention(nn.Module):
         Needs a decode-only batch (one token per sequence, no padding rows beyond the
         sequences: CUDA-graph padding comes as 1-token sequences with slot -1) or a verify step
         (`uniform_query_len`: 1 + k tokens per sequence, no sliding window, at most
-        `FUSED_MAX_QUERY_ROWS` query rows a KV head), CUDA tensors, a
+        `FUSED_MAX_QUERY_ROWS` query rows a KV head and `FUSED_MAX_VERIFY_SEQS` sequences, where
+        it measured faster), CUDA tensors, a
         bound cache of q's dtype or FP8, Triton, and a cos/sin-table RoPE with [T] positions: plain
         RoPE, or M-RoPE (Qwen2-VL / Qwen2.5-VL) given [T] positions — the encoder runner's
         decode steps, where every axis holds the same position and M-RoPE is plain RoPE on the
@@ -300,6 +302,7 @@ class Attention(nn.Module):
             attn_metadata.uniform_query_len
             and self.sliding_window is None
             and self.num_heads // self.num_kv_heads * q_len <= FUSED_MAX_QUERY_ROWS
+            and attn_metadata.seq_lens.shape[0] <= FUSED_MAX_VERIFY_SEQS
         ):
             return False
         return (

@@ -418,7 +418,7 @@ def test_decoder_attention_verify_step_fused_matches_unfused(monkeypatch, rope):
 
 def test_fused_path_predicate_for_multi_token_steps():
     """`use_fused_decode` for query length > 1 (checked before the device): only steps marked
-    uniform, without a sliding window, within the row limit."""
+    uniform, without a sliding window, within the row and sequence limits."""
     case = make_case([20], 4, 2, 64, torch.float32, device="cpu", query_len=3, num_padding=0)
     md = _decode_metadata(case)
     attn = Attention(4, 64, 0.125, 2)
@@ -434,8 +434,13 @@ def test_fused_path_predicate_for_multi_token_steps():
     attn.sliding_window = 16
     assert not uses(case.positions, fake_cuda, rope, md)
     attn.sliding_window = None
-    md.max_query_len = 65  # 2 heads a KV head x 65 tokens > 128 rows
+    md.max_query_len = 33  # 2 heads a KV head x 33 tokens > 64 rows (FUSED_MAX_QUERY_ROWS)
     assert not uses(case.positions, fake_cuda, rope, md)
+    md.max_query_len = 3
+    md.seq_lens = torch.full((17,), 20, dtype=torch.int32)  # > FUSED_MAX_VERIFY_SEQS
+    md.num_actual_tokens = 17 * 3
+    many = SimpleNamespace(is_cuda=True, shape=(17 * 3, case.q.shape[1]), dtype=case.q.dtype)
+    assert not uses(torch.zeros(17 * 3, dtype=torch.long), many, rope, md)
 
 
 def test_env_var_turns_fused_path_off(monkeypatch):

@@ -17,9 +17,13 @@ import torch
 from pagoda.kernels.norm_act.reference import apply_rotary_ref
 
 # The fused decode attention with several new tokens per sequence (a speculative verify step)
-# holds a tile row per (new token, query head of a KV head); past this many rows the paged
-# attention takes the step.
-FUSED_MAX_QUERY_ROWS = 128
+# holds a tile row per (new token, query head of a KV head). Measured on an H100 (3B W4A16,
+# context 512, graph replays; BENCHMARKS.md): it beats the paged attention up to 64 rows and 8
+# sequences (k = 4: 1.31x a decode step against 1.47x at batch 1, 1.73x against 1.81x at 8)
+# and loses past them (128-row tiles at k = 8: 2.35x against 1.70x; batch 32, k = 4: 2.05x
+# against 1.95x). Beyond these the paged attention takes the step.
+FUSED_MAX_QUERY_ROWS = 64
+FUSED_MAX_VERIFY_SEQS = 16
 
 
 def write_kv_cache_ref(

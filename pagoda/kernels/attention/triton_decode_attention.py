@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from pagoda import platform
-from pagoda.kernels.attention.reference import FUSED_MAX_QUERY_ROWS, check_sliding_window
+from pagoda.kernels.attention.reference import check_sliding_window
 from pagoda.kernels.attention.triton_paged_attention import (
     _LOG2E,
     _attn_range,
@@ -52,7 +52,9 @@ from pagoda.kernels.norm_act.triton_fused_ops import _drop_bits, _round
 from pagoda.kernels.pdl import pdl_launch_args
 
 _KV_PF_BLOCKS = 4  # cache blocks a split prefetches before the wait (sm_90)
-MAX_QUERY_ROWS = FUSED_MAX_QUERY_ROWS
+# query_len > 1: the most tile rows (new tokens x query heads of a KV head) it compiles for; the
+# layer takes it only up to `FUSED_MAX_QUERY_ROWS`, where it measured faster (reference.py)
+MAX_QUERY_ROWS = 128
 KV_PF_BLOCKS = tl.constexpr(_KV_PF_BLOCKS)
 
 # 16-byte aligned address ($1), a size in bytes, a multiple of 16 ($2); only thread 0 of the
