@@ -164,6 +164,8 @@ class EngineCore:
             outputs += step_outputs
             if speculate and self.draft_model:
                 self._propose_with_draft(sched_out)
+            elif not speculate and self.governor is not None and self.proposer is not None:
+                self._shadow_proposals()
             if self.governor is not None and steady and _decode_only(sched_out):
                 self.governor.record(
                     len(sched_out.scheduled),
@@ -186,6 +188,8 @@ class EngineCore:
         self._last_kind = "async"
         drained = self._in_flight is not None
         outputs = self._drain() + self.scheduler.pop_aborted_outputs()
+        if self.governor is not None and self.proposer is not None and outputs:
+            self._shadow_proposals()
         if self.governor is not None:
             # In steady state a call of the async loop lasts one device step; the tokens it
             # drains are those of the step the previous call launched. The first call after a
@@ -246,6 +250,37 @@ class EngineCore:
                         and r.num_computed_tokens == r.num_tokens - 1
                     ):
                         r.spec_token_ids = r.spec_token_ids + [-1] * (k - len(r.spec_token_ids))
+
+    def _shadow_proposals(self) -> None:
+        """While plain decoding runs (within `disable_by_batch_size`), propose for each running
+        request as a speculating step would, and once the tokens that followed are known, tell
+        the governor how many a speculating step would have emitted (1 + the matching drafts;
+        1 where nothing was proposed). Host work only: n-gram lookups in each request's index."""
+        limit = self.speculative.disable_by_batch_size
+        if limit is not None and self.scheduler.num_running > limit:
+            return
+        for request in self.scheduler.running:
+            if request.structured_output is not None:
+                continue
+            tokens = request.all_token_ids
+            shadow = request.shadow_drafts
+            if shadow is not None:
+                start, drafts = shadow
+                got = tokens[start : start + len(drafts)]
+                accepted = 0
+                while accepted < len(got) and got[accepted] == drafts[accepted]:
+                    accepted += 1
+                if accepted == len(got) < len(drafts):
+                    continue  # all matched so far: wait for the rest
+                self.governor.record_shadow(1 + accepted)
+            if request.ngram_index is None:
+                request.ngram_index = NgramIndex()
+            drafts = self.proposer.propose(tokens, state=request.ngram_index)
+            if drafts:
+                request.shadow_drafts = (len(tokens), drafts)
+            else:
+                request.shadow_drafts = None
+                self.governor.record_shadow(1)
 
     def _propose_each(self) -> None:
         for request in self.scheduler.running:

@@ -80,6 +80,9 @@ class Request:
     spec_token_ids: list[int] = field(init=False, default_factory=list)
     # The n-gram proposer's index of this request's history (engine/ngram_proposer.py).
     ngram_index: Any = field(init=False, default=None)
+    # A proposal made while decoding plainly, checked against the tokens that follow it
+    # (engine/core.py `_shadow_proposals`): (its position, its drafts).
+    shadow_drafts: tuple[int, list[int]] | None = field(init=False, default=None)
     num_spec_steps: int = field(init=False, default=0)  # steps that verified >= 1 draft
     num_draft_tokens: int = field(init=False, default=0)
     num_accepted_tokens: int = field(init=False, default=0)

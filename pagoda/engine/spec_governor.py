@@ -14,6 +14,12 @@ noisy sample could have decided), so a change in acceptance (a new kind of promp
 within a few probes. The probes' cost is bounded: within the band at most 1 step in 10 runs
 up to 20 % slower, outside it 1 in 50: never more than 2 % of plain decoding's rate.
 
+The tokens a speculating step emits per sequence are estimated apart from its time, since they
+vary far more: from the speculating steps, and — with a host-side proposer such as n-gram —
+from "shadow" proposals made during plain decoding and checked against the tokens that came
+(`record_shadow`), so the estimate follows the prompts even while speculation is off. The
+speculating rate is then that estimate x batch ÷ the measured time of a speculating step.
+
 Time is read from an injectable clock; `SpecGovernor` knows nothing of the engine beyond the
 numbers it is given (`core.EngineCore` feeds it).
 """
@@ -35,12 +41,14 @@ class _Bucket:
     rate: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     since_probe: int = 0
+    spec_seconds: float | None = None  # a speculating step's wall time (moving average)
 
 
 class SpecGovernor:
     def __init__(
         self,
         alpha: float = 0.2,
+        alpha_tokens: float = 0.1,
         probe_every: int = 50,
         warmup_samples: int = 4,
         probe_close: int = 10,
@@ -50,6 +58,8 @@ class SpecGovernor:
         # alpha: weight of a new sample in the moving average; warmup_samples: steps measured
         # in a mode before its rate is trusted (the first are plain averages, see `record`).
         self.alpha = alpha
+        # per-sequence token counts vary a lot (1 .. k + 1): a slower average for them
+        self.alpha_tokens = alpha_tokens
         self.probe_every = probe_every
         self.probe_close = probe_close
         self.close = close
@@ -57,6 +67,19 @@ class SpecGovernor:
         self.clock = clock
         self.buckets: dict[int, _Bucket] = {}
         self.num_probes = 0
+        # tokens a speculating step emits per sequence (moving average, every batch size)
+        self.tokens_per_seq: float | None = None
+        self.token_samples = 0
+
+    def _mix(self, old: float | None, new: float, n: int, alpha: float | None = None) -> float:
+        """Moving average: the first samples average evenly, later ones decay with alpha."""
+        w = max(self.alpha if alpha is None else alpha, 1.0 / (n + 1))
+        return new if old is None else (1 - w) * old + w * new
+
+    def _spec_rate(self, b: _Bucket, batch: int) -> float | None:
+        if self.tokens_per_seq is None or b.spec_seconds is None:
+            return b.rate[True]
+        return self.tokens_per_seq * batch / b.spec_seconds
 
     def _bucket(self, batch: int) -> _Bucket:
         return self.buckets.setdefault(bucket_of(batch), _Bucket())
@@ -67,7 +90,7 @@ class SpecGovernor:
         for mode in (True, False):  # measure each mode first
             if b.samples[mode] < self.warmup_samples:
                 return mode
-        spec, plain = b.rate[True], b.rate[False]
+        spec, plain = self._spec_rate(b, batch), b.rate[False]
         best = spec >= plain
         b.since_probe += 1
         ratio = spec / plain
@@ -83,17 +106,26 @@ class SpecGovernor:
         if seconds <= 0 or tokens <= 0:
             return
         b = self._bucket(batch)
-        rate = tokens / seconds
         n = b.samples[speculated]
-        old = b.rate[speculated]
-        # the first samples average evenly, later ones decay with alpha
-        w = max(self.alpha, 1.0 / (n + 1))
-        b.rate[speculated] = rate if old is None else (1 - w) * old + w * rate
+        b.rate[speculated] = self._mix(b.rate[speculated], tokens / seconds, n)
         b.samples[speculated] = n + 1
+        if speculated:
+            b.spec_seconds = self._mix(b.spec_seconds, seconds, n)
+            # the mean of `batch` sequences: weighted as that many samples
+            w = 1 - (1 - self.alpha_tokens) ** max(batch, 1)
+            self.record_shadow(tokens / max(batch, 1), alpha=w)
+
+    def record_shadow(self, tokens: float, alpha: float | None = None) -> None:
+        """Tokens one sequence's speculating step emitted, or would have (a shadow proposal
+        checked against the tokens plain decoding produced: 1 + its drafts that matched)."""
+        self.tokens_per_seq = self._mix(
+            self.tokens_per_seq, tokens, self.token_samples, alpha or self.alpha_tokens
+        )
+        self.token_samples += 1
 
     def speedup(self, batch: int) -> float | None:
         """Measured speculating / plain tokens a second in `batch`'s bucket (None: unmeasured)."""
         b = self.buckets.get(bucket_of(batch))
         if b is None or b.rate[True] is None or b.rate[False] is None:
             return None
-        return b.rate[True] / b.rate[False]
+        return self._spec_rate(b, batch) / b.rate[False]

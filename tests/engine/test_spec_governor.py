@@ -95,3 +95,18 @@ def test_config_key():
     assert cfg.adaptive is False
     with pytest.raises(ValueError, match="adaptive must be true or false"):
         SpeculativeConfig.from_user({"method": "ngram", "num_speculative_tokens": 2, "adaptive": 1})
+
+
+def test_shadow_acceptance_turns_speculation_back_on():
+    """Poor drafts turn speculation off; shadow proposals then report 4.5 tokens a step (the
+    prompts changed): the speculating rate is re-estimated from them and the measured step
+    time (4.5 / 3 ms against 1 / 2 ms), and the next choice speculates without waiting for a
+    probe."""
+    gov = SpecGovernor(probe_every=1000)
+    sim = Sim(gov, 1)
+    sim.run(100, plain_s=2e-3, spec_s=3e-3, tokens=1.1)
+    assert gov.speedup(1) < 1 and not gov.choose(1)
+    for _ in range(100):
+        gov.record_shadow(4.5)
+    assert gov.speedup(1) == pytest.approx(gov.tokens_per_seq / 3e-3 * 2e-3, rel=1e-6)
+    assert gov.speedup(1) > 2.5 and gov.choose(1)

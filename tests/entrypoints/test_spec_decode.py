@@ -211,3 +211,54 @@ def test_gpu_verify_graphs_equal_plain(model_path):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
     assert sum(o.metrics.spec_num_accepted_tokens for o in spec) > 0
     llm.shutdown()
+
+
+class _ScriptedProposer:
+    """Proposes the next `k` tokens of a known continuation, or tokens that never match."""
+
+    def __init__(self, k: int, reference: dict[tuple, list[int]], right: bool):
+        self.k, self.reference, self.right = k, reference, right
+
+    def propose(self, token_ids, k=None, state=None) -> list[int]:
+        for prompt, cont in self.reference.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                drafts = cont[done : done + self.k]
+                return drafts if self.right else [(t + 1) % 384 for t in drafts]
+        return []
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("right", [True, False])
+def test_adaptive_shadow_proposals_measure_acceptance(
+    model_path, monkeypatch, right, async_scheduling
+):
+    """While the governor keeps plain decoding (forced here), the n-gram proposer still
+    proposes in the shadow and the governor learns the tokens a speculating step would emit:
+    k + 1 = 5 where every draft is right (all but the proposals that reach past the end), 1
+    where none is. The output is plain decoding's."""
+    from pagoda.engine.spec_governor import SpecGovernor
+
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = _llm(model_path).generate(prompts, params, use_tqdm=False)
+    llm = _llm(
+        model_path,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        async_scheduling=async_scheduling,
+    )
+    core = llm.llm_engine.core
+    assert isinstance(core.governor, SpecGovernor)
+    monkeypatch.setattr(core.governor, "choose", lambda batch: False)
+    reference = {tuple(p): r.outputs[0].token_ids for p, r in zip(prompts, ref, strict=True)}
+    core.proposer = _ScriptedProposer(4, reference, right)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ref, out, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert sum(o.metrics.spec_num_steps for o in out) == 0  # nothing speculated
+    gov = core.governor
+    assert gov.token_samples > 20
+    if right:
+        assert gov.tokens_per_seq > 4.0
+    else:
+        assert gov.tokens_per_seq == pytest.approx(1.0)
