@@ -29,7 +29,6 @@ PAGODA = {
     "rtn_sym": ("rtn", "W4A16"),
     "pagoda_gptq": ("gptq", "W4A16"),
     "pagoda_awq": ("awq", "W4A16_ASYM"),
-    "pagoda_awq_gptq": ("awq", "W4A16_ASYM"),  # AWQ's scales, GPTQ's rounding (awq_gptq)
 }
 LLMC = {
     "llmcompressor_gptq": "llmcompressor_baseline.py",
@@ -51,8 +50,6 @@ def _pagoda_run(step: str, work: Path, model: str, common: dict) -> dict:
     if not info_file.is_file():
         method, scheme = PAGODA[step]
         kwargs = dict(common, scheme=scheme)
-        if step == "pagoda_awq_gptq":
-            kwargs["awq_gptq"] = True
         if method == "rtn":
             kwargs["dataset"] = None  # RTN reads no data
         start, cpu = time.perf_counter(), _cpu_seconds(resource.RUSAGE_SELF)
@@ -159,8 +156,7 @@ def main() -> None:
     ppl = {k: v["perplexity"] for k, v in results.items()}
     gap = {}
     for method, rtn in (("pagoda_gptq", "rtn_sym"), ("llmcompressor_gptq", "rtn_sym"),
-                        ("pagoda_awq", "rtn_asym"), ("llmcompressor_awq", "rtn_asym"),
-                        ("pagoda_awq_gptq", "rtn_asym")):  # fmt: skip
+                        ("pagoda_awq", "rtn_asym"), ("llmcompressor_awq", "rtn_asym")):  # fmt: skip
         if {method, rtn, "float32"} <= set(ppl):
             gap[method] = (ppl[rtn] - ppl[method]) / (ppl[rtn] - ppl["float32"])
     record = {

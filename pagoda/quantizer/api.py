@@ -198,7 +198,6 @@ def quantize(
     kv_cache_dtype: str | None = None,
     text_only_calibration: bool = False,
     awq_clip: bool = False,
-    awq_gptq: bool = False,
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
@@ -224,8 +223,7 @@ def quantize(
     Vision-language models see the images and videos of `dataset`'s chats through their
     (unquantized) vision tower, so the decoder's statistics include the image tokens;
     `text_only_calibration` drops them and calibrates on the text alone. `awq_clip`: AWQ
-    also searches per-group weight clipping (see `AWQOptions.clip` for why it is off);
-    `awq_gptq`: AWQ's smoothed weights are rounded by GPTQ instead of round-to-nearest.
+    also searches per-group weight clipping (see `AWQOptions.clip` for why it is off).
     """
     start = time.perf_counter()
     fp8 = scheme is not None and scheme.upper() in FP8_SCHEMES
@@ -238,9 +236,6 @@ def quantize(
         )
     if awq_clip and method != "awq":
         raise ValueError(f"awq_clip applies to method 'awq', not {method!r}")
-    if awq_gptq and method != "awq":
-        raise ValueError(f"awq_gptq applies to method 'awq', not {method!r}")
-    gptq_rounding = method == "gptq" or awq_gptq  # act-order applies to GPTQ's rounding
     if fp8 and format != "compressed-tensors":
         raise ValueError(f"scheme {scheme} is written as compressed-tensors only")
     if kv_cache_dtype not in (None, "fp8", "fp8_e4m3"):
@@ -281,7 +276,7 @@ def quantize(
                 "(or use FP8_DYNAMIC, which needs none)"
             )
     else:
-        args = scheme_args(scheme, group_size, actorder if gptq_rounding else None)
+        args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
     ignore = list(ignore if ignore is not None else ["lm_head"])
     user_ignore = list(ignore)
     if method == "gptq" and dataset is None:
@@ -344,7 +339,7 @@ def quantize(
                     "divides every quantized layer's input (pass --group-size to choose)",
                     file=sys.stderr,
                 )
-                args = scheme_args(scheme, group_size, actorder if gptq_rounding else None)
+                args = scheme_args(scheme, group_size, actorder if method == "gptq" else None)
         check_group_size(skeleton, args, ignore)
     if format == "autoawq" and quantizes_lm_head(skeleton, ignore):
         raise ValueError(
@@ -424,7 +419,7 @@ def quantize(
         storage_dtype=storage_dtype,
         progress=progress,
         gptq_scales=gptq_scales,
-        awq=AWQOptions(clip=awq_clip, gptq=awq_gptq),
+        awq=AWQOptions(clip=awq_clip),
         format=format,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))

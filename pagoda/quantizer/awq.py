@@ -29,9 +29,6 @@ class AWQOptions:
     # calibration output error, yet raised held-out perplexity on Qwen2.5-Coder-0.5B g128 from
     # 8.723 to 9.124 (RTN asym 8.733); on SmolLM2 g64 it helped less (13.018 -> 12.945).
     clip: bool = False
-    # Round the smoothed weights with GPTQ (Hessians of the smoothed inputs, every calibration
-    # token) instead of round-to-nearest.
-    gptq: bool = False
     clip_grid: int = 20  # shrink steps of 1 / clip_grid ...
     max_shrink: float = 0.5  # ... up to (not including) this fraction of max |w|
     clip_tokens: int = 512  # calibration tokens (evenly strided) the clip search looks at

@@ -84,7 +84,6 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         format=ns.format,
         text_only_calibration=ns.text_only_calibration,
         awq_clip=ns.awq_clip,
-        awq_gptq=ns.awq_gptq,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -151,11 +150,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["gptq", "rtn", "awq"],
         help="default gptq (rtn for the FP8 schemes, which are min-max rounded); awq: AWQ's "
         "activation-aware scales, then round to nearest",
-    )
-    q.add_argument(
-        "--awq-gptq",
-        action="store_true",
-        help="AWQ: round the smoothed weights with GPTQ instead of round-to-nearest",
     )
     q.add_argument(
         "--awq-clip",

@@ -724,7 +724,7 @@ def _quantize_matrix(
     """GPTQ or RTN of one float32 [out, in] matrix: (quantized, dequantized, GPTQ loss).
 
     AWQ rounds its smoothed, clipped weights with RTN."""
-    if options.method == "gptq" or (options.method == "awq" and options.awq.gptq):
+    if options.method == "gptq":
         result = gptq_quantize(
             w,
             hessian,
@@ -1118,14 +1118,12 @@ def quantize_layers(
                 model, layer, index, mappings, targets, hidden_states, args, options,
                 layer_report, compressed, positions,
             )  # fmt: skip
-            # Hessians of the rounded layer's inputs: GPTQ's (awq.gptq) on every sample, else
-            # for the report only on the samples the searches scored (a quarter of the tokens
-            # at the defaults; X^T X in float32 was an eighth of AWQ's time on every token)
+            # Hessians of the rounded layer's inputs, for the report only: on the samples the
+            # searches scored (a quarter of the tokens at the defaults; X^T X in float32 was
+            # an eighth of AWQ's time on every token)
             scored = evaluation_samples(
                 [h.shape[0] for h in hidden_states], options.awq.search_tokens
             )
-            if options.awq.gptq:
-                scored = list(range(len(hidden_states)))
             for t in targets:
                 acc = HessianAccumulator(layer.get_submodule(t.attr).in_features, device)
                 x_all = inputs.pop(t.attr)

@@ -305,22 +305,3 @@ def test_awq_clips_only_when_asked(tiny_llama, calib_text, tmp_path) -> None:
     assert all(set(lr.awq_errors) == {"rtn", "scales", "scales+clip"} for lr in clipped.layers)
     with pytest.raises(ValueError, match="awq_clip applies to method 'awq', not 'gptq'"):
         quantize(str(tiny_llama), tmp_path / "c", method="gptq", awq_clip=True)
-
-
-def test_awq_with_gptq_rounding(tiny_llama, calib_text, tmp_path) -> None:
-    """`awq_gptq`: the same smoothing as AWQ, the weights rounded by GPTQ (its loss reported;
-    round-to-nearest reports none) and, on layer 0 (the same inputs in both runs, the same
-    Hessians: all samples are scored at this size), a lower Hessian-weighted error, GPTQ's own
-    objective; with another method it is an error."""
-    common = dict(method="awq", group_size=32, dataset=str(calib_text), num_samples=2,
-                  max_seq_len=16, device="cpu", dtype="float32", progress=False)  # fmt: skip
-    rtn = quantize(str(tiny_llama), tmp_path / "a", **common)
-    gptq = quantize(str(tiny_llama), tmp_path / "b", awq_gptq=True, **common)
-    assert rtn.layers[0].awq_choice == gptq.layers[0].awq_choice
-    assert all(m.loss is None for lr in rtn.layers for m in lr.modules)
-    assert all(m.loss is not None for lr in gptq.layers for m in lr.modules)
-    err_rtn = sum(m.relative_error for m in rtn.layers[0].modules)
-    err_gptq = sum(m.relative_error for m in gptq.layers[0].modules)
-    assert err_gptq < err_rtn
-    with pytest.raises(ValueError, match="awq_gptq applies to method 'awq', not 'gptq'"):
-        quantize(str(tiny_llama), tmp_path / "c", method="gptq", awq_gptq=True)
