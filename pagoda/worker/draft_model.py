@@ -180,7 +180,7 @@ class DraftModel:
         rows = np.arange(len(token_ids))  # the batch rows still drafting
         steps: list[tuple[np.ndarray, torch.Tensor]] = []  # (batch rows, their drafts)
         host_ids = ids.clamp(max=self.vocab_size - 1).numpy()
-        ids = to_dev(host_ids)
+        ids = None  # on the device: the previous step's argmax (step 0 eager: copied in)
         for step in range(int(want.max())):
             if step:
                 keep = want[rows] > step
@@ -203,6 +203,8 @@ class DraftModel:
                 ids = self.model.compute_logits(hidden).argmax(dim=-1)  # [n]
                 steps.append((rows, ids))
                 continue
+            if ids is None:  # step 0, eager
+                ids = to_dev(host_ids)
             qsl = np.arange(n + 1, dtype=np.int32)
             md = AttentionMetadata(
                 num_actual_tokens=n,

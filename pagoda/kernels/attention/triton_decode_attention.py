@@ -98,6 +98,33 @@ def _rotate_neox(x, x_partner, cos, sin, sign, DROP: tl.constexpr):
 
 
 @triton.jit
+def _store_new_kv(
+    k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
+    stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask,
+    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+):  # fmt: skip
+    """A new token's rotated key and value as the cache stores them (an FP8 cache: K / k_scale
+    and V / v_scale, saturated); split 0 stores them at `slot` (< 0: padding, no store).
+    Split 0 owns the new token: every split of the group holds the same values, one store is
+    enough. A scalar branch rather than a mask: the interpreter turns `tensor & scalar` masks
+    into int32, which tl.store rejects. Returns (k, v) in the cache's dtype."""
+    if FP8_MAX > 0:
+        k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
+        v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        k_st = k_st.to(k_cache_ptr.dtype.element_ty)
+        v_st = v_st.to(v_cache_ptr.dtype.element_ty)
+    else:
+        k_st = k_rot.to(k_cache_ptr.dtype.element_ty)
+        v_st = v_new.to(v_cache_ptr.dtype.element_ty)
+    if (split == 0) & (slot >= 0):
+        c_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+        c_off += kv_head * stride_ch + offs_d * stride_cd
+        tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
+        tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
+    return k_st, v_st
+
+
+@triton.jit
 def _decode_prologue(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr,
     slot_mapping_ptr, tok, kv_head, split, qk_scale, k_scale, v_scale,
@@ -149,27 +176,15 @@ def _decode_prologue(
     q_rot = _rotate_neox(q_x, q_p, cos[None, :], sin[None, :], sign[None, :], DROP)
     k_rot = _rotate_neox(k_x, k_p, cos, sin, sign, DROP)  # [HEAD_DIM_PAD]
 
-    # Split 0 owns the new token: it writes the token's K/V to the cache (every split of the
-    # group holds the same values; one store is enough). A scalar branch rather than a mask:
-    # the interpreter turns `tensor & scalar` masks into int32, which tl.store rejects.
-    # An FP8 cache stores K / k_scale and V / v_scale; the new key and value then take part in
+    # Split 0 writes the token's K/V to the cache (`_store_new_kv`). An FP8 cache stores
+    # K / k_scale and V / v_scale; the new key and value then take part in
     # this step as stored (what later steps read back), in stored units like the cached tiles:
     # k_scale is folded into qk_scale, v_scale into the output.
-    if FP8_MAX > 0:
-        k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
-        v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-        k_st = k_st.to(k_cache_ptr.dtype.element_ty)
-        v_st = v_st.to(v_cache_ptr.dtype.element_ty)
-        k_use = k_st.to(tl.float32)
-    else:
-        k_st = k_rot.to(k_cache_ptr.dtype.element_ty)
-        v_st = v_new.to(v_cache_ptr.dtype.element_ty)
-        k_use = k_rot
-    if (split == 0) & (slot >= 0):
-        c_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-        c_off += kv_head * stride_ch + offs_d * stride_cd
-        tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
-        tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
+    k_st, v_st = _store_new_kv(
+        k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
+        stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, BLOCK_SIZE, FP8_MAX,
+    )  # fmt: skip
+    k_use = k_st.to(tl.float32) if FP8_MAX > 0 else k_rot
 
     # Race freedom: nothing in this launch reads the new token's slot. Programs of one launch
     # are unordered (the other splits of this group may run before split 0 stores), and even
@@ -210,19 +225,10 @@ def _new_key(
     v_new = tl.load(v_ptr + t * stride_vt + kv_head * stride_vh + offs_d * stride_vd,
                     mask=d_mask, other=0.0)  # fmt: skip
     k_rot = _rotate_neox(k_x, k_p, cos.to(tl.float32), sin.to(tl.float32), sign, DROP)
-    if FP8_MAX > 0:
-        k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
-        v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-        k_st = k_st.to(k_cache_ptr.dtype.element_ty)
-        v_st = v_st.to(v_cache_ptr.dtype.element_ty)
-    else:
-        k_st = k_rot.to(k_cache_ptr.dtype.element_ty)
-        v_st = v_new.to(v_cache_ptr.dtype.element_ty)
-    if (split == 0) & (slot >= 0):
-        c_off = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
-        c_off += kv_head * stride_ch + offs_d * stride_cd
-        tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
-        tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
+    k_st, v_st = _store_new_kv(
+        k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
+        stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, BLOCK_SIZE, FP8_MAX,
+    )  # fmt: skip
     return k_st.to(tl.float32), v_st.to(tl.float32)
 
 
