@@ -1,9 +1,9 @@
 """Speculative verification: keep a prefix of the draft tokens, then one token of the target's own.
 
 The target scores 1 + k positions per request in one forward; row j of a request holds the
-target's logits after its known tokens and drafts d_0 .. d_{j-1}. Each row is processed exactly as
-the plain sampler would process it at that point (penalties, min_tokens and bad words see the
-drafts before it), so the target's distribution p_j is the one plain decoding would sample from.
+target's logits after its known tokens and drafts d_0 .. d_{j-1}. Each row goes through the plain
+sampler's own chain (`process_logits`: grammar, masks, logit bias, min_tokens, penalties, whose
+history includes the drafts before it), so p_j is the one plain decoding would sample from.
 Greedy rows accept d_j while d_j == argmax p_j. Random rows use speculative rejection sampling
 (Leviathan et al., 2023) with a deterministic proposer (n-gram, a greedy draft model), whose q
 is one-hot at d_j: accept d_j with probability p_j(d_j), else draw from p_j with d_j removed,
@@ -18,14 +18,10 @@ import torch
 
 from pagoda.layers.sampler import (
     SamplingMetadata,
-    apply_allowed_token_ids,
-    apply_bad_words,
-    apply_grammar_bitmask,
     apply_min_p,
-    apply_min_tokens,
-    apply_penalties,
     apply_top_k_top_p,
     compute_logprobs,
+    process_logits,
 )
 from pagoda.sampling_params import SAMPLING_EPS
 
@@ -55,21 +51,14 @@ def num_emitted(accepted: list[bool], num_rows: list[int]) -> list[int]:
     return out
 
 
-def target_probs(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """(processed logits [R, V] for greedy argmax, probabilities [R, V] for random rows).
-
-    The plain sampler's order: grammar, masks, penalties; then temperature, top-k, top-p, min-p.
-    """
-    logits = apply_grammar_bitmask(logits.float(), md)
-    logits = apply_allowed_token_ids(logits, md)
-    logits = apply_bad_words(logits, md)
-    logits = apply_min_tokens(logits, md)
-    logits = apply_penalties(logits, md)
+def target_probs(processed: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Probabilities [R, V] of random rows from the processed logits (`process_logits`): the
+    plain sampler's temperature, top-k, top-p, min-p."""
     temperature = torch.where(md.temperature < SAMPLING_EPS, 1.0, md.temperature)  # [R]
-    scaled = logits / temperature.unsqueeze(1)
+    scaled = processed / temperature.unsqueeze(1)
     scaled = apply_top_k_top_p(scaled, md.top_k, md.top_p)
     scaled = apply_min_p(scaled, md.min_p)
-    return logits, scaled.softmax(dim=-1)
+    return scaled.softmax(dim=-1)
 
 
 def rejection_sample(
@@ -89,17 +78,17 @@ def rejection_sample(
     """
     num_rows, vocab = logits.shape
     device = logits.device
-    raw_logprobs = None
-    if md.max_num_logprobs is not None:
-        # vLLM's raw log-probs: the model's distribution (after a grammar), as the sampler.
-        raw_logprobs = apply_grammar_bitmask(logits.float(), md).log_softmax(dim=-1)
-    processed, probs = target_probs(logits, md)  # [R, V] each
+    processed, raw_logprobs = process_logits(logits, md)  # [R, V]
     is_last = draft_ids < 0  # [R]: the runner marks each request's last row with -1
-    draft = draft_ids.clamp(min=0).unsqueeze(1)  # [R, 1]
-    greedy = md.temperature < SAMPLING_EPS  # [R]
-
+    draft = draft_ids.clamp(min=0)  # [R]
     # Greedy rows: the draft is kept iff it is the target's argmax; the correction is argmax.
     argmax = processed.argmax(dim=-1)  # [R]
+    if md.all_greedy:  # no probabilities, no random draws
+        accepted = (argmax == draft) & ~is_last
+        return _output(torch.where(accepted, draft, argmax), accepted, raw_logprobs, md)
+    probs = target_probs(processed, md)  # [R, V]
+    greedy = md.temperature < SAMPLING_EPS  # [R]
+    draft = draft.unsqueeze(1)  # [R, 1]
 
     # Random rows: uniform u for the acceptance test, Exp(1) noise for the correction draw.
     u = torch.empty(num_rows, device=device)
@@ -124,7 +113,15 @@ def rejection_sample(
 
     accepted = torch.where(greedy, argmax == draft.squeeze(1), accept_random) & ~is_last
     fallback = torch.where(greedy, argmax, correction)
-    token_ids = torch.where(accepted, draft.squeeze(1), fallback)
+    return _output(torch.where(accepted, draft.squeeze(1), fallback), accepted, raw_logprobs, md)
+
+
+def _output(
+    token_ids: torch.Tensor,
+    accepted: torch.Tensor,
+    raw_logprobs: torch.Tensor | None,
+    md: SamplingMetadata,
+) -> RejectionOutput:
     out = RejectionOutput(token_ids=token_ids, accepted=accepted)
     if raw_logprobs is not None:
         out.logprob_token_ids, out.logprobs, out.ranks = compute_logprobs(

@@ -330,22 +330,33 @@ def compute_logprobs(
     return ids, logprobs, ranks
 
 
+def process_logits(
+    logits: torch.Tensor, md: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(float32 logits after every mask, bias and penalty — what greedy takes the argmax of and
+    temperature scales —, the raw log-probs if a row asked for log-probs, else None).
+
+    The one chain the sampler and the rejection sampler share, so a verify row sees exactly
+    the distribution plain decoding would sample from.
+    """
+    logits = logits.float()  # [N, V]
+    # The grammar comes first, as in vLLM, where the runner applies it before sampling.
+    logits = apply_grammar_bitmask(logits, md)
+    # Logprobs are those of the model's raw distribution (vLLM's default "raw_logprobs").
+    raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
+    logits = apply_allowed_token_ids(logits, md)
+    logits = apply_bad_words(logits, md)
+    logits = apply_logit_bias(logits, md)
+    logits = apply_min_tokens(logits, md)
+    logits = apply_penalties(logits, md)
+    return logits, raw_logprobs
+
+
 class Sampler(nn.Module):
     """Stateless; all per-request state arrives in `SamplingMetadata`."""
 
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()  # [N, V]
-        # The grammar comes first, as in vLLM, where the runner applies it before sampling.
-        logits = apply_grammar_bitmask(logits, md)
-        # Logprobs are those of the model's raw distribution (vLLM's default "raw_logprobs").
-        raw_logprobs = logits.log_softmax(dim=-1) if md.max_num_logprobs is not None else None
-
-        logits = apply_allowed_token_ids(logits, md)
-        logits = apply_bad_words(logits, md)
-        logits = apply_logit_bias(logits, md)
-        logits = apply_min_tokens(logits, md)
-        logits = apply_penalties(logits, md)
-
+        logits, raw_logprobs = process_logits(logits, md)  # [N, V]
         greedy_ids = None if md.all_random else logits.argmax(dim=-1)  # [N]
         if md.all_greedy:
             sampled = greedy_ids

@@ -86,6 +86,21 @@ def test_greedy_equals_plain(model_path, variant):
     assert m.spec_num_steps > 0 and 1.0 <= m.spec_mean_accepted_length <= 5.0
 
 
+def test_greedy_with_logit_bias_equals_plain(model_path):
+    """The verify rows apply the request's logit bias as the plain sampler does."""
+    prompts = _prompts()
+    bias = {t: 4.0 for t in range(3, 384, 7)} | {t: -4.0 for t in range(5, 384, 11)}
+    params = SamplingParams(temperature=0, max_tokens=30, logit_bias=bias, ignore_eos=True)
+    plain = _llm(model_path).generate(prompts, params, use_tqdm=False)
+    spec = _llm(model_path, speculative_config=NGRAM).generate(prompts, params, use_tqdm=False)
+    unbiased = _llm(model_path).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in plain] != [o.outputs[0].token_ids for o in unbiased]
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.spec_num_accepted_tokens for o in spec) > 0
+
+
 def test_seeded_sampling_is_reproducible(model_path):
     llm = _llm(model_path, speculative_config=NGRAM)
     prompts = _prompts()
