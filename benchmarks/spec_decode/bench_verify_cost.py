@@ -102,6 +102,7 @@ def verify_costs(llm: LLM, batches: list[int], ks: list[int], ctx: int, iters: i
 
 _GRAPHS_OK = [True]
 PROFILE_LAUNCH = [False]
+PROFILE_HOST = [False]
 
 
 def _profile_launch(runner, sched) -> None:
@@ -204,21 +205,42 @@ class ReplayProposer:
     """Drafts = the target's own greedy continuation from here, each token replaced by another
     with probability `corruption`: a proposer of known acceptance (benchmark only)."""
 
+    KEY = 32  # prompts are told apart by their first tokens
+
     def __init__(self, k: int, reference: dict[tuple, list[int]], corruption: float, seed: int):
         self.k = k
-        self.reference = reference  # prompt tuple -> greedy continuation
+        # first KEY prompt tokens -> (prompt length, greedy continuation)
+        self.reference = {p[: self.KEY]: (len(p), c) for p, c in reference.items()}
         self.corruption = corruption
         self.rng = random.Random(seed)
 
     def propose(self, token_ids: list[int], k: int | None = None, state=None) -> list[int]:
         k = self.k if k is None else k
-        for prompt, cont in self.reference.items():
-            n = len(prompt)
-            if tuple(token_ids[:n]) == prompt:
-                done = len(token_ids) - n
-                out = cont[done : done + k]
-                return [t if self.rng.random() >= self.corruption else (t + 1) % 10000 for t in out]
-        return []
+        hit = self.reference.get(tuple(token_ids[: self.KEY]))
+        if hit is None:
+            return []
+        n, cont = hit
+        done = len(token_ids) - n
+        out = cont[done : done + k]
+        return [t if self.rng.random() >= self.corruption else (t + 1) % 10000 for t in out]
+
+
+def host_profile(spec: LLM, prompts: list, params: SamplingParams, top: int = 30) -> str:
+    """cProfile of one speculative generate: where the in-order loop's host time goes (the
+    event wait in `PendingOutput.result` is the device's share)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    spec.generate(prompts, params, use_tqdm=False)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumtime").print_stats(top)
+    return buf.getvalue()
 
 
 def end_to_end(
@@ -285,6 +307,9 @@ def end_to_end(
                 )
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if PROFILE_HOST[0] and batch == batches[0] and c == corruptions[0]:
+                fixed.llm_engine.core.kv_cache_manager.reset_prefix_cache()
+                print(host_profile(fixed, prompts, params), flush=True)
         plain.llm_engine.core.kv_cache_manager.reset_prefix_cache()
     return rows
 
@@ -424,12 +449,16 @@ def main() -> None:
     p.add_argument("--profile-ks", default="0,1,4")
     p.add_argument("--skip-costs", action="store_true", help="profile only")
     p.add_argument("--profile-launch", action="store_true", help="op table of a batch-1 step")
+    p.add_argument(
+        "--profile-host", action="store_true", help="cProfile of the first e2e speculative run"
+    )
     p.add_argument("--draft-models", nargs="*", default=[], help="draft-model step cost")
     p.add_argument("--vl-model", default=None, help="Qwen2.5-VL known-acceptance run, an image")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
     ns = p.parse_args()
     PROFILE_LAUNCH[0] = ns.profile_launch
+    PROFILE_HOST[0] = ns.profile_host
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [int(x) for x in ns.batches.split(",")]

@@ -21,6 +21,7 @@ import torch
 
 from pagoda.layers.attention import AttentionMetadata
 from pagoda.platform import num_sms, triton_available
+from pagoda.worker.host_staging import PinnedStaging
 
 DEFAULT_CAPTURE_SIZES = (
     1,
@@ -94,6 +95,8 @@ class CudaGraphRunner:
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.stats: GraphCaptureStats | None = None
+        # The runner's pinned staging buffer (host_staging.py); None: a pinned copy per array.
+        self.staging: PinnedStaging | None = None
 
     def _metadata(self, size: int, width: int) -> AttentionMetadata:
         num_splits = None  # the split-KV factor only means something to the Triton kernels
@@ -202,11 +205,12 @@ class CudaGraphRunner:
         table[:n] = block_table
         # Columns past `nb` may hold stale ids from earlier steps: never read, since a row only
         # reads the blocks its seq_len covers (padding rows: column 0, set to the null block).
-        self.input_ids[: size * q].copy_(_pinned(ids), non_blocking=True)
-        self.positions[: size * q].copy_(_pinned(pos), non_blocking=True)
-        self.slot_mapping[: size * q].copy_(_pinned(slot), non_blocking=True)
-        self.seq_lens[:size].copy_(_pinned(lens), non_blocking=True)
-        self.block_tables[:size, :nb].copy_(_pinned(table), non_blocking=True)
+        host = _pinned if self.staging is None else self.staging.stage
+        self.input_ids[: size * q].copy_(host(ids), non_blocking=True)
+        self.positions[: size * q].copy_(host(pos), non_blocking=True)
+        self.slot_mapping[: size * q].copy_(host(slot), non_blocking=True)
+        self.seq_lens[:size].copy_(host(lens), non_blocking=True)
+        self.block_tables[:size, :nb].copy_(host(table), non_blocking=True)
         if fill_ids is not None:
             fill_ids(self.input_ids[: n * q])
         width = next(w for w in self.widths if w >= nb)

@@ -36,6 +36,7 @@ from pagoda.models.loader import load_model
 from pagoda.platform import capability as platform_capability
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.draft_model import DraftModel
+from pagoda.worker.host_staging import PinnedStaging
 from pagoda.worker.memory import (
     MemoryReport,
     blocks_for_budget,
@@ -282,6 +283,8 @@ class ModelRunner:
         self.encoder_runner: Any = None  # pagoda.worker.encoder_runner.EncoderRunner (VL models)
         self.draft: DraftModel | None = None  # speculative decoding's draft model
         self._pin = self.device.type == "cuda"
+        # Step inputs reach the device through one persistent pinned buffer (host_staging.py).
+        self.staging = PinnedStaging(self.device) if self._pin else None
         # The last launched step's sampled ids (on the device) and each sampling request's row:
         # the inputs of requests scheduled before that step's output reached the host.
         self._prev_sampled: torch.Tensor | None = None
@@ -721,10 +724,15 @@ class ModelRunner:
         )
 
     def _to_dev(self, arr: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(arr)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        if self.staging is not None:
+            return self.staging.to_device(arr)
+        return torch.from_numpy(arr)
+
+    def _values_to_dev(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A list of numbers as a 1-D device tensor of `dtype` (through the staging buffer)."""
+        if self.staging is None:
+            return torch.tensor(values, dtype=dtype)
+        return self.staging.to_device(torch.tensor(values, dtype=dtype).numpy())
 
     @property
     def sliding_window(self) -> int | None:
@@ -805,10 +813,16 @@ class ModelRunner:
             ):
                 stats.capture_time_s += dstats.capture_time_s
                 stats.memory_bytes += dstats.memory_bytes
+        for runner in [self.graph_runner, self.verify_graph_runner, *self._draft_graphs()]:
+            if runner is not None:
+                runner.staging = self.staging
         if self.memory_report is not None:
             self.memory_report.cuda_graph_capture_time_s = stats.capture_time_s
             self.memory_report.cuda_graph_bytes = stats.memory_bytes
             self.memory_report.cuda_graph_sizes = stats.sizes
+
+    def _draft_graphs(self) -> list:
+        return [] if self.draft is None else list(self.draft.graphs.values())
 
     def _torch_graph_max_seqs(self) -> int:
         """The largest decode batch whose torch attention (Triton absent) holds at most
@@ -842,6 +856,7 @@ class ModelRunner:
             self.draft = None
         self.graph_runner = self.encoder_runner = self.lora_manager = self.model = None
         self.split_k_workspace = None  # the split-K kernels' scratch (the layers' went above)
+        self.staging = None  # its pinned host buffer
         self.kv_caches = []
         self.generators.clear()
         self._block_rows.clear()
@@ -870,6 +885,8 @@ class ModelRunner:
         reqs = sched.scheduled
         if not reqs:
             return PendingOutput()
+        if self.staging is not None:
+            self.staging.next_step()
         num_computed = [r.num_computed_tokens for r in reqs]
         num_new = [r.num_new_tokens for r in reqs]
         num_tokens = sched.total_num_scheduled_tokens
@@ -1049,7 +1066,7 @@ class ModelRunner:
         smd = self._sampling_metadata([r for r, _ in expanded], [e for _, e in expanded])
         row_generators = [smd.generators.get(row) for row in range(len(expanded))]
         out = rejection_sample(
-            logits, smd, to_device(drafts, torch.int64, self.device), row_generators
+            logits, smd, self._values_to_dev(drafts, torch.int64), row_generators
         )
         return _SpecResult(sreqs, out)
 
@@ -1146,7 +1163,7 @@ class ModelRunner:
         return SamplingMetadata(
             # Pinned, non-blocking: a pageable copy would wait for the forward just launched,
             # and with async scheduling the host must not wait for the device here.
-            temperature=to_device(temps, torch.float32, dev),
+            temperature=self._values_to_dev(temps, torch.float32),
             all_greedy=all_greedy,
             all_random=all_random,
             top_k=opt([float(p.top_k) for p in params], 0.0, torch.int64),
