@@ -8,6 +8,8 @@ positions (M-RoPE position + the prompt's delta) while the prompt keeps its imag
 
 from __future__ import annotations
 
+import pytest
+import torch
 from safetensors.torch import save_file
 
 from pagoda import SamplingParams
@@ -40,6 +42,43 @@ def test_speculative_greedy_equals_plain_with_images(tiny_vl):  # noqa: F811
     assert sum(o.metrics.spec_num_draft_tokens for o in spec) > 0, "no draft was verified"
     runner = llm.llm_engine.core.runner.encoder_runner
     assert not runner.cache and not runner.users and not runner.held  # nothing leaks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_speculative_greedy_equals_plain_with_images(tiny_vl, dtype):  # noqa: F811
+    """On the GPU: decode and verify steps replay CUDA graphs (the fused verify attention
+    rotates the drafts' keys at their M-RoPE text positions)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path, _ = tiny_vl
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    convs = [_conversation(keys) for keys in CASES.values()]
+    opts = dict(limit_mm_per_prompt={"image": 2}, device="cuda", dtype=dtype)
+    opts.update(gpu_memory_utilization=0.2, enable_prefix_caching=False)
+    plain_llm = _llm(path, **opts)
+    plain = plain_llm.chat(convs, params, use_tqdm=False)
+    plain_llm.shutdown()
+    llm = _llm(path, speculative_config=NGRAM, **opts)
+    assert llm.llm_engine.core.runner.verify_graph_runner is not None
+    # the target's own greedy continuation as the drafts: every draft checks one more token
+    reference = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain}
+
+    class Replay:
+        def propose(self, token_ids, k=None, state=None):
+            for prompt, cont in reference.items():
+                if tuple(token_ids[: len(prompt)]) == prompt:
+                    done = len(token_ids) - len(prompt)
+                    return cont[done : done + 4]
+            return []
+
+    llm.llm_engine.core.proposer = Replay()
+    spec = llm.chat(convs, params, use_tqdm=False)
+    for name, a, b in zip(CASES, plain, spec, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, name
+    accepted = sum(o.metrics.spec_num_accepted_tokens for o in spec)
+    assert accepted > 0.8 * sum(o.metrics.spec_num_draft_tokens for o in spec)
+    llm.shutdown()
 
 
 def _text_draft(vl_model, path) -> str:
