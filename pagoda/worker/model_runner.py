@@ -45,6 +45,7 @@ from pagoda.worker.memory import (
 )
 
 if TYPE_CHECKING:
+    from pagoda.sampling_params import SamplingParams
     from pagoda.step import DraftRequest, ScheduledRequest, SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -226,6 +227,10 @@ class PendingOutput:
                     continue
                 out.logprobs[r.req_id] = (ids[row][: k + 1], lps[row][: k + 1], ranks[row])
         return out
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
@@ -1062,7 +1067,11 @@ class ModelRunner:
             # Row j's target sees drafts 0..j-1 as already generated (penalties, min_tokens).
             real = [t for t in r.spec_token_ids if t >= 0]  # padding drafts (-1) come last
             expanded.extend((r, real[:j]) for j in range(k + 1))
-        logits = self.model.compute_logits(hidden[self._to_dev(np.asarray(rows_idx))])  # [R, V]
+        if len(rows_idx) == hidden.shape[0]:  # every row verifies (a verify graph's output)
+            rows = hidden
+        else:
+            rows = hidden[self._to_dev(np.asarray(rows_idx, dtype=np.int64))]
+        logits = self.model.compute_logits(rows)  # [R, V]
         smd = self._sampling_metadata([r for r, _ in expanded], [e for _, e in expanded])
         row_generators = [smd.generators.get(row) for row in range(len(expanded))]
         out = rejection_sample(
@@ -1126,10 +1135,16 @@ class ModelRunner:
         """One row per entry of `reqs` (a request may repeat: speculative rows); `extra[row]`
         are tokens treated as generated after the request's output (the drafts before it)."""
         dev = self.device
-        outputs = [r.output_token_ids for r in reqs]
-        if extra is not None:
-            outputs = [o + e if e else o for o, e in zip(outputs, extra, strict=True)]
         params = [r.sampling_params for r in reqs]
+        need_penalty = any(_penalized(p) for p in params)
+        outputs = [r.output_token_ids for r in reqs]
+        # row -> tokens generated so far (the drafts before a verify row included)
+        num_done = [len(o) for o in outputs]
+        if extra is not None:
+            num_done = [n + len(e) for n, e in zip(num_done, extra, strict=True)]
+            if need_penalty or any(p.bad_words_token_ids for p in params):
+                # copies, so only where penalties or bad words read the history
+                outputs = [o + e if e else o for o, e in zip(outputs, extra, strict=True)]
         temps = [0.0 if p.temperature < 1e-5 else p.temperature for p in params]
         all_greedy = all(t == 0.0 for t in temps)
         all_random = all(t > 0.0 for t in temps)
@@ -1150,15 +1165,12 @@ class ModelRunner:
                     gen.manual_seed(p.seed)
                     self.generators[r.req_id] = gen
                 generators[row] = gen
-            if p.min_tokens and len(outputs[row]) < p.min_tokens:
+            if p.min_tokens and num_done[row] < p.min_tokens:
                 blocked = list(p.stop_token_ids or [])
                 if not p.ignore_eos and r.eos_token_id is not None:
                     blocked.append(r.eos_token_id)
                 if blocked:
                     min_blocked[row] = blocked
-        need_penalty = any(
-            p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 for p in params
-        )
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
             # Pinned, non-blocking: a pageable copy would wait for the forward just launched,

@@ -101,6 +101,28 @@ def test_greedy_with_logit_bias_equals_plain(model_path):
     assert sum(o.metrics.spec_num_accepted_tokens for o in spec) > 0
 
 
+def test_greedy_with_min_tokens_equals_plain(model_path):
+    """A stop token is masked on a verify row until the tokens before the row (output and
+    drafts) reach min_tokens, as plain decoding masks it: each prompt stops right at m tokens
+    on a token its greedy output first emits there."""
+    prompts = _prompts()
+    free = _llm(model_path).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False
+    )
+    params = []
+    for o in free:
+        ids = o.outputs[0].token_ids
+        m = next(m for m in range(12, 40) if ids[m] not in ids[:m])
+        params.append(SamplingParams(temperature=0, max_tokens=40, min_tokens=m,
+                                     stop_token_ids=[ids[m]]))  # fmt: skip
+    plain = _llm(model_path).generate(prompts, params, use_tqdm=False)
+    spec = _llm(model_path, speculative_config=NGRAM).generate(prompts, params, use_tqdm=False)
+    for a, b, p in zip(plain, spec, params, strict=True):
+        assert len(a.outputs[0].token_ids) == p.min_tokens + 1
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert sum(o.metrics.spec_num_accepted_tokens for o in spec) > 0
+
+
 def test_seeded_sampling_is_reproducible(model_path):
     llm = _llm(model_path, speculative_config=NGRAM)
     prompts = _prompts()
