@@ -138,6 +138,9 @@ def main() -> int:
                 "capability_seen",
             )
         }
+        mem = r["memory_report"]  # where the activation peak comes from
+        brief[name]["encoder_activation_gib"] = mem.get("encoder_activation_bytes", 0) / 2**30
+        brief[name]["encoder_profile_input"] = mem.get("encoder_profile_input", "")
     print(json.dumps(brief, indent=1))
     return 0 if all(summary["targets_met"].values()) else 1
 

@@ -376,15 +376,17 @@ class Attention(nn.Module):
             pos = torch.arange(num_tokens, device=q.device)
             diff = pos[:, None] - pos[None, :]  # query - key
             mask = (diff >= 0) & (diff < window)
+        # 4-D [1, H, T, D]: the fused SDPA kernels take no other rank (3-D runs the math
+        # fallback, which materializes the [H, T, T] scores)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [H, T, D]
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.scale,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def extra_repr(self) -> str:
         return (

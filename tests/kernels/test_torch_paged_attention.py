@@ -165,3 +165,29 @@ def test_decode_graph_replays_at_other_lengths_gpu() -> None:
             q.float().cpu(), cache.float().cpu(), [0, 1, 2, 3, 4], seq_lens, new_table, 0.125
         )
         torch.testing.assert_close(out.float().cpu()[:3], ref[:3], rtol=0, atol=2**-7)
+
+
+@pytest.mark.gpu
+def test_prefill_of_a_long_prompt_needs_no_score_matrix_gpu() -> None:
+    """One 8,192-token prompt, 16 heads: the fused SDPA kernels hold O(T) memory; the math
+    fallback would hold the [H, T, T] scores (16 x 8192^2 x 2 bytes = 2 GiB, more in float32).
+    Bound: the gathered K / V, the output and kernel scratch, far below 512 MiB."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    heads, head_dim, tokens = 16, 128, 8192
+    num_blocks = tokens // BS + 1
+    cache = torch.randn(2, num_blocks, BS, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(1, num_blocks, dtype=torch.int32, device="cuda")[None]
+    q = torch.randn(tokens, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    prefill_attention_sdpa(q, cache, [0, tokens], [tokens], table, 0.088, out)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 512 << 20
+    # a tail of the prompt checked against the reference (float32, on the CPU)
+    ref = paged_attention_ref(
+        q[-4:].float().cpu(), cache.float().cpu(), [0, 4], [tokens], table.cpu(), 0.088
+    )
+    torch.testing.assert_close(out[-4:].float().cpu(), ref, rtol=0, atol=2e-2)

@@ -45,10 +45,12 @@ def test_speculative_greedy_equals_plain_with_images(tiny_vl):  # noqa: F811
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_speculative_greedy_equals_plain_with_images(tiny_vl, dtype):  # noqa: F811
+def test_gpu_speculative_greedy_equals_plain_with_images(tiny_vl):  # noqa: F811
     """On the GPU: decode and verify steps replay CUDA graphs (the fused verify attention
-    rotates the drafts' keys at their M-RoPE text positions)."""
+    rotates the drafts' keys at their M-RoPE text positions). float32: in bf16 a verify
+    step's dense layers (cuBLAS, 1 + k rows) round differently from a decode step's GEMV (one
+    row), so near-ties of this random model may break the other way (BENCHMARKS.md)."""
+    dtype = "float32"
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     path, _ = tiny_vl

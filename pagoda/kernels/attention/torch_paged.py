@@ -115,13 +115,15 @@ def prefill_attention_sdpa(
             mask = k_pos[None, :] <= q_pos[:, None]  # [Q, S], True = visible
             if sliding_window is not None:
                 mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        # 4-D [1, H, Q, D]: the flash / memory-efficient SDPA kernels take no other rank, and
+        # the math fallback materializes [H, Q, S] scores (GiBs for one long prompt)
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),  # [H, Q, D]
-            k.to(q.dtype).transpose(0, 1),
-            v.to(q.dtype).transpose(0, 1),
+            q[start:end].transpose(0, 1).unsqueeze(0),
+            k.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            v.to(q.dtype).transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
         )
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
+        out[start:end] = o[0].transpose(0, 1).to(out.dtype)
     return out
