@@ -98,6 +98,16 @@ class EngineCore:
         self.iteration_tokens_sum = 0
         self.closed = False
 
+    @property
+    def pad_drafts(self) -> bool:
+        """Every request of a speculating step gets exactly k drafts (short ones padded with
+        -1, never accepted): what verify graphs of query length 1 + k need."""
+        return self.scheduler.pad_drafts
+
+    @pad_drafts.setter
+    def pad_drafts(self, value: bool) -> None:
+        self.scheduler.pad_drafts = value
+
     def _count_step(self, sched_out: SchedulerOutput) -> None:
         self.num_steps += 1
         n = sched_out.total_num_scheduled_tokens

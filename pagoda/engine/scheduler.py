@@ -60,6 +60,9 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()
         self._num_sync_requests = 0  # unfinished requests with Request.needs_sync
         self._aborted_outputs: list[EngineCoreOutput] = []  # ended by schedule() itself
+        # Verify steps replay CUDA graphs of 1 + k tokens a sequence: drafts cut short (by
+        # max_tokens, or none proposed) are padded with -1 instead (EngineCore.pad_drafts).
+        self.pad_drafts = False
         # A draft model writes the KV of its k proposals after each step: slots reserved ahead.
         spec = scheduler_config.speculative
         self.num_lookahead_tokens = (
@@ -311,11 +314,13 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             cap = max(max_tokens - request.num_output_tokens - 1, 0)
-            if -1 in drafts:  # padded for a verify graph: keep the length, never emit past
+            if self.pad_drafts:  # keep the length, never emit past
                 drafts = drafts[:cap] + [-1] * max(len(drafts) - cap, 0)
             else:
                 drafts = drafts[:cap]
-        return drafts if any(t >= 0 for t in drafts) else []
+        # Padded: kept even with no real draft left (its first row emits the plain token), so
+        # every sequence of the step keeps 1 + k tokens and the step replays a verify graph.
+        return drafts if self.pad_drafts or any(t >= 0 for t in drafts) else []
 
     def _update_spec(
         self,
@@ -332,8 +337,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:  # (a preempted one recomputes from 0)
             request.num_computed_tokens -= k - num_accepted
         request.num_pending_tokens -= 1
-        request.num_spec_steps += 1
-        request.num_draft_tokens += sum(1 for t in sched.spec_token_ids if t >= 0)
+        num_drafts = sum(1 for t in sched.spec_token_ids if t >= 0)
+        request.num_spec_steps += num_drafts > 0  # (all padding: a plain step in disguise)
+        request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
         new_ids: list[int] = []
         for token_id in emitted:

@@ -212,14 +212,30 @@ def test_bad_config_is_one_clear_error(model_path, config, match):
 def test_padded_drafts_equal_plain(model_path):
     """Verify graphs need k drafts per sequence: short proposals are padded with -1 (never
     accepted). The padding is exercised here on the CPU by turning it on without graphs."""
-    prompts = _prompts()
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=1)
+    prompts = _prompts()  # the last one random: no n-gram match, all padding
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1)
+        for n in (30, 30, 11, 13)  # max_tokens cuts drafts of the shorter ones
+    ]
     plain = _llm(model_path).generate(prompts, params, use_tqdm=False)
     llm = _llm(model_path, speculative_config=NGRAM)
-    llm.llm_engine.core.pad_drafts = True
+    core = llm.llm_engine.core
+    core.pad_drafts = True
+    shapes = []  # query lengths of each step that verifies drafts
+    launch = core.runner.launch
+
+    def record(sched):
+        if any(r.spec_token_ids for r in sched.scheduled):
+            shapes.append([r.num_new_tokens for r in sched.scheduled])
+        return launch(sched)
+
+    core.runner.launch = record
     spec = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(plain, spec, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    # every sequence of a verify step has 1 + k tokens (what a verify graph replays), also
+    # those left without a real draft (no match, or max_tokens reached)
+    assert shapes and all(s == [5] * len(s) for s in shapes), shapes
     m = [o.metrics for o in spec]
     assert sum(x.spec_num_accepted_tokens for x in m) > 0
     # padding is not counted as proposed drafts
