@@ -8,11 +8,14 @@ slower speculating than not. So the engine measures instead. For each batch-size
 4-7, 8-15, ...) it keeps a moving average of the decode throughput — tokens emitted a second of
 wall time — of speculating steps and of plain steps, each measured on decode-only steps of that
 mode, and speculates while the speculating rate is at least the plain one. A bucket with a mode
-not yet measured tries it; the mode not chosen is re-measured every `probe_every` steps of the
-bucket (`probe_close` while the two rates are within a factor `close` of each other, where one
-noisy sample could have decided), so a change in acceptance (a new kind of prompt) is seen
-within a few probes. The probes' cost is bounded: within the band at most 1 step in 10 runs
-up to 20 % slower, outside it 1 in 50: never more than 2 % of plain decoding's rate.
+not yet measured tries it; the mode not chosen is re-measured by a probe of `probe_steps`
+consecutive steps every `probe_every` steps of the bucket (`probe_close` while the two rates are
+within a factor `close` of each other, where one noisy sample could have decided), so a change
+in step cost is seen within a few probes. A probe is several steps because the engine times
+only steady steps: the first speculating step after plain ones, and the first two plain steps
+after speculating ones (the async loop's pipeline refills), give no sample, and each switch
+costs the device a bubble of host work. The probes' cost: within the band 4 steps in 40 run at
+most 20 % slower, outside it 4 in 160, plus two switches each: a few % of the better mode.
 
 The tokens a speculating step emits per sequence are estimated apart from its time, since they
 vary far more: from the speculating steps, and — with a host-side proposer such as n-gram —
@@ -41,6 +44,8 @@ class _Bucket:
     rate: dict[bool, float | None] = field(default_factory=lambda: {True: None, False: None})
     samples: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     since_probe: int = 0
+    probe_left: int = 0  # steps of the probe in progress still to run
+    probe_mode: bool = False
     spec_seconds: float | None = None  # a speculating step's wall time (moving average)
 
 
@@ -49,10 +54,11 @@ class SpecGovernor:
         self,
         alpha: float = 0.2,
         alpha_tokens: float = 0.1,
-        probe_every: int = 50,
+        probe_every: int = 160,
         warmup_samples: int = 4,
-        probe_close: int = 10,
+        probe_close: int = 40,
         close: float = 1.25,
+        probe_steps: int = 4,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         # alpha: weight of a new sample in the moving average; warmup_samples: steps measured
@@ -62,6 +68,7 @@ class SpecGovernor:
         self.alpha_tokens = alpha_tokens
         self.probe_every = probe_every
         self.probe_close = probe_close
+        self.probe_steps = probe_steps
         self.close = close
         self.warmup_samples = warmup_samples
         self.clock = clock
@@ -90,6 +97,9 @@ class SpecGovernor:
         for mode in (True, False):  # measure each mode first
             if b.samples[mode] < self.warmup_samples:
                 return mode
+        if b.probe_left > 0:
+            b.probe_left -= 1
+            return b.probe_mode
         spec, plain = self._spec_rate(b, batch), b.rate[False]
         best = spec >= plain
         b.since_probe += 1
@@ -98,6 +108,7 @@ class SpecGovernor:
         if b.since_probe >= every:
             b.since_probe = 0
             self.num_probes += 1
+            b.probe_mode, b.probe_left = not best, self.probe_steps - 1
             return not best
         return best
 
