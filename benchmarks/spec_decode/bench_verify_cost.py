@@ -340,7 +340,8 @@ def draft_cost(
 ) -> list[dict]:  # fmt: skip
     """Wall time of a speculating step with a draft model (random weights: the drafts are
     rejected, so every step runs the draft k + 1 times and verifies; the accepted length is
-    what real weights give, measured on the CPU) against a plain decode step, per batch."""
+    what real weights give, measured on the CPU) against a plain decode step, per batch: both
+    from the decode phase of the best of two runs (`_timed_generate`)."""
     common = dict(
         dtype="bfloat16" if torch.cuda.is_available() else "float32",
         max_model_len=max_model_len,
@@ -356,9 +357,8 @@ def draft_cost(
         rng = random.Random(batch)
         prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(batch)]
         plain.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-        t = time.perf_counter()
-        plain.generate(prompts, params, use_tqdm=False)
-        plain_step[batch] = (time.perf_counter() - t) / output_len
+        _, _, decode_s = _timed_generate(plain, prompts, params)
+        plain_step[batch] = decode_s / (output_len - 1)  # the first token is the prefill's
     plain.shutdown()
     del plain
     for draft in drafts:
@@ -372,9 +372,7 @@ def draft_cost(
             rng = random.Random(batch)
             prompts = [[rng.randrange(100, 10000) for _ in range(prompt_len)] for _ in range(batch)]
             spec.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-            t = time.perf_counter()
-            out = spec.generate(prompts, params, use_tqdm=False)
-            t_spec = time.perf_counter() - t
+            out, _, t_spec = _timed_generate(spec, prompts, params)  # decode phase, best of 2
             steps = statistics.mean(o.metrics.spec_num_steps for o in out)
             acc = sum(o.metrics.spec_num_accepted_tokens for o in out)
             row = dict(
