@@ -35,6 +35,7 @@ from pagoda.models.llama import (
     build_lm_head,
     load_hf_weights,
 )
+from pagoda.multimodal.encoder_chunks import split_grids
 
 # Original Qwen release / transformers 4.x save layout -> our (transformers 5) module names;
 # the same renames as transformers' checkpoint conversion mapping for these models.
@@ -502,8 +503,18 @@ class QwenVLBase(nn.Module):
     def embed_images(
         self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
     ) -> torch.Tensor:
-        """[N patches, C*T*P*P] of all images -> [sum of image tokens, hidden] (model dtype)."""
-        embeds = self.model.visual(pixel_values.to(self.model.visual.dtype), grid_thw)
+        """[N patches, C*T*P*P] of all images -> [sum of image tokens, hidden] (model dtype).
+
+        The tower runs on chunks of whole frames (`split_grids`): the same result, with its
+        activations bounded by a chunk rather than by every image and video of the prompt."""
+        visual = self.model.visual
+        parts = []
+        start = 0
+        for grids in split_grids(grid_thw):
+            n = sum(t * h * w for t, h, w in grids)
+            parts.append(visual(pixel_values[start : start + n].to(visual.dtype), grids))
+            start += n
+        embeds = parts[0] if len(parts) == 1 else torch.cat(parts)
         return embeds.to(self.model.language_model.embed_tokens.weight.dtype)
 
     # ------------------------------------------------------------------ checkpoint names

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pagoda.config import MultiModalConfig
+from pagoda.multimodal.encoder_chunks import split_grids
 from pagoda.multimodal.image_processor import ImageProcessorConfig
 from pagoda.multimodal.video_processor import VideoOptions, frame_bounds
 
@@ -280,7 +281,9 @@ class EncoderRunner:
 
     def estimate_bytes(self, vision_config: Any) -> int:
         """Rough encoder activation peak, for the CPU (no allocator statistics there)."""
-        patches = sum(t * h * w for t, h, w in self.profile_grids())
+        # the tower runs a chunk of frames at a time (`split_grids`): the largest chunk counts
+        chunks = split_grids(self.profile_grids())
+        patches = max(sum(t * h * w for t, h, w in chunk) for chunk in chunks)
         dim = getattr(vision_config, "embed_dim", None) or vision_config.hidden_size
         inter = getattr(vision_config, "intermediate_size", None) or 4 * dim
         estimate = patches * (8 * dim + 3 * inter) * self.dtype.itemsize
