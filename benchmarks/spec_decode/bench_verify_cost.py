@@ -310,6 +310,10 @@ def end_to_end(
                     core.kv_cache_manager.reset_prefix_cache()
                     print(f"host profile, batch {batch}, corruption {c}:", flush=True)
                     print(host_profile(spec, prompts, params), flush=True)
+                    if c == corruptions[0]:  # the plain engine's loop beside it, once
+                        plain.llm_engine.core.kv_cache_manager.reset_prefix_cache()
+                        print(f"host profile, batch {batch}, plain:", flush=True)
+                        print(host_profile(plain, prompts, params), flush=True)
             rows.append(row)
             print(json.dumps(row), flush=True)
         plain.llm_engine.core.kv_cache_manager.reset_prefix_cache()

@@ -3,6 +3,7 @@
 # k = 0..8 with a per-kernel profile, and the known-acceptance end-to-end run (random weights of
 # the real Qwen2.5-3B shape). Usage: OUT=out RUN_COMMIT=<hash> bash
 # benchmarks/spec_decode/run_spec_gpu.sh [tests] [w4a16] [bf16] [e2e] [draft] [vl]
+# (e2e: E2E_BATCHES, E2E_TIMEOUT and PROFILE_HOST="B,C", the run whose host work is profiled)
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-out}
@@ -32,9 +33,9 @@ for run in "${runs[@]}"; do
       --commit "${RUN_COMMIT:-unknown}" --out "$OUT/$run" 2>&1 | grep -v -i warn | tee "$OUT/$run.log"
     ;;
   e2e)
-    timeout 240 python3 benchmarks/spec_decode/bench_verify_cost.py --models "$cfg:w4a16" \
-      --skip-costs --e2e-model "$cfg:w4a16" --e2e-batches 1,8,32,128 \
-      --e2e-corruptions 0,0.3,0.6,1.0 --profile-host 8,0.3 --commit "${RUN_COMMIT:-unknown}" --out "$OUT/e2e" 2>&1 \
+    timeout "${E2E_TIMEOUT:-240}" python3 benchmarks/spec_decode/bench_verify_cost.py \
+      --models "$cfg:w4a16" --skip-costs --e2e-model "$cfg:w4a16" --e2e-batches "${E2E_BATCHES:-1,8,32,128}" \
+      --e2e-corruptions 0,0.3,0.6,1.0 --profile-host "${PROFILE_HOST:-8,0.3}" --commit "${RUN_COMMIT:-unknown}" --out "$OUT/e2e" 2>&1 \
       | grep -v -i warn | tee "$OUT/e2e.log"
     ;;
   vl)

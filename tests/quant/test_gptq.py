@@ -40,6 +40,30 @@ def test_hessian_is_running_mean_of_2xxt(chunk_tokens: int) -> None:
     torch.testing.assert_close(acc.hessian, 2 * x.t() @ x / x.shape[0], rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_accumulate_like_float32_gpu(dtype: torch.dtype) -> None:
+    # bf16 / fp16 inputs take a half-precision GEMM with a float32 result. Its products are
+    # exact in float32, so against the float64 truth it may differ from the float32 GEMM's
+    # result only by summation order: both errors are float32 rounding of the same sums.
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(20000, 512, generator=g) * torch.rand(512, generator=g) * 4).to(dtype)
+    truth = 2 * x.double().t() @ x.double() / x.shape[0]
+    errors = {}
+    for half in (True, False):
+        acc = HessianAccumulator(512, "cuda")
+        xs = x.cuda() if half else x.cuda().float()
+        for part in xs.split(1000):
+            acc.add(part)
+        errors[half] = (acc.hessian.double().cpu() - truth).abs().max().item()
+    scale = truth.abs().max().item()
+    # float32 accumulation of 20,000 terms in chunks of 4,096: relative error ~ 2^-24 * sqrt(n)
+    # per sum; allow 4x the float32 path's error, and well under 2^-16 of the largest entry.
+    assert errors[True] <= 4 * errors[False] + 2**-20 * scale
+    assert errors[True] < 2**-16 * scale
+
+
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
 def test_scale_search_never_rounds_worse_than_min_max(scheme: str) -> None:
     g = torch.Generator().manual_seed(5)
