@@ -28,6 +28,7 @@ PAGODA = {
     "rtn_asym": ("rtn", "W4A16_ASYM"),
     "rtn_sym": ("rtn", "W4A16"),
     "pagoda_gptq": ("gptq", "W4A16"),
+    "pagoda_gptq_asym": ("gptq", "W4A16_ASYM"),
     "pagoda_awq": ("awq", "W4A16_ASYM"),
 }
 LLMC = {
@@ -156,6 +157,7 @@ def main() -> None:
     ppl = {k: v["perplexity"] for k, v in results.items()}
     gap = {}
     for method, rtn in (("pagoda_gptq", "rtn_sym"), ("llmcompressor_gptq", "rtn_sym"),
+                        ("pagoda_gptq_asym", "rtn_asym"),
                         ("pagoda_awq", "rtn_asym"), ("llmcompressor_awq", "rtn_asym")):  # fmt: skip
         if {method, rtn, "float32"} <= set(ppl):
             gap[method] = (ppl[rtn] - ppl[method]) / (ppl[rtn] - ppl["float32"])
