@@ -20,9 +20,18 @@ def compute_qparams(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # scale [out] (float32 values), zero [out] | None
     """Min-max scale (rounded to `scale_dtype`) and zero point of each row of `w`."""
     w = w.to(torch.float32)
-    zeros = torch.zeros(w.shape[0], dtype=torch.float32, device=w.device)
-    lo = torch.minimum(w.amin(dim=1), zeros)
-    hi = torch.maximum(w.amax(dim=1), zeros)
+    return _range_qparams(w.amin(dim=1), w.amax(dim=1), args, scale_dtype)
+
+
+def _range_qparams(
+    lo: torch.Tensor,  # [...] each row's minimum
+    hi: torch.Tensor,  # [...] each row's maximum
+    args: WeightQuantArgs,
+    scale_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`compute_qparams` from each row's range (widened to hold 0)."""
+    lo = torch.clamp(lo, max=0.0)
+    hi = torch.clamp(hi, min=0.0)
     q_range = float(args.q_max - args.q_min)
     if args.symmetric:
         scale = torch.maximum(lo.abs(), hi) / (q_range / 2)
@@ -53,15 +62,28 @@ def search_qparams(
     w = w.to(torch.float32)
     out_features, cols = w.shape
     imp = torch.ones(cols, device=w.device) if importance is None else importance.float()
-    # Every candidate at once: [K, out, cols] -> K x out rows of compute_qparams.
     shrink = 1 - torch.arange(int(max_shrink * grid) + 1, device=w.device) / grid  # [K], 1 first
-    candidates = (w[None] * shrink[:, None, None]).reshape(-1, cols)  # [K * out, cols]
-    scale, zero = compute_qparams(candidates, args, scale_dtype)  # each [K * out]
-    original = w.repeat(shrink.shape[0], 1)  # [K * out, cols]
-    err = ((original - fake_quantize(original, scale, zero, args)).pow(2) * imp).sum(dim=1)
-    best = err.reshape(-1, out_features).argmin(dim=0)  # [out]; ties: the smaller shrink
-    pick = best * out_features + torch.arange(out_features, device=w.device)
-    return scale[pick], None if zero is None else zero[pick]
+    # The range of w * s is (min w * s, max w * s) exactly (s > 0; rounding is monotonic), so
+    # the K candidates' scales come from the row ranges without scaling every weight.
+    lo, hi = w.amin(dim=1), w.amax(dim=1)
+    scale, zero = _range_qparams(lo * shrink[:, None], hi * shrink[:, None], args, scale_dtype)
+    # Each candidate rounds the original weights: [K, out, cols], in chunks of candidates
+    # that stay small (a 9728-row group is 21 x 5 MB).
+    err = torch.empty(shrink.shape[0], out_features, device=w.device)
+    step = max(1, (1 << 22) // max(1, out_features * cols))
+    for k0 in range(0, shrink.shape[0], step):
+        k1 = min(k0 + step, shrink.shape[0])
+        s_k = scale[k0:k1, :, None]
+        z_k = None if zero is None else zero[k0:k1, :, None]
+        q = torch.round(w[None] / s_k if z_k is None else w[None] / s_k + z_k)
+        q = q.clamp_(args.q_min, args.q_max)
+        if z_k is not None:
+            q = q.sub_(z_k)
+        d = q.mul_(s_k).sub_(w[None])  # dequantized - original
+        err[k0:k1] = (d.pow_(2) * imp).sum(dim=2)
+    best = err.argmin(dim=0)  # [out]; ties: the smaller shrink
+    rows = torch.arange(out_features, device=w.device)
+    return scale[best, rows], None if zero is None else zero[best, rows]
 
 
 def quantize_codes(

@@ -65,6 +65,30 @@ def test_half_inputs_accumulate_like_float32_gpu(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
+def test_scale_search_equals_scaling_every_candidate(scheme: str) -> None:
+    # search_qparams derives each shrunk candidate's scale from the row's range; the direct
+    # way scales every weight and takes min-max of each candidate: the same scales, bit for bit.
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(300, 128, generator=g) * 0.05
+    w[:5] *= 20  # rows with outliers, where the search shrinks the range most
+    w[7] = 0  # an all-zero row
+    importance = torch.rand(128, generator=g) + 0.1
+    args = scheme_args(scheme, 128)
+    shrink = 1 - torch.arange(21) / 100
+    candidates = (w[None] * shrink[:, None, None]).reshape(-1, 128)
+    scale, zero = compute_qparams(candidates, args, torch.bfloat16)
+    original = w.repeat(21, 1)
+    err = ((original - fake_quantize(original, scale, zero, args)).pow(2) * importance).sum(1)
+    pick = err.reshape(21, 300).argmin(0) * 300 + torch.arange(300)
+    got_scale, got_zero = search_qparams(w, args, torch.bfloat16, importance)
+    assert torch.equal(got_scale, scale[pick])
+    assert (got_zero is None) == (zero is None)
+    if zero is not None:
+        assert torch.equal(got_zero, zero[pick])
+    assert int((pick // 300 > 0).sum()) > 50  # the search did shrink many rows
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
 def test_scale_search_never_rounds_worse_than_min_max(scheme: str) -> None:
     g = torch.Generator().manual_seed(5)
     w = torch.randn(64, 32, generator=g) * 0.05
