@@ -41,6 +41,7 @@ KERNEL_NAMES = (
     "torch_dequant",
     "dense_gemv",
     "fp8_gemv",
+    "fp8_gemm",
     "fp8_scaled_mm",
     "fused_decode_attn",
     "kv_prefetch",

@@ -6,6 +6,9 @@ float32 scale [N], one input scale or none) and asks the kernel registry below f
 kernels by M band. Kernels, in priority order (`PAGODA_DISABLED_KERNELS` removes them by name):
 - `fp8_gemv` (CUDA sm_90+, Triton): M = 1, FP8 weights x bf16 activation (no activation
   rounding), the batch-1 decode's weight bytes halved;
+- `fp8_gemm` (CUDA sm_90+, Triton): 2 <= M <= 128, the same FP8-weight x bf16-activation math
+  through `tl.dot` (split-K over the SMs): in that band a linear is bound by its weight bytes,
+  so the FP8 tensor cores buy nothing and the activations' quantization pass is saved;
 - `fp8_scaled_mm` (CUDA sm_89+, FP8 activations in the checkpoint): activations quantized per
   token (or with the static scale) by one Triton launch, cuBLASLt's FP8 GEMM (`torch._scaled_mm`);
 - `fp8_w8a16` (everything else: sm_80 / sm_87 have no FP8 tensor cores, and the CPU): the weight
@@ -118,6 +121,23 @@ class Fp8Gemv(Fp8Kernel):
         return fp8_gemv(x, layer.weight, layer.weight_scale, bias)
 
 
+class Fp8Gemm(Fp8Kernel):
+    name = "fp8_gemm"
+    layout = "fp8"
+    max_rows = 128
+
+    @classmethod
+    def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
+        return Fp8Gemv.supports(cfg)
+
+    @classmethod
+    def apply(cls, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pagoda.kernels.fp8.triton_gemm import fp8_gemm
+
+        workspace = getattr(layer, "split_k_workspace", None)  # bound by the model runner
+        return fp8_gemm(x, layer.weight, layer.weight_scale, bias, workspace=workspace)
+
+
 class Fp8ScaledMM(Fp8Kernel):
     name = "fp8_scaled_mm"
     layout = "fp8"
@@ -187,7 +207,7 @@ class Fp8W8A8Reference(Fp8Kernel):
         return scaled_mm_ref(x_q, x_scale, codes, layer.fp8_scale, bias, x.dtype)
 
 
-FP8_KERNELS: tuple[type[Fp8Kernel], ...] = (Fp8Gemv, Fp8ScaledMM, Fp8W8A16)
+FP8_KERNELS: tuple[type[Fp8Kernel], ...] = (Fp8Gemv, Fp8Gemm, Fp8ScaledMM, Fp8W8A16)
 
 
 def _enabled(kernel: type[Fp8Kernel]) -> bool:
@@ -224,9 +244,18 @@ def choose_fp8_kernels(cfg: Fp8KernelConfig) -> Fp8KernelTable:
     gemv_ok, why = Fp8Gemv.can_implement(one) if _enabled(Fp8Gemv) else (False, "disabled")
     if not gemv_ok:
         reasons.append(f"fp8_gemv: {why}")
+    band = dataclasses.replace(cfg, min_m=2, max_m=Fp8Gemm.max_rows)
+    small_ok, why = Fp8Gemm.can_implement(band) if _enabled(Fp8Gemm) else (False, "disabled")
+    if not small_ok:
+        reasons.append(f"fp8_gemm: {why}")
     if gemm_ok:
-        entries = ((1, Fp8Gemv), (2, Fp8ScaledMM)) if gemv_ok else ((1, Fp8ScaledMM),)
-        return Fp8KernelTable("fp8", entries, tuple(reasons))
+        entries: list[tuple[int, type[Fp8Kernel]]] = []  # (first M, kernel)
+        if gemv_ok:
+            entries.append((1, Fp8Gemv))
+        if small_ok:
+            entries.append((2 if gemv_ok else 1, Fp8Gemm))
+        entries.append((Fp8Gemm.max_rows + 1 if small_ok else 2 if gemv_ok else 1, Fp8ScaledMM))
+        return Fp8KernelTable("fp8", tuple(entries), tuple(reasons))
     return Fp8KernelTable("dense", ((1, Fp8W8A16),), tuple(reasons))
 
 

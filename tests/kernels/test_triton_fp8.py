@@ -121,3 +121,87 @@ def test_fp8_gemv_on_gpu():
     torch.testing.assert_close(
         fp8_gemv(x, w, s).float(), fp8_gemv_ref(x, w, s, None).float(), rtol=2**-7, atol=1e-2
     )
+
+
+def _fp8_gemm():
+    pytest.importorskip("triton")
+    from pagoda.kernels.fp8 import triton_gemm
+
+    return triton_gemm
+
+
+@pytest.mark.parametrize(
+    "m,n,k,bias,split,dtype",
+    [
+        (2, 64, 256, False, 1, torch.bfloat16),
+        (5, 96, 200, True, 1, torch.float16),  # N and K off the tiles
+        (16, 128, 512, True, 3, torch.bfloat16),  # split-K, atomics into a fresh buffer
+        (33, 40, 384, False, 2, torch.bfloat16),  # BLOCK_M 64 with 31 padding rows
+        (128, 64, 256, True, 2, torch.bfloat16),
+    ],
+)
+def test_fp8_gemm_matches_reference(m, n, k, bias, split, dtype):
+    g = _fp8_gemm()
+    w, s = _weights(n, k, seed=m)
+    x = torch.randn(m, k, dtype=dtype)
+    b = torch.randn(n, dtype=dtype) if bias else None
+    cfg = g.Fp8GemmConfig(block_n=32, block_k=64, split_k=split, num_warps=4, num_stages=2)
+    got = g.fp8_gemm(x, w, s, b, config=cfg)
+    want = fp8_gemv_ref(x, w, s, b)  # the fp32 x @ (w * s)^T of any M
+    assert got.dtype == dtype and got.shape == (m, n)
+    # exact products (an 8-bit x 4-bit significand fits fp32), another summation order, one
+    # rounding to x's dtype each: at most one step of it apart (2^-7 relative for bf16)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_fp8_gemm_serial_reduction_leaves_the_workspace_zero():
+    """The last program of each column tile writes the sums and zeroes what it used, so the
+    same buffers serve the next call (another shape) and a repeated one."""
+    g = _fp8_gemm()
+    from pagoda.kernels.workspace import SplitKWorkspace
+
+    workspace = SplitKWorkspace()
+    for seed, (m, n, k, split) in enumerate(((3, 64, 512, 4), (20, 96, 256, 2))):
+        w, s = _weights(n, k, seed=seed)
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        b = torch.randn(n, dtype=torch.bfloat16)
+        cfg = g.Fp8GemmConfig(block_n=32, block_k=64, split_k=split, num_warps=4, num_stages=2)
+        for _ in range(2):
+            got = g.fp8_gemm(x, w, s, b, config=cfg, workspace=workspace)
+            torch.testing.assert_close(
+                got.float(), fp8_gemv_ref(x, w, s, b).float(), rtol=2**-7, atol=1e-3
+            )
+        bufs = workspace.all_buffers()
+        assert len(bufs) == 2 and all(int(t.count_nonzero()) == 0 for t in bufs)
+
+
+def test_fp8_gemm_default_config_and_errors():
+    g = _fp8_gemm()
+    cfg = g.default_config(64, 2048, 11008, num_sms=132)
+    assert cfg.split_k > 1 and cfg.block_n == 64  # 32 column tiles would fill a quarter wave
+    assert g.default_config(8, 22016, 2048, num_sms=132).block_n == 128
+    assert g.block_m_for(1) == 16 and g.block_m_for(17) == 32 and g.block_m_for(128) == 128
+    w, s = _weights(32, 64)
+    with pytest.raises(ValueError, match="M <= 128"):
+        g.fp8_gemm(torch.randn(129, 64, dtype=torch.bfloat16), w, s)
+    with pytest.raises(ValueError, match="bf16 / fp16"):
+        g.fp8_gemm(torch.randn(4, 64), w, s)
+    with pytest.raises(ValueError, match="w_scale"):
+        g.fp8_gemm(torch.randn(4, 64, dtype=torch.bfloat16), w, s.half())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(2, 4608, 3584), (64, 3584, 18944), (128, 2560, 2048)])
+def test_fp8_gemm_on_gpu(m, n, k):
+    if not _fp8_gpu():
+        pytest.skip("needs sm_89+")
+    g = _fp8_gemm()
+    from pagoda.kernels.workspace import SplitKWorkspace
+
+    w, s = _weights(n, k, "cuda")
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = fp8_gemv_ref(x, w, s, b).float()
+    for ws in (None, SplitKWorkspace()):
+        got = g.fp8_gemm(x, w, s, b, workspace=ws).float()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)

@@ -188,13 +188,16 @@ def test_unsupported_fp8_configs_name_the_problem(group, match) -> None:
 
 def test_registry_picks_by_capability() -> None:
     pytest.importorskip("triton")  # the FP8 kernels need Triton; without it every table is dense
-    from pagoda.layers.fp8_linear import Fp8Gemv, Fp8KernelConfig, Fp8ScaledMM
+    from pagoda.layers.fp8_linear import Fp8Gemm, Fp8Gemv, Fp8KernelConfig, Fp8ScaledMM
 
     def cfg(device, cap, acts="dynamic", n=4096, k=4096):
         return Fp8KernelConfig(device, cap, n, k, torch.bfloat16, acts)
 
     hopper = choose_fp8_kernels(cfg("cuda", (9, 0)))
-    assert hopper.layout == "fp8" and hopper.pick(1) is Fp8Gemv and hopper.pick(2) is Fp8ScaledMM
+    assert hopper.layout == "fp8" and hopper.pick(1) is Fp8Gemv
+    # FP8 weights x bf16 rows while the weight bytes bound the layer, FP8 tensor cores beyond
+    assert hopper.pick(2) is Fp8Gemm and hopper.pick(128) is Fp8Gemm
+    assert hopper.pick(129) is Fp8ScaledMM
     ada = choose_fp8_kernels(cfg("cuda", (8, 9)))
     assert ada.names == ("fp8_scaled_mm",)
     for table in (
