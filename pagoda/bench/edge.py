@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-capability", default=None, help="e.g. 8.9 (RTX 4070), 8.7 (Orin)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="one KV cache type for all models, or one per model, comma-separated "
+        "(auto | fp8 | fp8_e4m3 | fp8_e5m2): W4A16 + FP8-KV rows beside the others",
+    )
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--image-size", default="1280x720", help="TTFT image, WIDTHxHEIGHT")
     p.add_argument("--concurrent", type=int, default=8, help="concurrent image requests")
@@ -109,6 +115,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         gpu_memory_utilization=util,
         limit_mm_per_prompt={"image": 1},
         enforce_eager=job["enforce_eager"],
+        kv_cache_dtype=job.get("kv_cache_dtype", "auto"),
         print_memory_report=False,
     )
     startup = time.perf_counter() - t0
@@ -137,6 +144,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     concurrent["wall_s"] = time.perf_counter() - start
     result = {
         "model": job["model"],
+        "kv_cache_dtype": job.get("kv_cache_dtype", "auto"),
         "device": report.device,
         "memory_cap_gib": job["memory_cap_gib"] if on_cuda else None,
         "emulated_capability": job.get("emulate_capability"),
@@ -182,7 +190,11 @@ def _decode_rate(llm: Any, batch: int, output_len: int) -> float:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    names = [Path(r["model"].replace("config:", "")).name for r in results]
+    names = [
+        Path(r["model"].replace("config:", "")).name
+        + ("" if r.get("kv_cache_dtype", "auto") == "auto" else f" + {r['kv_cache_dtype']} KV")
+        for r in results
+    ]
     rows = [
         ("weights GiB", lambda r: f"{r['weights_gib']:.2f}"),
         ("KV cache GiB", lambda r: f"{r['kv_cache_gib']:.2f}"),
@@ -209,7 +221,17 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
+    from pagoda.bench.compare import _per_config
+
     models = ns.models or [f"config:{DEFAULT_CONFIG}", f"config:{DEFAULT_CONFIG}:w4a16"]
+    kv_dtypes = [
+        k or "auto" for k in _per_config(ns.kv_cache_dtype, len(models), "--kv-cache-dtype")
+    ]
+    for kv in kv_dtypes:
+        if kv not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(
+                f"--kv-cache-dtype {kv!r} is not supported; use auto, fp8, fp8_e4m3 or fp8_e5m2"
+            )
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     base = {
@@ -235,7 +257,7 @@ def main(ns: argparse.Namespace) -> int:
     for i, model in enumerate(models):
         job_file = out / f"job{i}.json"
         res_file = out / f"result{i}.json"
-        job_file.write_text(json.dumps({**base, "model": model}))
+        job_file.write_text(json.dumps({**base, "model": model, "kv_cache_dtype": kv_dtypes[i]}))
         cmd = [sys.executable, "-m", "pagoda.bench.edge", "--worker", str(job_file), str(res_file)]
         print(f"edge: {model}", file=sys.stderr)
         proc = subprocess.run(cmd, env=env, timeout=ns.timeout_s)

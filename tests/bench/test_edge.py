@@ -60,17 +60,23 @@ def test_edge_bench_runs_both_models_and_writes_the_table(tmp_path, capsys):
         + ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512"]
         + ["--image-size", "112x84", "--concurrent", "2", "--concurrent-image-size", "168x112"]
         + ["--batch-sizes", "1,2", "--output-len", "4", "--iters", "1"]
+        + ["--kv-cache-dtype", "auto,fp8"]  # the W4A16 + FP8-KV row
     )
     assert rc == 0
     results = json.loads((out / "edge.json").read_text())
     assert [r["model"].endswith(":w4a16") for r in results] == [False, True]
+    assert [r["kv_cache_dtype"] for r in results] == ["auto", "fp8"]
     bf16, w4 = results
     assert w4["weights_gib"] < bf16["weights_gib"]  # packed int4 decoder linears
+    # one byte a K / V value against float32's four: 4x the tokens per byte of cache
+    per_byte = [r["kv_tokens"] / r["memory_report"]["kv_cache_bytes"] for r in results]
+    assert per_byte[1] == pytest.approx(4 * per_byte[0], rel=1e-6)
     for r in results:
         assert r["concurrent_images"] == {**r["concurrent_images"], "ok": True, "answered": 2}
         assert r["ttft_image_s"] > 0 and set(r["decode_tok_s"]) == {"1", "2"}
         assert r["kv_cache_gib"] > 0 and r["memory_report"]["num_blocks"] > 0
     table = (out / "edge.md").read_text()
+    assert "tiny-vl.json:w4a16 + fp8 KV |" in table
     assert (
         "| decode tok/s, batch 2 |" in table and "| concurrent images | ok (2) | ok (2) |" in table
     )
@@ -80,3 +86,11 @@ def test_edge_bench_bad_size_is_a_clear_error(tmp_path, capsys):
     rc = cli_main(["bench", "edge", "--out", str(tmp_path), "--image-size", "big"])
     assert rc == 2
     assert "image size 'big': use WIDTHxHEIGHT" in capsys.readouterr().err
+
+
+def test_edge_bench_bad_kv_cache_dtype_is_a_clear_error(tmp_path, capsys):
+    assert cli_main(["bench", "edge", "--out", str(tmp_path), "--kv-cache-dtype", "int4"]) == 2
+    assert "--kv-cache-dtype 'int4' is not supported" in capsys.readouterr().err
+    args = ["bench", "edge", "--out", str(tmp_path), "--kv-cache-dtype", "auto,fp8,fp8"]
+    assert cli_main(args) == 2
+    assert "3 values for 2 configurations" in capsys.readouterr().err
