@@ -6,9 +6,10 @@ float32 scale [N], one input scale or none) and asks the kernel registry below f
 kernels by M band. Kernels, in priority order (`PAGODA_DISABLED_KERNELS` removes them by name):
 - `fp8_gemv` (CUDA sm_90+, Triton): M = 1, FP8 weights x bf16 activation (no activation
   rounding), the batch-1 decode's weight bytes halved;
-- `fp8_gemm` (CUDA sm_90+, Triton): 2 <= M <= 128, the same FP8-weight x bf16-activation math
-  through `tl.dot` (split-K over the SMs): in that band a linear is bound by its weight bytes,
-  so the FP8 tensor cores buy nothing and the activations' quantization pass is saved;
+- `fp8_gemm` (CUDA sm_90+, Triton): 2-32 rows (2-16 for layers >= 16384 wide), the same
+  FP8-weight x bf16-activation math through `tl.dot` (split-K over the SMs): there a linear is
+  bound by its weight bytes, so FP8 tensor cores buy nothing and the activations' quantization
+  launch is saved (`Fp8Gemm.best_max_m`: measured band);
 - `fp8_scaled_mm` (CUDA sm_89+, FP8 activations in the checkpoint): activations quantized per
   token (or with the static scale) by one Triton launch, cuBLASLt's FP8 GEMM (`torch._scaled_mm`);
 - `fp8_w8a16` (everything else: sm_80 / sm_87 have no FP8 tensor cores, and the CPU): the weight
@@ -124,7 +125,15 @@ class Fp8Gemv(Fp8Kernel):
 class Fp8Gemm(Fp8Kernel):
     name = "fp8_gemm"
     layout = "fp8"
-    max_rows = 128
+    max_rows = 128  # what the kernel handles; the registry takes it up to `best_max_m`
+
+    @staticmethod
+    def best_max_m(cfg: Fp8KernelConfig) -> int:
+        """Up to where it beats the W8A8 path (H200, 2026-12-06, `bench_fp8_gemm.py`, Qwen2.5
+        3B / 7B layers): every layer at 2-16 rows; the narrow ones (qkv, o, down) at 32 too
+        (0.63-0.84x W8A8's time) but not the 22016- / 37888-wide gate_up (1.02-1.12x); from 64
+        rows the W8A8 path wins on most layers (gate_up 2.3-3.4x faster)."""
+        return 16 if cfg.n >= 16384 else 32
 
     @classmethod
     def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
@@ -244,7 +253,8 @@ def choose_fp8_kernels(cfg: Fp8KernelConfig) -> Fp8KernelTable:
     gemv_ok, why = Fp8Gemv.can_implement(one) if _enabled(Fp8Gemv) else (False, "disabled")
     if not gemv_ok:
         reasons.append(f"fp8_gemv: {why}")
-    band = dataclasses.replace(cfg, min_m=2, max_m=Fp8Gemm.max_rows)
+    gemm_end = Fp8Gemm.best_max_m(cfg)
+    band = dataclasses.replace(cfg, min_m=2, max_m=gemm_end)
     small_ok, why = Fp8Gemm.can_implement(band) if _enabled(Fp8Gemm) else (False, "disabled")
     if not small_ok:
         reasons.append(f"fp8_gemm: {why}")
@@ -254,7 +264,7 @@ def choose_fp8_kernels(cfg: Fp8KernelConfig) -> Fp8KernelTable:
             entries.append((1, Fp8Gemv))
         if small_ok:
             entries.append((2 if gemv_ok else 1, Fp8Gemm))
-        entries.append((Fp8Gemm.max_rows + 1 if small_ok else 2 if gemv_ok else 1, Fp8ScaledMM))
+        entries.append((gemm_end + 1 if small_ok else 2 if gemv_ok else 1, Fp8ScaledMM))
         return Fp8KernelTable("fp8", tuple(entries), tuple(reasons))
     return Fp8KernelTable("dense", ((1, Fp8W8A16),), tuple(reasons))
 

@@ -196,8 +196,10 @@ def test_registry_picks_by_capability() -> None:
     hopper = choose_fp8_kernels(cfg("cuda", (9, 0)))
     assert hopper.layout == "fp8" and hopper.pick(1) is Fp8Gemv
     # FP8 weights x bf16 rows while the weight bytes bound the layer, FP8 tensor cores beyond
-    assert hopper.pick(2) is Fp8Gemm and hopper.pick(128) is Fp8Gemm
-    assert hopper.pick(129) is Fp8ScaledMM
+    assert hopper.pick(2) is Fp8Gemm and hopper.pick(32) is Fp8Gemm
+    assert hopper.pick(33) is Fp8ScaledMM
+    wide = choose_fp8_kernels(cfg("cuda", (9, 0), n=22016))  # a gate_up: W8A8 from 17 rows
+    assert wide.pick(16) is Fp8Gemm and wide.pick(17) is Fp8ScaledMM
     ada = choose_fp8_kernels(cfg("cuda", (8, 9)))
     assert ada.names == ("fp8_scaled_mm",)
     for table in (

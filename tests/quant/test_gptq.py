@@ -43,13 +43,16 @@ def test_hessian_is_running_mean_of_2xxt(chunk_tokens: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_inputs_accumulate_like_float32_gpu(dtype: torch.dtype) -> None:
-    # bf16 / fp16 inputs take a half-precision GEMM with a float32 result. Its products are
-    # exact in float32, so against the float64 truth it may differ from the float32 GEMM's
-    # result only by summation order: both errors are float32 rounding of the same sums.
+def test_half_input_hessian_error_is_far_below_sampling_noise_gpu(dtype: torch.dtype) -> None:
+    # bf16 / fp16 inputs take a half-precision GEMM with a float32 result: exact products, but
+    # Hopper's tensor cores do not accumulate float32 as IEEE does (H200: 13x / 43x the float32
+    # GEMM's error). What GPTQ needs: the error far below what H already carries from being a
+    # sample. Two halves of the data give two estimates of H; their difference is that noise.
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(20000, 512, generator=g) * torch.rand(512, generator=g) * 4).to(dtype)
     truth = 2 * x.double().t() @ x.double() / x.shape[0]
+    halves = [2 * p.double().t() @ p.double() / p.shape[0] for p in x.split(10000)]
+    noise = (halves[0] - halves[1]).abs().max().item()
     errors = {}
     for half in (True, False):
         acc = HessianAccumulator(512, "cuda")
@@ -57,11 +60,9 @@ def test_half_inputs_accumulate_like_float32_gpu(dtype: torch.dtype) -> None:
         for part in xs.split(1000):
             acc.add(part)
         errors[half] = (acc.hessian.double().cpu() - truth).abs().max().item()
-    scale = truth.abs().max().item()
-    # float32 accumulation of 20,000 terms in chunks of 4,096: relative error ~ 2^-24 * sqrt(n)
-    # per sum; allow 4x the float32 path's error, and well under 2^-16 of the largest entry.
-    assert errors[True] <= 4 * errors[False] + 2**-20 * scale
-    assert errors[True] < 2**-16 * scale
+    assert errors[False] < noise / 1000  # float32 accumulation: rounding only
+    # the GEMM's error is below 1 % of the sampling noise: no GPTQ decision can depend on it
+    assert errors[True] < noise / 100
 
 
 @pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM"])
