@@ -14,8 +14,12 @@ within a factor `close` of each other, where one noisy sample could have decided
 in step cost is seen within a few probes. A probe is several steps because the engine times
 only steady steps: the first speculating step after plain ones, and the first two plain steps
 after speculating ones (the async loop's pipeline refills), give no sample, and each switch
-costs the device a bubble of host work. The probes' cost: within the band 4 steps in 40 run at
-most 20 % slower, outside it 4 in 160, plus two switches each: a few % of the better mode.
+costs the device a bubble of host work. A probe that leaves the choice as it was doubles the
+bucket's interval (up to `max_backoff` x), a changed choice resets it: in a steady regime the
+probes' cost falls from 4 steps in 40 (within the band, at most 20 % slower) or in 160 (outside
+it), plus two switches each, to a quarter of that. (On the H200 with fixed intervals, the
+adaptive mode lost 3-13 % to plain decoding on 128-token runs where speculation lost, warm-up
+included: BENCHMARKS.md, speculative decoding.)
 
 The tokens a speculating step emits per sequence are estimated apart from its time, since they
 vary far more: from the speculating steps, and — with a host-side proposer such as n-gram —
@@ -47,6 +51,8 @@ class _Bucket:
     probe_left: int = 0  # steps of the probe in progress still to run
     probe_mode: bool = False
     spec_seconds: float | None = None  # a speculating step's wall time (moving average)
+    backoff: int = 1  # probe interval multiplier: doubles while probes confirm the choice
+    best_before_probe: bool | None = None  # the choice a probe in progress is checking
 
 
 class SpecGovernor:
@@ -59,6 +65,7 @@ class SpecGovernor:
         probe_close: int = 40,
         close: float = 1.25,
         probe_steps: int = 4,
+        max_backoff: int = 4,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         # alpha: weight of a new sample in the moving average; warmup_samples: steps measured
@@ -69,6 +76,9 @@ class SpecGovernor:
         self.probe_every = probe_every
         self.probe_close = probe_close
         self.probe_steps = probe_steps
+        # a probe that leaves the choice as it was doubles the bucket's probe interval, up to
+        # max_backoff x; a changed choice resets it (steady regimes pay fewer probes)
+        self.max_backoff = max_backoff
         self.close = close
         self.warmup_samples = warmup_samples
         self.clock = clock
@@ -102,13 +112,18 @@ class SpecGovernor:
             return b.probe_mode
         spec, plain = self._spec_rate(b, batch), b.rate[False]
         best = spec >= plain
+        if b.best_before_probe is not None:  # the first choice after a probe
+            kept = best == b.best_before_probe
+            b.backoff = min(2 * b.backoff, self.max_backoff) if kept else 1
+            b.best_before_probe = None
         b.since_probe += 1
         ratio = spec / plain
         every = self.probe_close if 1 / self.close < ratio < self.close else self.probe_every
-        if b.since_probe >= every:
+        if b.since_probe >= every * b.backoff:
             b.since_probe = 0
             self.num_probes += 1
             b.probe_mode, b.probe_left = not best, self.probe_steps - 1
+            b.best_before_probe = best
             return not best
         return best
 

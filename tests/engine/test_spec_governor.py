@@ -61,6 +61,37 @@ def test_poor_drafts_turn_it_off_and_cost_little():
     assert sim.spec_steps <= (2000 // 164 + 1) * 4 + 5  # the probes and the warm-up
 
 
+def test_probes_that_confirm_the_choice_back_off():
+    """Poor drafts for 8000 steps: each probe that leaves speculation off doubles the interval
+    (up to 4x: 4 probe steps in 644), so the steady cost falls from ~1 % (4 steps of 0.4 plain
+    steps' loss in 164) to ~0.25 %."""
+    rates = {}
+    for backoff in (1, 4):
+        gov = SpecGovernor(max_backoff=backoff)
+        sim = Sim(gov, 1)
+        sim.run(8000, plain_s=2e-3, spec_s=3e-3, tokens=1.1)
+        rates[backoff] = sim.tokens / sim.time * 2e-3  # of plain decoding's rate
+        if backoff == 4:
+            assert gov.buckets[0].backoff == 4
+    assert rates[1] < 0.992 and rates[4] > 0.996
+    # good drafts now: found by the next probe (<= 4 x 160 steps away)
+    gov = SpecGovernor()
+    sim = Sim(gov, 1)
+    sim.run(3000, plain_s=2e-3, spec_s=3e-3, tokens=1.1)
+    before = sim.spec_steps
+    sim.run(1000, plain_s=2e-3, spec_s=3e-3, tokens=4.0)
+    assert sim.spec_steps - before > 1000 - 4 * 160 - 2 * 8
+    # a changed choice resets the interval: right after the switch, probes are 160 apart again
+    gov = SpecGovernor()
+    sim = Sim(gov, 1)
+    sim.run(3000, plain_s=2e-3, spec_s=3e-3, tokens=1.1)
+    assert gov.buckets[0].backoff == 4
+    before = sim.spec_steps
+    while sim.spec_steps - before < 20:  # the probe (4 steps) found it, 16 more speculate
+        sim.run(1, plain_s=2e-3, spec_s=3e-3, tokens=4.0)
+    assert gov.buckets[0].backoff == 1
+
+
 def test_close_rates_cost_little_and_probes_are_timed():
     """Speculating at 0.97x plain (1.6 tokens a 3.3 ms step against 2 ms), each switch of mode
     costing 0.5 ms: inside the band a probe of 4 steps every 40 costs two switches (1 ms) and
