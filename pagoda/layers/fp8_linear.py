@@ -131,8 +131,8 @@ class Fp8Gemm(Fp8Kernel):
     def best_max_m(cfg: Fp8KernelConfig) -> int:
         """Up to where it beats the W8A8 path (H200, 2026-12-06, `bench_fp8_gemm.py`, Qwen2.5
         3B / 7B layers): every layer at 2-16 rows; the narrow ones (qkv, o, down) at 32 too
-        (0.63-0.84x W8A8's time) but not the 22016- / 37888-wide gate_up (1.02-1.12x); from 64
-        rows the W8A8 path wins on most layers (gate_up 2.3-3.4x faster)."""
+        (0.48-0.84x W8A8's time) but not the 22016- / 37888-wide gate_up (1.02-1.12x); from 64
+        rows the W8A8 path wins on most layers (gate_up 2.3-3.8x faster)."""
         return 16 if cfg.n >= 16384 else 32
 
     @classmethod
