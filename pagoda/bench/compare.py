@@ -220,6 +220,17 @@ def _per_config(text: str | None, n: int, flag: str) -> list[str | None]:
     return parts
 
 
+def kv_cache_dtypes(text: str | None, n: int) -> list[str]:
+    """`--kv-cache-dtype`: one value for all n configurations or one each, validated."""
+    kv_dtypes = [k or "auto" for k in _per_config(text, n, "--kv-cache-dtype")]
+    for k in kv_dtypes:
+        if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(
+                f"--kv-cache-dtype {k!r} is not supported; use auto, fp8, fp8_e4m3 or fp8_e5m2"
+            )
+    return kv_dtypes
+
+
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise ValueError(f"--{name} must be >= 1, got {value}")
@@ -252,14 +263,7 @@ def build_jobs(ns: argparse.Namespace) -> tuple[list[CompareJob], dict[str, Any]
     dtypes = [d or "auto" for d in _per_config(ns.dtype, len(models), "--dtype")]
     for d in dtypes:
         normalize_dtype(d)
-    kv_dtypes = [
-        k or "auto" for k in _per_config(ns.kv_cache_dtype, len(models), "--kv-cache-dtype")
-    ]
-    for k in kv_dtypes:
-        if k not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
-            raise ValueError(
-                f"--kv-cache-dtype {k!r} is not supported; use auto, fp8, fp8_e4m3 or fp8_e5m2"
-            )
+    kv_dtypes = kv_cache_dtypes(ns.kv_cache_dtype, len(models))
     if ns.device not in ("auto", "cpu", "cuda") and not str(ns.device).startswith("cuda:"):
         raise ValueError(f"--device must be auto, cpu or cuda, got {ns.device!r}")
     if not 0.0 < ns.gpu_memory_utilization <= 1.0:

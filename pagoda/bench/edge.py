@@ -221,17 +221,10 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from pagoda.bench.compare import _per_config
+    from pagoda.bench.compare import kv_cache_dtypes
 
     models = ns.models or [f"config:{DEFAULT_CONFIG}", f"config:{DEFAULT_CONFIG}:w4a16"]
-    kv_dtypes = [
-        k or "auto" for k in _per_config(ns.kv_cache_dtype, len(models), "--kv-cache-dtype")
-    ]
-    for kv in kv_dtypes:
-        if kv not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
-            raise ValueError(
-                f"--kv-cache-dtype {kv!r} is not supported; use auto, fp8, fp8_e4m3 or fp8_e5m2"
-            )
+    kv_dtypes = kv_cache_dtypes(ns.kv_cache_dtype, len(models))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     base = {

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from pagoda import platform
 from pagoda.kernels.pdl import pdl_launch_args
+from pagoda.kernels.triton_split_k import store_split_k
 from pagoda.kernels.wna16.tuned_tables import gpu_entries
 from pagoda.kernels.workspace import SplitKWorkspace
 
@@ -370,33 +371,10 @@ def _wna16_gemv_kernel(
         scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = acc * scale[None, :]
 
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if ONE_SPLIT:
-        if HAS_BIAS:
-            acc += bias[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
-    else:
-        ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.atomic_add(ws_ptrs, acc, mask=mask_out, sem="relaxed")
-        if SERIAL:
-            # Every thread's partial is issued before one thread's acq_rel increment (the
-            # CUTLASS split-K semaphore pattern); the last program reads the complete sums.
-            tl.debug_barrier()
-            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if done == tl.num_programs(1) - 1:
-                # Read and zero in one atomic (on the int32 view of the workspace).
-                wsi_ptrs = wsi_ptr + offs_m[:, None] * N + offs_n[None, :]
-                bits = tl.atomic_xchg(
-                    wsi_ptrs, tl.zeros_like(acc).to(tl.int32), mask=mask_out, sem="relaxed"
-                )
-                total = bits.to(tl.float32, bitcast=True)
-                if HAS_BIAS:
-                    total += bias[None, :]
-                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask_out)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
+    store_split_k(
+        acc, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, N,
+        stride_om, pid_n, ONE_SPLIT, SERIAL, HAS_BIAS,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
