@@ -42,6 +42,7 @@ KERNEL_NAMES = (
     "dense_gemv",
     "fp8_gemv",
     "fp8_gemm",
+    "fp8_gemm_a8",
     "fp8_scaled_mm",
     "fused_decode_attn",
     "kv_prefetch",

@@ -10,6 +10,9 @@ kernels by M band. Kernels, in priority order (`PAGODA_DISABLED_KERNELS` removes
   FP8-weight x bf16-activation math through `tl.dot` (split-K over the SMs): there a linear is
   bound by its weight bytes, so FP8 tensor cores buy nothing and the activations' quantization
   launch is saved (`Fp8Gemm.best_max_m`: measured band);
+- `fp8_gemm_a8` (CUDA sm_89+, Triton, FP8 activations in the checkpoint): to 128 rows, the
+  activations quantized per token (or with the static scale) by one Triton launch, then the same
+  kernel's FP8 x FP8 `tl.dot`: cuBLASLt's FP8 GEMM is slower than bf16 at these skinny shapes;
 - `fp8_scaled_mm` (CUDA sm_89+, FP8 activations in the checkpoint): activations quantized per
   token (or with the static scale) by one Triton launch, cuBLASLt's FP8 GEMM (`torch._scaled_mm`);
 - `fp8_w8a16` (everything else: sm_80 / sm_87 have no FP8 tensor cores, and the CPU): the weight
@@ -147,6 +150,38 @@ class Fp8Gemm(Fp8Kernel):
         return fp8_gemm(x, layer.weight, layer.weight_scale, bias, workspace=workspace)
 
 
+class Fp8GemmA8(Fp8Kernel):
+    """33-128 rows of a W8A8 checkpoint: the activations quantized as for cuBLASLt (one Triton
+    launch), then `fp8_gemm`'s FP8 x FP8 `tl.dot` with split-K. cuBLASLt's FP8 GEMM at these
+    skinny shapes runs below bf16 (H200, 2026-12-06: 3B down_proj at 64 rows 31.7 us against
+    bf16's 17.2; `bench_fp8_gemm.py`), while the layer is still bound by its weight bytes."""
+
+    name = "fp8_gemm_a8"
+    layout = "fp8"
+    max_rows = 128
+
+    @classmethod
+    def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
+        ok, why = Fp8Gemv.supports(cfg)
+        if not ok:
+            return ok, why
+        if cfg.activations is None:
+            return False, "weight-only FP8 checkpoint (activations stay in the model dtype)"
+        return True, ""
+
+    @classmethod
+    def apply(cls, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pagoda.kernels.fp8.triton_gemm import fp8_gemm
+        from pagoda.kernels.fp8.triton_quant import quant_fp8_triton
+
+        x_q, x_scale = quant_fp8_triton(x, layer.input_scale)
+        workspace = getattr(layer, "split_k_workspace", None)
+        return fp8_gemm(
+            x_q, layer.weight, layer.weight_scale, bias, workspace=workspace,
+            x_scale=x_scale, out_dtype=x.dtype,
+        )  # fmt: skip
+
+
 class Fp8ScaledMM(Fp8Kernel):
     name = "fp8_scaled_mm"
     layout = "fp8"
@@ -216,7 +251,7 @@ class Fp8W8A8Reference(Fp8Kernel):
         return scaled_mm_ref(x_q, x_scale, codes, layer.fp8_scale, bias, x.dtype)
 
 
-FP8_KERNELS: tuple[type[Fp8Kernel], ...] = (Fp8Gemv, Fp8Gemm, Fp8ScaledMM, Fp8W8A16)
+FP8_KERNELS: tuple[type[Fp8Kernel], ...] = (Fp8Gemv, Fp8Gemm, Fp8GemmA8, Fp8ScaledMM, Fp8W8A16)
 
 
 def _enabled(kernel: type[Fp8Kernel]) -> bool:
@@ -264,7 +299,17 @@ def choose_fp8_kernels(cfg: Fp8KernelConfig) -> Fp8KernelTable:
             entries.append((1, Fp8Gemv))
         if small_ok:
             entries.append((2 if gemv_ok else 1, Fp8Gemm))
-        entries.append((gemm_end + 1 if small_ok else 2 if gemv_ok else 1, Fp8ScaledMM))
+        start = gemm_end + 1 if small_ok else 2 if gemv_ok else 1
+        a8_band = dataclasses.replace(cfg, min_m=start, max_m=Fp8GemmA8.max_rows)
+        a8_ok, why = (
+            Fp8GemmA8.can_implement(a8_band) if _enabled(Fp8GemmA8) else (False, "disabled")
+        )
+        if a8_ok:
+            entries.append((start, Fp8GemmA8))
+            start = Fp8GemmA8.max_rows + 1
+        else:
+            reasons.append(f"fp8_gemm_a8: {why}")
+        entries.append((start, Fp8ScaledMM))
         return Fp8KernelTable("fp8", tuple(entries), tuple(reasons))
     return Fp8KernelTable("dense", ((1, Fp8W8A16),), tuple(reasons))
 

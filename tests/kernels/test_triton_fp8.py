@@ -175,6 +175,39 @@ def test_fp8_gemm_serial_reduction_leaves_the_workspace_zero():
         assert len(bufs) == 2 and all(int(t.count_nonzero()) == 0 for t in bufs)
 
 
+@pytest.mark.parametrize(
+    "m,n,k,bias,split,static",
+    [
+        (33, 40, 384, True, 1, False),  # BLOCK_M 64 with 31 padding rows, N off the tile
+        (64, 96, 200, False, 2, True),  # K off the tile, split-K atomics, one static scale
+        (128, 64, 256, True, 3, False),
+    ],
+)
+def test_fp8_gemm_a8_matches_scaled_mm_reference(m, n, k, bias, split, static):
+    """e4m3 activations with per-row scales: the W8A8 product cuBLASLt's path computes."""
+    g = _fp8_gemm()
+    w, s = _weights(n, k, seed=m)
+    x = torch.randn(m, k) * torch.logspace(-2, 1, m)[:, None]
+    if static:
+        xq = static_quant_ref(x, torch.tensor([0.02]))
+        xs = torch.full((m, 1), 0.02)
+    else:
+        xq, xs = per_token_quant_ref(x)
+    b = torch.randn(n, dtype=torch.bfloat16) if bias else None
+    cfg = g.Fp8GemmConfig(block_n=32, block_k=64, split_k=split, num_warps=4, num_stages=2)
+    got = g.fp8_gemm(xq, w, s, b, config=cfg, x_scale=xs, out_dtype=torch.bfloat16)
+    want = scaled_mm_ref(xq, xs, w, s, b, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    # exact e4m3 x e4m3 products, fp32 sums in another order, one bf16 rounding each
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+    with pytest.raises(ValueError, match="x_scale"):
+        g.fp8_gemm(xq, w, s, x_scale=None, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        g.fp8_gemm(xq, w, s, x_scale=xs)
+    with pytest.raises(ValueError, match="x_scale goes with e4m3"):
+        g.fp8_gemm(x.bfloat16(), w, s, x_scale=xs)
+
+
 def test_fp8_gemm_default_config_and_errors():
     g = _fp8_gemm()
     cfg = g.default_config(64, 2048, 11008, num_sms=132)
@@ -205,3 +238,9 @@ def test_fp8_gemm_on_gpu(m, n, k):
     for ws in (None, SplitKWorkspace()):
         got = g.fp8_gemm(x, w, s, b, workspace=ws).float()
         torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
+    # e4m3 activations: the tensor cores' FP8 x FP8 dot against the same math in torch
+    xq, xs = per_token_quant_ref(x)
+    want8 = scaled_mm_ref(xq, xs, w, s, b, torch.bfloat16).float()
+    for ws in (None, SplitKWorkspace()):
+        got = g.fp8_gemm(xq, w, s, b, workspace=ws, x_scale=xs, out_dtype=torch.bfloat16)
+        torch.testing.assert_close(got.float(), want8, rtol=2**-7, atol=1e-2)

@@ -188,7 +188,13 @@ def test_unsupported_fp8_configs_name_the_problem(group, match) -> None:
 
 def test_registry_picks_by_capability() -> None:
     pytest.importorskip("triton")  # the FP8 kernels need Triton; without it every table is dense
-    from pagoda.layers.fp8_linear import Fp8Gemm, Fp8Gemv, Fp8KernelConfig, Fp8ScaledMM
+    from pagoda.layers.fp8_linear import (
+        Fp8Gemm,
+        Fp8GemmA8,
+        Fp8Gemv,
+        Fp8KernelConfig,
+        Fp8ScaledMM,
+    )
 
     def cfg(device, cap, acts="dynamic", n=4096, k=4096):
         return Fp8KernelConfig(device, cap, n, k, torch.bfloat16, acts)
@@ -197,11 +203,14 @@ def test_registry_picks_by_capability() -> None:
     assert hopper.layout == "fp8" and hopper.pick(1) is Fp8Gemv
     # FP8 weights x bf16 rows while the weight bytes bound the layer, FP8 tensor cores beyond
     assert hopper.pick(2) is Fp8Gemm and hopper.pick(32) is Fp8Gemm
-    assert hopper.pick(33) is Fp8ScaledMM
+    # quantized activations through our FP8 x FP8 dot to 128 rows, cuBLASLt above
+    assert hopper.pick(33) is Fp8GemmA8 and hopper.pick(128) is Fp8GemmA8
+    assert hopper.pick(129) is Fp8ScaledMM
     wide = choose_fp8_kernels(cfg("cuda", (9, 0), n=22016))  # a gate_up: W8A8 from 17 rows
-    assert wide.pick(16) is Fp8Gemm and wide.pick(17) is Fp8ScaledMM
+    assert wide.pick(16) is Fp8Gemm and wide.pick(17) is Fp8GemmA8
     ada = choose_fp8_kernels(cfg("cuda", (8, 9)))  # the RTX 4070: Triton converts e4m3 there
-    assert ada.names == ("fp8_gemv", "fp8_gemm", "fp8_scaled_mm") and ada.pick(1) is Fp8Gemv
+    assert ada.names == ("fp8_gemv", "fp8_gemm", "fp8_gemm_a8", "fp8_scaled_mm")
+    assert ada.pick(1) is Fp8Gemv
     for table in (
         choose_fp8_kernels(cfg("cuda", (8, 7))),  # Orin: no FP8 tensor cores
         choose_fp8_kernels(cfg("cpu", (0, 0))),

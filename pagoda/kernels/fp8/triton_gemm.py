@@ -33,7 +33,7 @@ MAX_M = 128
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, wsi_ptr, cnt_ptr,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr,
@@ -46,7 +46,8 @@ def _fp8_gemm_kernel(
     NUM_STAGES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,  # the interpreter multiplies bf16 dot operands as raw bits
+    A8: tl.constexpr,  # x is e4m3 with a per-row scale (xs_ptr): an FP8 x FP8 dot
+    UPCAST_DOT: tl.constexpr,  # the interpreter multiplies bf16 / fp8 dot operands as raw bits
 ):  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -77,11 +78,15 @@ def _fp8_gemm_kernel(
             w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & mask_n[None, :], other=0.0)
         if UPCAST_DOT:  # exact either way: the products fit fp32
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        elif A8:
+            acc = tl.dot(x, w, acc)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
     if USE_PDL:  # every weight tile is read: the next kernel may launch (it waits for us)
         tl.extra.cuda.gdc_launch_dependents()
     acc = acc * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if A8:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)[:, None]
 
     store_split_k(
         acc, out_ptr, ws_ptr, wsi_ptr, cnt_ptr, b_ptr, offs_m, offs_n, mask_m, mask_n, N,
@@ -146,13 +151,26 @@ def fp8_gemm(
     bias: torch.Tensor | None = None,  # [N], added in fp32
     config: Fp8GemmConfig | None = None,
     workspace: SplitKWorkspace | None = None,  # the "serial" reduction's (None: atomics + copy)
-) -> torch.Tensor:  # [M, N] in x's dtype
+    x_scale: torch.Tensor | None = None,  # [M] float32 when x is e4m3 (per-token or static)
+    out_dtype: torch.dtype | None = None,  # with e4m3 x: bf16 / fp16 (x's dtype otherwise)
+) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype for e4m3 x)
     m, k = x.shape
     n = w_q.shape[0]
     if not 1 <= m <= MAX_M:
         raise ValueError(f"fp8_gemm handles 1 <= M <= {MAX_M}, got M={m}")
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"fp8_gemm takes bf16 / fp16 activations, got {x.dtype}")
+    a8 = x.dtype == torch.float8_e4m3fn
+    if a8:
+        if x_scale is None or x_scale.numel() != m or x_scale.dtype != torch.float32:
+            raise ValueError(f"e4m3 activations need a float32 x_scale of {m} values (per row)")
+        if out_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"e4m3 activations need out_dtype bf16 / fp16, got {out_dtype}")
+        x_scale = x_scale.reshape(m).contiguous()
+    elif x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8_gemm takes bf16 / fp16 or e4m3 activations, got {x.dtype}")
+    elif x_scale is not None:
+        raise ValueError("x_scale goes with e4m3 activations only")
+    else:
+        out_dtype = x.dtype
     if w_q.shape[1] != k or w_q.stride(1) != 1 or w_q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"w_q must be [N, {k}] e4m3 with unit stride along K")
     if w_scale.shape != (n,) or w_scale.dtype != torch.float32:
@@ -166,7 +184,7 @@ def fp8_gemm(
     split = max(1, min(cfg.split_k, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # no program without a K-tile
-    out = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    out = torch.empty((m, n), device=x.device, dtype=out_dtype)
     serial = workspace is not None
     ws = cnt = None
     if split > 1 and serial:
@@ -182,7 +200,8 @@ def fp8_gemm(
     if cnt is None:
         cnt = w_scale
     _fp8_gemm_kernel[(n_tiles, split)](
-        x, w_q, w_scale, bias if bias is not None else w_scale, out, ws, ws.view(torch.int32), cnt,
+        x, x_scale if a8 else w_scale, w_q, w_scale, bias if bias is not None else w_scale, out,
+        ws, ws.view(torch.int32), cnt,
         m, n, k, k_per_split,
         x.stride(0), w_q.stride(0), out.stride(0),
         BLOCK_M=block_m_for(m),
@@ -196,7 +215,8 @@ def fp8_gemm(
         HAS_BIAS=bias is not None and (split == 1 or serial),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        UPCAST_DOT=envs.triton_interpret() and x.dtype == torch.bfloat16,
+        A8=a8,
+        UPCAST_DOT=envs.triton_interpret() and x.dtype in (torch.bfloat16, torch.float8_e4m3fn),
         **pdl_launch_args(x),
     )  # fmt: skip
     if split > 1 and not serial:
