@@ -284,7 +284,7 @@ def end_to_end(
                 def fresh(core=core, seed=batch, reference=reference, c=c):
                     core.proposer = ReplayProposer(k, reference, c, seed=seed)
                     if core.governor is not None:  # as a fresh engine: nothing measured yet
-                        core.governor = type(core.governor)()
+                        core.governor = type(core.governor)(shadows=core.governor.shadows)
 
                 out, t_spec, d_spec = _timed_generate(spec, prompts, params, fresh)
                 same = all(

@@ -83,7 +83,8 @@ class EngineCore:
         # Speculate where it measures faster (spec_governor.py); None: by batch size only.
         self.governor: SpecGovernor | None = None
         if self.speculative is not None and self.speculative.adaptive:
-            self.governor = SpecGovernor()
+            # n-gram proposes on the host: shadow proposals estimate the tokens while plain
+            self.governor = SpecGovernor(shadows=self.proposer is not None)
         # The previous step() of the async plain loop: (start time, batch, decode-only, whether
         # it drained a step launched by the call before it), to time the step whose output the
         # next call drains; and the previous step()'s kind ("spec", "sync", "async").

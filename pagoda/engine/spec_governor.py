@@ -27,6 +27,11 @@ from "shadow" proposals made during plain decoding and checked against the token
 (`record_shadow`), so the estimate follows the prompts even while speculation is off. The
 speculating rate is then that estimate x batch ÷ the measured time of a speculating step.
 
+With shadows (`shadows=True`: the engine's proposer is host-side) the bucket warms up plain
+first, and no speculating step runs — warm-up or probe — while the token estimate is at most
+`min_tokens`: a verify step costs at least a plain one, so at <= 1 token a sequence speculation
+cannot pay, and drafts that never match (1.0 token) then cost nothing but host work.
+
 Time is read from an injectable clock; `SpecGovernor` knows nothing of the engine beyond the
 numbers it is given (`core.EngineCore` feeds it).
 """
@@ -59,13 +64,15 @@ class SpecGovernor:
     def __init__(
         self,
         alpha: float = 0.2,
-        alpha_tokens: float = 0.1,
+        alpha_tokens: float = 0.03,
         probe_every: int = 160,
         warmup_samples: int = 4,
         probe_close: int = 40,
         close: float = 1.25,
         probe_steps: int = 4,
         max_backoff: int = 4,
+        shadows: bool = False,
+        min_tokens: float = 1.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         # alpha: weight of a new sample in the moving average; warmup_samples: steps measured
@@ -81,6 +88,9 @@ class SpecGovernor:
         self.max_backoff = max_backoff
         self.close = close
         self.warmup_samples = warmup_samples
+        # shadows: tokens are estimated during plain decoding too (see the module docstring)
+        self.shadows = shadows
+        self.min_tokens = min_tokens
         self.clock = clock
         self.buckets: dict[int, _Bucket] = {}
         self.num_probes = 0
@@ -104,7 +114,15 @@ class SpecGovernor:
     def choose(self, batch: int) -> bool:
         """Whether the next step of `batch` running requests speculates."""
         b = self._bucket(batch)
-        for mode in (True, False):  # measure each mode first
+        if (
+            self.shadows
+            and self.token_samples >= self.warmup_samples
+            and self.tokens_per_seq <= self.min_tokens
+        ):
+            b.probe_left = 0  # speculation cannot pay: no warm-up, no probe
+            return False
+        # measure each mode first (plain first where shadows estimate the tokens meanwhile)
+        for mode in (False, True) if self.shadows else (True, False):
             if b.samples[mode] < self.warmup_samples:
                 return mode
         if b.probe_left > 0:

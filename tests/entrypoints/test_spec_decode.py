@@ -301,7 +301,7 @@ def test_adaptive_shadow_proposals_measure_acceptance(
         async_scheduling=async_scheduling,
     )
     core = llm.llm_engine.core
-    assert isinstance(core.governor, SpecGovernor)
+    assert isinstance(core.governor, SpecGovernor) and core.governor.shadows  # n-gram: host-side
     monkeypatch.setattr(core.governor, "choose", lambda batch: False)
     reference = {tuple(p): r.outputs[0].token_ids for p, r in zip(prompts, ref, strict=True)}
     core.proposer = _ScriptedProposer(4, reference, right)
