@@ -43,6 +43,7 @@ KERNEL_NAMES = (
     "fp8_gemv",
     "fp8_gemm",
     "fp8_gemm_a8",
+    "fp8_dequant_mm",
     "fp8_scaled_mm",
     "fused_decode_attn",
     "kv_prefetch",

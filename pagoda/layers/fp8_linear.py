@@ -4,9 +4,9 @@
 `input_scale`), folds them after loading into one layout (weight [N, K] e4m3, per-output-channel
 float32 scale [N], one input scale or none) and asks the kernel registry below for the layer's
 kernels by M band. Kernels, in priority order (`PAGODA_DISABLED_KERNELS` removes them by name):
-- `fp8_gemv` (CUDA sm_89+, Triton): M = 1, FP8 weights x bf16 activation (no activation
+- `fp8_gemv` (CUDA sm_80+, Triton): M = 1, FP8 weights x bf16 activation (no activation
   rounding), the batch-1 decode's weight bytes halved;
-- `fp8_gemm` (CUDA sm_89+, Triton): 2-32 rows (2-16 for layers >= 16384 wide), the same
+- `fp8_gemm` (CUDA sm_80+, Triton): 2-32 rows (2-16 for layers >= 16384 wide), the same
   FP8-weight x bf16-activation math through `tl.dot` (split-K over the SMs): there a linear is
   bound by its weight bytes, so FP8 tensor cores buy nothing and the activations' quantization
   launch is saved (`Fp8Gemm.best_max_m`: measured band);
@@ -15,11 +15,12 @@ kernels by M band. Kernels, in priority order (`PAGODA_DISABLED_KERNELS` removes
   kernel's FP8 x FP8 `tl.dot`: cuBLASLt's FP8 GEMM is slower than bf16 at these skinny shapes;
 - `fp8_scaled_mm` (CUDA sm_89+, FP8 activations in the checkpoint): activations quantized per
   token (or with the static scale) by one Triton launch, cuBLASLt's FP8 GEMM (`torch._scaled_mm`);
-- `fp8_w8a16` (everything else: sm_80 / sm_87 have no FP8 tensor cores, and the CPU): the weight
-  is dequantized once at load to the model dtype and runs as a dense layer. A per-call
-  dequantization would keep the memory saving but read the FP8 weight, write and read back a
-  dense one every step, slower than the dense layer itself; the FP8 checkpoint then only saves
-  disk and load time there.
+- `fp8_dequant_mm` (where no FP8 GEMM runs: sm_80 / 87, which have no FP8 tensor cores, and
+  weight-only FP8 checkpoints): above 128 rows, the weight dequantized per call, then a dense
+  GEMM; below, `fp8_gemv` / `fp8_gemm` (W8A16 math; sm_80 / 87 decode the e4m3 codes with
+  integer operations): the FP8 memory is kept and a decode step reads half the bytes;
+- `fp8_w8a16` (everything else: the CPU, no Triton): the weight is dequantized once at load to
+  the model dtype and runs as a dense layer.
 """
 
 from __future__ import annotations
@@ -102,6 +103,23 @@ def _fp8_tensor_cores(cfg: Fp8KernelConfig) -> tuple[bool, str]:
     return True, ""
 
 
+def _fp8_weight_kernels(cfg: Fp8KernelConfig) -> tuple[bool, str]:
+    """FP8 weights x bf16 / fp16 activations in Triton: sm_89+ converts e4m3 in hardware,
+    sm_80 / 87 (Ampere, the Jetson Orin) decode the codes with integer operations
+    (`kernels/fp8/triton_e4m3.py`)."""
+    if cfg.device_type != "cuda":
+        return False, "not a CUDA device"
+    if cfg.capability < (8, 0):
+        return False, f"sm_{cfg.capability[0]}{cfg.capability[1]}: the kernels need sm_80+"
+    if cfg.n % 16 or cfg.k % 16:
+        return False, f"N={cfg.n}, K={cfg.k}: the FP8 kernels need multiples of 16"
+    if cfg.act_dtype not in (torch.bfloat16, torch.float16):
+        return False, f"activations in {cfg.act_dtype}: bf16 or fp16 only"
+    if not platform.triton_available():
+        return False, "triton not installed"
+    return True, ""
+
+
 class Fp8Gemv(Fp8Kernel):
     name = "fp8_gemv"
     layout = "fp8"
@@ -109,14 +127,9 @@ class Fp8Gemv(Fp8Kernel):
 
     @classmethod
     def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
-        ok, why = _fp8_tensor_cores(cfg)
-        if not ok:
-            return ok, why
-        # Triton converts e4m3 from sm_89 on (the same bar as FP8 tensor cores); the band was
-        # measured on sm_90 and under sm_89 emulation (`pagoda bench edge`), not on an Ada card
-        if not platform.triton_available():
-            return False, "triton not installed"
-        return True, ""
+        # the band was measured on sm_90 and under sm_89 / 8.7 emulation (`pagoda bench
+        # edge`), not on an Ada card or an Orin
+        return _fp8_weight_kernels(cfg)
 
     @classmethod
     def apply(cls, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -162,9 +175,11 @@ class Fp8GemmA8(Fp8Kernel):
 
     @classmethod
     def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
-        ok, why = Fp8Gemv.supports(cfg)
+        ok, why = _fp8_tensor_cores(cfg)
         if not ok:
             return ok, why
+        if not platform.triton_available():
+            return False, "triton not installed"
         if cfg.activations is None:
             return False, "weight-only FP8 checkpoint (activations stay in the model dtype)"
         return True, ""
@@ -180,6 +195,25 @@ class Fp8GemmA8(Fp8Kernel):
             x_q, layer.weight, layer.weight_scale, bias, workspace=workspace,
             x_scale=x_scale, out_dtype=x.dtype,
         )  # fmt: skip
+
+
+class Fp8DequantMM(Fp8Kernel):
+    """Above 128 rows where no FP8 GEMM runs (sm_80 / 87, weight-only FP8 checkpoints): the
+    weight dequantized per call into a temporary, then a dense GEMM. The layer keeps its FP8
+    bytes; prefill-sized M are bound by the GEMM's FLOPs, which the extra pass over the weight
+    does not change much."""
+
+    name = "fp8_dequant_mm"
+    layout = "fp8"
+
+    @classmethod
+    def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
+        return (True, "") if cfg.device_type == "cuda" else (False, "not a CUDA device")
+
+    @classmethod
+    def apply(cls, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = dequantize_weight_fp8(layer.weight, layer.weight_scale, x.dtype)
+        return F.linear(x, w, bias)
 
 
 class Fp8ScaledMM(Fp8Kernel):
@@ -251,7 +285,9 @@ class Fp8W8A8Reference(Fp8Kernel):
         return scaled_mm_ref(x_q, x_scale, codes, layer.fp8_scale, bias, x.dtype)
 
 
-FP8_KERNELS: tuple[type[Fp8Kernel], ...] = (Fp8Gemv, Fp8Gemm, Fp8GemmA8, Fp8ScaledMM, Fp8W8A16)
+FP8_KERNELS: tuple[type[Fp8Kernel], ...] = (
+    Fp8Gemv, Fp8Gemm, Fp8GemmA8, Fp8ScaledMM, Fp8DequantMM, Fp8W8A16,
+)  # fmt: skip
 
 
 def _enabled(kernel: type[Fp8Kernel]) -> bool:
@@ -288,7 +324,8 @@ def choose_fp8_kernels(cfg: Fp8KernelConfig) -> Fp8KernelTable:
     gemv_ok, why = Fp8Gemv.can_implement(one) if _enabled(Fp8Gemv) else (False, "disabled")
     if not gemv_ok:
         reasons.append(f"fp8_gemv: {why}")
-    gemm_end = Fp8Gemm.best_max_m(cfg)
+    # with an FP8 GEMM above, to where `fp8_gemm` beats it; without, as far as it goes
+    gemm_end = Fp8Gemm.best_max_m(cfg) if gemm_ok else Fp8Gemm.max_rows
     band = dataclasses.replace(cfg, min_m=2, max_m=gemm_end)
     small_ok, why = Fp8Gemm.can_implement(band) if _enabled(Fp8Gemm) else (False, "disabled")
     if not small_ok:
@@ -311,6 +348,14 @@ def choose_fp8_kernels(cfg: Fp8KernelConfig) -> Fp8KernelTable:
             reasons.append(f"fp8_gemm_a8: {why}")
         entries.append((start, Fp8ScaledMM))
         return Fp8KernelTable("fp8", tuple(entries), tuple(reasons))
+    if gemv_ok and small_ok and _enabled(Fp8DequantMM):
+        # W8A16 with the weight kept in FP8 (sm_80 / 87, weight-only checkpoints): half the
+        # bytes of the dense layer at decode, the FP8 memory kept
+        return Fp8KernelTable(
+            "fp8",
+            ((1, Fp8Gemv), (2, Fp8Gemm), (gemm_end + 1, Fp8DequantMM)),
+            tuple(reasons),
+        )
     return Fp8KernelTable("dense", ((1, Fp8W8A16),), tuple(reasons))
 
 

@@ -52,13 +52,28 @@ def test_all_zero_row_gets_a_finite_scale():
     assert torch.all(s > 0) and torch.all(q.float() == 0)
 
 
+def test_e4m3_integer_decode_is_exact_on_every_code():
+    """The sm_80 / 87 decode (integer ops, no e4m3 conversion) against torch's, all 254 finite
+    codes: normals, subnormals, both zeros."""
+    pytest.importorskip("triton")
+    from pagoda.kernels.fp8.triton_e4m3 import decode_e4m3
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    got = decode_e4m3(codes)
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    if torch.cuda.is_available():  # compiled for this GPU too
+        assert torch.equal(decode_e4m3(codes.cuda()).cpu(), want)
+
+
+@pytest.mark.parametrize("soft", [False, True])
 @pytest.mark.parametrize("n,k,bias", [(40, 200, True), (64, 1024, False), (33, 96, True)])
-def test_fp8_gemv_matches_reference(n, k, bias):
+def test_fp8_gemv_matches_reference(n, k, bias, soft):
     fp8_gemv = _fp8_gemv()
     w, s = _weights(n, k)
     x = torch.randn(1, k, dtype=torch.bfloat16)
     b = torch.randn(n, dtype=torch.bfloat16) if bias else None
-    got = fp8_gemv(x, w, s, b, block_k=64)
+    got = fp8_gemv(x, w, s, b, block_k=64, soft_e4m3=soft)
     want = fp8_gemv_ref(x, w, s, b)
     # same fp32 products, another summation order: at most one bf16 step apart (one unit in the
     # 8th significant bit: 2^-7 relative at the bottom of a binade)
@@ -118,9 +133,10 @@ def test_fp8_gemv_on_gpu():
         pytest.skip("needs sm_89+")
     w, s = _weights(3584, 18944, "cuda")
     x = torch.randn(1, 18944, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(
-        fp8_gemv(x, w, s).float(), fp8_gemv_ref(x, w, s, None).float(), rtol=2**-7, atol=1e-2
-    )
+    want = fp8_gemv_ref(x, w, s, None).float()
+    for soft in (False, True):
+        got = fp8_gemv(x, w, s, soft_e4m3=soft).float()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
 
 
 def _fp8_gemm():
@@ -140,13 +156,14 @@ def _fp8_gemm():
         (128, 64, 256, True, 2, torch.bfloat16),
     ],
 )
-def test_fp8_gemm_matches_reference(m, n, k, bias, split, dtype):
+@pytest.mark.parametrize("soft", [False, True])  # True: sm_80 / 87's integer e4m3 decode
+def test_fp8_gemm_matches_reference(m, n, k, bias, split, dtype, soft):
     g = _fp8_gemm()
     w, s = _weights(n, k, seed=m)
     x = torch.randn(m, k, dtype=dtype)
     b = torch.randn(n, dtype=dtype) if bias else None
     cfg = g.Fp8GemmConfig(block_n=32, block_k=64, split_k=split, num_warps=4, num_stages=2)
-    got = g.fp8_gemm(x, w, s, b, config=cfg)
+    got = g.fp8_gemm(x, w, s, b, config=cfg, soft_e4m3=soft)
     want = fp8_gemv_ref(x, w, s, b)  # the fp32 x @ (w * s)^T of any M
     assert got.dtype == dtype and got.shape == (m, n)
     # exact products (an 8-bit x 4-bit significand fits fp32), another summation order, one
@@ -236,8 +253,9 @@ def test_fp8_gemm_on_gpu(m, n, k):
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = fp8_gemv_ref(x, w, s, b).float()
     for ws in (None, SplitKWorkspace()):
-        got = g.fp8_gemm(x, w, s, b, workspace=ws).float()
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
+        for soft in (False, True):  # True: the sm_80 / 87 decode, compiled for this GPU
+            got = g.fp8_gemm(x, w, s, b, workspace=ws, soft_e4m3=soft).float()
+            torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
     # e4m3 activations: the tensor cores' FP8 x FP8 dot against the same math in torch
     xq, xs = per_token_quant_ref(x)
     want8 = scaled_mm_ref(xq, xs, w, s, b, torch.bfloat16).float()

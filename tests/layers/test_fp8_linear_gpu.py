@@ -15,7 +15,7 @@ import torch
 
 from pagoda.engine.args import EngineArgs
 from pagoda.kernels.fp8.ops import fp8_gemv_ref
-from pagoda.layers.fp8_linear import Fp8LinearMethod, Fp8W8A8Reference
+from pagoda.layers.fp8_linear import Fp8DequantMM, Fp8LinearMethod, Fp8W8A8Reference
 from pagoda.layers.linear import LinearBase
 from pagoda.models.loader import load_model
 from tests.quant.test_fp8 import FP8_FIXTURES
@@ -54,6 +54,11 @@ def test_fp8_layers_on_gpu_match_references(name: str) -> None:
             else:
                 want = Fp8W8A8Reference.apply(layer, x, layer.bias).float()
             torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
+        # sm_80 / 87's kernel above 128 rows (W8A16, the weight dequantized per call)
+        x = torch.randn(200, layer.in_features, device="cuda", generator=g).bfloat16()
+        got = Fp8DequantMM.apply(layer, x, layer.bias).float()
+        want = fp8_gemv_ref(x, layer.weight, layer.weight_scale, layer.bias).float()
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.gpu

@@ -189,6 +189,7 @@ def test_unsupported_fp8_configs_name_the_problem(group, match) -> None:
 def test_registry_picks_by_capability() -> None:
     pytest.importorskip("triton")  # the FP8 kernels need Triton; without it every table is dense
     from pagoda.layers.fp8_linear import (
+        Fp8DequantMM,
         Fp8Gemm,
         Fp8GemmA8,
         Fp8Gemv,
@@ -211,13 +212,22 @@ def test_registry_picks_by_capability() -> None:
     ada = choose_fp8_kernels(cfg("cuda", (8, 9)))  # the RTX 4070: Triton converts e4m3 there
     assert ada.names == ("fp8_gemv", "fp8_gemm", "fp8_gemm_a8", "fp8_scaled_mm")
     assert ada.pick(1) is Fp8Gemv
+    # No FP8 GEMM (Ampere / Orin: no FP8 tensor cores; a weight-only checkpoint): W8A16 with
+    # the weight kept in FP8, decoded in the kernels to 128 rows, dequantized per call above
     for table in (
-        choose_fp8_kernels(cfg("cuda", (8, 7))),  # Orin: no FP8 tensor cores
+        choose_fp8_kernels(cfg("cuda", (8, 7))),
+        choose_fp8_kernels(cfg("cuda", (8, 0))),
+        choose_fp8_kernels(cfg("cuda", (9, 0), acts=None)),
+    ):
+        assert table.layout == "fp8"
+        assert table.names == ("fp8_gemv", "fp8_gemm", "fp8_dequant_mm")
+        assert table.pick(128) is Fp8Gemm and table.pick(129) is Fp8DequantMM
+    assert any("no FP8 tensor cores" in r for r in choose_fp8_kernels(cfg("cuda", (8, 0))).reasons)
+    for table in (
         choose_fp8_kernels(cfg("cpu", (0, 0))),
-        choose_fp8_kernels(cfg("cuda", (9, 0), acts=None)),  # weight-only FP8
+        choose_fp8_kernels(cfg("cuda", (7, 5))),  # Turing: the Triton kernels need sm_80
         choose_fp8_kernels(cfg("cuda", (9, 0), n=4100)),  # not a multiple of 16
     ):
         assert table.layout == "dense" and table.pick(64) is Fp8W8A16
-    assert any("no FP8 tensor cores" in r for r in choose_fp8_kernels(cfg("cuda", (8, 0))).reasons)
     with pytest.raises(ValueError, match="FP8_DYNAMIC"):
         Fp8LinearMethod(Fp8Args("tensor", "static"), quantize_at_load=True)

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 from pagoda import envs
+from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32
+from pagoda.kernels.fp8.triton_gemv import needs_soft_e4m3
 from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_split_k import store_split_k
 from pagoda.kernels.workspace import SplitKWorkspace
@@ -47,6 +49,7 @@ def _fp8_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     USE_PDL: tl.constexpr,
     A8: tl.constexpr,  # x is e4m3 with a per-row scale (xs_ptr): an FP8 x FP8 dot
+    SOFT_E4M3: tl.constexpr,  # w_ptr holds the codes as uint8 (no e4m3 conversion: sm_80 / 87)
     UPCAST_DOT: tl.constexpr,  # the interpreter multiplies bf16 / fp8 dot operands as raw bits
 ):  # fmt: skip
     if USE_PDL:
@@ -76,10 +79,16 @@ def _fp8_gemm_kernel(
             w = tl.load(w_cols + k[:, None], mask=mask_n[None, :], other=0.0)
         else:
             w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & mask_n[None, :], other=0.0)
+        if SOFT_E4M3:
+            wf = e4m3_bits_to_f32(w)
+        else:
+            wf = w.to(tl.float32)
         if UPCAST_DOT:  # exact either way: the products fit fp32
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(x.to(tl.float32), wf, acc, input_precision="ieee")
         elif A8:
             acc = tl.dot(x, w, acc)
+        elif SOFT_E4M3:
+            acc = tl.dot(x, wf.to(x.dtype), acc)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc)
     if USE_PDL:  # every weight tile is read: the next kernel may launch (it waits for us)
@@ -153,12 +162,17 @@ def fp8_gemm(
     workspace: SplitKWorkspace | None = None,  # the "serial" reduction's (None: atomics + copy)
     x_scale: torch.Tensor | None = None,  # [M] float32 when x is e4m3 (per-token or static)
     out_dtype: torch.dtype | None = None,  # with e4m3 x: bf16 / fp16 (x's dtype otherwise)
+    soft_e4m3: bool | None = None,  # None: where the GPU is below sm_89 (see triton_e4m3.py)
 ) -> torch.Tensor:  # [M, N] in x's dtype (out_dtype for e4m3 x)
     m, k = x.shape
     n = w_q.shape[0]
     if not 1 <= m <= MAX_M:
         raise ValueError(f"fp8_gemm handles 1 <= M <= {MAX_M}, got M={m}")
     a8 = x.dtype == torch.float8_e4m3fn
+    if soft_e4m3 is None:
+        soft_e4m3 = needs_soft_e4m3(x.device)
+    if a8 and soft_e4m3:
+        raise ValueError("e4m3 activations need FP8 tensor cores (sm_89+)")
     if a8:
         if x_scale is None or x_scale.numel() != m or x_scale.dtype != torch.float32:
             raise ValueError(f"e4m3 activations need a float32 x_scale of {m} values (per row)")
@@ -200,7 +214,8 @@ def fp8_gemm(
     if cnt is None:
         cnt = w_scale
     _fp8_gemm_kernel[(n_tiles, split)](
-        x, x_scale if a8 else w_scale, w_q, w_scale, bias if bias is not None else w_scale, out,
+        x, x_scale if a8 else w_scale, w_q.view(torch.uint8) if soft_e4m3 else w_q, w_scale,
+        bias if bias is not None else w_scale, out,
         ws, ws.view(torch.int32), cnt,
         m, n, k, k_per_split,
         x.stride(0), w_q.stride(0), out.stride(0),
@@ -216,6 +231,7 @@ def fp8_gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         A8=a8,
+        SOFT_E4M3=soft_e4m3,
         UPCAST_DOT=envs.triton_interpret() and x.dtype in (torch.bfloat16, torch.float8_e4m3fn),
         **pdl_launch_args(x),
     )  # fmt: skip

@@ -15,7 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda import platform
+from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32
 from pagoda.kernels.pdl import pdl_launch_args
+
+
+def needs_soft_e4m3(device: torch.device) -> bool:
+    """Whether Triton lacks the e4m3 conversion on `device` (CUDA below sm_89)."""
+    return device.type == "cuda" and platform.capability(device) < (8, 9)
 
 
 @triton.jit
@@ -29,6 +36,7 @@ def _fp8_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
+    SOFT_E4M3: tl.constexpr,  # w_ptr holds the codes as uint8 (no e4m3 conversion: sm_80 / 87)
 ):  # fmt: skip
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -46,7 +54,11 @@ def _fp8_gemv_kernel(
         else:
             w = tl.load(rows + k[None, :], mask=mask_n[:, None] & (k < K)[None, :], other=0.0)
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if SOFT_E4M3:
+            wf = e4m3_bits_to_f32(w)
+        else:
+            wf = w.to(tl.float32)
+        acc += wf * x.to(tl.float32)[None, :]
     if USE_PDL:  # every weight tile is read: the next kernel may launch (it waits for us)
         tl.extra.cuda.gdc_launch_dependents()
     col = tl.sum(acc, 1) * tl.load(s_ptr + offs_n, mask=mask_n, other=0.0)  # [BLOCK_N]
@@ -64,6 +76,7 @@ def fp8_gemv(
     block_k: int = 1024,
     num_warps: int = 4,
     num_stages: int = 3,
+    soft_e4m3: bool | None = None,  # None: where the GPU is below sm_89 (see triton_e4m3.py)
 ) -> torch.Tensor:  # [1, N] in x's dtype
     m, k = x.shape
     n = w_q.shape[0]
@@ -74,9 +87,12 @@ def fp8_gemv(
     if w_scale.shape != (n,) or w_scale.dtype != torch.float32:
         raise ValueError(f"w_scale must be a float32 [{n}] tensor, got {list(w_scale.shape)}")
     x = x if x.stride(1) == 1 else x.contiguous()
+    if soft_e4m3 is None:
+        soft_e4m3 = needs_soft_e4m3(x.device)
     out = torch.empty((1, n), device=x.device, dtype=x.dtype)
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w_q, w_scale, bias if bias is not None else w_scale, out,
+        x, w_q.view(torch.uint8) if soft_e4m3 else w_q, w_scale,
+        bias if bias is not None else w_scale, out,
         n, k, w_q.stride(0),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -84,6 +100,7 @@ def fp8_gemv(
         EVEN_K=k % block_k == 0,
         HAS_BIAS=bias is not None,
         NUM_STAGES=num_stages,
+        SOFT_E4M3=soft_e4m3,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_args(x),
