@@ -10,7 +10,7 @@ kernels by M band. Kernels, in priority order (`PAGODA_DISABLED_KERNELS` removes
   FP8-weight x bf16-activation math through `tl.dot` (split-K over the SMs): there a linear is
   bound by its weight bytes, so FP8 tensor cores buy nothing and the activations' quantization
   launch is saved (`Fp8Gemm.best_max_m`: measured band);
-- `fp8_gemm_a8` (CUDA sm_89+, Triton, FP8 activations in the checkpoint): to 128 rows, the
+- `fp8_gemm_a8` (CUDA sm_89+, Triton, FP8 activations in the checkpoint): to 64 / 128 rows, the
   activations quantized per token (or with the static scale) by one Triton launch, then the same
   kernel's FP8 x FP8 `tl.dot`: cuBLASLt's FP8 GEMM is slower than bf16 at these skinny shapes;
 - `fp8_scaled_mm` (CUDA sm_89+, FP8 activations in the checkpoint): activations quantized per
@@ -172,6 +172,14 @@ class Fp8GemmA8(Fp8Kernel):
     name = "fp8_gemm_a8"
     layout = "fp8"
     max_rows = 128
+
+    @staticmethod
+    def best_max_m(cfg: Fp8KernelConfig) -> int:
+        """Up to where it beats cuBLASLt's FP8 GEMM (H100, 2026-12-07, `bench_fp8_gemm.py
+        --sweep`, Qwen2.5 3B / 7B layers, swept configs): to 128 rows on the wide and the
+        long layers (gate_up 21.7-66.5 us against 27.0-65.9, down 16.0-48.6 against
+        31.1-55.0), to 64 on qkv / o (above, cuBLASLt's 10.9-15.2 us beat 11.2-22.4)."""
+        return 128 if cfg.n >= 8192 or cfg.k >= 8192 else 64
 
     @classmethod
     def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
@@ -337,13 +345,14 @@ def choose_fp8_kernels(cfg: Fp8KernelConfig) -> Fp8KernelTable:
         if small_ok:
             entries.append((2 if gemv_ok else 1, Fp8Gemm))
         start = gemm_end + 1 if small_ok else 2 if gemv_ok else 1
-        a8_band = dataclasses.replace(cfg, min_m=start, max_m=Fp8GemmA8.max_rows)
+        a8_end = Fp8GemmA8.best_max_m(cfg)
+        a8_band = dataclasses.replace(cfg, min_m=start, max_m=a8_end)
         a8_ok, why = (
             Fp8GemmA8.can_implement(a8_band) if _enabled(Fp8GemmA8) else (False, "disabled")
         )
         if a8_ok:
             entries.append((start, Fp8GemmA8))
-            start = Fp8GemmA8.max_rows + 1
+            start = a8_end + 1
         else:
             reasons.append(f"fp8_gemm_a8: {why}")
         entries.append((start, Fp8ScaledMM))

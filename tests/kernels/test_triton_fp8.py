@@ -231,6 +231,9 @@ def test_fp8_gemm_default_config_and_errors():
     assert cfg.split_k > 1 and cfg.block_n == 64  # 32 column tiles would fill a quarter wave
     assert g.default_config(8, 22016, 2048, num_sms=132).block_n == 128
     assert g.block_m_for(1) == 16 and g.block_m_for(17) == 32 and g.block_m_for(128) == 128
+    # e4m3 rows: ~2 waves of 32-wide column tiles (a down_proj: 64 tiles x 4 splits)
+    assert g.a8_config(64, 2048, 11008, num_sms=132) == g.Fp8GemmConfig(32, 128, 4, 4, 4)
+    assert g.a8_config(128, 22016, 2048, num_sms=132) == g.Fp8GemmConfig(64, 128, 1, 8, 4)
     w, s = _weights(32, 64)
     with pytest.raises(ValueError, match="M <= 128"):
         g.fp8_gemm(torch.randn(129, 64, dtype=torch.bfloat16), w, s)

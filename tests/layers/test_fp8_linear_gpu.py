@@ -46,7 +46,8 @@ def test_fp8_layers_on_gpu_match_references(name: str) -> None:
         assert layer.fp8_kernels.names == ("fp8_gemv", "fp8_gemm", "fp8_gemm_a8", "fp8_scaled_mm")
         gemm_end = layer.fp8_kernels.entries[2][0] - 1
         # each band's first and last rows: W8A16 math to gemm_end, W8A8 (ours, cuBLASLt) above
-        for m in (1, 5, gemm_end, gemm_end + 1, 128, 129, 200):
+        a8_end = layer.fp8_kernels.entries[3][0] - 1
+        for m in (1, 5, gemm_end, gemm_end + 1, a8_end, a8_end + 1, 200):
             x = torch.randn(m, layer.in_features, device="cuda", generator=g).bfloat16()
             got = layer(x).float()
             if m <= gemm_end:  # FP8 weights x bf16 activations (no activation rounding)

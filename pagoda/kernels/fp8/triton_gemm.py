@@ -86,7 +86,10 @@ def _fp8_gemm_kernel(
         if UPCAST_DOT:  # exact either way: the products fit fp32
             acc = tl.dot(x.to(tl.float32), wf, acc, input_precision="ieee")
         elif A8:
-            acc = tl.dot(x, w, acc)
+            # sm_90's FP8 MMA accumulates with ~14-bit precision ("fast accumulation", Triton's
+            # default there, up to 2^30 products): a promotion into the fp32 accumulator after
+            # each 32-deep MMA keeps the sums fp32 (the GPU test failed without it at K 18,944)
+            acc = tl.dot(x, w, acc, max_num_imprecise_acc=32)
         elif SOFT_E4M3:
             acc = tl.dot(x, wf.to(x.dtype), acc)
         else:
@@ -129,6 +132,18 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig:
     warps = 8 if block_m_for(m) >= 128 else 4
     stages = 3 if block_m_for(m) >= 128 else 4
     return Fp8GemmConfig(block_n, block_k, split, warps, stages)
+
+
+def a8_config(m: int, n: int, k: int, num_sms: int) -> Fp8GemmConfig:
+    """e4m3 activations (33-128 rows): ~2 waves of programs, BLOCK_N 32 (64 for wide layers),
+    no split where the column tiles alone fill them. The sweep's best on the H100 for every
+    Qwen2.5 3B / 7B layer at 48-128 rows but the down_proj's BLOCK_K 256 at <= 64 rows and the
+    7B gate_up's BLOCK_N 32 at <= 64 (2026-12-07, `bench_fp8_gemm.py --sweep`)."""
+    block_n = 64 if n >= 8192 else 32
+    n_tiles = triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, 128)
+    split = max(1, min(round(2 * num_sms / n_tiles), k_tiles // 2))
+    return Fp8GemmConfig(block_n, 128, split, 8 if block_m_for(m) >= 128 else 4, 4)
 
 
 def candidate_configs(m: int, n: int, k: int, num_sms: int) -> list[Fp8GemmConfig]:
@@ -191,7 +206,7 @@ def fp8_gemm(
         raise ValueError(f"w_scale must be a float32 [{n}] tensor, got {list(w_scale.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, got {list(bias.shape)}")
-    cfg = config or default_config(m, n, k, _num_sms(x.device))
+    cfg = config or (a8_config if a8 else default_config)(m, n, k, _num_sms(x.device))
     x = x if x.stride(1) == 1 else x.contiguous()
     n_tiles = triton.cdiv(n, cfg.block_n)
     k_tiles = triton.cdiv(k, cfg.block_k)
