@@ -25,7 +25,7 @@ from pagoda.kernels.pdl import pdl_launch_args
 _LOG2E = 1.4426950408889634
 # Split-KV tuning on an H200 (132 SMs, Qwen2.5-7B shapes, CUDA-graph timing): the best split
 # count put about 2 programs per SM (B=1..16, context 1k..32k), and splits down to one 128-key
-# tile still paid off (figures: BENCHMARKS.md, "Tuning figures moved out of the code").
+# tile still paid off (figures: BENCHMARKS.md, "Moved out").
 _PROGRAMS_PER_SM = 2
 _MIN_KEYS_PER_SPLIT = 128
 _MAX_SPLITS = 64

@@ -729,7 +729,7 @@ def default_mma_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
 def default_shared_config(m: int, n: int, k: int, num_sms: int) -> MmaConfig:
     """(K tiles per step, split-K, warps) of the shared-dequantization kernel (M = 9-32), the
     best of an H200 sweep (`bench_w4a16_mma.py --shared-only`; the figures: BENCHMARKS.md,
-    "Tuning figures moved out of the code"): one program a column group and K on gate_up-sized
+    "Moved out"): one program a column group and K on gate_up-sized
     layers, split-K on the others, more splits at 16 rows than at 32."""
     groups = n // TILE_N
     if groups >= 8 * num_sms:
