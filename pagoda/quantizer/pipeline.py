@@ -490,6 +490,9 @@ class PipelineOptions:
     storage_dtype: torch.dtype = torch.bfloat16  # scales written to the checkpoint
     progress: bool = True
     gptq_scales: str = "first_touch"  # or "upfront" (see gptq_quantize)
+    # GPTQ: each linear's Hessian from a pass through the layer whose earlier linears are
+    # already quantized (o_proj sees the rounded q/k/v, down_proj the rounded gate/up)
+    true_sequential: bool = False
     awq: AWQOptions = AWQOptions()
     format: str = "compressed-tensors"  # or "autoawq" (AutoAWQ GEMM tensors)
 
@@ -994,6 +997,29 @@ def _awq_layer(
     return (clipped if choice.name == "scales+clip" else {}), captured
 
 
+def _layer_hessians(
+    layer: nn.Module,
+    attrs: list[str],
+    hidden_states: list[torch.Tensor],
+    positions: Positions | None = None,
+) -> dict[str, HessianAccumulator]:
+    """One pass of every sample through `layer`: the Hessian of each linear `attrs`' input."""
+    hessians: dict[str, HessianAccumulator] = {}
+    handles = []
+    for attr in attrs:
+        module = layer.get_submodule(attr)
+        acc = HessianAccumulator(module.in_features, module.weight.device)
+        hessians[attr] = acc
+        handles.append(module.register_forward_pre_hook(lambda _m, inp, acc=acc: acc.add(inp[0])))
+    try:
+        with torch.no_grad():
+            _run_layer(layer, hidden_states, positions)
+    finally:
+        for h in handles:
+            h.remove()
+    return hessians
+
+
 def final_norm_outputs(
     model: nn.Module,
     source: WeightSource,
@@ -1104,8 +1130,8 @@ def quantize_layers(
         layer_report = LayerReport(index, 0.0)
 
         hessians: dict[str, HessianAccumulator] = {}
-        handles = []
         fp8 = isinstance(args, Fp8Args)
+        sequential = options.true_sequential and options.method == "gptq"
         inputs_amax, kv_amax = AmaxObserver(), KVScaleObserver()
         if fp8 and args.static_input:
             for t in targets:
@@ -1132,18 +1158,12 @@ def quantize_layers(
                 hessians[t.attr] = acc
         # RTN needs no Hessian itself, but the report's error is Hessian-weighted; without
         # calibration samples (RTN only) H = I and the error is the plain weight error.
-        elif samples:
-            for t in targets:
-                module = layer.get_submodule(t.attr)
-                acc = HessianAccumulator(module.in_features, device)
-                hessians[t.attr] = acc
-                handles.append(
-                    module.register_forward_pre_hook(lambda _m, inp, acc=acc: acc.add(inp[0]))
-                )
+        # True-sequential GPTQ accumulates each Hessian just before its linear is quantized.
+        elif samples and not (sequential and not fp8):
+            hessians = _layer_hessians(layer, [t.attr for t in targets], hidden_states, positions)
+        elif samples and (fp8 and args.static_input or kv_cache_scales):
             with torch.no_grad():
                 _run_layer(layer, hidden_states, positions)
-            for h in handles:
-                h.remove()
         inputs_amax.remove()
         kv_amax.remove()
         if kv_cache_scales:
@@ -1155,6 +1175,9 @@ def quantize_layers(
             module = layer.get_submodule(t.attr)
             t0 = time.perf_counter()
             weight = module.weight.data  # [sum(out), in]
+            if sequential and samples and not fp8:
+                # the earlier linears of this layer hold their quantized weights already
+                hessians.update(_layer_hessians(layer, [t.attr], hidden_states, positions))
             hessian = hessians[t.attr].hessian if t.attr in hessians else None  # None: H = I
             sizes = module.out_features_per_shard
             rows = _quantized_rows(layer, t)

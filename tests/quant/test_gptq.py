@@ -151,3 +151,49 @@ def test_scale_rounded_to_storage_dtype_and_rtn_sym_rule() -> None:
     assert qw.scale.dtype == torch.bfloat16
     assert float(qw.scale[0, 0]) == pytest.approx(1.5 / 7.5, rel=1e-2)  # compressed-tensors rule
     assert qw.qweight.tolist() == [[4, -7, 0, 1]]  # 1.5 / bf16(0.2) = 7.49 rounds to 7
+
+
+def _recorded_hessians(tiny_llama, calib_text, tmp_path, round_weights, **kwargs):
+    """quantize() on the tiny Llama; each linear's Hessian as GPTQ receives it, by name.
+    `round_weights=False` hands the float weights back as the 'quantized' ones."""
+    import pagoda.quantizer.pipeline as pipeline
+    from pagoda.quantizer import quantize
+
+    seen: dict[str, torch.Tensor] = {}
+    real = pipeline._quantize_matrix
+
+    def spy(w, hessian, args, options, report, name):
+        seen[name] = hessian.clone()
+        qw, deq, loss = real(w, hessian, args, options, report, name)
+        return qw, deq if round_weights else w.clone(), loss
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "_quantize_matrix", spy)
+        quantize(str(tiny_llama), tmp_path, group_size=32, dataset=str(calib_text),
+                 num_samples=4, max_seq_len=16, device="cpu", dtype="float32", progress=False,
+                 **kwargs)  # fmt: skip
+    return seen
+
+
+def test_true_sequential_hessians_see_the_layers_quantized_linears(
+    tiny_llama, calib_text, tmp_path
+) -> None:
+    """true_sequential: q/k/v's Hessian is the float layer's, the later linears' come from the
+    layer with its earlier linears rounded; with nothing rounded they equal the one-pass ones."""
+    run = lambda name, rounded, seq: _recorded_hessians(  # noqa: E731
+        tiny_llama, calib_text, tmp_path / name, rounded, true_sequential=seq
+    )
+    one_pass, sequential = run("a", True, False), run("b", True, True)
+    assert one_pass.keys() == sequential.keys()
+    first = "model.layers.0."
+    torch.testing.assert_close(sequential[first + "self_attn.qkv_proj"],
+                               one_pass[first + "self_attn.qkv_proj"])  # fmt: skip
+    for attr in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        diff = (sequential[first + attr] - one_pass[first + attr]).abs().max()
+        assert diff > 1e-3 * one_pass[first + attr].abs().max(), attr
+    unrounded_one, unrounded_seq = run("c", False, False), run("d", False, True)
+    for name, h in unrounded_one.items():
+        torch.testing.assert_close(unrounded_seq[name], h, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="true_sequential applies to method 'gptq'"):
+        _recorded_hessians(tiny_llama, calib_text, tmp_path / "e", True,
+                           method="awq", true_sequential=True)  # fmt: skip
