@@ -61,6 +61,7 @@ from pagoda.quantizer.awq_guard import (
 )
 from pagoda.quantizer.fp8 import AmaxObserver, KVScaleObserver, fp8_tensors, quantize_fp8_shards
 from pagoda.quantizer.gptq import HessianAccumulator, gptq_quantize
+from pagoda.quantizer.guided import fused_token_weights
 from pagoda.quantizer.rtn import hessian_weighted_error, rtn_quantize
 from pagoda.worker.encoder_runner import patchify
 
@@ -1002,15 +1003,23 @@ def _layer_hessians(
     attrs: list[str],
     hidden_states: list[torch.Tensor],
     positions: Positions | None = None,
+    token_weights: dict[str, list[torch.Tensor]] | None = None,
 ) -> dict[str, HessianAccumulator]:
-    """One pass of every sample through `layer`: the Hessian of each linear `attrs`' input."""
+    """One pass of every sample through `layer`: the Hessian of each linear `attrs`' input;
+    `token_weights[attr]`: per sample, each token's weight in that linear's Hessian."""
     hessians: dict[str, HessianAccumulator] = {}
     handles = []
     for attr in attrs:
         module = layer.get_submodule(attr)
         acc = HessianAccumulator(module.in_features, module.weight.device)
         hessians[attr] = acc
-        handles.append(module.register_forward_pre_hook(lambda _m, inp, acc=acc: acc.add(inp[0])))
+        weights = iter((token_weights or {}).get(attr) or [])
+        # _run_layer calls each linear once per sample, in order
+        handles.append(
+            module.register_forward_pre_hook(
+                lambda _m, inp, acc=acc, weights=weights: acc.add(inp[0], next(weights, None))
+            )
+        )
     try:
         with torch.no_grad():
             _run_layer(layer, hidden_states, positions)
@@ -1086,6 +1095,7 @@ def quantize_layers(
     kv_cache_scales: bool = False,
     mm_inputs: list[MultiModalInputs | None] | None = None,
     image_config: ImageProcessorConfig | None = None,
+    token_weights: dict[str, list[torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize every decoder layer of `model` (built on meta); returns the tensors that
     replace the checkpoint's: each quantized module's (`{module}.weight_packed`, ... or
@@ -1097,7 +1107,9 @@ def quantize_layers(
     `mm_inputs` (vision-language models, one per sample or empty): the samples' images and
     videos go through the vision tower (`vision_rows`; `image_config` prepares their pixels).
     Tensor names are module names; `WeightSource.checkpoint_name` turns them into the
-    checkpoint's layout.
+    checkpoint's layout. `token_weights` (GPTQ, `pagoda.quantizer.guided`): by HF module name,
+    per sample, each token's ||dL/dy||² in that module's output; the Hessians weight the
+    tokens by it.
     """
     from tqdm import tqdm
 
@@ -1132,6 +1144,11 @@ def quantize_layers(
         hessians: dict[str, HessianAccumulator] = {}
         fp8 = isinstance(args, Fp8Args)
         sequential = options.true_sequential and options.method == "gptq"
+        layer_weights = None
+        if token_weights is not None:
+            layer_weights = {
+                t.attr: fused_token_weights(token_weights, t.hf_names) for t in targets
+            }
         inputs_amax, kv_amax = AmaxObserver(), KVScaleObserver()
         if fp8 and args.static_input:
             for t in targets:
@@ -1160,7 +1177,9 @@ def quantize_layers(
         # calibration samples (RTN only) H = I and the error is the plain weight error.
         # True-sequential GPTQ accumulates each Hessian just before its linear is quantized.
         elif samples and not (sequential and not fp8):
-            hessians = _layer_hessians(layer, [t.attr for t in targets], hidden_states, positions)
+            hessians = _layer_hessians(
+                layer, [t.attr for t in targets], hidden_states, positions, layer_weights
+            )
         elif samples and (fp8 and args.static_input or kv_cache_scales):
             with torch.no_grad():
                 _run_layer(layer, hidden_states, positions)
@@ -1177,7 +1196,9 @@ def quantize_layers(
             weight = module.weight.data  # [sum(out), in]
             if sequential and samples and not fp8:
                 # the earlier linears of this layer hold their quantized weights already
-                hessians.update(_layer_hessians(layer, [t.attr], hidden_states, positions))
+                hessians.update(
+                    _layer_hessians(layer, [t.attr], hidden_states, positions, layer_weights)
+                )
             hessian = hessians[t.attr].hessian if t.attr in hessians else None  # None: H = I
             sizes = module.out_features_per_shard
             rows = _quantized_rows(layer, t)
