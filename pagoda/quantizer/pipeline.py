@@ -24,6 +24,7 @@ names (transformers 5's); `WeightSource` maps them to and from the checkpoint's 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -998,31 +999,45 @@ def _awq_layer(
     return (clipped if choice.name == "scales+clip" else {}), captured
 
 
+class _StopPass(Exception):
+    """Raised by a hook once the pass has produced what it was run for."""
+
+
 def _layer_hessians(
     layer: nn.Module,
     attrs: list[str],
     hidden_states: list[torch.Tensor],
     positions: Positions | None = None,
     token_weights: dict[str, list[torch.Tensor]] | None = None,
+    stop_after: str | None = None,
 ) -> dict[str, HessianAccumulator]:
     """One pass of every sample through `layer`: the Hessian of each linear `attrs`' input;
-    `token_weights[attr]`: per sample, each token's weight in that linear's Hessian."""
+    `token_weights[attr]`: per sample, each token's weight in that linear's Hessian.
+    `stop_after`: one of `attrs`, the pass of a sample ends at that linear's input (the rest
+    of the layer is not run)."""
     hessians: dict[str, HessianAccumulator] = {}
     handles = []
+    sample = [0]  # index of the sample in the pass
+
+    def hook(module: nn.Module, inp: tuple[torch.Tensor, ...], attr: str) -> None:
+        weights = (token_weights or {}).get(attr)
+        hessians[attr].add(inp[0], None if weights is None else weights[sample[0]])
+        if attr == stop_after:
+            raise _StopPass
+
     for attr in attrs:
         module = layer.get_submodule(attr)
-        acc = HessianAccumulator(module.in_features, module.weight.device)
-        hessians[attr] = acc
-        weights = iter((token_weights or {}).get(attr) or [])
-        # _run_layer calls each linear once per sample, in order
+        hessians[attr] = HessianAccumulator(module.in_features, module.weight.device)
         handles.append(
-            module.register_forward_pre_hook(
-                lambda _m, inp, acc=acc, weights=weights: acc.add(inp[0], next(weights, None))
-            )
+            module.register_forward_pre_hook(lambda m, inp, attr=attr: hook(m, inp, attr))
         )
+    positions = positions or [None] * len(hidden_states)
     try:
         with torch.no_grad():
-            _run_layer(layer, hidden_states, positions)
+            for i, (hidden, pos) in enumerate(zip(hidden_states, positions, strict=True)):
+                sample[0] = i
+                with contextlib.suppress(_StopPass):
+                    _run_layer(layer, [hidden], [pos])
     finally:
         for h in handles:
             h.remove()
@@ -1197,7 +1212,9 @@ def quantize_layers(
             if sequential and samples and not fp8:
                 # the earlier linears of this layer hold their quantized weights already
                 hessians.update(
-                    _layer_hessians(layer, [t.attr], hidden_states, positions, layer_weights)
+                    _layer_hessians(
+                        layer, [t.attr], hidden_states, positions, layer_weights, t.attr
+                    )
                 )
             hessian = hessians[t.attr].hessian if t.attr in hessians else None  # None: H = I
             sizes = module.out_features_per_shard
