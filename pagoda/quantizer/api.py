@@ -198,6 +198,8 @@ def quantize(
     kv_cache_dtype: str | None = None,
     text_only_calibration: bool = False,
     awq_clip: bool = False,
+    true_sequential: bool = False,
+    loss_weighted_hessians: bool = False,
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
@@ -224,6 +226,13 @@ def quantize(
     (unquantized) vision tower, so the decoder's statistics include the image tokens;
     `text_only_calibration` drops them and calibrates on the text alone. `awq_clip`: AWQ
     also searches per-group weight clipping (see `AWQOptions.clip` for why it is off).
+    `true_sequential` (GPTQ): each linear's Hessian comes from a pass through its decoder layer
+    after the layer's earlier linears are quantized (o_proj from the rounded q/k/v, down_proj
+    from the rounded gate/up; three more passes per layer) instead of one float-layer pass.
+    `loss_weighted_hessians` (GPTQ, text samples): each calibration token's term in a linear's
+    Hessian is weighted by ||dL/dy||², the float model's next-token loss gradient at that
+    linear's output (`pagoda.quantizer.guided`; one transformers backward pass per sample,
+    the whole model in memory).
     """
     start = time.perf_counter()
     fp8 = scheme is not None and scheme.upper() in FP8_SCHEMES
@@ -234,6 +243,10 @@ def quantize(
             f"scheme {scheme} is min-max rounded (as llmcompressor's QuantizationModifier); "
             f"method={method!r} does not apply to it: use method 'rtn' or leave it unset"
         )
+    if loss_weighted_hessians and (method != "gptq" or dataset in (None, "random")):
+        raise ValueError("loss_weighted_hessians applies to method 'gptq' with a text dataset")
+    if true_sequential and method != "gptq":
+        raise ValueError(f"true_sequential applies to method 'gptq', not {method!r}")
     if awq_clip and method != "awq":
         raise ValueError(f"awq_clip applies to method 'awq', not {method!r}")
     if fp8 and format != "compressed-tensors":
@@ -421,6 +434,7 @@ def quantize(
         gptq_scales=gptq_scales,
         awq=AWQOptions(clip=awq_clip),
         format=format,
+        true_sequential=true_sequential,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     quantize_head = quantizes_lm_head(skeleton, ignore)
@@ -439,6 +453,20 @@ def quantize(
         report.notes.append(note)
         if "lm_head" not in config_ignore:
             config_ignore = ["lm_head", *config_ignore]
+    token_weights = None
+    if loss_weighted_hessians:
+        if any(mm is not None for mm in mm_inputs):
+            raise ValueError("loss_weighted_hessians supports text-only calibration")
+        from pagoda.quantizer.guided import hf_token_weights
+
+        gguf = source.kind == "gguf"
+        token_weights = hf_token_weights(
+            str(Path(source.path).parent) if gguf else source.path,
+            Path(source.path).name if gguf else None,
+            samples,
+            compute_dtype,
+            dev,
+        )
     with staged_directory(out_dir) as tmp:
         compressed = quantize_layers(
             skeleton,
@@ -452,6 +480,7 @@ def quantize(
             kv_cache_scales=kv_cache_dtype is not None,
             mm_inputs=mm_inputs,
             image_config=_image_config(source.path, hf_config) if mm_inputs else None,
+            token_weights=token_weights,
         )
         quantized_modules = {name.rsplit(".", 1)[0] for name in compressed}
         state: dict[str, torch.Tensor] = {}

@@ -84,6 +84,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         format=ns.format,
         text_only_calibration=ns.text_only_calibration,
         awq_clip=ns.awq_clip,
+        true_sequential=ns.true_sequential,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -227,6 +228,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["first_touch", "upfront"],
         help="group scales from the error-updated weights when GPTQ reaches the group "
         "(default) or from the original weights up front (llmcompressor's way)",
+    )
+    q.add_argument(
+        "--true-sequential",
+        action="store_true",
+        help="GPTQ: each linear's Hessian from its layer with the earlier linears already "
+        "quantized (o_proj after q/k/v, down_proj after gate/up); three more passes a layer",
     )
     q.add_argument(
         "--evaluate",

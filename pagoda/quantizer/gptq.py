@@ -38,10 +38,15 @@ class HessianAccumulator:
         self._pending: list[torch.Tensor] = []  # each [n, in], not yet in H
         self._pending_tokens = 0
 
-    def add(self, x: torch.Tensor) -> None:  # x [..., in]
+    def add(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> None:  # x [..., in]
+        """Add the rows of x; `weight` [...] (x's leading shape): each row's weight w_t in
+        H = 2 Σ_t w_t x_t x_tᵀ / N (default 1)."""
         x = x.reshape(-1, x.shape[-1])  # [n, in]
         if x.shape[0] == 0:
             return
+        if weight is not None:
+            root = weight.reshape(-1, 1).to(device=x.device, dtype=torch.float32).sqrt()
+            x = x.to(torch.float32) * root
         self._pending.append(x)
         self._pending_tokens += x.shape[0]
         if self._pending_tokens >= self.chunk_tokens:

@@ -24,6 +24,7 @@ names (transformers 5's); `WeightSource` maps them to and from the checkpoint's 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -61,6 +62,7 @@ from pagoda.quantizer.awq_guard import (
 )
 from pagoda.quantizer.fp8 import AmaxObserver, KVScaleObserver, fp8_tensors, quantize_fp8_shards
 from pagoda.quantizer.gptq import HessianAccumulator, gptq_quantize
+from pagoda.quantizer.guided import fused_token_weights
 from pagoda.quantizer.rtn import hessian_weighted_error, rtn_quantize
 from pagoda.worker.encoder_runner import patchify
 
@@ -490,6 +492,9 @@ class PipelineOptions:
     storage_dtype: torch.dtype = torch.bfloat16  # scales written to the checkpoint
     progress: bool = True
     gptq_scales: str = "first_touch"  # or "upfront" (see gptq_quantize)
+    # GPTQ: each linear's Hessian from a pass through the layer whose earlier linears are
+    # already quantized (o_proj sees the rounded q/k/v, down_proj the rounded gate/up)
+    true_sequential: bool = False
     awq: AWQOptions = AWQOptions()
     format: str = "compressed-tensors"  # or "autoawq" (AutoAWQ GEMM tensors)
 
@@ -994,6 +999,51 @@ def _awq_layer(
     return (clipped if choice.name == "scales+clip" else {}), captured
 
 
+class _StopPass(Exception):
+    """Raised by a hook once the pass has produced what it was run for."""
+
+
+def _layer_hessians(
+    layer: nn.Module,
+    attrs: list[str],
+    hidden_states: list[torch.Tensor],
+    positions: Positions | None = None,
+    token_weights: dict[str, list[torch.Tensor]] | None = None,
+    stop_after: str | None = None,
+) -> dict[str, HessianAccumulator]:
+    """One pass of every sample through `layer`: the Hessian of each linear `attrs`' input;
+    `token_weights[attr]`: per sample, each token's weight in that linear's Hessian.
+    `stop_after`: one of `attrs`, the pass of a sample ends at that linear's input (the rest
+    of the layer is not run)."""
+    hessians: dict[str, HessianAccumulator] = {}
+    handles = []
+    sample = [0]  # index of the sample in the pass
+
+    def hook(module: nn.Module, inp: tuple[torch.Tensor, ...], attr: str) -> None:
+        weights = (token_weights or {}).get(attr)
+        hessians[attr].add(inp[0], None if weights is None else weights[sample[0]])
+        if attr == stop_after:
+            raise _StopPass
+
+    for attr in attrs:
+        module = layer.get_submodule(attr)
+        hessians[attr] = HessianAccumulator(module.in_features, module.weight.device)
+        handles.append(
+            module.register_forward_pre_hook(lambda m, inp, attr=attr: hook(m, inp, attr))
+        )
+    positions = positions or [None] * len(hidden_states)
+    try:
+        with torch.no_grad():
+            for i, (hidden, pos) in enumerate(zip(hidden_states, positions, strict=True)):
+                sample[0] = i
+                with contextlib.suppress(_StopPass):
+                    _run_layer(layer, [hidden], [pos])
+    finally:
+        for h in handles:
+            h.remove()
+    return hessians
+
+
 def final_norm_outputs(
     model: nn.Module,
     source: WeightSource,
@@ -1060,6 +1110,7 @@ def quantize_layers(
     kv_cache_scales: bool = False,
     mm_inputs: list[MultiModalInputs | None] | None = None,
     image_config: ImageProcessorConfig | None = None,
+    token_weights: dict[str, list[torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize every decoder layer of `model` (built on meta); returns the tensors that
     replace the checkpoint's: each quantized module's (`{module}.weight_packed`, ... or
@@ -1071,7 +1122,9 @@ def quantize_layers(
     `mm_inputs` (vision-language models, one per sample or empty): the samples' images and
     videos go through the vision tower (`vision_rows`; `image_config` prepares their pixels).
     Tensor names are module names; `WeightSource.checkpoint_name` turns them into the
-    checkpoint's layout.
+    checkpoint's layout. `token_weights` (GPTQ, `pagoda.quantizer.guided`): by HF module name,
+    per sample, each token's ||dL/dy||² in that module's output; the Hessians weight the
+    tokens by it.
     """
     from tqdm import tqdm
 
@@ -1104,8 +1157,13 @@ def quantize_layers(
         layer_report = LayerReport(index, 0.0)
 
         hessians: dict[str, HessianAccumulator] = {}
-        handles = []
         fp8 = isinstance(args, Fp8Args)
+        sequential = options.true_sequential and options.method == "gptq"
+        layer_weights = None
+        if token_weights is not None:
+            layer_weights = {
+                t.attr: fused_token_weights(token_weights, t.hf_names) for t in targets
+            }
         inputs_amax, kv_amax = AmaxObserver(), KVScaleObserver()
         if fp8 and args.static_input:
             for t in targets:
@@ -1132,18 +1190,14 @@ def quantize_layers(
                 hessians[t.attr] = acc
         # RTN needs no Hessian itself, but the report's error is Hessian-weighted; without
         # calibration samples (RTN only) H = I and the error is the plain weight error.
-        elif samples:
-            for t in targets:
-                module = layer.get_submodule(t.attr)
-                acc = HessianAccumulator(module.in_features, device)
-                hessians[t.attr] = acc
-                handles.append(
-                    module.register_forward_pre_hook(lambda _m, inp, acc=acc: acc.add(inp[0]))
-                )
+        # True-sequential GPTQ accumulates each Hessian just before its linear is quantized.
+        elif samples and not (sequential and not fp8):
+            hessians = _layer_hessians(
+                layer, [t.attr for t in targets], hidden_states, positions, layer_weights
+            )
+        elif samples and (fp8 and args.static_input or kv_cache_scales):
             with torch.no_grad():
                 _run_layer(layer, hidden_states, positions)
-            for h in handles:
-                h.remove()
         inputs_amax.remove()
         kv_amax.remove()
         if kv_cache_scales:
@@ -1155,6 +1209,13 @@ def quantize_layers(
             module = layer.get_submodule(t.attr)
             t0 = time.perf_counter()
             weight = module.weight.data  # [sum(out), in]
+            if sequential and samples and not fp8:
+                # the earlier linears of this layer hold their quantized weights already
+                hessians.update(
+                    _layer_hessians(
+                        layer, [t.attr], hidden_states, positions, layer_weights, t.attr
+                    )
+                )
             hessian = hessians[t.attr].hessian if t.attr in hessians else None  # None: H = I
             sizes = module.out_features_per_shard
             rows = _quantized_rows(layer, t)

@@ -151,3 +151,109 @@ def test_scale_rounded_to_storage_dtype_and_rtn_sym_rule() -> None:
     assert qw.scale.dtype == torch.bfloat16
     assert float(qw.scale[0, 0]) == pytest.approx(1.5 / 7.5, rel=1e-2)  # compressed-tensors rule
     assert qw.qweight.tolist() == [[4, -7, 0, 1]]  # 1.5 / bf16(0.2) = 7.49 rounds to 7
+
+
+def _recorded_hessians(tiny_llama, calib_text, tmp_path, round_weights, **kwargs):
+    """quantize() on the tiny Llama; each linear's Hessian as GPTQ receives it, by name.
+    `round_weights=False` hands the float weights back as the 'quantized' ones."""
+    import pagoda.quantizer.pipeline as pipeline
+    from pagoda.quantizer import quantize
+
+    seen: dict[str, torch.Tensor] = {}
+    real = pipeline._quantize_matrix
+
+    def spy(w, hessian, args, options, report, name):
+        seen[name] = hessian.clone()
+        qw, deq, loss = real(w, hessian, args, options, report, name)
+        return qw, deq if round_weights else w.clone(), loss
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "_quantize_matrix", spy)
+        quantize(str(tiny_llama), tmp_path, group_size=32, dataset=str(calib_text),
+                 num_samples=4, max_seq_len=16, device="cpu", dtype="float32", progress=False,
+                 **kwargs)  # fmt: skip
+    return seen
+
+
+def test_true_sequential_hessians_see_the_layers_quantized_linears(
+    tiny_llama, calib_text, tmp_path
+) -> None:
+    """true_sequential: q/k/v's Hessian is the float layer's, the later linears' come from the
+    layer with its earlier linears rounded; with nothing rounded they equal the one-pass ones."""
+    run = lambda name, rounded, seq: _recorded_hessians(  # noqa: E731
+        tiny_llama, calib_text, tmp_path / name, rounded, true_sequential=seq
+    )
+    one_pass, sequential = run("a", True, False), run("b", True, True)
+    assert one_pass.keys() == sequential.keys()
+    first = "model.layers.0."
+    torch.testing.assert_close(sequential[first + "self_attn.qkv_proj"],
+                               one_pass[first + "self_attn.qkv_proj"])  # fmt: skip
+    for attr in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        diff = (sequential[first + attr] - one_pass[first + attr]).abs().max()
+        assert diff > 1e-3 * one_pass[first + attr].abs().max(), attr
+    unrounded_one, unrounded_seq = run("c", False, False), run("d", False, True)
+    for name, h in unrounded_one.items():
+        torch.testing.assert_close(unrounded_seq[name], h, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="true_sequential applies to method 'gptq'"):
+        _recorded_hessians(tiny_llama, calib_text, tmp_path / "e", True,
+                           method="awq", true_sequential=True)  # fmt: skip
+
+
+def test_weighted_hessian_is_2_sum_w_xxt_over_n() -> None:
+    _, x, _ = _layer()
+    w = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(5)) * 3
+    acc = HessianAccumulator(x.shape[1], "cpu", chunk_tokens=100)
+    for part, wp in zip(x.split(256), w.split(256)):
+        acc.add(part, wp)
+    expected = 2 * (x * w[:, None]).t() @ x / x.shape[0]
+    torch.testing.assert_close(acc.hessian, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_loss_weighted_hessian_of_layer0_qkv(tiny_llama, calib_text, tmp_path) -> None:
+    """loss_weighted_hessians: layer 0's q/k/v Hessian is 2 Σ_t w_t x_t x_tᵀ / N with
+    w_t = ||dL/dq_t||² + ||dL/dk_t||² + ||dL/dv_t||² (mean 1), computed here with autograd
+    on the transformers model; without the option the weights are 1."""
+    from transformers import AutoModelForCausalLM
+
+    import pagoda.quantizer.api as api
+
+    captured = {}
+    real = api.quantize_layers
+
+    def spy(*args, **kwargs):
+        captured["samples"] = args[2]
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(api, "quantize_layers", spy)
+        plain = _recorded_hessians(tiny_llama, calib_text, tmp_path / "a", True)
+        guided = _recorded_hessians(
+            tiny_llama, calib_text, tmp_path / "b", True, loss_weighted_hessians=True
+        )
+    samples = captured["samples"]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    attn = model.model.layers[0].self_attn
+    xs, ws = [], []
+    for ids in samples:
+        outs = {}
+        hooks = [
+            getattr(attn, n).register_forward_hook(
+                lambda m, i, o, n=n, outs=outs: outs.update({n: (i, o)})
+            )
+            for n in ("q_proj", "k_proj", "v_proj")
+        ]
+        logits = model(ids[None]).logits[0, :-1]
+        for h in hooks:
+            h.remove()
+        loss = torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum")
+        grads = torch.autograd.grad(loss, [outs[n][1] for n in ("q_proj", "k_proj", "v_proj")])
+        xs.append(outs["q_proj"][0][0][0].detach())
+        ws.append(sum(g[0].pow(2).sum(-1) for g in grads))
+    x, w = torch.cat(xs), torch.cat(ws)
+    w = w / w.mean()
+    name = "model.layers.0.self_attn.qkv_proj"
+    n = x.shape[0]
+    torch.testing.assert_close(plain[name], 2 * x.t() @ x / n, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(guided[name], 2 * (x * w[:, None]).t() @ x / n, rtol=1e-3,
+                               atol=1e-4)  # fmt: skip
+    assert (guided[name] - plain[name]).abs().max() > 1e-2 * plain[name].abs().max()
