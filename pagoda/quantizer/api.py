@@ -198,7 +198,6 @@ def quantize(
     kv_cache_dtype: str | None = None,
     text_only_calibration: bool = False,
     awq_clip: bool = False,
-    true_sequential: bool = False,
     loss_weighted_hessians: bool = False,
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
@@ -226,9 +225,6 @@ def quantize(
     (unquantized) vision tower, so the decoder's statistics include the image tokens;
     `text_only_calibration` drops them and calibrates on the text alone. `awq_clip`: AWQ
     also searches per-group weight clipping (see `AWQOptions.clip` for why it is off).
-    `true_sequential` (GPTQ): each linear's Hessian comes from a pass through its decoder layer
-    after the layer's earlier linears are quantized (o_proj from the rounded q/k/v, down_proj
-    from the rounded gate/up; three more passes per layer) instead of one float-layer pass.
     `loss_weighted_hessians` (GPTQ, text samples): each calibration token's term in a linear's
     Hessian is weighted by ||dL/dy||², the float model's next-token loss gradient at that
     linear's output (`pagoda.quantizer.guided`; one transformers backward pass per sample,
@@ -245,8 +241,6 @@ def quantize(
         )
     if loss_weighted_hessians and (method != "gptq" or dataset in (None, "random")):
         raise ValueError("loss_weighted_hessians applies to method 'gptq' with a text dataset")
-    if true_sequential and method != "gptq":
-        raise ValueError(f"true_sequential applies to method 'gptq', not {method!r}")
     if awq_clip and method != "awq":
         raise ValueError(f"awq_clip applies to method 'awq', not {method!r}")
     if fp8 and format != "compressed-tensors":
@@ -434,7 +428,6 @@ def quantize(
         gptq_scales=gptq_scales,
         awq=AWQOptions(clip=awq_clip),
         format=format,
-        true_sequential=true_sequential,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     quantize_head = quantizes_lm_head(skeleton, ignore)

@@ -84,7 +84,7 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         format=ns.format,
         text_only_calibration=ns.text_only_calibration,
         awq_clip=ns.awq_clip,
-        true_sequential=ns.true_sequential,
+        loss_weighted_hessians=ns.loss_weighted_hessians,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -230,10 +230,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default) or from the original weights up front (llmcompressor's way)",
     )
     q.add_argument(
-        "--true-sequential",
+        "--loss-weighted-hessians",
         action="store_true",
-        help="GPTQ: each linear's Hessian from its layer with the earlier linears already "
-        "quantized (o_proj after q/k/v, down_proj after gate/up); three more passes a layer",
+        help="GPTQ: weight each calibration token in a linear's Hessian by the float model's "
+        "next-token loss gradient at that linear's output (one backward pass a sample, the "
+        "whole model in memory; Qwen2.5-Coder-0.5B g128: 35 %% of the RTN gap closed against "
+        "29 %%, 1.7x the time)",
     )
     q.add_argument(
         "--evaluate",

@@ -24,7 +24,6 @@ names (transformers 5's); `WeightSource` maps them to and from the checkpoint's 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import time
@@ -492,9 +491,6 @@ class PipelineOptions:
     storage_dtype: torch.dtype = torch.bfloat16  # scales written to the checkpoint
     progress: bool = True
     gptq_scales: str = "first_touch"  # or "upfront" (see gptq_quantize)
-    # GPTQ: each linear's Hessian from a pass through the layer whose earlier linears are
-    # already quantized (o_proj sees the rounded q/k/v, down_proj the rounded gate/up)
-    true_sequential: bool = False
     awq: AWQOptions = AWQOptions()
     format: str = "compressed-tensors"  # or "autoawq" (AutoAWQ GEMM tensors)
 
@@ -999,22 +995,15 @@ def _awq_layer(
     return (clipped if choice.name == "scales+clip" else {}), captured
 
 
-class _StopPass(Exception):
-    """Raised by a hook once the pass has produced what it was run for."""
-
-
 def _layer_hessians(
     layer: nn.Module,
     attrs: list[str],
     hidden_states: list[torch.Tensor],
     positions: Positions | None = None,
     token_weights: dict[str, list[torch.Tensor]] | None = None,
-    stop_after: str | None = None,
 ) -> dict[str, HessianAccumulator]:
     """One pass of every sample through `layer`: the Hessian of each linear `attrs`' input;
-    `token_weights[attr]`: per sample, each token's weight in that linear's Hessian.
-    `stop_after`: one of `attrs`, the pass of a sample ends at that linear's input (the rest
-    of the layer is not run)."""
+    `token_weights[attr]`: per sample, each token's weight in that linear's Hessian."""
     hessians: dict[str, HessianAccumulator] = {}
     handles = []
     sample = [0]  # index of the sample in the pass
@@ -1022,8 +1011,6 @@ def _layer_hessians(
     def hook(module: nn.Module, inp: tuple[torch.Tensor, ...], attr: str) -> None:
         weights = (token_weights or {}).get(attr)
         hessians[attr].add(inp[0], None if weights is None else weights[sample[0]])
-        if attr == stop_after:
-            raise _StopPass
 
     for attr in attrs:
         module = layer.get_submodule(attr)
@@ -1036,8 +1023,7 @@ def _layer_hessians(
         with torch.no_grad():
             for i, (hidden, pos) in enumerate(zip(hidden_states, positions, strict=True)):
                 sample[0] = i
-                with contextlib.suppress(_StopPass):
-                    _run_layer(layer, [hidden], [pos])
+                _run_layer(layer, [hidden], [pos])
     finally:
         for h in handles:
             h.remove()
@@ -1158,7 +1144,6 @@ def quantize_layers(
 
         hessians: dict[str, HessianAccumulator] = {}
         fp8 = isinstance(args, Fp8Args)
-        sequential = options.true_sequential and options.method == "gptq"
         layer_weights = None
         if token_weights is not None:
             layer_weights = {
@@ -1190,14 +1175,10 @@ def quantize_layers(
                 hessians[t.attr] = acc
         # RTN needs no Hessian itself, but the report's error is Hessian-weighted; without
         # calibration samples (RTN only) H = I and the error is the plain weight error.
-        # True-sequential GPTQ accumulates each Hessian just before its linear is quantized.
-        elif samples and not (sequential and not fp8):
+        elif samples:
             hessians = _layer_hessians(
                 layer, [t.attr for t in targets], hidden_states, positions, layer_weights
             )
-        elif samples and (fp8 and args.static_input or kv_cache_scales):
-            with torch.no_grad():
-                _run_layer(layer, hidden_states, positions)
         inputs_amax.remove()
         kv_amax.remove()
         if kv_cache_scales:
@@ -1209,13 +1190,6 @@ def quantize_layers(
             module = layer.get_submodule(t.attr)
             t0 = time.perf_counter()
             weight = module.weight.data  # [sum(out), in]
-            if sequential and samples and not fp8:
-                # the earlier linears of this layer hold their quantized weights already
-                hessians.update(
-                    _layer_hessians(
-                        layer, [t.attr], hidden_states, positions, layer_weights, t.attr
-                    )
-                )
             hessian = hessians[t.attr].hessian if t.attr in hessians else None  # None: H = I
             sizes = module.out_features_per_shard
             rows = _quantized_rows(layer, t)

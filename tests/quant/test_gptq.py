@@ -175,30 +175,6 @@ def _recorded_hessians(tiny_llama, calib_text, tmp_path, round_weights, **kwargs
     return seen
 
 
-def test_true_sequential_hessians_see_the_layers_quantized_linears(
-    tiny_llama, calib_text, tmp_path
-) -> None:
-    """true_sequential: q/k/v's Hessian is the float layer's, the later linears' come from the
-    layer with its earlier linears rounded; with nothing rounded they equal the one-pass ones."""
-    run = lambda name, rounded, seq: _recorded_hessians(  # noqa: E731
-        tiny_llama, calib_text, tmp_path / name, rounded, true_sequential=seq
-    )
-    one_pass, sequential = run("a", True, False), run("b", True, True)
-    assert one_pass.keys() == sequential.keys()
-    first = "model.layers.0."
-    torch.testing.assert_close(sequential[first + "self_attn.qkv_proj"],
-                               one_pass[first + "self_attn.qkv_proj"])  # fmt: skip
-    for attr in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-        diff = (sequential[first + attr] - one_pass[first + attr]).abs().max()
-        assert diff > 1e-3 * one_pass[first + attr].abs().max(), attr
-    unrounded_one, unrounded_seq = run("c", False, False), run("d", False, True)
-    for name, h in unrounded_one.items():
-        torch.testing.assert_close(unrounded_seq[name], h, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="true_sequential applies to method 'gptq'"):
-        _recorded_hessians(tiny_llama, calib_text, tmp_path / "e", True,
-                           method="awq", true_sequential=True)  # fmt: skip
-
-
 def test_weighted_hessian_is_2_sum_w_xxt_over_n() -> None:
     _, x, _ = _layer()
     w = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(5)) * 3
