@@ -92,33 +92,33 @@ class Fp8Kernel:
         raise NotImplementedError
 
 
-def _fp8_tensor_cores(cfg: Fp8KernelConfig) -> tuple[bool, str]:
+def _fp8_operands(
+    cfg: Fp8KernelConfig, min_capability: tuple[int, int], why: str
+) -> tuple[bool, str]:
+    """The checks every CUDA FP8 kernel shares: device, capability, shape, activation dtype."""
     if cfg.device_type != "cuda":
         return False, "not a CUDA device"
-    if cfg.capability < (8, 9):
-        return False, f"sm_{cfg.capability[0]}{cfg.capability[1]} has no FP8 tensor cores"
+    if cfg.capability < min_capability:
+        return False, f"sm_{cfg.capability[0]}{cfg.capability[1]} {why}"
     if cfg.n % 16 or cfg.k % 16:
-        return False, f"N={cfg.n}, K={cfg.k}: FP8 GEMMs need multiples of 16"
+        return False, f"N={cfg.n}, K={cfg.k}: the FP8 kernels need multiples of 16"
     if cfg.act_dtype not in (torch.bfloat16, torch.float16):
         return False, f"activations in {cfg.act_dtype}: bf16 or fp16 only"
     return True, ""
+
+
+def _fp8_tensor_cores(cfg: Fp8KernelConfig) -> tuple[bool, str]:
+    return _fp8_operands(cfg, (8, 9), "has no FP8 tensor cores")
 
 
 def _fp8_weight_kernels(cfg: Fp8KernelConfig) -> tuple[bool, str]:
     """FP8 weights x bf16 / fp16 activations in Triton: sm_89+ converts e4m3 in hardware,
     sm_80 / 87 (Ampere, the Jetson Orin) decode the codes with integer operations
     (`kernels/fp8/triton_e4m3.py`)."""
-    if cfg.device_type != "cuda":
-        return False, "not a CUDA device"
-    if cfg.capability < (8, 0):
-        return False, f"sm_{cfg.capability[0]}{cfg.capability[1]}: the kernels need sm_80+"
-    if cfg.n % 16 or cfg.k % 16:
-        return False, f"N={cfg.n}, K={cfg.k}: the FP8 kernels need multiples of 16"
-    if cfg.act_dtype not in (torch.bfloat16, torch.float16):
-        return False, f"activations in {cfg.act_dtype}: bf16 or fp16 only"
-    if not platform.triton_available():
+    ok, why = _fp8_operands(cfg, (8, 0), "has no mma.sync bf16 (the kernels need sm_80+)")
+    if ok and not platform.triton_available():
         return False, "triton not installed"
-    return True, ""
+    return ok, why
 
 
 class Fp8Gemv(Fp8Kernel):

@@ -24,10 +24,14 @@ class Sim:
         self.modes: list[bool] = []
 
     def run(self, steps: int, plain_s: float, spec_s: float, tokens: float) -> None:
+        self._run(steps, plain_s, spec_s, lambda spec: (tokens if spec else 1) * self.batch)
+
+    def _run(self, steps: int, plain_s: float, spec_s: float, emitted) -> None:
+        """`emitted(spec)`: the tokens the step emits (the whole batch)."""
         for _ in range(steps):
             spec = self.gov.choose(self.batch)
             dt = spec_s if spec else plain_s
-            n = (tokens if spec else 1) * self.batch
+            n = emitted(spec)
             if self.modes[-1:] == [spec] and (spec or self.modes[-2:] == [False, False]):
                 self.gov.record(self.batch, spec, n, dt)
             if self.modes and self.modes[-1] != spec:
@@ -169,19 +173,15 @@ def test_shadow_acceptance_turns_speculation_back_on():
     assert gov.speedup(1) > 2.5 and gov.choose(1)
 
 
-class ShadowSim:
+class ShadowSim(Sim):
     """A host-side proposer's engine: each of `batch` sequences' drafts match token by token
     with probability 1 - `corruption` (k = 4: 1 + a run of matches, capped at 4 tokens a
     step); a plain step records one shadow sample a sequence, as `EngineCore` does; timing and
     switch costs as `Sim`."""
 
     def __init__(self, gov: SpecGovernor, batch: int, switch_s: float = 0.3e-3, seed: int = 0):
-        self.gov, self.batch, self.switch_s = gov, batch, switch_s
+        super().__init__(gov, batch, switch_s)
         self.rng = random.Random(seed)
-        self.time = 0.0
-        self.tokens = 0
-        self.spec_steps = 0
-        self.modes: list[bool] = []
 
     def _tokens(self, corruption: float) -> int:
         n = 1
@@ -190,22 +190,14 @@ class ShadowSim:
         return n
 
     def run(self, steps: int, plain_s: float, spec_s: float, corruption: float) -> None:
-        for _ in range(steps):
-            spec = self.gov.choose(self.batch)
+        def emitted(spec: bool) -> int:
             if spec:
-                n, dt = sum(self._tokens(corruption) for _ in range(self.batch)), spec_s
-            else:
-                n, dt = self.batch, plain_s
-                for _ in range(self.batch):
-                    self.gov.record_shadow(self._tokens(corruption))
-            if self.modes[-1:] == [spec] and (spec or self.modes[-2:] == [False, False]):
-                self.gov.record(self.batch, spec, n, dt)
-            if self.modes and self.modes[-1] != spec:
-                dt += self.switch_s
-            self.modes.append(spec)
-            self.time += dt
-            self.tokens += n
-            self.spec_steps += spec
+                return sum(self._tokens(corruption) for _ in range(self.batch))
+            for _ in range(self.batch):
+                self.gov.record_shadow(self._tokens(corruption))
+            return self.batch
+
+        self._run(steps, plain_s, spec_s, emitted)
 
 
 @pytest.mark.parametrize("batch", [1, 8])
