@@ -87,12 +87,11 @@ def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[name]
 
 
-def check_kv_cache_dtype(
-    layers: list[Attention], dtype: torch.dtype, device: torch.device, capability: tuple
-) -> None:
+def check_kv_cache_dtype(layers: list[Attention], dtype: torch.dtype, device: torch.device) -> None:
     """An FP8 cache on CUDA needs Triton (the no-Triton torch decode reads the cache's own
-    dtype), e4m3 there Triton's fp8e4nv (sm_89+): clear errors; without calibrated scales (a
-    checkpoint's k_scale / v_scale) e4m3 uses 1.0, with a warning."""
+    dtype): a clear error. e4m3 runs on every CUDA GPU the kernels run on: below sm_89 (no
+    Triton e4m3 conversion) they read and write the codes as uint8 (`soft_e4m3`). Without
+    calibrated scales (a checkpoint's k_scale / v_scale) e4m3 uses 1.0, with a warning."""
     if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return
     if device.type == "cuda" and not triton_available():
@@ -101,11 +100,6 @@ def check_kv_cache_dtype(
         )
     if dtype != torch.float8_e4m3fn:
         return
-    if device.type == "cuda" and capability < (8, 9):
-        raise ValueError(
-            f"kv_cache_dtype fp8 (e4m3) needs an sm_89+ GPU for its kernels; this one is "
-            f"sm_{capability[0]}{capability[1]}: use kv_cache_dtype='fp8_e5m2' or 'auto'"
-        )
     missing = sum(not layer.kv_scales_loaded for layer in layers)
     if missing:
         _log.warning(

@@ -18,7 +18,6 @@ import torch
 
 from pagoda.layers.attention import AttentionMetadata, check_kv_cache_dtype
 from pagoda.models.loader import load_model
-from pagoda.platform import capability as platform_capability
 from pagoda.worker.memory import kv_bytes_per_block
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ class DraftModel:
         blocks by; the draft shares those blocks, so it must not look further back."""
         self.model = load_model(self.model_config, self.device)
         layers = self.model.attention_layers()
-        check_kv_cache_dtype(layers, self.kv_dtype, self.device, platform_capability())
+        check_kv_cache_dtype(layers, self.kv_dtype, self.device)
         if target_window is not None:
             windows = [layer.sliding_window for layer in layers]
             if None in windows or max(windows) > target_window:

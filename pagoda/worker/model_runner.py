@@ -33,7 +33,6 @@ from pagoda.layers.sampler import (
     to_device,
 )
 from pagoda.models.loader import load_model
-from pagoda.platform import capability as platform_capability
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.draft_model import DraftModel
 from pagoda.worker.host_staging import PinnedStaging
@@ -326,9 +325,7 @@ class ModelRunner:
 
         prepare = None if self.sharder is None else self.sharder.prepare
         self.model = load_model(self.model_config, self.device, keep_on_host, prepare)
-        check_kv_cache_dtype(
-            self.model.attention_layers(), self.kv_dtype, self.device, platform_capability()
-        )
+        check_kv_cache_dtype(self.model.attention_layers(), self.kv_dtype, self.device)
         if keep_on_host is not None:
             from pagoda.worker.offload import LayerOffloader, decoder_layers
 

@@ -4,7 +4,9 @@ The reference stores K / k_scale (and V / v_scale) clamped to the format's range
 stored * scale; attention is then exact float32 over those values. The Triton paged kernel
 converts the FP8 tiles to q's type and folds the scales into the softmax scale and the output,
 so in float32 it equals the reference up to summation order (1e-5). The Triton interpreter's
-FP8 stores round wrongly (see test_triton_fp8.py), so the Triton write is checked on the GPU.
+FP8 stores round wrongly (see test_triton_fp8.py), so the Triton write is checked on the GPU;
+the integer e4m3 path of sm_80 / 87 (`soft_e4m3`: uint8 codes, `kernels/fp8/triton_e4m3.py`)
+rounds in integers, so its writes are checked here too, bit for bit, and on the GPU.
 """
 
 from __future__ import annotations
@@ -62,9 +64,14 @@ def test_reference_write_stores_scaled_values(dtype):
     assert torch.all((back - v).abs() <= v.abs() * rel + 0.5 * 2**-9)
 
 
-@pytest.mark.parametrize("dtype", FP8)
+# (cache dtype, soft_e4m3): the e4m3 cache read through Triton's conversion and as codes
+READS = [(torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True), (torch.float8_e5m2, False)]
+READ_IDS = ["e4m3", "e4m3-soft", "e5m2"]
+
+
+@pytest.mark.parametrize(("dtype", "soft"), READS, ids=READ_IDS)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_paged_attention_reads_fp8_blocks(dtype, splits):
+def test_triton_paged_attention_reads_fp8_blocks(dtype, soft, splits):
     k, v, cache, slots, q, qsl, seq_lens, bt = _batch(dtype)
     write_kv_cache_ref(k, v, cache, slots, k_scale=0.02, v_scale=0.01)
     ref = paged_attention_ref(q, cache, qsl, seq_lens, bt, 0.2, k_scale=0.02, v_scale=0.01)
@@ -80,8 +87,61 @@ def test_triton_paged_attention_reads_fp8_blocks(dtype, splits):
         num_splits=splits,
         k_scale=0.02,
         v_scale=0.01,
+        soft_e4m3=soft,
     )
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_soft_e4m3_write_matches_reference_bit_for_bit():
+    """The sm_80 / 87 cache write: K / k_scale and V / v_scale rounded to e4m3 codes in
+    integers, the bytes torch's conversion gives (ties to even, saturating at 448: the keys
+    here reach 3 * 4.5 / 0.02 ~ 670, beyond the range)."""
+    from pagoda.kernels.attention.triton_kv_cache_write import write_kv_cache_triton
+
+    k, v, want, slots, *_ = _batch(torch.float8_e4m3fn)
+    write_kv_cache_ref(k, v, want, slots, k_scale=0.02, v_scale=0.01)
+    got = torch.zeros_like(want)
+    write_kv_cache_triton(k, v, got, slots, 0.02, 0.01, soft_e4m3=True)
+    assert (k / 0.02).abs().max() > 448  # saturation is exercised
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="soft_e4m3 takes a float8_e4m3fn"):
+        write_kv_cache_triton(k, v, torch.zeros_like(want, dtype=torch.float8_e5m2), slots,
+                              soft_e4m3=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_fused_decode_attention_soft_e4m3(query_len):
+    """RoPE + e4m3 cache write + attention in one launch with the cache as uint8 codes (the
+    sm_80 / 87 path), float32 on the CPU interpreter: the new tokens' codes equal the unfused
+    reference's bit for bit, outputs to float32 summation order."""
+    from pagoda.kernels.attention.reference import fused_decode_attention_ref
+    from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
+    from tests.kernels.test_fused_decode_attention import make_case
+
+    case = make_case([query_len, 17, 40], 4, 2, 32, torch.float32, device="cpu",
+                     query_len=query_len)  # fmt: skip
+    ks, vs = 0.011, 0.007
+    cache = torch.empty_like(case.kv_cache, dtype=torch.float8_e4m3fn)
+    cache.copy_(to_cache_dtype(case.kv_cache, torch.float8_e4m3fn, 1.0))
+    ref_cache, out_cache = cache.clone(), cache.clone()
+    ref = fused_decode_attention_ref(
+        case.positions, case.q, case.k, case.v, case.cos, case.sin, ref_cache,
+        case.slot_mapping, case.query_start_loc.tolist(), case.seq_lens_cpu,
+        case.block_tables, case.scale, k_scale=ks, v_scale=vs,
+    )  # fmt: skip
+    out = fused_decode_attention_triton(
+        case.positions, case.q, case.k, case.v, case.cos, case.sin, out_cache,
+        case.slot_mapping, case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
+        max(case.seq_lens_cpu), num_splits=2, k_scale=ks, v_scale=vs, query_len=query_len,
+        soft_e4m3=True,
+    )  # fmt: skip
+    n = case.num_real
+    written = case.slot_mapping[:n]
+    flat_out, flat_ref = out_cache.flatten(1, 2), ref_cache.flatten(1, 2)
+    assert torch.equal(
+        flat_out[:, written].view(torch.uint8), flat_ref[:, written].view(torch.uint8)
+    )
+    torch.testing.assert_close(out[:n], ref[:n], rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_attention_is_close_to_full_precision():
@@ -99,10 +159,11 @@ def test_fp8_attention_is_close_to_full_precision():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", FP8)
-def test_triton_write_and_attention_on_gpu(dtype):
-    if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("e4m3 needs sm_89+")
+@pytest.mark.parametrize(("dtype", "soft"), READS, ids=READ_IDS)
+def test_triton_write_and_attention_on_gpu(dtype, soft):
+    """soft=False on an e4m3 cache needs sm_89+ (Triton's conversion); soft runs anywhere."""
+    if dtype == torch.float8_e4m3fn and not soft and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton converts e4m3 from sm_89")
     from pagoda.kernels.attention.triton_kv_cache_write import write_kv_cache_triton
 
     k, v, _, slots, q, qsl, seq_lens, bt = _batch(dtype)
@@ -110,7 +171,7 @@ def test_triton_write_and_attention_on_gpu(dtype):
     write_kv_cache_ref(k, v, ref_cache, slots, k_scale=0.02, v_scale=0.01)
     cache = torch.zeros(2, NB, BS, HKV, D, dtype=dtype, device="cuda")
     kb, vb = k.cuda().bfloat16(), v.cuda().bfloat16()
-    write_kv_cache_triton(kb, vb, cache, slots.cuda(), 0.02, 0.01)
+    write_kv_cache_triton(kb, vb, cache, slots.cuda(), 0.02, 0.01, soft_e4m3=soft)
     ref_bf = torch.zeros_like(ref_cache)
     write_kv_cache_ref(kb.cpu(), vb.cpu(), ref_bf, slots, k_scale=0.02, v_scale=0.01)
     assert torch.equal(cache.cpu().view(torch.uint8), ref_bf.view(torch.uint8))
@@ -127,6 +188,7 @@ def test_triton_write_and_attention_on_gpu(dtype):
             num_splits=splits,
             k_scale=0.02,
             v_scale=0.01,
+            soft_e4m3=soft,
         )
         ref = paged_attention_ref(
             q.bfloat16().float(), ref_bf, qsl, seq_lens, bt, 0.2, k_scale=0.02, v_scale=0.01
@@ -172,15 +234,15 @@ def test_engine_with_fp8_kv_cache_on_gpu(kv):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize(("dtype", "soft"), READS, ids=READ_IDS)
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("query_len", [1, 5])
-def test_fused_decode_attention_on_fp8_cache(dtype, num_splits, query_len):
+def test_fused_decode_attention_on_fp8_cache(dtype, soft, num_splits, query_len):
     """RoPE + FP8 cache write + attention in one launch against the unfused reference: the
     new keys / values in the cache bit for bit, outputs within bf16 rounding; one new token a
     sequence (decode) and five (a verify step of 4 drafts)."""
-    if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("e4m3 needs sm_89+")
+    if dtype == torch.float8_e4m3fn and not soft and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton converts e4m3 from sm_89")
     from pagoda.kernels.attention.reference import fused_decode_attention_ref
     from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
     from tests.kernels.test_fused_decode_attention import make_case
@@ -202,7 +264,7 @@ def test_fused_decode_attention_on_fp8_cache(dtype, num_splits, query_len):
         case.positions, case.q, case.k, case.v, case.cos, case.sin, out_cache,
         case.slot_mapping, case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
         max(case.seq_lens_cpu), num_splits=num_splits, k_scale=ks, v_scale=vs,
-        query_len=query_len,
+        query_len=query_len, soft_e4m3=soft,
     )  # fmt: skip
     n = case.num_real
     written = case.slot_mapping[:n]

@@ -66,6 +66,36 @@ def test_e4m3_integer_decode_is_exact_on_every_code():
         assert torch.equal(decode_e4m3(codes.cuda()).cpu(), want)
 
 
+def test_e4m3_integer_encode_matches_torch():
+    """The sm_80 / 87 encode (the FP8 KV cache write there) against torch's conversion: every
+    finite code round-trips, each midpoint between neighbours rounds to the even code and its
+    float32 neighbours to the nearer one, zeros keep their sign, and 400,000 random values over
+    the whole range (normals and subnormals) land on torch's code."""
+    pytest.importorskip("triton")
+    from pagoda.kernels.fp8.triton_e4m3 import encode_e4m3
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float()
+    pos = vals[vals > 0].sort().values
+    mids = (pos[:-1] + pos[1:]) / 2
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(400_000, generator=g) * torch.exp2(torch.randn(400_000, generator=g) * 6)
+    x = torch.cat([
+        vals, mids, -mids, torch.nextafter(mids, torch.zeros_like(mids)),
+        torch.nextafter(mids, torch.full_like(mids, 1e9)), wide.clamp(-FP8_MAX, FP8_MAX),
+        torch.tensor([1e-30, -1e-30, 2.0**-10, 3 * 2.0**-11]),
+    ])  # fmt: skip
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(encode_e4m3(vals), codes)
+    assert torch.equal(encode_e4m3(x), want)
+    # the midpoints' ties went both ways: to the even code, the lower neighbour half the time
+    lower = torch.arange(1, 0x7E, dtype=torch.uint8)
+    up = want[len(vals) : len(vals) + len(mids)] != lower
+    assert up.any() and (~up).any()
+    if torch.cuda.is_available():  # compiled for this GPU too
+        assert torch.equal(encode_e4m3(x.cuda()).cpu(), want)
+
+
 @pytest.mark.parametrize("soft", [False, True])
 @pytest.mark.parametrize("n,k,bias", [(40, 200, True), (64, 1024, False), (33, 96, True)])
 def test_fp8_gemv_matches_reference(n, k, bias, soft):

@@ -48,6 +48,7 @@ from pagoda.kernels.attention.triton_paged_attention import (
     choose_num_splits,
     effective_kv_len,
 )
+from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32, f32_to_e4m3_bits, soft_e4m3_view
 from pagoda.kernels.norm_act.triton_fused_ops import _drop_bits, _round
 from pagoda.kernels.pdl import pdl_launch_args
 
@@ -104,15 +105,21 @@ def _store_new_kv(
     BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     """A new token's rotated key and value as the cache stores them (an FP8 cache: K / k_scale
-    and V / v_scale, saturated); split 0 stores them at `slot` (< 0: padding, no store).
+    and V / v_scale, saturated; a uint8 one: their e4m3 codes); split 0 stores them at `slot`
+    (< 0: padding, no store).
     Split 0 owns the new token: every split of the group holds the same values, one store is
     enough. A scalar branch rather than a mask: the interpreter turns `tensor & scalar` masks
-    into int32, which tl.store rejects. Returns (k, v) in the cache's dtype."""
+    into int32, which tl.store rejects. Returns (k, v) as stored: the cache's dtype, float32
+    values of the codes for a uint8 cache."""
     if FP8_MAX > 0:
         k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
         v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
-        k_st = k_st.to(k_cache_ptr.dtype.element_ty)
-        v_st = v_st.to(v_cache_ptr.dtype.element_ty)
+        if k_cache_ptr.dtype.element_ty == tl.uint8:
+            k_st = f32_to_e4m3_bits(k_st)
+            v_st = f32_to_e4m3_bits(v_st)
+        else:
+            k_st = k_st.to(k_cache_ptr.dtype.element_ty)
+            v_st = v_st.to(v_cache_ptr.dtype.element_ty)
     else:
         k_st = k_rot.to(k_cache_ptr.dtype.element_ty)
         v_st = v_new.to(v_cache_ptr.dtype.element_ty)
@@ -121,6 +128,8 @@ def _store_new_kv(
         c_off += kv_head * stride_ch + offs_d * stride_cd
         tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
         tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
+    if k_cache_ptr.dtype.element_ty == tl.uint8:
+        return e4m3_bits_to_f32(k_st), e4m3_bits_to_f32(v_st)
     return k_st, v_st
 
 
@@ -509,6 +518,7 @@ def fused_decode_attention_triton(
     k_scale: float = 1.0,  # FP8 cache (float8_e4m3fn / e5m2): K stored / k_scale
     v_scale: float = 1.0,
     query_len: int = 1,  # new tokens per sequence: T = B * query_len (a verify step: 1 + k)
+    soft_e4m3: bool | None = None,  # e4m3 codes as uint8 (integer decode): None = below sm_89
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
 
@@ -565,6 +575,8 @@ def fused_decode_attention_triton(
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
     check_sliding_window(sliding_window)
+    fp8_max = torch.finfo(kv_cache.dtype).max if fp8 else 0.0
+    kv_cache = soft_e4m3_view(kv_cache, soft_e4m3)
     if out is None:
         out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (num_tokens, num_heads * head_dim) or out.stride(-1) != 1:
@@ -610,7 +622,7 @@ def fused_decode_attention_triton(
         HEAD_DIM_PAD=head_dim_pad, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
-        KV_PF_BYTES=kv_pf_bytes, FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
+        KV_PF_BYTES=kv_pf_bytes, FP8_MAX=fp8_max,
         QLEN=query_len, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q, early=True),
     )  # fmt: skip

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.fp8.triton_e4m3 import f32_to_e4m3_bits, soft_e4m3_view
+
 
 @triton.jit
 def _write_kv_cache_kernel(
@@ -71,6 +73,9 @@ def _write_kv_cache_kernel(
     if FP8_MAX > 0:  # FP8 cache: K / k_scale, V / v_scale, saturated to the format's range
         k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
         v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+    if cache_ptr.dtype.element_ty == tl.uint8:  # e4m3 codes (no e4m3 conversion: sm_80 / 87)
+        k = f32_to_e4m3_bits(k)
+        v = f32_to_e4m3_bits(v)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -82,6 +87,7 @@ def write_kv_cache_triton(
     slot_mapping: torch.Tensor,  # [T'] int64, T' <= T; -1 = padding, not written
     k_scale: float = 1.0,  # FP8 caches store K / k_scale, V / v_scale
     v_scale: float = 1.0,
+    soft_e4m3: bool | None = None,  # e4m3 codes as uint8 (integer encode): None = below sm_89
 ) -> None:
     """Write K/V of the first `len(slot_mapping)` tokens into their cache slots, in place.
 
@@ -105,6 +111,9 @@ def write_kv_cache_triton(
     # 4096 elements per tensor keeps registers modest and the grid at T programs.
     block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_dim_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp8_max = torch.finfo(kv_cache.dtype).max if fp8 else 0.0
+    kv_cache = soft_e4m3_view(kv_cache, soft_e4m3)
     _write_kv_cache_kernel[grid](
         key,
         value,
@@ -114,10 +123,10 @@ def write_kv_cache_triton(
         *value.stride(),
         *kv_cache.stride(),
         num_kv_heads,
-        float(k_scale) if kv_cache.element_size() == 1 else 1.0,
-        float(v_scale) if kv_cache.element_size() == 1 else 1.0,
+        float(k_scale) if fp8 else 1.0,
+        float(v_scale) if fp8 else 1.0,
         BLOCK_SIZE=block_size,
-        FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_cache.element_size() == 1 else 0.0,
+        FP8_MAX=fp8_max,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_H=block_h,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from pagoda.kernels.attention.reference import FP8_KV_DTYPES as _FP8_KV
 from pagoda.kernels.attention.reference import check_sliding_window
+from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32, soft_e4m3_view
 from pagoda.kernels.pdl import pdl_launch_args
 
 _LOG2E = 1.4426950408889634
@@ -101,7 +102,12 @@ def _attn_tile(
         k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
     # An FP8 cache is read as q's type (its scales are folded into qk_scale and the output);
-    # with UPCAST_DOT q is float32 already. A no-op when the cache holds q's dtype.
+    # with UPCAST_DOT q is float32 already. A no-op when the cache holds q's dtype. A uint8
+    # cache holds e4m3 codes where Triton cannot convert them (sm_80 / 87): decoded with
+    # integer operations.
+    if k_base.dtype.element_ty == tl.uint8:
+        k = e4m3_bits_to_f32(k)
+        v = e4m3_bits_to_f32(v)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 
@@ -496,6 +502,7 @@ def paged_attention_triton(
     sliding_window: int | None = None,  # None = full causal attention
     k_scale: float = 1.0,  # FP8 cache (float8_e4m3fn / e5m2): K = stored * k_scale
     v_scale: float = 1.0,
+    soft_e4m3: bool | None = None,  # e4m3 codes as uint8 (integer decode): None = below sm_89
 ) -> torch.Tensor:
     """Causal paged attention for a batch mixing prefill chunks (with cached prefix) and decodes.
 
@@ -521,6 +528,7 @@ def paged_attention_triton(
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} differs from q dtype {q.dtype}")
     if kv_cache.dtype not in _FP8_KV:
         k_scale = v_scale = 1.0  # scales describe FP8 storage only (as in the reference)
+    kv_cache = soft_e4m3_view(kv_cache, soft_e4m3)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
         raise ValueError(

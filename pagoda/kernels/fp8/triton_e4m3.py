@@ -6,6 +6,13 @@ codes as uint8 and decode them here: a normal code (exponent e > 0, mantissa m) 
 are m — the code's low seven bits shifted left by four plus 120 << 7, placed in the upper half
 of a float32 word; a subnormal one (e = 0) is m 2^-9. Exact for every finite code (the NaN codes
 0x7f / 0xff never occur in a weight).
+
+The FP8 KV cache writes e4m3 there too: `f32_to_e4m3_bits` rounds a float32 (already clamped to
++-448) to the nearest code, ties to even, as `torch.Tensor.to(torch.float8_e4m3fn)` does. A
+normal value keeps its exponent and the top three of its 23 mantissa bits, rounded on the 20
+dropped ones (a carry moves into the exponent, as it should); below 2^-6 the code is |x| 2^9
+rounded to an integer 0..8, from the 24-bit significand shifted right by 141 - the float32
+exponent field.
 """
 
 from __future__ import annotations
@@ -13,6 +20,26 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagoda import platform
+
+
+def needs_soft_e4m3(device: torch.device) -> bool:
+    """Whether Triton lacks the e4m3 conversion on `device` (CUDA below sm_89)."""
+    return device.type == "cuda" and platform.capability(device) < (8, 9)
+
+
+def soft_e4m3_view(t: torch.Tensor, soft_e4m3: bool | None) -> torch.Tensor:
+    """`t` as a kernel reads it: an e4m3 tensor (an FP8 KV cache) as its uint8 codes where Triton
+    has no e4m3 conversion (`soft_e4m3` None: an e4m3 tensor on CUDA below sm_89); the kernel
+    then decodes and encodes the codes with the functions here. Other tensors pass through."""
+    if soft_e4m3 is None:
+        soft_e4m3 = t.dtype == torch.float8_e4m3fn and needs_soft_e4m3(t.device)
+    if not soft_e4m3:
+        return t
+    if t.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"soft_e4m3 takes a float8_e4m3fn tensor, got {t.dtype}")
+    return t.view(torch.uint8)
 
 
 @triton.jit
@@ -22,6 +49,42 @@ def e4m3_bits_to_f32(codes):
     normal = (((em << 4) + (120 << 7)) << 16).to(tl.float32, bitcast=True)
     mag = tl.where(em >= 8, normal, em.to(tl.float32) * 0.001953125)
     return tl.where((v & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def f32_to_e4m3_bits(x):
+    b = x.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    # normal (|x| >= 2^-6, float32 bits 0x3C800000): 3 of 23 mantissa bits, ties to even
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # subnormal: round the significand m (|x| = m 2^(e - 150)) times 2^9, i.e. m >> (141 - e)
+    shift = tl.minimum(141 - (a >> 23), 25)
+    m = (a & 0x7FFFFF) | 0x800000
+    q = m >> shift
+    rem = m - (q << shift)
+    half = (m * 0 + 1) << (shift - 1)
+    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    mag = tl.minimum(tl.where(a >= 0x3C800000, normal, q), 0x7E)
+    return (sign | mag).to(tl.uint8)
+
+
+@triton.jit
+def _encode_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(o_ptr + offs, f32_to_e4m3_bits(x), mask=offs < n)
+
+
+def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3 codes of float32 values in +-448, through `f32_to_e4m3_bits` (its test)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32, got {x.dtype}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, device=x.device, dtype=torch.uint8)
+    n = x.numel()
+    _encode_kernel[(triton.cdiv(n, 256),)](x, out, n, BLOCK=256)
+    return out
 
 
 @triton.jit

@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from pagoda import envs
-from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32
-from pagoda.kernels.fp8.triton_gemv import needs_soft_e4m3
+from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32, needs_soft_e4m3
 from pagoda.kernels.pdl import pdl_launch_args
 from pagoda.kernels.triton_split_k import store_split_k
 from pagoda.kernels.workspace import SplitKWorkspace

@@ -15,14 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda import platform
-from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32
+from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32, needs_soft_e4m3
 from pagoda.kernels.pdl import pdl_launch_args
-
-
-def needs_soft_e4m3(device: torch.device) -> bool:
-    """Whether Triton lacks the e4m3 conversion on `device` (CUDA below sm_89)."""
-    return device.type == "cuda" and platform.capability(device) < (8, 9)
 
 
 @triton.jit
