@@ -8,7 +8,10 @@ H = 2 X Xᵀ / N into 2 Σ_t w_t x_t x_tᵀ / N. Per-output-channel weights woul
 solution (rows are independent given H); per-token weights do.
 
 The gradients come from one backward pass of the float (transformers) model per calibration
-sample, with respect to the activations only (no weight gradients).
+sample, with respect to the activations only (no weight gradients). The results are
+preallocated before the first pass: a few small tensors kept from each pass, allocated among its
+large transient ones, fragmented the CPU heap so that resident memory grew by ~0.16 GiB a sample
+on Qwen2.5-0.5B (5.6 GiB after 12 samples, 3.9 flat with the buffers allocated up front).
 """
 
 from __future__ import annotations
@@ -31,13 +34,17 @@ def loss_gradient_token_weights(
         names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         names = [n for n in names if n != "lm_head"]
     modules = dict(model.named_modules())
-    out: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    pending: dict[str, torch.Tensor] = {}
+    out: dict[str, list[torch.Tensor]] = {
+        n: [torch.ones(ids.numel()) for ids in samples] for n in names
+    }
+    current = [0]  # the sample being differentiated
+    seen: set[str] = set()
 
     def forward_hook(name: str):
         def hook(_m: nn.Module, _inp: Any, y: torch.Tensor) -> None:
             def grad_hook(g: torch.Tensor) -> None:
-                pending[name] = g.detach().float().pow(2).sum(-1).reshape(-1).cpu()
+                out[name][current[0]].copy_(g.detach().float().pow(2).sum(-1).reshape(-1))
+                seen.add(name)
 
             if y.requires_grad:
                 y.register_hook(grad_hook)
@@ -51,19 +58,19 @@ def loss_gradient_token_weights(
     embed = model.get_input_embeddings()
     device = embed.weight.device
     try:
-        for ids in samples:
+        for i, ids in enumerate(samples):
             ids = ids.to(device).reshape(1, -1)
             if ids.shape[1] < 2:
-                for n in names:
-                    out[n].append(torch.ones(ids.shape[1]))
-                continue
+                continue  # no next-token loss: weights of 1
+            current[0] = i
             x = embed(ids).detach().requires_grad_(True)
             logits = model(inputs_embeds=x, use_cache=False).logits[0, :-1].float()
             loss = nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
-            pending.clear()
+            seen.clear()
             loss.backward()
-            for n in names:
-                out[n].append(pending[n])
+            missing = [n for n in names if n not in seen]
+            if missing:
+                raise RuntimeError(f"no loss gradient reached {', '.join(missing[:3])}")
     finally:
         for h in handles:
             h.remove()
