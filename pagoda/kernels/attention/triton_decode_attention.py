@@ -112,8 +112,9 @@ def _store_new_kv(
     into int32, which tl.store rejects. Returns (k, v) as stored: the cache's dtype, float32
     values of the codes for a uint8 cache."""
     if FP8_MAX > 0:
-        k_st = tl.minimum(tl.maximum(k_rot / k_scale, -FP8_MAX), FP8_MAX)
-        v_st = tl.minimum(tl.maximum(v_new.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        # exact division (`/` is div.full.f32 on the GPU): the codes torch's write gives
+        k_st = tl.minimum(tl.maximum(tl.div_rn(k_rot, k_scale), -FP8_MAX), FP8_MAX)
+        v_st = tl.minimum(tl.maximum(tl.div_rn(v_new.to(tl.float32), v_scale), -FP8_MAX), FP8_MAX)
         if k_cache_ptr.dtype.element_ty == tl.uint8:
             k_st = f32_to_e4m3_bits(k_st)
             v_st = f32_to_e4m3_bits(v_st)
@@ -128,9 +129,12 @@ def _store_new_kv(
         c_off += kv_head * stride_ch + offs_d * stride_cd
         tl.store(k_cache_ptr + c_off, k_st, mask=d_mask)
         tl.store(v_cache_ptr + c_off, v_st, mask=d_mask)
-    if k_cache_ptr.dtype.element_ty == tl.uint8:
-        return e4m3_bits_to_f32(k_st), e4m3_bits_to_f32(v_st)
-    return k_st, v_st
+    k_out = k_st
+    v_out = v_st
+    if k_cache_ptr.dtype.element_ty == tl.uint8:  # one return: Triton wants one type
+        k_out = e4m3_bits_to_f32(k_st)
+        v_out = e4m3_bits_to_f32(v_st)
+    return k_out, v_out
 
 
 @triton.jit

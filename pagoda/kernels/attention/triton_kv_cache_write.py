@@ -71,8 +71,10 @@ def _write_kv_cache_kernel(
         + offs_d[None, :] * stride_c_dim
     )
     if FP8_MAX > 0:  # FP8 cache: K / k_scale, V / v_scale, saturated to the format's range
-        k = tl.minimum(tl.maximum(k.to(tl.float32) / k_scale, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) / v_scale, -FP8_MAX), FP8_MAX)
+        # div_rn: Triton's `/` on float32 is the approximate div.full.f32 (2 ulp), which lands
+        # on the other side of an e4m3 rounding boundary now and then; torch divides exactly
+        k = tl.minimum(tl.maximum(tl.div_rn(k.to(tl.float32), k_scale), -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(tl.div_rn(v.to(tl.float32), v_scale), -FP8_MAX), FP8_MAX)
     if cache_ptr.dtype.element_ty == tl.uint8:  # e4m3 codes (no e4m3 conversion: sm_80 / 87)
         k = f32_to_e4m3_bits(k)
         v = f32_to_e4m3_bits(v)
