@@ -13,7 +13,7 @@ kernels by M band. Kernels, in priority order (`PAGODA_DISABLED_KERNELS` removes
 - `fp8_gemm_a8` (CUDA sm_89+, Triton, FP8 activations in the checkpoint): to 64 / 128 rows, the
   activations quantized per token (or with the static scale) by one Triton launch, then the same
   kernel's FP8 x FP8 `tl.dot`: cuBLASLt's FP8 GEMM is slower than bf16 at these skinny shapes
-  (not picked until its accumulation fix passes on a GPU: `Fp8GemmA8.verified_on_gpu`);
+  (not picked until it is timed with its accumulation fix: `Fp8GemmA8.verified_on_gpu`);
 - `fp8_scaled_mm` (CUDA sm_89+, FP8 activations in the checkpoint): activations quantized per
   token (or with the static scale) by one Triton launch, cuBLASLt's FP8 GEMM (`torch._scaled_mm`);
 - `fp8_dequant_mm` (where no FP8 GEMM runs: sm_80 / 87, which have no FP8 tensor cores, and
@@ -184,14 +184,15 @@ class Fp8GemmA8(Fp8Kernel):
 
     # Its GPU run (H100, 092a268) failed the reference test at K 18,944: sm_90's FP8 MMA
     # accumulates with ~14-bit precision unless told to promote (3332dd5 promotes every 32
-    # products). Until that fix passes `test_fp8_gemm_on_gpu` on a GPU, the registry leaves
-    # the band to cuBLASLt.
+    # products). With the promotion `test_fp8_gemm_on_gpu` passes (H100, 896f281), but the
+    # band above was timed without it, and promotion adds work to every MMA: until the kernel is
+    # timed again, the registry leaves the band to cuBLASLt.
     verified_on_gpu: ClassVar[bool] = False
 
     @classmethod
     def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
         if not cls.verified_on_gpu:
-            return False, "FP8 x FP8 accumulation fix not yet verified on a GPU"
+            return False, "not yet timed with its FP8 x FP8 accumulation fix"
         ok, why = _fp8_tensor_cores(cfg)
         if not ok:
             return ok, why

@@ -200,11 +200,11 @@ def test_registry_picks_by_capability(monkeypatch) -> None:
     def cfg(device, cap, acts="dynamic", n=4096, k=4096):
         return Fp8KernelConfig(device, cap, n, k, torch.bfloat16, acts)
 
-    # fp8_gemm_a8 waits for its GPU check (Fp8GemmA8.verified_on_gpu): cuBLASLt from 33 rows
+    # fp8_gemm_a8 waits for its GPU timing (Fp8GemmA8.verified_on_gpu): cuBLASLt from 33 rows
     waiting = choose_fp8_kernels(cfg("cuda", (9, 0)))
     assert waiting.names == ("fp8_gemv", "fp8_gemm", "fp8_scaled_mm")
     assert waiting.pick(33) is Fp8ScaledMM
-    assert any("not yet verified" in r for r in waiting.reasons)
+    assert any("not yet timed" in r for r in waiting.reasons)
     monkeypatch.setattr(Fp8GemmA8, "verified_on_gpu", True)
     hopper = choose_fp8_kernels(cfg("cuda", (9, 0)))
     assert hopper.layout == "fp8" and hopper.pick(1) is Fp8Gemv
