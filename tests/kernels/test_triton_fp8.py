@@ -75,7 +75,7 @@ def test_e4m3_integer_decode_is_exact_on_every_code():
 def test_e4m3_integer_encode_matches_torch():
     """The sm_80 / 87 encode (the FP8 KV cache write there) against torch's conversion: every
     finite code round-trips, each midpoint between neighbours rounds to the even code and its
-    float32 neighbours to the nearer one, zeros keep their sign, and 400,000 random values over
+    float32 neighbours to the nearer one, zeros keep their sign, and 50,000 random values over
     the whole range (normals and subnormals) land on torch's code."""
     pytest.importorskip("triton")
     from pagoda.kernels.fp8.triton_e4m3 import encode_e4m3
@@ -85,7 +85,7 @@ def test_e4m3_integer_encode_matches_torch():
     pos = vals[vals > 0].sort().values
     mids = (pos[:-1] + pos[1:]) / 2
     g = torch.Generator().manual_seed(0)
-    wide = torch.randn(400_000, generator=g) * torch.exp2(torch.randn(400_000, generator=g) * 6)
+    wide = torch.randn(50_000, generator=g) * torch.exp2(torch.randn(50_000, generator=g) * 6)
     x = torch.cat([
         vals, mids, -mids, torch.nextafter(mids, torch.zeros_like(mids)),
         torch.nextafter(mids, torch.full_like(mids, 1e9)), wide.clamp(-FP8_MAX, FP8_MAX),
