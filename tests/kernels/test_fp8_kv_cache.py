@@ -109,20 +109,16 @@ def test_soft_e4m3_write_matches_reference_bit_for_bit():
                               soft_e4m3=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("query_len", [1, 3])
-def test_fused_decode_attention_soft_e4m3(query_len):
-    """RoPE + e4m3 cache write + attention in one launch with the cache as uint8 codes (the
-    sm_80 / 87 path), float32 on the CPU interpreter: the new tokens' codes equal the unfused
-    reference's bit for bit, outputs to float32 summation order."""
+def _fused_on_fp8_cache(case, dtype, soft, num_splits, query_len):
+    """The fused decode on `case` with its cached keys in `dtype` (NaN slots stay NaN in e4m3 /
+    e5m2), against the unfused reference: asserts the new tokens' codes equal bit for bit and
+    returns the real rows (out, ref)."""
     from pagoda.kernels.attention.reference import fused_decode_attention_ref
     from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
-    from tests.kernels.test_fused_decode_attention import make_case
 
-    case = make_case([query_len, 17, 40], 4, 2, 32, torch.float32, device="cpu",
-                     query_len=query_len)  # fmt: skip
     ks, vs = 0.011, 0.007
-    cache = torch.empty_like(case.kv_cache, dtype=torch.float8_e4m3fn)
-    cache.copy_(to_cache_dtype(case.kv_cache, torch.float8_e4m3fn, 1.0))
+    cache = torch.empty_like(case.kv_cache, dtype=dtype)
+    cache.copy_(to_cache_dtype(case.kv_cache.float(), dtype, 1.0))
     ref_cache, out_cache = cache.clone(), cache.clone()
     ref = fused_decode_attention_ref(
         case.positions, case.q, case.k, case.v, case.cos, case.sin, ref_cache,
@@ -132,8 +128,8 @@ def test_fused_decode_attention_soft_e4m3(query_len):
     out = fused_decode_attention_triton(
         case.positions, case.q, case.k, case.v, case.cos, case.sin, out_cache,
         case.slot_mapping, case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
-        max(case.seq_lens_cpu), num_splits=2, k_scale=ks, v_scale=vs, query_len=query_len,
-        soft_e4m3=True,
+        max(case.seq_lens_cpu), num_splits=num_splits, k_scale=ks, v_scale=vs,
+        query_len=query_len, soft_e4m3=soft,
     )  # fmt: skip
     n = case.num_real
     written = case.slot_mapping[:n]
@@ -141,7 +137,20 @@ def test_fused_decode_attention_soft_e4m3(query_len):
     assert torch.equal(
         flat_out[:, written].view(torch.uint8), flat_ref[:, written].view(torch.uint8)
     )
-    torch.testing.assert_close(out[:n], ref[:n], rtol=1e-5, atol=1e-5)
+    return out[:n], ref[:n]
+
+
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_fused_decode_attention_soft_e4m3(query_len):
+    """RoPE + e4m3 cache write + attention in one launch with the cache as uint8 codes (the
+    sm_80 / 87 path), float32 on the CPU interpreter: the new tokens' codes equal the unfused
+    reference's bit for bit, outputs to float32 summation order."""
+    from tests.kernels.test_fused_decode_attention import make_case
+
+    case = make_case([query_len, 17, 40], 4, 2, 32, torch.float32, device="cpu",
+                     query_len=query_len)  # fmt: skip
+    out, ref = _fused_on_fp8_cache(case, torch.float8_e4m3fn, True, 2, query_len)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_attention_is_close_to_full_precision():
@@ -243,36 +252,13 @@ def test_fused_decode_attention_on_fp8_cache(dtype, soft, num_splits, query_len)
     sequence (decode) and five (a verify step of 4 drafts)."""
     if dtype == torch.float8_e4m3fn and not soft and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton converts e4m3 from sm_89")
-    from pagoda.kernels.attention.reference import fused_decode_attention_ref
-    from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
     from tests.kernels.test_fused_decode_attention import make_case
 
     case = make_case(
         [query_len, 17, 300, 2000], 28, 4, 128, torch.bfloat16, device="cuda", query_len=query_len
     )
-    ks, vs = 0.011, 0.007
-    # the cached keys in FP8 (NaN slots become NaN in e4m3 / e5m2 too)
-    cache = torch.empty_like(case.kv_cache, dtype=dtype)
-    cache.copy_(to_cache_dtype(case.kv_cache.float(), dtype, 1.0))
-    ref_cache, out_cache = cache.clone(), cache.clone()
-    ref = fused_decode_attention_ref(
-        case.positions, case.q, case.k, case.v, case.cos, case.sin, ref_cache,
-        case.slot_mapping, case.query_start_loc.tolist(), case.seq_lens_cpu,
-        case.block_tables, case.scale, k_scale=ks, v_scale=vs,
-    )  # fmt: skip
-    out = fused_decode_attention_triton(
-        case.positions, case.q, case.k, case.v, case.cos, case.sin, out_cache,
-        case.slot_mapping, case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
-        max(case.seq_lens_cpu), num_splits=num_splits, k_scale=ks, v_scale=vs,
-        query_len=query_len, soft_e4m3=soft,
-    )  # fmt: skip
-    n = case.num_real
-    written = case.slot_mapping[:n]
-    flat_out, flat_ref = out_cache.flatten(1, 2), ref_cache.flatten(1, 2)
-    assert torch.equal(
-        flat_out[:, written].view(torch.uint8), flat_ref[:, written].view(torch.uint8)
-    )
-    err = ((out[:n].double() - ref[:n].double()).norm() / ref[:n].double().norm()).item()
+    out, ref = _fused_on_fp8_cache(case, dtype, soft, num_splits, query_len)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 1e-2  # bf16 q and probabilities in the dots
 
 

@@ -70,36 +70,31 @@ def f32_to_e4m3_bits(x):
 
 
 @triton.jit
-def _encode_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+def _convert_kernel(src_ptr, dst_ptr, n, ENCODE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(o_ptr + offs, f32_to_e4m3_bits(x), mask=offs < n)
+    x = tl.load(src_ptr + offs, mask=offs < n, other=0)
+    if ENCODE:
+        tl.store(dst_ptr + offs, f32_to_e4m3_bits(x), mask=offs < n)
+    else:
+        tl.store(dst_ptr + offs, e4m3_bits_to_f32(x), mask=offs < n)
+
+
+def _convert(src: torch.Tensor, encode: bool) -> torch.Tensor:
+    want, out_dtype = (torch.float32, torch.uint8) if encode else (torch.uint8, torch.float32)
+    if src.dtype != want:
+        raise ValueError(f"{'x' if encode else 'codes'} must be {want}, got {src.dtype}")
+    src = src.contiguous()
+    out = torch.empty(src.shape, device=src.device, dtype=out_dtype)
+    n = src.numel()
+    _convert_kernel[(triton.cdiv(n, 256),)](src, out, n, ENCODE=encode, BLOCK=256)
+    return out
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     """uint8 e4m3 codes of float32 values in +-448, through `f32_to_e4m3_bits` (its test)."""
-    if x.dtype != torch.float32:
-        raise ValueError(f"x must be float32, got {x.dtype}")
-    x = x.contiguous()
-    out = torch.empty(x.shape, device=x.device, dtype=torch.uint8)
-    n = x.numel()
-    _encode_kernel[(triton.cdiv(n, 256),)](x, out, n, BLOCK=256)
-    return out
-
-
-@triton.jit
-def _decode_kernel(c_ptr, o_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    codes = tl.load(c_ptr + offs, mask=offs < n, other=0)
-    tl.store(o_ptr + offs, e4m3_bits_to_f32(codes), mask=offs < n)
+    return _convert(x, encode=True)
 
 
 def decode_e4m3(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of uint8 e4m3 codes, through `e4m3_bits_to_f32` (its test)."""
-    if codes.dtype != torch.uint8:
-        raise ValueError(f"codes must be uint8, got {codes.dtype}")
-    codes = codes.contiguous()
-    out = torch.empty(codes.shape, device=codes.device, dtype=torch.float32)
-    n = codes.numel()
-    _decode_kernel[(triton.cdiv(n, 256),)](codes, out, n, BLOCK=256)
-    return out
+    return _convert(codes, encode=False)
