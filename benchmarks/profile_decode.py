@@ -8,7 +8,8 @@ and the top kernels, and each weight shape's M=1 matmul is timed against the cop
     python benchmarks/profile_decode.py config:benchmarks/configs/qwen2.5-7b.json --out DIR
 
 `--batch B` does the same for a decode step of B sequences (B prompts; the graph of the
-smallest captured size >= B; each weight's matmul at M = B).
+smallest captured size >= B; each weight's matmul at M = B); `--kv-cache-dtype fp8` with an FP8
+cache.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=1, help="sequences a decode step (default 1)")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    )
     ns = p.parse_args()
     if not 1 <= ns.batch <= 512:
         p.error(f"--batch must be in 1..512, got {ns.batch}")
@@ -55,6 +59,7 @@ def main() -> int:
         gpu_memory_utilization=0.5,
         max_num_seqs=max(8, ns.batch),
         skip_tokenizer_init=True,
+        kv_cache_dtype=ns.kv_cache_dtype,
     )
     runner = llm.llm_engine.core.runner
     model = runner.model

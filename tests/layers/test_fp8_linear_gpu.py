@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagoda.engine.args import EngineArgs
 from pagoda.kernels.fp8.ops import fp8_gemv_ref
@@ -23,6 +24,7 @@ from pagoda.layers.fp8_linear import (
 )
 from pagoda.layers.linear import LinearBase
 from pagoda.models.loader import load_model
+from pagoda.quant.fp8 import dequantize_weight_fp8
 from tests.quant.test_fp8 import FP8_FIXTURES
 
 
@@ -62,11 +64,16 @@ def test_fp8_layers_on_gpu_match_references(name: str) -> None:
             else:
                 want = Fp8W8A8Reference.apply(layer, x, layer.bias).float()
             torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
-        # sm_80 / 87's kernel above 128 rows (W8A16, the weight dequantized per call)
+        # sm_80 / 87's kernel above 128 rows: the weight dequantized per call into the model's
+        # dtype (code x channel scale rounded to bf16, as the kernel defines it), then a bf16
+        # GEMM; the reference multiplies the same bf16 weight in float32. Against the exact
+        # FP8 products (fp8_gemv_ref) it differs by each weight's bf16 rounding (2^-9 relative),
+        # which sums to ~2^-9 of the row's norm: above atol at outputs near zero.
         x = torch.randn(200, layer.in_features, device="cuda", generator=g).bfloat16()
         got = Fp8DequantMM.apply(layer, x, layer.bias).float()
-        want = fp8_gemv_ref(x, layer.weight, layer.weight_scale, layer.bias).float()
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-3)
+        w16 = dequantize_weight_fp8(layer.weight, layer.weight_scale, x.dtype)
+        want = F.linear(x.float(), w16.float(), None if layer.bias is None else layer.bias.float())
+        torch.testing.assert_close(got, want.bfloat16().float(), rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.gpu
