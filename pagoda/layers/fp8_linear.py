@@ -10,10 +10,10 @@ kernels by M band. Kernels, in priority order (`PAGODA_DISABLED_KERNELS` removes
   FP8-weight x bf16-activation math through `tl.dot` (split-K over the SMs): there a linear is
   bound by its weight bytes, so FP8 tensor cores buy nothing and the activations' quantization
   launch is saved (`Fp8Gemm.best_max_m`: measured band);
-- `fp8_gemm_a8` (CUDA sm_89+, Triton, FP8 activations in the checkpoint): to 64 / 128 rows, the
-  activations quantized per token (or with the static scale) by one Triton launch, then the same
-  kernel's FP8 x FP8 `tl.dot`: cuBLASLt's FP8 GEMM is slower than bf16 at these skinny shapes
-  (not picked until it is timed with its accumulation fix: `Fp8GemmA8.verified_on_gpu`);
+- `fp8_gemm_a8` (CUDA sm_89+, Triton, FP8 activations in the checkpoint): to 64 rows (128 on
+  layers >= 8192 deep), the activations quantized per token (or with the static scale) by one
+  Triton launch, then the same kernel's FP8 x FP8 `tl.dot` (sm_90's MMA results promoted to
+  fp32 every 32 products): cuBLASLt's FP8 GEMM is slower than bf16 at these skinny shapes;
 - `fp8_scaled_mm` (CUDA sm_89+, FP8 activations in the checkpoint): activations quantized per
   token (or with the static scale) by one Triton launch, cuBLASLt's FP8 GEMM (`torch._scaled_mm`);
 - `fp8_dequant_mm` (where no FP8 GEMM runs: sm_80 / 87, which have no FP8 tensor cores, and
@@ -176,23 +176,16 @@ class Fp8GemmA8(Fp8Kernel):
 
     @staticmethod
     def best_max_m(cfg: Fp8KernelConfig) -> int:
-        """Up to where it beats cuBLASLt's FP8 GEMM (H100, 2026-12-07, `bench_fp8_gemm.py
-        --sweep`, Qwen2.5 3B / 7B layers, swept configs): to 128 rows on the wide and the
-        long layers (gate_up 21.7-66.5 us against 27.0-65.9, down 16.0-48.6 against
-        31.1-55.0), to 64 on qkv / o (above, cuBLASLt's 10.9-15.2 us beat 11.2-22.4)."""
-        return 128 if cfg.n >= 8192 or cfg.k >= 8192 else 64
-
-    # Its GPU run (H100, 092a268) failed the reference test at K 18,944: sm_90's FP8 MMA
-    # accumulates with ~14-bit precision unless told to promote (3332dd5 promotes every 32
-    # products). With the promotion `test_fp8_gemm_on_gpu` passes (H100, 896f281), but the
-    # band above was timed without it, and promotion adds work to every MMA: until the kernel is
-    # timed again, the registry leaves the band to cuBLASLt.
-    verified_on_gpu: ClassVar[bool] = False
+        """Up to where it beats cuBLASLt's FP8 GEMM end to end (H100, 2026-12-07, d8eb2f7,
+        `pagoda compare` bf16 vs FP8 with it and without it, one call; promotion every 32
+        products included): at 64 rows the 3B decode 1.19x, the 7B 1.08x; to 128 rows on
+        the long layers (down_proj, K >= 8192: 45.1 us against 55.9 at 128 rows on the 7B),
+        to 64 elsewhere (the 7B gate_up at 128 rows: 71.4 us against 66.8; taken to 128 rows
+        there, the 7B decode at 128 rows ran 0.97x the speed without it)."""
+        return 128 if cfg.k >= 8192 else 64
 
     @classmethod
     def supports(cls, cfg: Fp8KernelConfig) -> tuple[bool, str]:
-        if not cls.verified_on_gpu:
-            return False, "not yet timed with its FP8 x FP8 accumulation fix"
         ok, why = _fp8_tensor_cores(cfg)
         if not ok:
             return ok, why
