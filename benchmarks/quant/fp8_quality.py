@@ -9,8 +9,12 @@ attention layer's K and V go through exactly the cache's round trip (stored as
 clamp(x / scale) in the FP8 type, read back as stored * scale) before attention, via a pre-hook
 on `Attention` (the no-cache scoring path has no cache to store into). Calibrated scales:
 max |k| / 448 and max |v| / 448 per layer over `--calib-windows` windows of the calibration
-text (a different file than the held-out text). One process, the same token windows for every
-row. Usage: python benchmarks/quant/fp8_quality.py MODEL --heldout F --calib F --out R.json
+text (a different file than the held-out text). Keys are centered as the engine centers them
+with an FP8 cache (`bind_key_centers`: K minus the mean of RoPE(k bias) over the window's
+positions, Qwen2-family layers; softmax cancels the shift) before the round trip; one e4m3
+row leaves them uncentered. One process, the same token windows for every row.
+`--kv-only` stops after the KV rows. Usage:
+python benchmarks/quant/fp8_quality.py MODEL --heldout F --calib F --out R.json [--kv-only]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pagoda.layers.attention import Attention
 from pagoda.layers.fp8_linear import Fp8LinearMethod
 from pagoda.layers.linear import LinearBase
 from pagoda.model_files import load_tokenizer
+from pagoda.models.llama import bind_key_centers
 from pagoda.models.loader import load_model
 from pagoda.quantizer.fp8 import KVScaleObserver
 
@@ -42,15 +47,20 @@ def _load(model: str, quantization: str | None):
     return load_model(config, "cpu"), source
 
 
-def _kv_round_trip(model, dtype: torch.dtype, scales: dict[str, tuple[float, float]] | None):
+def _kv_round_trip(
+    model, dtype: torch.dtype, scales: dict[str, tuple[float, float]] | None, center: bool
+):
     handles = []
     for name, m in model.named_modules():
         if not isinstance(m, Attention):
             continue
         ks, vs = scales[name] if scales else (1.0, 1.0)
+        c = m.k_center if center else None
 
-        def hook(_m, args, ks=ks, vs=vs):
+        def hook(_m, args, ks=ks, vs=vs, c=c):
             q, k, v, meta = args
+            if c is not None:  # stored K - c (every score moves by q . c: softmax cancels it)
+                k = (k.view(k.shape[0], -1, c.shape[-1]) - c.to(k.dtype)).view(k.shape)
             k = to_cache_dtype(k, dtype, ks).to(k.dtype) * ks
             v = to_cache_dtype(v, dtype, vs).to(v.dtype) * vs
             return q, k, v, meta
@@ -99,6 +109,7 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-windows", type=int, default=16)
     p.add_argument("--out", required=True)
+    p.add_argument("--kv-only", action="store_true", help="skip the W8A8 rows")
     ns = p.parse_args()
     # one thread: on a shared CPU, OpenMP workers spin-waiting for each other slow every op
     torch.set_num_threads(1)
@@ -120,14 +131,22 @@ def main() -> None:
 
     score("full precision (float32)", dense)
     scales = _calibrate_kv(dense, calib_ids, ns.window, ns.calib_windows)
-    for label, dtype, sc in (
-        ("FP8 KV e4m3, calibrated scales", torch.float8_e4m3fn, scales),
-        ("FP8 KV e5m2, scales 1.0", torch.float8_e5m2, None),
+    centered = bind_key_centers(dense, ns.window)
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    for label, dtype, sc, center in (
+        ("FP8 KV e4m3, calibrated scales", e4m3, scales, True),
+        ("FP8 KV e4m3, calibrated scales, keys not centered", e4m3, scales, False),
+        ("FP8 KV e5m2, scales 1.0", e5m2, None, True),
     ):
-        handles = _kv_round_trip(dense, dtype, sc)
+        if not center and not centered:
+            continue  # no layer has a key center: the same as the row above
+        handles = _kv_round_trip(dense, dtype, sc, center)
         score(label, dense)
         for h in handles:
             h.remove()
+    if ns.kv_only:
+        _write(ns, ids, scales, rows, centered)
+        return
     fp8, _ = _load(ns.model, "fp8")
     fp8_linears = [
         name
@@ -150,6 +169,10 @@ def main() -> None:
         layer = fp8.get_submodule(name)
         layer.linear_method.use_w8a8_reference(layer)
     score("FP8_DYNAMIC W8A8 (weights per channel, activations per token)", fp8)
+    _write(ns, ids, scales, rows, centered)
+
+
+def _write(ns, ids, scales, rows, centered: int) -> None:
     base = rows["full precision (float32)"]["perplexity"]
     for r in rows.values():
         r["ratio"] = r["perplexity"] / base
@@ -159,6 +182,7 @@ def main() -> None:
         "tokens": len(ids),
         "window": ns.window,
         "kv_scales": {k: list(v) for k, v in scales.items()},
+        "layers_with_key_center": centered,
         "rows": rows,
     }
     with open(ns.out, "w") as f:

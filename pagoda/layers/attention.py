@@ -13,7 +13,11 @@ kernel reads q/k/v from the QKV output, rotates, writes the cache and attends
 (`triton_decode_attention.py`). `use_fused_decode` says when;
 `PAGODA_DISABLED_KERNELS=fused_decode_attn` (read once per process) turns it off for A/B runs.
 An FP8 cache (`kv_cache_dtype="fp8"`) stores K / k_scale and V / v_scale; every path above reads
-and writes it (the fused decode uses the new token's key and value as stored).
+and writes it (the fused decode uses the new token's key and value as stored). With
+`k_center` set (a [Hkv, D] constant: the runner sets the mean of RoPE(k bias) on Qwen2-family
+layers) an FP8 cache stores K - k_center instead: every score of a query then moves by the same
+q . k_center, which softmax cancels, while the large near-constant bias channels no longer
+dominate e4m3's rounding error (Qwen2.5-Coder-0.5B: +3.08 % perplexity -> +0.5 %).
 That kernel also starts the L2 prefetch of its first cache blocks ("kv_prefetch").
 """
 
@@ -181,6 +185,11 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.kv_scales_loaded = False
+        # FP8 cache: [Hkv, D] float32 subtracted from every key before it is stored (module
+        # docstring); values representable in the model dtype, so the torch path's
+        # subtraction and the fused kernel's float32 one take the same constant. A plain
+        # attribute like kv_cache; ignored with a model-dtype cache.
+        self.k_center: torch.Tensor | None = None
 
     def forward(
         self,
@@ -199,6 +208,9 @@ class Attention(nn.Module):
             raise RuntimeError("Attention.kv_cache is not bound; the runner must set it first")
 
         n = attn_metadata.num_actual_tokens
+        center = self._center()
+        if center is not None:
+            k = k - center.to(k.dtype)
         kernels = _triton_kernels() if q.is_cuda else None
         # Padding rows stay zero: their values are never read, but must not be garbage (NaN).
         out = torch.zeros_like(q)  # [T, H, D]
@@ -269,6 +281,12 @@ class Attention(nn.Module):
         if self.kv_cache is not None and self.kv_cache.element_size() == 1:
             return self.k_scale, self.v_scale
         return 1.0, 1.0
+
+    def _center(self) -> torch.Tensor | None:
+        """`k_center` where the cache is FP8, else None (module docstring)."""
+        cache = self.kv_cache
+        fp8 = cache is not None and cache.element_size() == 1
+        return self.k_center if fp8 else None
 
     def use_fused_decode(
         self,
@@ -350,6 +368,7 @@ class Attention(nn.Module):
             k_scale=self._scales()[0],
             v_scale=self._scales()[1],
             query_len=attn_metadata.max_query_len,
+            k_center=self._center(),
         )
 
     def _forward_no_cache(

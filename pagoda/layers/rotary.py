@@ -87,6 +87,17 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
+    def mean_rotated(self, x: torch.Tensor, num_positions: int) -> torch.Tensor:
+        """The mean over positions 0 .. num_positions - 1 of `x` [..., D] rotated as a key at
+        that position, in float32: x1 mean(cos) - x2 mean(sin), x2 mean(cos) + x1 mean(sin)."""
+        if not 1 <= num_positions <= self.cos_cache.shape[0]:
+            raise ValueError(
+                f"num_positions must be in 1..{self.cos_cache.shape[0]}, got {num_positions}"
+            )
+        cos = self.cos_cache[:num_positions].float().mean(0)  # [D/2]
+        sin = self.sin_cache[:num_positions].float().mean(0)
+        return self._rotate(x.float(), cos, sin)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,6 +155,33 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
+def bind_key_centers(model: nn.Module, num_positions: int) -> int:
+    """Set each layer's `Attention.k_center` (used with an FP8 cache) where its keys carry a
+    bias: the mean over positions 0 .. num_positions - 1 of RoPE(k bias), rounded to the model
+    dtype. Qwen2's k bias puts large, nearly constant values in its slowly rotating channels;
+    stored minus that constant, e4m3 rounds only what varies between keys (attention.py's
+    docstring). Layers with a k-norm (Qwen3) or no bias keep None. Returns the layers set."""
+    bound = 0
+    for module in model.modules():
+        if not isinstance(module, DecoderAttention):
+            continue
+        attn = module.attn
+        bias = module.qkv_proj.bias
+        if bias is None or module.k_norm is not None:
+            attn.k_center = None
+            continue
+        d = attn.head_dim
+        if bias.numel() != (attn.num_heads + 2 * attn.num_kv_heads) * d:
+            attn.k_center = None  # not this layer's q / k / v heads (a sharded layout)
+            continue
+        k_bias = bias.detach()[attn.num_heads * d : (attn.num_heads + attn.num_kv_heads) * d]
+        positions = min(num_positions, module.rotary_emb.cos_cache.shape[0])
+        center = module.rotary_emb.mean_rotated(k_bias.view(attn.num_kv_heads, d), positions)
+        attn.k_center = center.to(bias.dtype).float().contiguous()
+        bound += 1
+    return bound
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual add is fused into the following RMSNorm."""
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pagoda.layers.attention import AttentionMetadata, check_kv_cache_dtype
+from pagoda.models.llama import bind_key_centers
 from pagoda.models.loader import load_model
 from pagoda.worker.memory import kv_bytes_per_block
 
@@ -104,6 +105,8 @@ class DraftModel:
         self.model = load_model(self.model_config, self.device)
         layers = self.model.attention_layers()
         check_kv_cache_dtype(layers, self.kv_dtype, self.device)
+        if self.kv_dtype.itemsize == 1:  # FP8: keys stored minus their bias's mean (llama.py)
+            bind_key_centers(self.model, self.model_config.max_model_len)
         if target_window is not None:
             windows = [layer.sliding_window for layer in layers]
             if None in windows or max(windows) > target_window:

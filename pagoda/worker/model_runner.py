@@ -32,6 +32,7 @@ from pagoda.layers.sampler import (
     pad_grammar_rows,
     to_device,
 )
+from pagoda.models.llama import bind_key_centers
 from pagoda.models.loader import load_model
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.draft_model import DraftModel
@@ -326,6 +327,10 @@ class ModelRunner:
         prepare = None if self.sharder is None else self.sharder.prepare
         self.model = load_model(self.model_config, self.device, keep_on_host, prepare)
         check_kv_cache_dtype(self.model.attention_layers(), self.kv_dtype, self.device)
+        if self.kv_dtype.itemsize == 1:  # FP8: keys stored minus their bias's mean (llama.py)
+            centered = bind_key_centers(self.model, self.model_config.max_model_len)
+            if centered:
+                logger.info("FP8 KV cache: keys centered on their bias in %d layers", centered)
         if keep_on_host is not None:
             from pagoda.worker.offload import LayerOffloader, decoder_layers
 

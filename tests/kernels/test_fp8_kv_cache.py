@@ -109,10 +109,10 @@ def test_soft_e4m3_write_matches_reference_bit_for_bit():
                               soft_e4m3=True)  # fmt: skip
 
 
-def _fused_on_fp8_cache(case, dtype, soft, num_splits, query_len):
+def _fused_on_fp8_cache(case, dtype, soft, num_splits, query_len, k_center=None):
     """The fused decode on `case` with its cached keys in `dtype` (NaN slots stay NaN in e4m3 /
     e5m2), against the unfused reference: asserts the new tokens' codes equal bit for bit and
-    returns the real rows (out, ref)."""
+    returns the real rows (out, ref). `k_center`: the new keys stored minus it."""
     from pagoda.kernels.attention.reference import fused_decode_attention_ref
     from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
 
@@ -123,13 +123,13 @@ def _fused_on_fp8_cache(case, dtype, soft, num_splits, query_len):
     ref = fused_decode_attention_ref(
         case.positions, case.q, case.k, case.v, case.cos, case.sin, ref_cache,
         case.slot_mapping, case.query_start_loc.tolist(), case.seq_lens_cpu,
-        case.block_tables, case.scale, k_scale=ks, v_scale=vs,
+        case.block_tables, case.scale, k_scale=ks, v_scale=vs, k_center=k_center,
     )  # fmt: skip
     out = fused_decode_attention_triton(
         case.positions, case.q, case.k, case.v, case.cos, case.sin, out_cache,
         case.slot_mapping, case.query_start_loc, case.seq_lens, case.block_tables, case.scale,
         max(case.seq_lens_cpu), num_splits=num_splits, k_scale=ks, v_scale=vs,
-        query_len=query_len, soft_e4m3=soft,
+        query_len=query_len, soft_e4m3=soft, k_center=k_center,
     )  # fmt: skip
     n = case.num_real
     written = case.slot_mapping[:n]
@@ -151,6 +151,28 @@ def test_fused_decode_attention_soft_e4m3(query_len):
                      query_len=query_len)  # fmt: skip
     out, ref = _fused_on_fp8_cache(case, torch.float8_e4m3fn, True, 2, query_len)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_fused_decode_attention_key_center(query_len):
+    """The fused decode with `k_center` (keys stored minus a per-KV-head constant) against the
+    unfused reference doing the same, e4m3 as uint8 codes on the CPU interpreter: the new
+    keys' codes bit for bit, outputs to float32 summation order; and a center on a
+    model-dtype cache is refused (its keys would not be read back as written)."""
+    from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
+    from tests.kernels.test_fused_decode_attention import make_case
+
+    case = make_case([query_len, 17, 40], 4, 2, 32, torch.float32, device="cpu",
+                     query_len=query_len)  # fmt: skip
+    center = torch.randn(2, 32, generator=torch.Generator().manual_seed(5)) * 0.5
+    out, ref = _fused_on_fp8_cache(case, torch.float8_e4m3fn, True, 2, query_len, center)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="k_center applies to an FP8 cache"):
+        fused_decode_attention_triton(
+            case.positions, case.q, case.k, case.v, case.cos, case.sin, case.kv_cache,
+            case.slot_mapping, case.query_start_loc, case.seq_lens, case.block_tables,
+            case.scale, max(case.seq_lens_cpu), k_center=center, query_len=query_len,
+        )  # fmt: skip
 
 
 def test_fp8_attention_is_close_to_full_precision():
@@ -246,7 +268,8 @@ def test_engine_with_fp8_kv_cache_on_gpu(kv):
 @pytest.mark.parametrize(("dtype", "soft"), READS, ids=READ_IDS)
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("query_len", [1, 5])
-def test_fused_decode_attention_on_fp8_cache(dtype, soft, num_splits, query_len):
+@pytest.mark.parametrize("centered", [False, True])
+def test_fused_decode_attention_on_fp8_cache(dtype, soft, num_splits, query_len, centered):
     """RoPE + FP8 cache write + attention in one launch against the unfused reference: the
     new keys / values in the cache bit for bit, outputs within bf16 rounding; one new token a
     sequence (decode) and five (a verify step of 4 drafts)."""
@@ -257,7 +280,8 @@ def test_fused_decode_attention_on_fp8_cache(dtype, soft, num_splits, query_len)
     case = make_case(
         [query_len, 17, 300, 2000], 28, 4, 128, torch.bfloat16, device="cuda", query_len=query_len
     )
-    out, ref = _fused_on_fp8_cache(case, dtype, soft, num_splits, query_len)
+    center = torch.randn(4, 128, device="cuda") if centered else None
+    out, ref = _fused_on_fp8_cache(case, dtype, soft, num_splits, query_len, center)
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 1e-2  # bf16 q and probabilities in the dots
 

@@ -180,6 +180,7 @@ def fused_decode_attention_ref(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    k_center: torch.Tensor | None = None,  # [Hkv, D]: subtracted from the rotated keys
 ) -> torch.Tensor:  # [T, H*D]
     """The unfused decode path op for op: neox RoPE on q/k, cache write, paged attention.
 
@@ -191,8 +192,11 @@ def fused_decode_attention_ref(
     q_rot = q.reshape(num_tokens, -1).clone(memory_format=torch.contiguous_format)
     k_rot = k.reshape(num_tokens, -1).clone(memory_format=torch.contiguous_format)
     apply_rotary_ref(positions, q_rot, k_rot, cos_cache, sin_cache, head_dim)
+    k_new = k_rot.view(num_tokens, kv_heads, head_dim)
+    if k_center is not None:
+        k_new = k_new - k_center.to(k_new.dtype)
     write_kv_cache_ref(
-        k_rot.view(num_tokens, kv_heads, head_dim),
+        k_new,
         v.reshape(num_tokens, kv_heads, head_dim),
         kv_cache,
         slot_mapping,

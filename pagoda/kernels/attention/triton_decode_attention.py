@@ -101,8 +101,8 @@ def _rotate_neox(x, x_partner, cos, sin, sign, DROP: tl.constexpr):
 @triton.jit
 def _store_new_kv(
     k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
-    stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask,
-    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+    stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, k_center_ptr,
+    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, K_CENTER: tl.constexpr,
 ):  # fmt: skip
     """A new token's rotated key and value as the cache stores them (an FP8 cache: K / k_scale
     and V / v_scale, saturated; a uint8 one: their e4m3 codes); split 0 stores them at `slot`
@@ -110,7 +110,10 @@ def _store_new_kv(
     Split 0 owns the new token: every split of the group holds the same values, one store is
     enough. A scalar branch rather than a mask: the interpreter turns `tensor & scalar` masks
     into int32, which tl.store rejects. Returns (k, v) as stored: the cache's dtype, float32
-    values of the codes for a uint8 cache."""
+    values of the codes for a uint8 cache. K_CENTER (an FP8 cache only): the key minus the
+    layer's constant `k_center_ptr` row of this KV head (`Attention.k_center`)."""
+    if K_CENTER:
+        k_rot = k_rot - tl.load(k_center_ptr + offs_d, mask=d_mask, other=0.0)
     if FP8_MAX > 0:
         # exact division (`/` is div.full.f32 on the GPU): the codes torch's write gives
         k_st = tl.minimum(tl.maximum(tl.div_rn(k_rot, k_scale), -FP8_MAX), FP8_MAX)
@@ -146,7 +149,7 @@ def _decode_prologue(
     stride_cb, stride_ct, stride_ch, stride_cd,
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, DROP: tl.constexpr,
-    LAUNCH_DEPS: tl.constexpr, FP8_MAX: tl.constexpr,
+    LAUNCH_DEPS: tl.constexpr, FP8_MAX: tl.constexpr, k_center_ptr, K_CENTER: tl.constexpr,
 ):  # fmt: skip
     """One new token per sequence (`tok`): rotate its q heads of the group and its k, store k/v
     at its slot (split 0), and start the online softmax with the new key.
@@ -195,7 +198,8 @@ def _decode_prologue(
     # k_scale is folded into qk_scale, v_scale into the output.
     k_st, v_st = _store_new_kv(
         k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
-        stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, BLOCK_SIZE, FP8_MAX,
+        stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, k_center_ptr,
+        BLOCK_SIZE, FP8_MAX, K_CENTER,
     )  # fmt: skip
     k_use = k_st.to(tl.float32) if FP8_MAX > 0 else k_rot
 
@@ -223,8 +227,8 @@ def _new_key(
     k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, t,
     kv_head, split, k_scale, v_scale, stride_kt, stride_kh, stride_kd, stride_vt, stride_vh,
     stride_vd, stride_cos, stride_sin, stride_cb, stride_ct, stride_ch, stride_cd,
-    offs_d, d_mask, partner, freq, sign,
-    BLOCK_SIZE: tl.constexpr, DROP: tl.constexpr, FP8_MAX: tl.constexpr,
+    offs_d, d_mask, partner, freq, sign, k_center_ptr,
+    BLOCK_SIZE: tl.constexpr, DROP: tl.constexpr, FP8_MAX: tl.constexpr, K_CENTER: tl.constexpr,
 ):  # fmt: skip
     """Token t's rotated key and value of `kv_head` as this step uses them (float32, in stored
     units for an FP8 cache); split 0 stores them at its slot (slot < 0: padding, no store)."""
@@ -240,7 +244,8 @@ def _new_key(
     k_rot = _rotate_neox(k_x, k_p, cos.to(tl.float32), sin.to(tl.float32), sign, DROP)
     k_st, v_st = _store_new_kv(
         k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
-        stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, BLOCK_SIZE, FP8_MAX,
+        stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, k_center_ptr,
+        BLOCK_SIZE, FP8_MAX, K_CENTER,
     )  # fmt: skip
     return k_st.to(tl.float32), v_st.to(tl.float32)
 
@@ -255,7 +260,7 @@ def _multi_query_prologue(
     NUM_QUERIES_PER_KV: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, DROP: tl.constexpr,
     LAUNCH_DEPS: tl.constexpr, FP8_MAX: tl.constexpr,
-    QLEN: tl.constexpr,
+    QLEN: tl.constexpr, k_center_ptr, K_CENTER: tl.constexpr,
 ):  # fmt: skip
     """QLEN new tokens per sequence, tokens tok .. tok + QLEN - 1 at positions ctx .. ctx +
     QLEN - 1 (a speculative verify step: the last known token and k drafts). Row r of the tile
@@ -299,7 +304,8 @@ def _multi_query_prologue(
             slot_mapping_ptr, tok + i, kv_head, split, k_scale, v_scale,
             stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, stride_cos,
             stride_sin, stride_cb, stride_ct, stride_ch, stride_cd,
-            offs_d, d_mask, partner, freq, sign, BLOCK_SIZE, DROP, FP8_MAX,
+            offs_d, d_mask, partner, freq, sign, k_center_ptr, BLOCK_SIZE, DROP, FP8_MAX,
+            K_CENTER,
         )  # fmt: skip
         s = tl.sum(q_rot * k_use[None, :], 1) * qk_scale  # [BLOCK_M], log2 domain
         s = tl.where((j >= i) & is_split0, s, float("-inf"))
@@ -333,6 +339,7 @@ def _fused_decode_attention_kernel(
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32, only when NUM_SPLITS > 1
     part_m_ptr,  # [T, H, NUM_SPLITS] fp32
     part_l_ptr,  # [T, H, NUM_SPLITS] fp32
+    k_center_ptr,  # [Hkv, D] float32 subtracted from every new key (K_CENTER only)
     qk_scale,  # softmax scale * log2(e) (* k_scale for an FP8 cache)
     k_scale,  # FP8 cache: K stored / k_scale (1.0 otherwise)
     v_scale,  # FP8 cache: V stored / v_scale (1.0 otherwise)
@@ -373,6 +380,7 @@ def _fused_decode_attention_kernel(
     KV_PF_BYTES: tl.constexpr = 0,  # bytes of one cache block (all KV heads) to prefetch; 0: off
     FP8_MAX: tl.constexpr = 0.0,  # an FP8 cache's largest value (0: the cache holds q's dtype)
     QLEN: tl.constexpr = 1,  # new tokens per sequence (1 + k in a speculative verify step)
+    K_CENTER: tl.constexpr = False,  # an FP8 cache's key center (`Attention.k_center`)
 ):
     if USE_PDL and PDL_EARLY:
         tl.extra.cuda.gdc_launch_dependents()
@@ -415,7 +423,7 @@ def _fused_decode_attention_kernel(
             stride_vt, stride_vh, stride_vd, stride_cos, stride_sin,
             stride_cb, stride_ct, stride_ch, stride_cd,
             NUM_QUERIES_PER_KV, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, DROP,
-            USE_PDL and not PDL_EARLY, FP8_MAX,
+            USE_PDL and not PDL_EARLY, FP8_MAX, k_center_ptr + kv_head * HEAD_DIM, K_CENTER,
         )  # fmt: skip
     else:
         acc, l_i, m_i, q_rot, head, row_valid, q_mask, tok_r = _multi_query_prologue(
@@ -425,7 +433,8 @@ def _fused_decode_attention_kernel(
             stride_vt, stride_vh, stride_vd, stride_cos, stride_sin,
             stride_cb, stride_ct, stride_ch, stride_cd,
             NUM_QUERIES_PER_KV, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, BLOCK_M, DROP,
-            USE_PDL and not PDL_EARLY, FP8_MAX, QLEN,
+            USE_PDL and not PDL_EARLY, FP8_MAX, QLEN, k_center_ptr + kv_head * HEAD_DIM,
+            K_CENTER,
         )  # fmt: skip
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
@@ -523,6 +532,7 @@ def fused_decode_attention_triton(
     v_scale: float = 1.0,
     query_len: int = 1,  # new tokens per sequence: T = B * query_len (a verify step: 1 + k)
     soft_e4m3: bool | None = None,  # e4m3 codes as uint8 (integer decode): None = below sm_89
+    k_center: torch.Tensor | None = None,  # [Hkv, D] float32, FP8 cache: K - k_center stored
 ) -> torch.Tensor:
     """RoPE on q/k, k/v into the paged cache, decode attention; returns out [T, H*D].
 
@@ -554,6 +564,15 @@ def fused_decode_attention_triton(
     fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if not fp8:
         k_scale = v_scale = 1.0  # scales describe FP8 storage only (as in the reference)
+    if k_center is not None:
+        if not fp8:
+            raise ValueError("k_center applies to an FP8 cache only")
+        if k_center.shape != (num_kv_heads, head_dim) or k_center.dtype != torch.float32:
+            raise ValueError(
+                f"k_center must be float32 [{num_kv_heads}, {head_dim}], got "
+                f"{k_center.dtype} {list(k_center.shape)}"
+            )
+        k_center = k_center.contiguous()
     if not (q.dtype == k.dtype == v.dtype and (fp8 or kv_cache.dtype == q.dtype)):
         raise ValueError(
             f"q, k, v and kv_cache must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, "
@@ -618,6 +637,7 @@ def fused_decode_attention_triton(
     _fused_decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q3, k3, v3, positions, cos_cache, sin_cache, k_cache, v_cache,
         slot_mapping, seq_lens, block_tables, out3, part_acc, part_m, part_l,
+        k_center if k_center is not None else cos_cache,  # unread without K_CENTER
         scale * _LOG2E * k_scale, float(k_scale), float(v_scale), sliding_window or 0,
         num_heads,
         *q3.stride(), *k3.stride(), *v3.stride(), cos_cache.stride(0), sin_cache.stride(0),
@@ -627,7 +647,8 @@ def fused_decode_attention_triton(
         SLIDING=sliding_window is not None, DROP=_drop_bits(q.dtype),
         DOT_PRECISION=dot_precision, UPCAST_DOT=upcast_dot,
         KV_PF_BYTES=kv_pf_bytes, FP8_MAX=fp8_max,
-        QLEN=query_len, num_warps=num_warps, num_stages=num_stages,
+        QLEN=query_len, K_CENTER=k_center is not None,
+        num_warps=num_warps, num_stages=num_stages,
         **pdl_launch_args(q, early=True),
     )  # fmt: skip
     if num_splits > 1:
