@@ -17,7 +17,7 @@ and writes it (the fused decode uses the new token's key and value as stored). W
 `k_center` set (a [Hkv, D] constant: the runner sets the mean of RoPE(k bias) on Qwen2-family
 layers) an FP8 cache stores K - k_center instead: every score of a query then moves by the same
 q . k_center, which softmax cancels, while the large near-constant bias channels no longer
-dominate e4m3's rounding error (Qwen2.5-Coder-0.5B: +3.08 % perplexity -> +0.5 %).
+dominate e4m3's rounding error (Qwen2.5-Coder-0.5B: +3.08 % perplexity -> +0.60 %).
 That kernel also starts the L2 prefetch of its first cache blocks ("kv_prefetch").
 """
 
