@@ -16,7 +16,7 @@ _PTRS = {
     "sin_ptr": "*fp32", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
     "slot_mapping_ptr": "*i64", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
     "out_ptr": "*bf16", "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32",
-    "qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32",
+    "k_center_ptr": "*fp32", "qk_scale": "fp32", "k_scale": "fp32", "v_scale": "fp32",
 }  # fmt: skip
 
 
@@ -34,7 +34,7 @@ def _compile_ptx(kv_pf_bytes: int = 0) -> str:
         NUM_QUERIES_PER_KV=8, BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_M=16,
         BLOCK_N=16, NUM_SPLITS=32, SLIDING=False, DROP=16, DOT_PRECISION="tf32",
         UPCAST_DOT=False, USE_PDL=True, PDL_EARLY=True, KV_PF_BYTES=kv_pf_bytes, QLEN=1,
-        FP8_MAX=0.0,  # a bf16 cache
+        FP8_MAX=0.0, K_CENTER=False,  # a bf16 cache
     )  # fmt: skip
     sig = {n: "constexpr" if n in consts else _PTRS.get(n, "i32") for n in fn.arg_names}
     src = ASTSource(fn, sig, constexprs=consts)
