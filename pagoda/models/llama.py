@@ -155,12 +155,21 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-def bind_key_centers(model: nn.Module, num_positions: int) -> int:
+# Positions the key center averages RoPE(k bias) over (at most max_model_len). Measured on
+# Qwen2.5-Coder-0.5B (e4m3, 512-token windows; BENCHMARKS.md "FP8"): 512 and 4,096 positions
+# +0.5 % perplexity, 32,768 (Qwen2.5's max_model_len) +0.97 %: over that many positions the
+# mid-frequency channels average to zero and lose their centering.
+KEY_CENTER_POSITIONS = 4096
+
+
+def bind_key_centers(model: nn.Module, max_model_len: int) -> int:
     """Set each layer's `Attention.k_center` (used with an FP8 cache) where its keys carry a
-    bias: the mean over positions 0 .. num_positions - 1 of RoPE(k bias), rounded to the model
-    dtype. Qwen2's k bias puts large, nearly constant values in its slowly rotating channels;
-    stored minus that constant, e4m3 rounds only what varies between keys (attention.py's
-    docstring). Layers with a k-norm (Qwen3) or no bias keep None. Returns the layers set."""
+    bias: the mean over positions 0 .. min(max_model_len, KEY_CENTER_POSITIONS) - 1 of
+    RoPE(k bias), rounded to the model dtype. Qwen2's k bias puts large, nearly constant values
+    in its slowly rotating channels; stored minus that constant, e4m3 rounds only what varies
+    between keys (attention.py's docstring). Layers with a k-norm (Qwen3) or no bias keep None.
+    Returns the layers set."""
+    num_positions = min(max_model_len, KEY_CENTER_POSITIONS)
     bound = 0
     for module in model.modules():
         if not isinstance(module, DecoderAttention):
