@@ -153,20 +153,28 @@ def test_fused_decode_attention_soft_e4m3(query_len):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("query_len", [1, 3])
-def test_fused_decode_attention_key_center(query_len):
-    """The fused decode with `k_center` (keys stored minus a per-KV-head constant) against the
-    unfused reference doing the same, e4m3 as uint8 codes on the CPU interpreter: the new
-    keys' codes bit for bit, outputs to float32 summation order; and a center on a
-    model-dtype cache is refused (its keys would not be read back as written)."""
+def test_fused_decode_attention_key_center(query_len, dtype):
+    """The fused decode with `k_center` (keys stored minus a per-KV-head constant, as the
+    runner sets it: representable in the model dtype) against the unfused reference doing the
+    same, e4m3 as uint8 codes on the CPU interpreter: the new keys' codes bit for bit (in bf16
+    the kernel rounds K - c to bf16 as the torch subtraction does), outputs to float32
+    summation order (bf16: its q and probabilities in the dots); and a center on a model-dtype
+    cache is refused (its keys would not be read back as written)."""
     from pagoda.kernels.attention.triton_decode_attention import fused_decode_attention_triton
     from tests.kernels.test_fused_decode_attention import make_case
 
-    case = make_case([query_len, 17, 40], 4, 2, 32, torch.float32, device="cpu",
+    case = make_case([query_len, 17, 40], 4, 2, 32, dtype, device="cpu",
                      query_len=query_len)  # fmt: skip
     center = torch.randn(2, 32, generator=torch.Generator().manual_seed(5)) * 0.5
+    center = center.to(dtype).float()
     out, ref = _fused_on_fp8_cache(case, torch.float8_e4m3fn, True, 2, query_len, center)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert err < 1e-2
     with pytest.raises(ValueError, match="k_center applies to an FP8 cache"):
         fused_decode_attention_triton(
             case.positions, case.q, case.k, case.v, case.cos, case.sin, case.kv_cache,
@@ -280,7 +288,8 @@ def test_fused_decode_attention_on_fp8_cache(dtype, soft, num_splits, query_len,
     case = make_case(
         [query_len, 17, 300, 2000], 28, 4, 128, torch.bfloat16, device="cuda", query_len=query_len
     )
-    center = torch.randn(4, 128, device="cuda") if centered else None
+    # a center as the runner binds it: float32 values representable in the model dtype
+    center = torch.randn(4, 128, device="cuda").bfloat16().float() if centered else None
     out, ref = _fused_on_fp8_cache(case, dtype, soft, num_splits, query_len, center)
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     assert err < 1e-2  # bf16 q and probabilities in the dots

@@ -102,7 +102,7 @@ def _rotate_neox(x, x_partner, cos, sin, sign, DROP: tl.constexpr):
 def _store_new_kv(
     k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
     stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, k_center_ptr,
-    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, K_CENTER: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, K_CENTER: tl.constexpr, DROP: tl.constexpr,
 ):  # fmt: skip
     """A new token's rotated key and value as the cache stores them (an FP8 cache: K / k_scale
     and V / v_scale, saturated; a uint8 one: their e4m3 codes); split 0 stores them at `slot`
@@ -111,9 +111,10 @@ def _store_new_kv(
     enough. A scalar branch rather than a mask: the interpreter turns `tensor & scalar` masks
     into int32, which tl.store rejects. Returns (k, v) as stored: the cache's dtype, float32
     values of the codes for a uint8 cache. K_CENTER (an FP8 cache only): the key minus the
-    layer's constant `k_center_ptr` row of this KV head (`Attention.k_center`)."""
+    layer's constant `k_center_ptr` row of this KV head (`Attention.k_center`), rounded to the
+    model dtype as the torch path's subtraction is."""
     if K_CENTER:
-        k_rot = k_rot - tl.load(k_center_ptr + offs_d, mask=d_mask, other=0.0)
+        k_rot = _round(k_rot - tl.load(k_center_ptr + offs_d, mask=d_mask, other=0.0), DROP)
     if FP8_MAX > 0:
         # exact division (`/` is div.full.f32 on the GPU): the codes torch's write gives
         k_st = tl.minimum(tl.maximum(tl.div_rn(k_rot, k_scale), -FP8_MAX), FP8_MAX)
@@ -199,7 +200,7 @@ def _decode_prologue(
     k_st, v_st = _store_new_kv(
         k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
         stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, k_center_ptr,
-        BLOCK_SIZE, FP8_MAX, K_CENTER,
+        BLOCK_SIZE, FP8_MAX, K_CENTER, DROP,
     )  # fmt: skip
     k_use = k_st.to(tl.float32) if FP8_MAX > 0 else k_rot
 
@@ -245,7 +246,7 @@ def _new_key(
     k_st, v_st = _store_new_kv(
         k_rot, v_new, k_cache_ptr, v_cache_ptr, slot, split, kv_head, k_scale, v_scale,
         stride_cb, stride_ct, stride_ch, stride_cd, offs_d, d_mask, k_center_ptr,
-        BLOCK_SIZE, FP8_MAX, K_CENTER,
+        BLOCK_SIZE, FP8_MAX, K_CENTER, DROP,
     )  # fmt: skip
     return k_st.to(tl.float32), v_st.to(tl.float32)
 
