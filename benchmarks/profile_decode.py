@@ -9,7 +9,8 @@ and the top kernels, and each weight shape's M=1 matmul is timed against the cop
 
 `--batch B` does the same for a decode step of B sequences (B prompts; the graph of the
 smallest captured size >= B; each weight's matmul at M = B); `--kv-cache-dtype fp8` with an FP8
-cache.
+cache. The graph replay is a pure decode step at the context the last step had (prompt +
+output), with no prefill mixed in: the measure of decode at long context.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=1, help="sequences a decode step (default 1)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: prompt + output")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
     )
@@ -55,8 +58,8 @@ def main() -> int:
     llm = LLM(
         ns.model,
         dtype="bfloat16",
-        max_model_len=4096,
-        gpu_memory_utilization=0.5,
+        max_model_len=ns.max_model_len or max(4096, ns.prompt_len + ns.output_len + 64),
+        gpu_memory_utilization=ns.gpu_memory_utilization,
         max_num_seqs=max(8, ns.batch),
         skip_tokenizer_init=True,
         kv_cache_dtype=ns.kv_cache_dtype,

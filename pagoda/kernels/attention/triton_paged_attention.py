@@ -20,7 +20,7 @@ import triton.language as tl
 
 from pagoda.kernels.attention.reference import FP8_KV_DTYPES as _FP8_KV
 from pagoda.kernels.attention.reference import check_sliding_window
-from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32, soft_e4m3_view
+from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f16, soft_e4m3_view
 from pagoda.kernels.pdl import pdl_launch_args
 
 _LOG2E = 1.4426950408889634
@@ -104,10 +104,10 @@ def _attn_tile(
     # An FP8 cache is read as q's type (its scales are folded into qk_scale and the output);
     # with UPCAST_DOT q is float32 already. A no-op when the cache holds q's dtype. A uint8
     # cache holds e4m3 codes where Triton cannot convert them (sm_80 / 87): decoded with
-    # integer operations.
+    # 16-bit integer operations (exact).
     if k_base.dtype.element_ty == tl.uint8:
-        k = e4m3_bits_to_f32(k)
-        v = e4m3_bits_to_f32(v)
+        k = e4m3_bits_to_f16(k)
+        v = e4m3_bits_to_f16(v)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 
