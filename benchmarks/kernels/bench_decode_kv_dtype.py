@@ -94,7 +94,7 @@ def main() -> int:
             row = {"batch": b, "context": ctx}
             for name, dt, soft in kinds:
 
-                def make(dt=dt, soft=soft):
+                def make(dt=dt, soft=soft, b=b, ctx=ctx):
                     return make_call(b, ctx, heads, kv_heads, d, dt, soft, rope)
 
                 nbytes = make()[1]
@@ -110,7 +110,7 @@ def main() -> int:
                         tda._launch_config = cfg
                         try:
                             row[f"uint8 n{bn} w{warps} s{stages}"] = time_us(
-                                lambda: make_call(
+                                lambda b=b, ctx=ctx: make_call(
                                     b, ctx, heads, kv_heads, d, torch.float8_e4m3fn, True, rope
                                 )[0],
                                 nbytes,
