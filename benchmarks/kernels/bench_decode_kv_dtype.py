@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-import triton.testing
+from bench_paged_attention import bench_graph_ms, distinct_calls
 
 from pagoda.kernels.attention import triton_decode_attention as tda
 from pagoda.layers.rotary import RotaryEmbedding
@@ -53,20 +53,18 @@ def make_call(b: int, ctx: int, heads: int, kv_heads: int, d: int, kv_dtype, sof
             soft_e4m3=soft if fp8 else None,
         )  # fmt: skip
 
-    return call, 2 * kv[0, :1].numel() * kv.element_size() * b * per  # bytes of K and V read
+    return call
 
 
-def time_us(make, kv_bytes: int) -> float:
-    calls = [make() for _ in range(max(1, min(16, math.ceil((768 << 20) / kv_bytes))))]
-    for c in calls:
-        c()  # compile outside the capture
+def kv_bytes(b: int, ctx: int, kv_heads: int, d: int, kv_dtype) -> int:
+    """Bytes of K and V one decode step reads (whole blocks)."""
+    per = math.ceil(ctx / BLOCK)
+    return 2 * b * per * BLOCK * kv_heads * d * torch.empty(0, dtype=kv_dtype).element_size()
 
-    def run_all() -> None:
-        for c in calls:
-            c()
 
-    ms = triton.testing.do_bench_cudagraph(run_all, rep=200, return_mode="median")
-    return ms * 1e3 / len(calls)
+def time_us(make, nbytes: int) -> float:
+    """Per call, replayed as one CUDA graph over distinct caches (no L2 reuse between calls)."""
+    return bench_graph_ms([make() for _ in range(distinct_calls(nbytes))]) * 1e3
 
 
 def main() -> int:
@@ -78,6 +76,8 @@ def main() -> int:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", type=Path, required=True)
     ns = p.parse_args()
+    if min(ns.batch_sizes) < 1 or min(ns.contexts) < 2:
+        p.error("--batch-sizes must be >= 1 and --contexts >= 2 (a cached key and the new one)")
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -97,8 +97,8 @@ def main() -> int:
                 def make(dt=dt, soft=soft, b=b, ctx=ctx):
                     return make_call(b, ctx, heads, kv_heads, d, dt, soft, rope)
 
-                nbytes = make()[1]
-                row[name] = time_us(lambda make=make: make()[0], nbytes)
+                nbytes = kv_bytes(b, ctx, kv_heads, d, dt)
+                row[name] = time_us(make, nbytes)
                 row[f"{name} GB/s"] = nbytes / row[name] / 1e3
             if ns.tiles:
                 for bn in (16, 32, 64, 128):
@@ -112,8 +112,8 @@ def main() -> int:
                             row[f"uint8 n{bn} w{warps} s{stages}"] = time_us(
                                 lambda b=b, ctx=ctx: make_call(
                                     b, ctx, heads, kv_heads, d, torch.float8_e4m3fn, True, rope
-                                )[0],
-                                nbytes,
+                                ),
+                                kv_bytes(b, ctx, kv_heads, d, torch.float8_e4m3fn),
                             )
                         finally:
                             tda._launch_config = default_cfg
