@@ -120,16 +120,18 @@ _SPEC_KEYS = {
     "disable_by_batch_size",
     "adaptive",
 }
+SPEC_METHODS = ("ngram", "draft_model", "eagle")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (vLLM's `speculative_config`): n-gram prompt lookup, or a draft
-    model sharing the target's tokenizer. The target verifies 1 + k positions per step."""
+    """Speculative decoding (vLLM's `speculative_config`): n-gram prompt lookup, a draft
+    model sharing the target's tokenizer, or an EAGLE head (one decoder layer trained on the
+    target's own features, pagoda.models.eagle). The target verifies 1 + k positions per step."""
 
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "eagle"
     num_speculative_tokens: int
-    model: str | None = None  # the draft model (method "draft_model")
+    model: str | None = None  # the draft model ("draft_model") or head directory ("eagle")
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # Running + waiting requests above which a step does not speculate; None: always. Default
@@ -142,17 +144,19 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
+        if self.method not in SPEC_METHODS:
             raise ValueError(
-                f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}"
+                "speculative_config.method must be one of "
+                f"{', '.join(repr(m) for m in SPEC_METHODS)}, got {self.method!r}"
             )
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens must be an integer in 1..16, got {k!r}"
             )
-        if self.method == "draft_model" and not isinstance(self.model, str):
-            raise ValueError("speculative_config: method 'draft_model' needs a 'model'")
+        if self.method in ("draft_model", "eagle") and not isinstance(self.model, str):
+            what = "a draft 'model'" if self.method == "draft_model" else "the head's 'model'"
+            raise ValueError(f"speculative_config: method {self.method!r} needs {what}")
         if self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config: method 'ngram' takes no 'model'")
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
@@ -202,7 +206,9 @@ class SpeculativeConfig:
         if method in ("draft", "draft_model"):
             method = "draft_model"
         if method is None:
-            raise ValueError("speculative_config needs 'method' ('ngram') or a draft 'model'")
+            raise ValueError(
+                "speculative_config needs 'method' ('ngram', 'eagle') or a draft 'model'"
+            )
         if "num_speculative_tokens" not in options:
             raise ValueError("speculative_config needs 'num_speculative_tokens'")
         return cls(method=method, **options)
@@ -348,6 +354,9 @@ class RunnerConfig:
     # Speculative decoding with a draft model: its config (the target's dtype and context);
     # the runner loads it next to the target (pagoda.worker.draft_model).
     draft_model: ModelConfig | None = None
+    # Speculative decoding with an EAGLE head: its config (the decoder layer's; the target's
+    # dtype and context); the runner loads it next to the target (pagoda.worker.eagle).
+    eagle_head: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -355,10 +364,13 @@ class RunnerConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if tp > 1 and self.cpu_offload_gb:
             raise ValueError("cpu_offload_gb cannot be combined with tensor_parallel_size > 1")
-        if tp > 1 and self.draft_model is not None:
+        if tp > 1 and (self.draft_model is not None or self.eagle_head is not None):
             raise ValueError(
-                "a speculative draft model cannot be combined with tensor_parallel_size > 1"
+                "a speculative draft model or EAGLE head cannot be combined with "
+                "tensor_parallel_size > 1"
             )
+        if self.draft_model is not None and self.eagle_head is not None:
+            raise ValueError("speculative decoding takes a draft model or an EAGLE head, not both")
         gb = self.cpu_offload_gb
         if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb >= 0:
             raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {gb!r}")

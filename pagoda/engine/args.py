@@ -184,9 +184,11 @@ class EngineArgs:
             gguf_file=source.path if source.kind == "gguf" else None,
             quantization=quant,
         )
-        draft_config = None
+        draft_config = eagle_config = None
         if speculative is not None and speculative.method == "draft_model":
             draft_config = _draft_model_config(speculative.model, model_config, self.seed)
+        if speculative is not None and speculative.method == "eagle":
+            eagle_config = _eagle_head_config(speculative.model, model_config, self.seed)
         max_batched = self.max_num_batched_tokens
         if max_batched is None:
             max_batched = 8192 if device.type == "cuda" else 2048
@@ -234,6 +236,7 @@ class EngineArgs:
             cpu_offload_gb=self.cpu_offload_gb,
             tensor_parallel_size=self.tensor_parallel_size,
             draft_model=draft_config,
+            eagle_head=eagle_config,
         )
         if runner_config.cpu_offload_gb and quant is not None:
             raise ValueError(
@@ -336,6 +339,50 @@ def _draft_model_config(draft: str, target: ModelConfig, seed: int) -> ModelConf
         seed=seed,
         gguf_file=source.path if source.kind == "gguf" else None,
         quantization=_checkpoint_quantization(hf_config, source, None),
+    )
+
+
+def _eagle_head_config(head: str, target: ModelConfig, seed: int) -> ModelConfig:
+    """The EAGLE head's config (pagoda.models.eagle): a head directory (config.json and its
+    tensors) or `config:FILE.json` (random weights), in the target's dtype for the target's
+    context. It must be trained for this target's feature size and vocabulary, on a text-only
+    target: else one ValueError naming the head and the mismatch, before anything loads."""
+    source = resolve_model(head)
+    where = f"speculative EAGLE head {source.path!r}"
+    if source.kind not in ("hf_dir", "config"):
+        raise ValueError(
+            f"{where}: expected a directory with config.json and the head's tensors (EAGLE "
+            "layout: fc.weight, layers.0.*), not a GGUF file"
+        )
+    if getattr(target.hf_config, "vision_config", None) is not None:
+        raise ValueError(f"{where}: EAGLE heads are supported for text-only targets")
+    hf_config = load_hf_config(source, lazy=True)
+    text = target.text_config
+    problems = []
+    for name in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if not isinstance(getattr(hf_config, name, None), int):
+            problems.append(f"config.json has no integer {name}")
+    if not problems and hf_config.hidden_size != text.hidden_size:
+        problems.append(
+            f"hidden_size {hf_config.hidden_size} (head) != {text.hidden_size} (target): the "
+            "head reads the target's features, so it must be trained for this target"
+        )
+    vocab = getattr(hf_config, "vocab_size", None)
+    if isinstance(vocab, int) and vocab != text.vocab_size:
+        problems.append(
+            f"vocab_size {vocab} (head) != {text.vocab_size} (target): trained for another model"
+        )
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf_config.hidden_act!r} (only 'silu' is supported)")
+    if problems:
+        raise ValueError(f"{where} does not fit the target {target.model!r}: {'; '.join(problems)}")
+    return ModelConfig(
+        model=source.path,
+        hf_config=hf_config,
+        dtype=target.dtype,
+        max_model_len=target.max_model_len,
+        load_format="dummy" if source.kind == "config" else "auto",
+        seed=seed,
     )
 
 

@@ -78,8 +78,12 @@ class EngineCore:
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min
             )
-        # "draft_model": the runner holds the draft; it proposes after each speculating step.
-        self.draft_model = self.speculative is not None and self.speculative.method == "draft_model"
+        # "draft_model" / "eagle": the runner holds the draft (or head); it proposes after each
+        # speculating step.
+        self.draft_model = self.speculative is not None and self.speculative.method in (
+            "draft_model",
+            "eagle",
+        )
         # Speculate where it measures faster (spec_governor.py); None: by batch size only.
         self.governor: SpecGovernor | None = None
         if self.speculative is not None and self.speculative.adaptive:

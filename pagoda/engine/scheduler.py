@@ -63,10 +63,13 @@ class Scheduler:
         # Verify steps replay CUDA graphs of 1 + k tokens a sequence: drafts cut short (by
         # max_tokens, or none proposed) are padded with -1 instead (EngineCore.pad_drafts).
         self.pad_drafts = False
-        # A draft model writes the KV of its k proposals after each step: slots reserved ahead.
+        # A draft model (or EAGLE head) writes the KV of its proposals after each step: slots
+        # reserved ahead.
         spec = scheduler_config.speculative
         self.num_lookahead_tokens = (
-            spec.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+            spec.num_speculative_tokens
+            if spec is not None and spec.method in ("draft_model", "eagle")
+            else 0
         )
 
     def needs_sync(self) -> bool:

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 
 class DraftModel:
+    # Whether the draft reads the target's features of the step (an EAGLE head,
+    # pagoda.worker.eagle): it then follows the step after sampling, not beside the target.
+    reads_target_features = False
+
     def __init__(
         self,
         model_config: ModelConfig,

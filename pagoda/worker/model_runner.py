@@ -36,6 +36,7 @@ from pagoda.models.llama import bind_key_centers
 from pagoda.models.loader import load_model
 from pagoda.platform import is_integrated_gpu, resolve_device, triton_available
 from pagoda.worker.draft_model import DraftModel
+from pagoda.worker.eagle import EagleDraft, EagleInputs
 from pagoda.worker.host_staging import PinnedStaging
 from pagoda.worker.memory import (
     MemoryReport,
@@ -167,6 +168,7 @@ class PendingOutput:
         self.host_ids: torch.Tensor | None = None
         # Set while the sampler waits for the grammar bitmask: (logits, SamplingMetadata).
         self.deferred: tuple[torch.Tensor, SamplingMetadata] | None = None
+        self.eagle: EagleInputs | None = None  # an EAGLE head's inputs, run after sampling
         self.spec: _SpecResult | None = None  # the step's verified drafts
         if any(t[1].is_cuda for t in self.prompt_logprobs.values()):
             # Into pinned memory behind the event too: a plain .tolist() later would wait for
@@ -347,6 +349,11 @@ class ModelRunner:
                 self.runner_config.draft_model, self.device, self.kv_dtype, self.block_size
             )
             self.draft.load(self.sliding_window)
+        elif self.runner_config.eagle_head is not None:
+            self.draft = EagleDraft(
+                self.runner_config.eagle_head, self.device, self.kv_dtype, self.block_size
+            )
+            self.draft.load(self.sliding_window, self.model)
         if self.runner_config.multimodal is not None:
             from pagoda.multimodal.image_processor import ImageProcessorConfig
             from pagoda.multimodal.video_processor import VideoOptions
@@ -563,7 +570,9 @@ class ModelRunner:
             # through the decoder forward, as in a real prefill step.
             embeds = self.encoder_runner.profile(input_ids)
         hidden = self.model(input_ids, positions, md, inputs_embeds=embeds)
-        if self.draft is not None:
+        if isinstance(self.draft, EagleDraft):
+            self.draft.profile(input_ids, hidden, positions, md)
+        elif self.draft is not None:
             self.draft.forward(input_ids, positions, md)
         idx = torch.tensor(np.cumsum(lens) - 1, device=self.device)
         logits = self.model.compute_logits(hidden[idx])
@@ -973,18 +982,22 @@ class ModelRunner:
                 if embeds is not None:
                     pending.fill_embeds(embeds, ids, self.model)
             hidden = self.model(ids, self._to_dev(rope_positions), md, inputs_embeds=embeds)
-        if self.draft is not None and not (
-            graph_size is not None
-            and self.draft.run_graph(
-                graphs.query_len,
-                token_ids,
-                arrays["positions"],
-                arrays["slots"],
-                arrays["seq_lens"],
-                arrays["table"],
-                fill_ids=fill_ids,
+        if (
+            self.draft is not None
+            and not self.draft.reads_target_features
+            and not (
+                graph_size is not None
+                and self.draft.run_graph(
+                    graphs.query_len,
+                    token_ids,
+                    arrays["positions"],
+                    arrays["slots"],
+                    arrays["seq_lens"],
+                    arrays["table"],
+                    fill_ids=fill_ids,
+                )
+                is not None
             )
-            is not None
         ):
             # The draft follows every step (a graph where the target replayed one), so its
             # cache holds what the target's does; text positions even where the target's are
@@ -1000,11 +1013,23 @@ class ModelRunner:
         spec = [i for i, r in enumerate(reqs) if r.spec_token_ids]
         spec_result = self._verify(reqs, spec, hidden, arrays["qsl"]) if spec else None
         sampling = [i for i, r in enumerate(reqs) if r.do_sample and not r.spec_token_ids]
+        eagle = None
+        if isinstance(self.draft, EagleDraft):
+            if md is None:
+                md = self._build_metadata(num_computed, num_new, [], num_tokens, arrays)
+                ids = self._to_dev(token_ids)
+                if pending is not None:
+                    pending.fill_ids(ids)
+            eagle = self._eagle_inputs(reqs, spec, sampling, token_ids, ids, hidden, arrays, md)
+            if spec_result is not None:
+                eagle.verify_tokens = spec_result.out.token_ids
         if not sampling:
             self._prev_sampled, self._prev_rows = None, {}
             pending = PendingOutput(prompt_logprobs=prompt_logprobs)
             if spec_result is not None:
                 pending.set_spec(spec_result)
+            if eagle is not None:
+                self.draft.follow(eagle, None)
             return pending
         if len(sampling) == len(reqs) and num_tokens == len(reqs):
             last_hidden = hidden  # decode-only: every row samples
@@ -1015,6 +1040,7 @@ class ModelRunner:
         sreqs = [reqs[i] for i in sampling]
         smd = self._sampling_metadata(sreqs)
         pending = PendingOutput(sreqs, prompt_logprobs=prompt_logprobs)
+        pending.eagle = eagle  # the head follows once the tokens are sampled
         if spec_result is not None:
             pending.spec = spec_result  # its copy is ordered before the sampled ids' event
         if any(r.structured_output is not None for r in sreqs):
@@ -1049,6 +1075,64 @@ class ModelRunner:
         self._prev_sampled = result.sampled_token_ids
         self._prev_rows = {r.req_id: row for row, r in enumerate(pending.reqs)}
         pending.set_result(result)
+        if pending.eagle is not None:
+            eagle, pending.eagle = pending.eagle, None
+            self.draft.follow(eagle, result.sampled_token_ids)
+
+    def _eagle_inputs(
+        self,
+        reqs: list[ScheduledRequest],
+        spec: list[int],
+        sampling: list[int],
+        token_ids: np.ndarray,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        arrays: dict[str, np.ndarray],
+        md: AttentionMetadata,
+    ) -> EagleInputs:
+        """The EAGLE head's inputs for this step: row j pairs the target's feature at its
+        position with token position + 1 — the next input row, else the next prompt token (a
+        chunk), the sampled token, or the token the rejection sampler emits for that row.
+        Kept for proposing: each verify request's rows, each sampling request's last row."""
+        num_tokens = len(token_ids)
+        qsl = arrays["qsl"]
+        next_ids = torch.roll(ids[:num_tokens], -1)  # [T]: row j + 1's input (ends fixed below)
+        known_rows, known_ids = [], []
+        keep: list[int] = []
+        kept: dict[str, tuple[int, int, int]] = {}
+        verify_rows: list[int] = []
+        spec_set, sampling_set = set(spec), set(sampling)
+        for i, r in enumerate(reqs):
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            first_pos = r.num_computed_tokens
+            if i in spec_set:  # the rows _verify scores: the last 1 + k
+                rows = list(range(end - len(r.spec_token_ids) - 1, end))
+                verify_rows.extend(rows)
+            elif i in sampling_set:
+                rows = [end - 1]
+            else:  # a prompt chunk: its next token is known
+                nxt = r.num_computed_tokens + r.num_new_tokens
+                if nxt < len(r.all_token_ids):
+                    known_rows.append(end - 1)
+                    known_ids.append(r.all_token_ids[nxt])
+                continue
+            kept[r.req_id] = (len(keep), first_pos + rows[0] - start, len(rows))
+            keep.extend(rows)
+        if known_rows:
+            next_ids[self._to_dev(np.asarray(known_rows, dtype=np.int64))] = self._to_dev(
+                np.asarray(known_ids, dtype=np.int64)
+            )
+        last = qsl[1:].astype(np.int64) - 1
+        return EagleInputs(
+            features=hidden[:num_tokens],
+            next_ids=next_ids,
+            positions=self._to_dev(arrays["positions"]),
+            md=md,
+            keep=self._to_dev(np.asarray(keep, dtype=np.int64)),
+            kept=kept,
+            sampled_rows=self._to_dev(last[sampling]) if sampling else None,
+            verify_rows=self._to_dev(np.asarray(verify_rows, dtype=np.int64)) if spec else None,
+        )
 
     def _verify(
         self, reqs: list[ScheduledRequest], spec: list[int], hidden: torch.Tensor, qsl: np.ndarray
@@ -1090,7 +1174,10 @@ class ModelRunner:
         width = max(-(-(r.position + r.num_tokens) // self.block_size) for r in reqs)
         table = np.stack([self._block_row(r.req_id, r.block_ids)[:width] for r in reqs])
         drafts = self.draft.propose(
-            [r.token_id for r in reqs],
+            # the head starts from its own rows of the step; a draft model from the token
+            [r.req_id for r in reqs]
+            if isinstance(self.draft, EagleDraft)
+            else [r.token_id for r in reqs],
             [r.position for r in reqs],
             table,
             [r.num_tokens for r in reqs],
