@@ -340,10 +340,11 @@ def _timed_generate(llm: LLM, prompts, params, before=None, repeats: int = 2):
 
 def draft_cost(
     model: str, drafts: list[str], batches: list[int], k: int, prompt_len: int, output_len: int,
-    max_model_len: int,
+    max_model_len: int, method: str = "draft_model",
 ) -> list[dict]:  # fmt: skip
-    """Wall time of a speculating step with a draft model (random weights: the drafts are
-    rejected, so every step runs the draft k + 1 times and verifies; the accepted length is
+    """Wall time of a speculating step with a draft model or EAGLE head (`method`; random
+    weights: the drafts are rejected, so every step runs the draft k + 1 times — the head: once
+    over the step's 1 + k rows and k - 1 chained times — and verifies; the accepted length is
     what real weights give, measured on the CPU) against a plain decode step, per batch: both
     from the decode phase of the best of two runs (`_timed_generate`)."""
     common = dict(
@@ -368,7 +369,12 @@ def draft_cost(
     for draft in drafts:
         spec = LLM(
             model,
-            speculative_config={"model": draft, "num_speculative_tokens": k, "adaptive": False},
+            speculative_config={
+                "method": method,
+                "model": draft,
+                "num_speculative_tokens": k,
+                "adaptive": False,
+            },
             gpu_memory_utilization=0.6,
             **common,
         )
@@ -382,6 +388,7 @@ def draft_cost(
             row = dict(
                 batch=batch,
                 k=k,
+                method=method,
                 draft=draft,
                 plain_step_s=plain_step[batch],
                 spec_step_s=t_spec / steps if steps else None,
@@ -393,6 +400,22 @@ def draft_cost(
         spec.shutdown()
         del spec
     return rows
+
+
+def random_eagle_head(model: str, out: Path) -> str:
+    """`config:` of an EAGLE head for a `config:FILE.json[:suffix]` target: its decoder layer
+    (one, unquantized), random weights. Written to `out`."""
+    if not model.startswith("config:"):
+        raise SystemExit("--eagle-heads random needs a config:FILE.json target")
+    spec = model.removeprefix("config:")
+    base, _, suffix = spec.rpartition(":")
+    path = Path(base if base and not suffix.endswith(".json") else spec)
+    cfg = json.loads(path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg["num_hidden_layers"] = 1
+    head = out / f"eagle_head_{path.stem}.json"
+    head.write_text(json.dumps(cfg, indent=1))
+    return f"config:{head}"
 
 
 def vl_end_to_end(
@@ -477,6 +500,13 @@ def main() -> None:
         help="B,C: cProfile the e2e speculative run at batch B, corruption C",
     )
     p.add_argument("--draft-models", nargs="*", default=[], help="draft-model step cost")
+    p.add_argument(
+        "--eagle-heads",
+        nargs="*",
+        default=[],
+        help="EAGLE head step cost: head directories, or 'random' (the target's layer, one)",
+    )
+    p.add_argument("--eagle-ks", default="", help="k values of the EAGLE cost (default: e2e-k)")
     p.add_argument("--vl-model", default=None, help="Qwen2.5-VL known-acceptance run, an image")
     p.add_argument("--commit", default="unknown")
     p.add_argument("--out", required=True)
@@ -544,6 +574,24 @@ def main() -> None:
         )
         (out / "draft_cost.json").write_text(
             json.dumps(dict(env, model=ns.e2e_model or ns.models[0], rows=rows), indent=1)
+        )
+    if ns.eagle_heads:
+        model = ns.e2e_model or ns.models[0]
+        heads = [random_eagle_head(model, out) if h == "random" else h for h in ns.eagle_heads]
+        rows = []
+        for k in [int(x) for x in ns.eagle_ks.split(",")] if ns.eagle_ks else [ns.e2e_k]:
+            rows += draft_cost(
+                model,
+                heads,
+                [int(x) for x in ns.e2e_batches.split(",")],
+                k,
+                ns.ctx,
+                ns.e2e_output_len,
+                ns.ctx + ns.e2e_output_len + 64,
+                method="eagle",
+            )
+        (out / "eagle_cost.json").write_text(
+            json.dumps(dict(env, model=model, rows=rows), indent=1)
         )
     if ns.e2e_model:
         rows = end_to_end(
