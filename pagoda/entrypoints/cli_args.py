@@ -196,7 +196,9 @@ def add_speculative_config_arg(parser: argparse.ArgumentParser | argparse._Argum
         default=None,
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or a draft model sharing the '
-        'target\'s tokenizer: \'{"model": DRAFT, "num_speculative_tokens": 4}\'',
+        'target\'s tokenizer: \'{"model": DRAFT, "num_speculative_tokens": 4}\' or an EAGLE '
+        'head trained for the target: \'{"method": "eagle", "model": HEAD_DIR, '
+        '"num_speculative_tokens": 4}\'',
     )
 
 
