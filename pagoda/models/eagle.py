@@ -18,8 +18,10 @@ a stored `embed_tokens.weight` (EAGLE-1 ships the target's) is ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +31,7 @@ from pagoda.layers.attention import Attention, AttentionMetadata
 from pagoda.layers.linear import ReplicatedLinear, default_linear_method_factory
 from pagoda.layers.rotary import get_rope
 from pagoda.models.llama import DecoderLayer, DecoderOptions, LlamaForCausalLM, load_hf_weights
+from pagoda.models.registry import architectures_of, get_model_class
 
 if TYPE_CHECKING:
     from pagoda.config import ModelConfig
@@ -38,21 +41,17 @@ _SHARED_WITH_TARGET = ("embed_tokens.weight",)
 
 
 def head_decoder_options(config: Any, sliding_window: int | None) -> DecoderOptions:
-    """The decoder layer's options from the head's config (Qwen2: q/k/v bias; Qwen3: q/k norm;
-    Llama: `attention_bias` / `mlp_bias`). `sliding_window`: the target's, whose blocks the
-    head's cache shares (it must not look further back than the target keeps)."""
-    model_type = getattr(config, "model_type", "llama")
-    if model_type == "qwen2":
-        return DecoderOptions(qkv_bias=True, sliding_window=sliding_window)
-    if model_type == "qwen3":
-        return DecoderOptions(qk_norm=True, sliding_window=sliding_window)
-    bias = bool(getattr(config, "attention_bias", False))
-    return DecoderOptions(
-        qkv_bias=bias,
-        o_proj_bias=bias,
-        mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        sliding_window=sliding_window,
-    )
+    """The decoder layer's options as the target family's model class defines them (Qwen2 q/k/v
+    bias, Qwen3 q/k norm, Llama's `attention_bias` / `mlp_bias`), found from the head config's
+    `architectures`, else its `model_type`, else Llama's. `sliding_window`: the target's, whose
+    blocks the head's cache shares (it must not look further back than the target keeps)."""
+    by_type = architectures_of(SimpleNamespace(model_type=getattr(config, "model_type", None)))
+    cls = get_model_class([*architectures_of(config), *by_type, "LlamaForCausalLM"])
+    if not hasattr(cls, "decoder_options"):
+        raise ValueError(
+            f"EAGLE head config: architecture {cls.__name__} has no text decoder layer to draft"
+        )
+    return dataclasses.replace(cls.decoder_options(config), sliding_window=sliding_window)
 
 
 class EagleHead(nn.Module):

@@ -144,6 +144,22 @@ def test_qwen2_head_with_an_input_norm(tmp_path):
     assert not isinstance(head.layers[0].input_layernorm, torch.nn.Identity)
 
 
+def test_head_layer_options_are_the_target_familys():
+    """The head's decoder layer takes the options its family's model class defines (Qwen3 with
+    attention_bias: q/k norm and biases), whatever name its architectures field carries."""
+    from types import SimpleNamespace
+
+    from pagoda.models.eagle import head_decoder_options
+    from pagoda.models.qwen3 import Qwen3ForCausalLM
+
+    cfg = SimpleNamespace(model_type="qwen3", attention_bias=True, architectures=["EagleHead"])
+    opts = head_decoder_options(cfg, sliding_window=None)
+    assert opts == Qwen3ForCausalLM.decoder_options(cfg)
+    assert opts.qk_norm and opts.qkv_bias and opts.o_proj_bias
+    windowed = head_decoder_options(SimpleNamespace(model_type="mistral", sliding_window=4), 9)
+    assert windowed.sliding_window == 9  # the target's window, not the head config's
+
+
 def _engine_error(models, head_dir) -> str:
     with pytest.raises(ValueError) as e:
         _llm(models["target"], speculative_config=_spec(head_dir))
