@@ -72,6 +72,23 @@ def test_e4m3_integer_decode_is_exact_on_every_code():
         assert torch.equal(decode_e4m3(codes.cuda()).cpu(), want)
 
 
+def test_e4m3_fp16_bit_decode_is_exact_on_every_code():
+    """The attention kernels' 16-bit decode (bits shifted into an fp16, times 2^8) against
+    torch's e4m3 -> fp16, all 254 finite codes: the subnormal codes (0x01-0x07, value m 2^-9)
+    pass through fp16's subnormals, so an FTZ multiply would zero them."""
+    pytest.importorskip("triton")
+    from pagoda.kernels.fp8.triton_e4m3 import decode_e4m3
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).half()
+    got = decode_e4m3(codes, half=True)
+    assert got.dtype == torch.float16
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    assert torch.count_nonzero(got[1:8]) == 7  # the positive subnormals survive
+    if torch.cuda.is_available():
+        assert torch.equal(decode_e4m3(codes.cuda(), half=True).cpu(), want)
+
+
 def test_e4m3_integer_encode_matches_torch():
     """The sm_80 / 87 encode (the FP8 KV cache write there) against torch's conversion: every
     finite code round-trips, each midpoint between neighbours rounds to the even code and its

@@ -47,6 +47,7 @@ from pagoda.kernels.attention.triton_paged_attention import (
     _split_range,
     choose_num_splits,
     effective_kv_len,
+    fp16_dot_operand,
 )
 from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32, f32_to_e4m3_bits, soft_e4m3_view
 from pagoda.kernels.norm_act.triton_fused_ops import _drop_bits, _round
@@ -442,6 +443,11 @@ def _fused_decode_attention_kernel(
 
     if UPCAST_DOT:  # the interpreter multiplies bf16 dot operands as raw bits: stay float32
         q = q_rot
+    elif FP8_MAX > 0:  # an FP8 cache: fp16 tiles (`fp16_dot_operand`) for a bf16 model
+        if q_ptr.dtype.element_ty == tl.bfloat16:
+            q = fp16_dot_operand(q_rot)
+        else:
+            q = q_rot.to(q_ptr.dtype.element_ty)
     else:
         q = q_rot.to(q_ptr.dtype.element_ty)
     full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N

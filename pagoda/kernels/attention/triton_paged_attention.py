@@ -20,7 +20,7 @@ import triton.language as tl
 
 from pagoda.kernels.attention.reference import FP8_KV_DTYPES as _FP8_KV
 from pagoda.kernels.attention.reference import check_sliding_window
-from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f32, soft_e4m3_view
+from pagoda.kernels.fp8.triton_e4m3 import e4m3_bits_to_f16, soft_e4m3_view
 from pagoda.kernels.pdl import pdl_launch_args
 
 _LOG2E = 1.4426950408889634
@@ -101,13 +101,13 @@ def _attn_tile(
     else:
         k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-    # An FP8 cache is read as q's type (its scales are folded into qk_scale and the output);
-    # with UPCAST_DOT q is float32 already. A no-op when the cache holds q's dtype. A uint8
-    # cache holds e4m3 codes where Triton cannot convert them (sm_80 / 87): decoded with
-    # integer operations.
+    # An FP8 cache is read as q's type, fp16 for a bf16 model (`fp16_dot_operand`; its scales
+    # are folded into qk_scale and the output); with UPCAST_DOT q is float32 already. A no-op
+    # when the cache holds q's dtype. A uint8 cache holds e4m3 codes where Triton cannot
+    # convert them (sm_80 / 87): decoded with 16-bit integer operations (exact).
     if k_base.dtype.element_ty == tl.uint8:
-        k = e4m3_bits_to_f32(k)
-        v = e4m3_bits_to_f32(v)
+        k = e4m3_bits_to_f16(k)
+        v = e4m3_bits_to_f16(v)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 
@@ -129,6 +129,19 @@ def _attn_tile(
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def fp16_dot_operand(q):
+    """q (bf16 / float32 values) as the fp16 operand of the dots against an FP8 cache's tiles.
+
+    Every e4m3 / e5m2 value is an fp16 value, and fp16 is what the GPU converts FP8 to in one
+    instruction (two values a `cvt`; bf16 takes three more through float32): so against an FP8
+    cache both dots run in fp16 — q . k and p . v, with the probabilities in fp16's 11 bits
+    rather than bf16's 8. A bf16 q is exact in fp16 within +-65,504 (clamped there; beyond it a
+    score saturates the softmax either way) down to 2^-14 (smaller entries keep fewer bits:
+    below 2^-14 of a term they cannot move a score)."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
 
 @triton.jit
@@ -259,6 +272,8 @@ def _paged_attention_kernel(
     )  # [BLOCK_M, HEAD_DIM_PAD]
     if UPCAST_DOT:
         q = q.to(tl.float32)
+    elif (q_ptr.dtype.element_ty == tl.bfloat16) and (k_cache_ptr.dtype.element_ty != tl.bfloat16):
+        q = fp16_dot_operand(q)  # an FP8 cache: fp16 tiles
 
     # Keys [0, kv_end) are visible to the last query of the tile; [0, kv_full) to all of them.
     # With a window, [kv_start, kv_end) to some row and [win_full, kv_full) to all of them.
