@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -760,19 +760,48 @@ def _capture_inputs(
     attrs: list[str],
     hidden_states: list[torch.Tensor],
     positions: Positions | None = None,
+    keep: Sequence[int] | None = None,
+    means: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, list[torch.Tensor]]:
-    """The input of each linear `attrs` on every sample (each [T, in]), from one layer pass."""
+    """The input of each linear `attrs` on every sample (each [T, in]), from one layer pass.
+
+    `keep`: only those samples' inputs are kept (the pass still runs every sample); `means`,
+    when given, receives each input's mean |x| per channel over every sample
+    (`activation_mean` of all of them) without keeping them: AWQ scores its searches on a few
+    samples, and keeping every input of a 7B layer at 256 x 2,048 tokens took 31 GB, twice
+    with the smoothed copies."""
     captured: dict[str, list[torch.Tensor]] = {a: [] for a in attrs}
+    sums: dict[str, list] = {a: [None, 0] for a in attrs}  # [sum |x| per channel, tokens]
+    sample = [0]
+    kept = None if keep is None else set(keep)
+
+    def hook(_m, inp, a: str) -> None:
+        x = inp[0].detach()
+        if means is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            part = flat.abs().sum(dim=0, dtype=torch.float32)
+            acc = sums[a]
+            acc[0] = part if acc[0] is None else acc[0] + part
+            acc[1] += flat.shape[0]
+        if kept is None or sample[0] in kept:
+            captured[a].append(x)
+
     handles = [
-        layer.get_submodule(a).register_forward_pre_hook(
-            lambda _m, inp, store=captured[a]: store.append(inp[0].detach())
-        )
+        layer.get_submodule(a).register_forward_pre_hook(lambda m, inp, a=a: hook(m, inp, a))
         for a in attrs
     ]
-    with torch.no_grad():
-        _run_layer(layer, hidden_states, positions)
-    for h in handles:
-        h.remove()
+    try:
+        with torch.no_grad():
+            for i, h in enumerate(hidden_states):
+                sample[0] = i
+                _run_layer(layer, [h], None if positions is None else [positions[i]])
+    finally:
+        for h in handles:
+            h.remove()
+    if means is not None:
+        for a, (total, count) in sums.items():
+            if total is not None:
+                means[a] = total / max(count, 1)
     return captured
 
 
@@ -840,13 +869,15 @@ def smooth_layer(
     options: PipelineOptions,
     search_samples: list[int] | None = None,
     positions: Positions | None = None,
+    means: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[SmoothReport]]:
     """AWQ's scale search for each mapping in turn, folded into the layer's weights at once
     (the next search sees them). `captured` holds the inputs of the quantized linears and is
     divided by the scales as they are applied (new lists: the caller's stay as they were).
     The searches score on the samples `search_samples` (default all); the channel means come
-    from every sample. Returns the dense tensors the folding changed (norm weights, a shard's
-    bias; HF module names) and one report per search."""
+    from every sample (`means[attr]`, precomputed over samples `captured` need not hold, or
+    `activation_mean` of `captured`). Returns the dense tensors the folding changed (norm
+    weights, a shard's bias; HF module names) and one report per search."""
     _, decoder_name = decoder_of(model)
     prefix = f"{decoder_name}.layers.{index}"
     changed: dict[str, torch.Tensor] = {}
@@ -872,7 +903,13 @@ def smooth_layer(
         original = linear.weight.data
         with torch.no_grad():
             result = _search_linear_scales(
-                linear, inspect, scored, activation_mean(inputs), args, options, scored_positions
+                linear,
+                inspect,
+                scored,
+                means[m.linear] if means is not None else activation_mean(inputs),
+                args,
+                options,
+                scored_positions,
             )
             s = result.scales.to(original.device)  # [in]
             linear.weight.data = (original.float() * s).to(original.dtype)
@@ -957,7 +994,8 @@ def _awq_layer(
     clipped, smoothed, and plain rounding of the unsmoothed layer (by the layer's output error
     on the scored samples). Leaves the layer holding the picked (unrounded) weights, writes the
     dense tensors its smoothing changed into `compressed`, and returns (attr -> the weight to
-    round, where clipped; attr -> the linears' inputs in the picked layer)."""
+    round, where clipped; attr -> the linears' inputs in the picked layer, on the scored
+    samples `evaluation_samples` picks; the clip search sees those too)."""
     scored = evaluation_samples([h.shape[0] for h in hidden_states], options.awq.search_tokens)
     guard_inputs = [hidden_states[i] for i in scored]
     guard_positions = None if positions is None else [positions[i] for i in scored]
@@ -975,10 +1013,14 @@ def _awq_layer(
         return layer_error(layer, weights, guard_inputs, reference, run)
 
     errors = {"rtn": error()}
-    captured = _capture_inputs(layer, [t.attr for t in targets], hidden_states, positions)
+    # The searches' samples only (their channel means from every sample)
+    means: dict[str, torch.Tensor] = {}
+    captured = _capture_inputs(
+        layer, [t.attr for t in targets], hidden_states, positions, keep=scored, means=means
+    )
     unsmoothed = dict(captured)  # smooth_layer replaces the lists it rescales
     changed, layer_report.smoothing = smooth_layer(
-        model, layer, index, mappings, captured, args, options, scored, positions
+        model, layer, index, mappings, captured, args, options, None, guard_positions, means
     )
     errors["scales"] = error()
     clipped: dict[str, torch.Tensor] = {}
@@ -1162,16 +1204,12 @@ def quantize_layers(
                 layer_report, compressed, positions,
             )  # fmt: skip
             # Hessians of the rounded layer's inputs, for the report only: on the samples the
-            # searches scored (a quarter of the tokens at the defaults; X^T X in float32 was
-            # an eighth of AWQ's time on every token)
-            scored = evaluation_samples(
-                [h.shape[0] for h in hidden_states], options.awq.search_tokens
-            )
+            # searches scored (`inputs` holds those only; X^T X in float32 on every token was
+            # an eighth of AWQ's time)
             for t in targets:
                 acc = HessianAccumulator(layer.get_submodule(t.attr).in_features, device)
-                x_all = inputs.pop(t.attr)
-                for i in scored:
-                    acc.add(x_all[i])
+                for x in inputs.pop(t.attr):
+                    acc.add(x)
                 hessians[t.attr] = acc
         # RTN needs no Hessian itself, but the report's error is Hessian-weighted; without
         # calibration samples (RTN only) H = I and the error is the plain weight error.

@@ -374,3 +374,27 @@ def test_awq_qwen2_5_vl_text_decoder(tmp_path) -> None:
         torch.testing.assert_close(
             _pagoda_logits(autoawq, processed), _pagoda_logits(ct16, processed)
         )
+
+
+def test_capture_keeps_the_scored_samples_and_means_over_all(tmp_path) -> None:
+    """AWQ keeps only the searches' samples (a 7B layer's inputs of every sample ran an 80 GB GPU
+    out of memory) while each channel mean still covers every sample."""
+    from pagoda.quantizer.awq import activation_mean
+    from pagoda.quantizer.pipeline import _capture_inputs, layer_targets
+
+    model = _dense_pagoda(save_tiny_model("qwen2", tmp_path / "qwen2", seed=3))
+    layer = model.model.layers[0]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        hidden = [
+            model.model.embed_tokens(torch.randint(0, 384, (n,), generator=g)) for n in (5, 9, 30)
+        ]
+    attrs = [t.attr for t in layer_targets(model, 0, [])]
+    every = _capture_inputs(layer, attrs, hidden)
+    means: dict[str, torch.Tensor] = {}
+    kept = _capture_inputs(layer, attrs, hidden, keep=[0, 2], means=means)
+    for a in attrs:
+        assert len(every[a]) == 3 and len(kept[a]) == 2
+        for x, y in zip(kept[a], [every[a][0], every[a][2]]):
+            assert torch.equal(x, y)
+        assert torch.equal(means[a], activation_mean(every[a]))
