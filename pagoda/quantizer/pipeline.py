@@ -771,7 +771,8 @@ def _capture_inputs(
     samples, and keeping every input of a 7B layer at 256 x 2,048 tokens took 31 GB, twice
     with the smoothed copies."""
     captured: dict[str, list[torch.Tensor]] = {a: [] for a in attrs}
-    sums: dict[str, list] = {a: [None, 0] for a in attrs}  # [sum |x| per channel, tokens]
+    sums: dict[str, torch.Tensor] = {}  # sum of |x| per channel
+    tokens = dict.fromkeys(attrs, 0)
     sample = [0]
     kept = None if keep is None else set(keep)
 
@@ -780,9 +781,8 @@ def _capture_inputs(
         if means is not None:
             flat = x.reshape(-1, x.shape[-1])
             part = flat.abs().sum(dim=0, dtype=torch.float32)
-            acc = sums[a]
-            acc[0] = part if acc[0] is None else acc[0] + part
-            acc[1] += flat.shape[0]
+            sums[a] = sums[a] + part if a in sums else part
+            tokens[a] += flat.shape[0]
         if kept is None or sample[0] in kept:
             captured[a].append(x)
 
@@ -799,9 +799,8 @@ def _capture_inputs(
         for h in handles:
             h.remove()
     if means is not None:
-        for a, (total, count) in sums.items():
-            if total is not None:
-                means[a] = total / max(count, 1)
+        for a, total in sums.items():
+            means[a] = total / max(tokens[a], 1)
     return captured
 
 
@@ -867,16 +866,15 @@ def smooth_layer(
     captured: dict[str, list[torch.Tensor]],
     args: WeightQuantArgs,
     options: PipelineOptions,
-    search_samples: list[int] | None = None,
     positions: Positions | None = None,
     means: dict[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[SmoothReport]]:
     """AWQ's scale search for each mapping in turn, folded into the layer's weights at once
     (the next search sees them). `captured` holds the inputs of the quantized linears and is
     divided by the scales as they are applied (new lists: the caller's stay as they were).
-    The searches score on the samples `search_samples` (default all); the channel means come
-    from every sample (`means[attr]`, precomputed over samples `captured` need not hold, or
-    `activation_mean` of `captured`). Returns the dense tensors the folding changed (norm
+    The searches score on the samples of `captured` (`positions`: theirs); the channel means
+    are `means[attr]` (over every sample, also those `captured` does not hold) or
+    `activation_mean` of `captured`. Returns the dense tensors the folding changed (norm
     weights, a shard's bias; HF module names) and one report per search."""
     _, decoder_name = decoder_of(model)
     prefix = f"{decoder_name}.layers.{index}"
@@ -896,20 +894,16 @@ def smooth_layer(
                 continue
         inspect = layer.get_submodule(m.inspect)
         inputs = captured[m.linear]  # the inspected module reads the same input
-        scored = inputs if search_samples is None else [inputs[i] for i in search_samples]
-        scored_positions = positions
-        if positions is not None and search_samples is not None:
-            scored_positions = [positions[i] for i in search_samples]
         original = linear.weight.data
         with torch.no_grad():
             result = _search_linear_scales(
                 linear,
                 inspect,
-                scored,
+                inputs,
                 means[m.linear] if means is not None else activation_mean(inputs),
                 args,
                 options,
-                scored_positions,
+                positions,
             )
             s = result.scales.to(original.device)  # [in]
             linear.weight.data = (original.float() * s).to(original.dtype)
@@ -1020,7 +1014,7 @@ def _awq_layer(
     )
     unsmoothed = dict(captured)  # smooth_layer replaces the lists it rescales
     changed, layer_report.smoothing = smooth_layer(
-        model, layer, index, mappings, captured, args, options, None, guard_positions, means
+        model, layer, index, mappings, captured, args, options, guard_positions, means
     )
     errors["scales"] = error()
     clipped: dict[str, torch.Tensor] = {}
