@@ -40,6 +40,10 @@ def bench_graph_ms(fns: list) -> float:
     """
     for fn in fns:
         fn()  # compile outside the capture
+    # do_bench_cudagraph runs on a stream of its own, which does not wait for the default
+    # stream: without this, its first calls could read inputs still being written (the
+    # random caches and block tables the callers just made), and from garbage block ids fault
+    torch.cuda.synchronize()
 
     def run_all() -> None:
         for fn in fns:
