@@ -199,6 +199,7 @@ def quantize(
     text_only_calibration: bool = False,
     awq_clip: bool = False,
     loss_weighted_hessians: bool = False,
+    refine_steps: int = 0,
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
@@ -229,6 +230,9 @@ def quantize(
     Hessian is weighted by ||dL/dy||², the float model's next-token loss gradient at that
     linear's output (`pagoda.quantizer.guided`; one transformers backward pass per sample,
     the whole model in memory).
+    `refine_steps` (GPTQ or RTN, calibration data): after a layer's linears are rounded, that
+    many signed-gradient steps on each weight's rounding against the float layer's output
+    (`pagoda.quantizer.refine`), kept only where the layer's output error falls.
     """
     start = time.perf_counter()
     fp8 = scheme is not None and scheme.upper() in FP8_SCHEMES
@@ -241,6 +245,12 @@ def quantize(
         )
     if loss_weighted_hessians and (method != "gptq" or dataset in (None, "random")):
         raise ValueError("loss_weighted_hessians applies to method 'gptq' with a text dataset")
+    if refine_steps < 0:
+        raise ValueError(f"refine_steps must be >= 0, got {refine_steps}")
+    if refine_steps and (method == "awq" or fp8 or dataset is None):
+        raise ValueError(
+            "refine_steps applies to methods 'gptq' and 'rtn' of integer schemes with a dataset"
+        )
     if awq_clip and method != "awq":
         raise ValueError(f"awq_clip applies to method 'awq', not {method!r}")
     if fp8 and format != "compressed-tensors":
@@ -428,6 +438,7 @@ def quantize(
         gptq_scales=gptq_scales,
         awq=AWQOptions(clip=awq_clip),
         format=format,
+        refine_steps=refine_steps,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     quantize_head = quantizes_lm_head(skeleton, ignore)

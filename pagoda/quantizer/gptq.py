@@ -92,6 +92,9 @@ class GPTQResult:
     dequantized: torch.Tensor  # [out, in] float32, in the original column order
     loss: float  # GPTQ's Σ err² / (2 [H⁻¹]_jj²) proxy, as llmcompressor reports it
     used_rtn_fallback: bool  # the Hessian could not be factorised even with more dampening
+    # [out, in] float32, original column order: each weight as GPTQ rounded it (the original
+    # plus the error updates of the columns before it); its codes are round(unrounded / s) + z
+    unrounded: torch.Tensor
 
 
 def _inverse_cholesky_upper(h: torch.Tensor, dampening: float) -> tuple[torch.Tensor, bool]:
@@ -170,6 +173,7 @@ def gptq_quantize(
             ready[g] = True
 
     loss = torch.zeros((), device=device, dtype=torch.float64)
+    unrounded = torch.empty_like(w)
     for i1 in range(0, in_features, block_size):
         i2 = min(i1 + block_size, in_features)
         w1 = w[:, i1:i2].clone()  # [out, B]
@@ -200,6 +204,7 @@ def gptq_quantize(
                 col[:, None], scale[:, g], None if zero is None else zero[:, g], args
             )[:, 0]
             q1[:, i] = q
+            unrounded[:, i1 + i] = col
             e = (col - q) / u1[i, i]
             err1[:, i] = e
             # Spread this column's rounding error over the block's remaining columns.
@@ -210,7 +215,8 @@ def gptq_quantize(
             w[:, i2:] -= err1 @ u[i1:i2, i2:]
 
     if perm is not None:
-        w = w[:, torch.argsort(perm)]
+        inverse = torch.argsort(perm)
+        w, unrounded = w[:, inverse], unrounded[:, inverse]
     # Recover the codes from the dequantized values: exact, they are (q - z) * s.
     col_scale = scale.repeat_interleave(group, dim=1)[:, :in_features]
     col_zero = None if zero is None else zero.repeat_interleave(group, dim=1)[:, :in_features]
@@ -221,4 +227,4 @@ def gptq_quantize(
         zero_point=None if zero is None else zero.to(torch.int8),
         group_size=group,
     )
-    return GPTQResult(quantized, w, float(loss), used_rtn)
+    return GPTQResult(quantized, w, float(loss), used_rtn, unrounded)

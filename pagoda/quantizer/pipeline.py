@@ -62,6 +62,7 @@ from pagoda.quantizer.awq_guard import (
 from pagoda.quantizer.fp8 import AmaxObserver, KVScaleObserver, fp8_tensors, quantize_fp8_shards
 from pagoda.quantizer.gptq import HessianAccumulator, gptq_quantize
 from pagoda.quantizer.guided import fused_token_weights
+from pagoda.quantizer.refine import RefineReport, RefineTarget, refine_layer
 from pagoda.quantizer.rtn import hessian_weighted_error, rtn_quantize
 from pagoda.worker.encoder_runner import patchify
 
@@ -424,6 +425,7 @@ class LayerReport:
     # layer-output MSE on the scored calibration samples (see awq_guard).
     awq_choice: str | None = None
     awq_errors: dict[str, float] = field(default_factory=dict)
+    refine: RefineReport | None = None  # --refine-steps: the layer output before / after
 
 
 @dataclass
@@ -463,8 +465,14 @@ class QuantizeReport:
                 lines.append(f"{layer.index:>5} {layer.seconds:>8.2f} {'-':<40}")
                 continue
             short = worst.name.split(f"layers.{layer.index}.", 1)[-1]
+            refine = ""
+            if layer.refine is not None:  # the layer output MSE after ÷ before (1 when not kept)
+                r = layer.refine
+                kept = r.after if r.kept else r.before
+                refine = f"  refined {kept / max(r.before, 1e-30):.3f}x"
             lines.append(
                 f"{layer.index:>5} {layer.seconds:>8.2f} {short:<40} {worst.relative_error:>10.4g}"
+                + refine
             )
         if self.lm_head is not None:
             lines.append(
@@ -493,6 +501,7 @@ class PipelineOptions:
     gptq_scales: str = "first_touch"  # or "upfront" (see gptq_quantize)
     awq: AWQOptions = AWQOptions()
     format: str = "compressed-tensors"  # or "autoawq" (AutoAWQ GEMM tensors)
+    refine_steps: int = 0  # GPTQ / RTN: sign-gradient steps on the layer output (refine.py)
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -721,8 +730,9 @@ def _quantize_matrix(
     options: PipelineOptions,
     report: QuantizeReport,
     name: str,
-) -> tuple[QuantizedWeight, torch.Tensor, float | None]:
-    """GPTQ or RTN of one float32 [out, in] matrix: (quantized, dequantized, GPTQ loss).
+) -> tuple[QuantizedWeight, torch.Tensor, float | None, torch.Tensor]:
+    """GPTQ or RTN of one float32 [out, in] matrix: (quantized, dequantized, GPTQ loss, the
+    values its codes round: GPTQ's error-updated weights, RTN's own).
 
     AWQ rounds its smoothed, clipped weights with RTN."""
     if options.method == "gptq":
@@ -737,9 +747,9 @@ def _quantize_matrix(
         )
         if result.used_rtn_fallback:
             report.rtn_fallbacks.append(name)
-        return result.quantized, result.dequantized, result.loss
+        return result.quantized, result.dequantized, result.loss, result.unrounded
     qw = rtn_quantize(w, args, options.scale_dtype)
-    return qw, qw.dequantize(torch.float32), None
+    return qw, qw.dequantize(torch.float32), None, w
 
 
 def pack_module(qw: QuantizedWeight, args: WeightQuantArgs, options: PipelineOptions):
@@ -1102,7 +1112,7 @@ def _quantize_lm_head(
         hessian = acc.hessian
     else:  # RTN without calibration data: the report's error is the plain weight error
         hessian = None
-    qw, deq, loss = _quantize_matrix(weight, hessian, args, options, report, "lm_head")
+    qw, deq, loss, _ = _quantize_matrix(weight, hessian, args, options, report, "lm_head")
     err = hessian_weighted_error(weight, deq, hessian)
     denom = hessian_weighted_error(weight, torch.zeros_like(weight), hessian)
     compressed = {
@@ -1213,11 +1223,17 @@ def quantize_layers(
             )
         inputs_amax.remove()
         kv_amax.remove()
+        reference = None
+        if options.refine_steps and samples and not fp8 and not awq:
+            with torch.no_grad():  # the float layer's outputs, before any weight is rounded
+                reference = _run_layer(layer, hidden_states, positions)
         if kv_cache_scales:
             attn_name = f"{decoder_name}.layers.{index}.self_attn"
             for key, tensor in kv_amax.scales("kv", options.storage_dtype).items():
                 compressed[f"{attn_name}.{key}"] = tensor.cpu()
 
+        rounded = []  # (target, rows, float rows, H, quantized, dequantized, loss, seconds)
+        unrounded_of: dict[str, torch.Tensor] = {}
         for t in targets:
             module = layer.get_submodule(t.attr)
             t0 = time.perf_counter()
@@ -1252,11 +1268,43 @@ def quantize_layers(
             source_w = rounded_from[t.attr][rows] if t.attr in rounded_from else w
             # Rows are independent given H: q/k/v (or gate/up) are quantized in one call and
             # stored as the separate HF modules the checkpoint format expects.
-            qw, deq, loss = _quantize_matrix(
+            qw, deq, loss, unrounded = _quantize_matrix(
                 source_w, hessian, args, options, report, f"{decoder_name}.layers.{index}.{t.attr}"
             )
             weight[rows] = deq.to(weight.dtype)  # the quantized layer feeds the next one
-            seconds = time.perf_counter() - t0
+            rounded.append((t, rows, w, hessian, qw, deq, loss, time.perf_counter() - t0))
+            unrounded_of[t.attr] = unrounded
+        if reference is not None and rounded:
+            t0 = time.perf_counter()
+            refined, refine_report = refine_layer(
+                layer,
+                [
+                    RefineTarget(t.attr, rows, qw, unrounded_of[t.attr])
+                    for t, rows, _, _, qw, _, _, _ in rounded
+                ],
+                hidden_states,
+                [
+                    _positions(x, p)
+                    for x, p in zip(hidden_states, positions or [None] * len(hidden_states))
+                ],
+                reference,
+                args,
+                options.refine_steps,
+                seed=index,
+            )
+            layer_report.refine = refine_report
+            share = (time.perf_counter() - t0) / len(rounded)
+            for i, (t, rows, w, hessian, qw, deq, loss, seconds) in enumerate(rounded):
+                qw = refined[t.attr]
+                deq = qw.dequantize(torch.float32)
+                weight = layer.get_submodule(t.attr).weight.data
+                weight[rows] = deq.to(weight.dtype)
+                rounded[i] = (t, rows, w, hessian, qw, deq, loss, seconds + share)
+            del reference
+        del unrounded_of
+        for t, _, w, hessian, qw, deq, loss, seconds in rounded:
+            module = layer.get_submodule(t.attr)
+            sizes = module.out_features_per_shard
             row = 0
             for name, size, q in zip(t.hf_names, sizes, t.quantized):
                 if not q:

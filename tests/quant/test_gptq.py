@@ -129,6 +129,14 @@ def test_gptq_beats_rtn_on_hessian_weighted_error(scheme: str, group: int, actor
     torch.testing.assert_close(gptq.quantized.dequantize(), gptq.dequantized, rtol=0, atol=1e-6)
     q = gptq.quantized.qweight
     assert q.dtype == torch.int8 and int(q.min()) >= args.q_min and int(q.max()) <= args.q_max
+    # The values GPTQ rounded give its codes back (what refine.py's offsets start from), and
+    # they are not the original weights: the error updates moved them.
+    qw = gptq.quantized
+    g = qw.group_size
+    s = qw.scale.float().repeat_interleave(g, dim=1)
+    z = None if qw.zero_point is None else qw.zero_point.float().repeat_interleave(g, dim=1)
+    torch.testing.assert_close(fake_quantize(gptq.unrounded, s, z, args), gptq.dequantized)
+    assert not torch.allclose(gptq.unrounded, w)
 
 
 def test_static_actorder_keeps_groups_in_original_column_order() -> None:
@@ -164,8 +172,8 @@ def _recorded_hessians(tiny_llama, calib_text, tmp_path, round_weights, **kwargs
 
     def spy(w, hessian, args, options, report, name):
         seen[name] = hessian.clone()
-        qw, deq, loss = real(w, hessian, args, options, report, name)
-        return qw, deq if round_weights else w.clone(), loss
+        qw, deq, loss, unrounded = real(w, hessian, args, options, report, name)
+        return qw, deq if round_weights else w.clone(), loss, unrounded
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pipeline, "_quantize_matrix", spy)
