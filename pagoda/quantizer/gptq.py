@@ -93,8 +93,9 @@ class GPTQResult:
     loss: float  # GPTQ's Σ err² / (2 [H⁻¹]_jj²) proxy, as llmcompressor reports it
     used_rtn_fallback: bool  # the Hessian could not be factorised even with more dampening
     # [out, in] float32, original column order: each weight as GPTQ rounded it (the original
-    # plus the error updates of the columns before it); its codes are round(unrounded / s) + z
-    unrounded: torch.Tensor
+    # plus the error updates of the columns before it); its codes are round(unrounded / s) + z.
+    # Only with keep_unrounded (a copy per column GPTQ's inner loop otherwise skips)
+    unrounded: torch.Tensor | None = None
 
 
 def _inverse_cholesky_upper(h: torch.Tensor, dampening: float) -> tuple[torch.Tensor, bool]:
@@ -121,6 +122,7 @@ def gptq_quantize(
     dampening: float = 0.01,
     scale_dtype: torch.dtype = torch.bfloat16,
     scales: str = "first_touch",
+    keep_unrounded: bool = False,
 ) -> GPTQResult:
     """Quantize `weight` with GPTQ; `args.actorder` None or "static".
 
@@ -173,7 +175,7 @@ def gptq_quantize(
             ready[g] = True
 
     loss = torch.zeros((), device=device, dtype=torch.float64)
-    unrounded = torch.empty_like(w)
+    unrounded = torch.empty_like(w) if keep_unrounded else None
     for i1 in range(0, in_features, block_size):
         i2 = min(i1 + block_size, in_features)
         w1 = w[:, i1:i2].clone()  # [out, B]
@@ -204,7 +206,8 @@ def gptq_quantize(
                 col[:, None], scale[:, g], None if zero is None else zero[:, g], args
             )[:, 0]
             q1[:, i] = q
-            unrounded[:, i1 + i] = col
+            if unrounded is not None:
+                unrounded[:, i1 + i] = col
             e = (col - q) / u1[i, i]
             err1[:, i] = e
             # Spread this column's rounding error over the block's remaining columns.
@@ -216,7 +219,8 @@ def gptq_quantize(
 
     if perm is not None:
         inverse = torch.argsort(perm)
-        w, unrounded = w[:, inverse], unrounded[:, inverse]
+        w = w[:, inverse]
+        unrounded = None if unrounded is None else unrounded[:, inverse]
     # Recover the codes from the dequantized values: exact, they are (q - z) * s.
     col_scale = scale.repeat_interleave(group, dim=1)[:, :in_features]
     col_zero = None if zero is None else zero.repeat_interleave(group, dim=1)[:, :in_features]

@@ -730,9 +730,9 @@ def _quantize_matrix(
     options: PipelineOptions,
     report: QuantizeReport,
     name: str,
-) -> tuple[QuantizedWeight, torch.Tensor, float | None, torch.Tensor]:
+) -> tuple[QuantizedWeight, torch.Tensor, float | None, torch.Tensor | None]:
     """GPTQ or RTN of one float32 [out, in] matrix: (quantized, dequantized, GPTQ loss, the
-    values its codes round: GPTQ's error-updated weights, RTN's own).
+    values its codes round: GPTQ's error-updated weights when refining, RTN's own).
 
     AWQ rounds its smoothed, clipped weights with RTN."""
     if options.method == "gptq":
@@ -744,6 +744,7 @@ def _quantize_matrix(
             options.dampening,
             options.scale_dtype,
             options.gptq_scales,
+            keep_unrounded=options.refine_steps > 0,
         )
         if result.used_rtn_fallback:
             report.rtn_fallbacks.append(name)

@@ -120,7 +120,9 @@ def test_gptq_beats_rtn_on_hessian_weighted_error(scheme: str, group: int, actor
     w, _, h = _layer()
     args = scheme_args(scheme, group, actorder)
     rtn = rtn_quantize(w, args, torch.float32)
-    gptq = gptq_quantize(w, h, args, block_size=32, scale_dtype=torch.float32, scales=scales)
+    gptq = gptq_quantize(
+        w, h, args, block_size=32, scale_dtype=torch.float32, scales=scales, keep_unrounded=True
+    )
     rtn_err = hessian_weighted_error(w, rtn.dequantize(), h)
     gptq_err = hessian_weighted_error(w, gptq.dequantized, h)
     assert gptq_err < 0.6 * rtn_err
@@ -150,6 +152,7 @@ def test_static_actorder_keeps_groups_in_original_column_order() -> None:
     expanded = qw.scale.repeat_interleave(32, dim=1)
     torch.testing.assert_close(qw.qweight.float() * expanded, result.dequantized, rtol=0, atol=1e-6)
     assert torch.all(result.dequantized[:, 7] == 0)  # the dead column
+    assert result.unrounded is None  # kept only when asked (refine.py)
 
 
 def test_scale_rounded_to_storage_dtype_and_rtn_sym_rule() -> None:
