@@ -200,7 +200,6 @@ def quantize(
     awq_clip: bool = False,
     loss_weighted_hessians: bool = False,
     refine_steps: int = 0,
-    refine_target: str = "layer",
 ) -> QuantizeReport:
     """Quantize `model` (HF directory, .gguf file, or None for the embedded SmolLM2).
 
@@ -234,8 +233,6 @@ def quantize(
     `refine_steps` (GPTQ or RTN, calibration data): after a layer's linears are rounded, that
     many signed-gradient steps on each weight's rounding against the float layer's output
     (`pagoda.quantizer.refine`), kept only where the layer's output error falls.
-    `refine_target`: "layer" (the float layer on the quantized model's inputs) or "float" (the
-    float model's hidden states after that layer, carried beside the quantized ones).
     """
     start = time.perf_counter()
     fp8 = scheme is not None and scheme.upper() in FP8_SCHEMES
@@ -254,10 +251,6 @@ def quantize(
         raise ValueError(
             "refine_steps applies to methods 'gptq' and 'rtn' of integer schemes with a dataset"
         )
-    if refine_target not in ("layer", "float"):
-        raise ValueError(f"refine_target must be 'layer' or 'float', got {refine_target!r}")
-    if refine_target != "layer" and not refine_steps:
-        raise ValueError("refine_target applies with refine_steps > 0")
     if awq_clip and method != "awq":
         raise ValueError(f"awq_clip applies to method 'awq', not {method!r}")
     if fp8 and format != "compressed-tensors":
@@ -446,7 +439,6 @@ def quantize(
         awq=AWQOptions(clip=awq_clip),
         format=format,
         refine_steps=refine_steps,
-        refine_target=refine_target,
     )
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     quantize_head = quantizes_lm_head(skeleton, ignore)

@@ -86,7 +86,6 @@ def _cmd_quantize(ns: argparse.Namespace) -> int:
         awq_clip=ns.awq_clip,
         loss_weighted_hessians=ns.loss_weighted_hessians,
         refine_steps=ns.refine_steps,
-        refine_target=ns.refine_target,
     )
     print(report.summary())
     print(f"wrote {ns.out}")
@@ -246,14 +245,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="GPTQ / RTN: N signed-gradient steps per layer moving codes to lower the layer's "
         "output error against the float layer (16 samples a step; default 0: off)",
-    )
-    q.add_argument(
-        "--refine-target",
-        choices=["layer", "float"],
-        default="layer",
-        help="what --refine-steps pulls each layer's output toward: 'layer' the float layer on "
-        "the same inputs (default), 'float' the float model's hidden states at that depth, so "
-        "a layer also makes up for the error of the layers before it",
     )
     q.add_argument(
         "--evaluate",

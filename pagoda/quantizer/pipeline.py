@@ -502,10 +502,6 @@ class PipelineOptions:
     awq: AWQOptions = AWQOptions()
     format: str = "compressed-tensors"  # or "autoawq" (AutoAWQ GEMM tensors)
     refine_steps: int = 0  # GPTQ / RTN: sign-gradient steps on the layer output (refine.py)
-    # what the refined layer's output is pulled toward: "layer" the float layer on the same
-    # (quantized-model) inputs; "float" the float model's own hidden states at that depth, so a
-    # layer also makes up for the rounding error of the layers before it
-    refine_target: str = "layer"
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -635,18 +631,13 @@ class CalibrationState:
                 hidden_states[i][v.rows] = v.embeds
         return cls(hidden_states, positions, vision)
 
-    def advance(self, layer: nn.Module, index: int) -> list[torch.Tensor]:
-        """Run decoder layer `index`: its outputs (plus DeepStack features) become the state.
-        Returns the layer's own outputs, before any DeepStack feature is added."""
+    def advance(self, layer: nn.Module, index: int) -> None:
+        """Run decoder layer `index`: its outputs (plus DeepStack features) become the state."""
         with torch.no_grad():
-            outputs = _run_layer(layer, self.hidden_states, self.positions)
-        self.hidden_states = list(outputs)
-        for i, v in enumerate(self.vision):
+            self.hidden_states = _run_layer(layer, self.hidden_states, self.positions)
+        for h, v in zip(self.hidden_states, self.vision):
             if v is not None and v.deepstack is not None and index < v.deepstack.shape[1]:
-                h = outputs[i].clone()
                 h[v.rows] += v.deepstack[:, index]  # Qwen3-VL: after the first layers
-                self.hidden_states[i] = h
-        return outputs
 
 
 def _module_name(model: nn.Module, target: nn.Module) -> str:
@@ -1186,10 +1177,6 @@ def quantize_layers(
         model, source, samples, mm_inputs or [], image_config, device, dtype
     )
     hidden_states, positions = state.hidden_states, state.positions
-    # --refine-target float: the float model's hidden states, carried beside the quantized ones
-    float_states = None
-    if options.refine_steps and options.refine_target == "float" and samples:
-        float_states = CalibrationState([h.clone() for h in hidden_states], positions, state.vision)
     compressed: dict[str, torch.Tensor] = {}
     decoder, decoder_name = decoder_of(model)
     layers = decoder.layers
@@ -1238,15 +1225,9 @@ def quantize_layers(
         inputs_amax.remove()
         kv_amax.remove()
         reference = None
-        float_outputs = None
-        if float_states is not None:  # the float model one layer on, before any rounding
-            float_outputs = float_states.advance(layer, index)
         if options.refine_steps and samples and not fp8 and not awq:
-            if float_outputs is not None:
-                reference = float_outputs
-            else:
-                with torch.no_grad():  # the float layer's outputs, before any weight is rounded
-                    reference = _run_layer(layer, hidden_states, positions)
+            with torch.no_grad():  # the float layer's outputs, before any weight is rounded
+                reference = _run_layer(layer, hidden_states, positions)
         if kv_cache_scales:
             attn_name = f"{decoder_name}.layers.{index}.self_attn"
             for key, tensor in kv_amax.scales("kv", options.storage_dtype).items():

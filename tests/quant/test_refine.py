@@ -84,50 +84,12 @@ def test_a_refinement_that_raises_the_error_is_discarded(tmp_path) -> None:
                 assert torch.equal(result[t.attr].qweight, t.quantized.qweight)
 
 
-def test_float_target_is_the_float_models_hidden_states(tmp_path) -> None:
-    """--refine-target float: layer l is pulled toward the float model's output of layer l on
-    the float model's own inputs (what transformers computes), not the float layer applied to
-    the quantized model's inputs."""
-    from transformers import AutoModelForCausalLM
-
-    src = _qwen2(tmp_path / "qwen2", 11, kv_heads=2, bias_std=0.5, outlier=12.0)
-    g = torch.Generator().manual_seed(SEED)
-    samples = [torch.randint(0, 384, (SEQ_LEN,), generator=g) for _ in range(NUM_SAMPLES)]
-    dense = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        hidden = [dense(s[None], output_hidden_states=True).hidden_states for s in samples]
-    seen: dict[str, list] = {"float": [], "layer": []}
-    real = pipeline.refine_layer
-    for target, calls in seen.items():
-
-        def spy(layer, targets, inputs, positions, reference, *args, calls=calls, **kwargs):
-            calls.append([r.clone() for r in reference])
-            return real(layer, targets, inputs, positions, reference, *args, **kwargs)
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(pipeline, "refine_layer", spy)
-            quantize(str(src), tmp_path / target, refine_steps=2, refine_target=target, **COMMON)
-    assert len(seen["float"]) == 4
-    for index in range(3):  # the last hidden state transformers returns is after the final norm
-        for i in range(NUM_SAMPLES):
-            want = hidden[i][index + 1][0]
-            torch.testing.assert_close(seen["float"][index][i], want, rtol=1e-4, atol=1e-4)
-    # layer 0 reads the embeddings either way; from layer 1 on the quantized model's inputs
-    # differ from the float model's, and so does the "layer" target
-    torch.testing.assert_close(seen["layer"][0][0], seen["float"][0][0])
-    for index in (1, 2):
-        gap = (seen["layer"][index][0] - hidden[0][index + 1][0]).abs().max()
-        assert gap > 1e-2, (index, float(gap))
-
-
 @pytest.mark.parametrize(
     "kwargs,match",
     [
         (dict(refine_steps=-1), "refine_steps must be >= 0"),
         (dict(refine_steps=4, method="awq"), "refine_steps applies to"),
         (dict(refine_steps=4, dataset=None, method="rtn"), "refine_steps applies to"),
-        (dict(refine_steps=4, refine_target="model"), "refine_target must be"),
-        (dict(refine_target="float"), "refine_target applies with refine_steps"),
     ],
 )
 def test_refine_steps_checked(kwargs, match, tmp_path) -> None:
