@@ -27,23 +27,13 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from pagoda import LLM, SamplingParams
-
-
-def timed(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+from pagoda.bench.common import wall_time_per_call as timed
 
 
 @contextlib.contextmanager

@@ -25,15 +25,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.common import copy_bandwidth
-
-
-def timed(fn, iters: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+from pagoda.bench.common import wall_time_per_call as timed
 
 
 def main() -> int:

@@ -28,44 +28,17 @@ kernels come to their floor.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
+import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-
-def graph_time(fn, calls: int = 20, iters: int = 20) -> float:
-    """Seconds per call of `fn`, captured `calls` times in one CUDA graph (no launch overhead)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (iters * calls)
-
-
-def timed(fn, iters: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
+from pagoda.bench.common import graph_time_per_call
+from pagoda.bench.common import wall_time_per_call as timed
 
 FORMATS = ("fp8", "w4a16")
 
@@ -83,7 +56,7 @@ def dense_peak_flops(dev: torch.device) -> float:
     """bf16 cuBLAS FLOP/s on an 8192^3 matmul: the practical dense peak."""
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    t = graph_time(lambda: a @ b, calls=5, iters=10)
+    t = graph_time_per_call(lambda i: a @ b, copies=5, replays=10, reps=3)
     return 2 * 8192**3 / t
 
 
@@ -94,6 +67,7 @@ def measure(ns: argparse.Namespace) -> dict:
 
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     peak = dense_peak_flops(dev)
     llm = LLM(
         ns.model,
@@ -142,10 +116,14 @@ def measure(ns: argparse.Namespace) -> dict:
         floors = dict.fromkeys(("bf16", *FORMATS), 0.0)
         shapes = []
         for (method, k, n), mods in groups.items():
-            mod = mods[0]
+            # copies of the module so a replay streams > 4x the L2 from HBM, as a decode step does
+            nbytes = sum(t.numel() * t.element_size() for t in mods[0].state_dict().values())
+            n_copies = max(1, min(64, math.ceil(4 * l2 / max(nbytes, 1))))
+            copies = [mods[0]] + [copy.deepcopy(mods[0]) for _ in range(n_copies - 1)]
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             with torch.inference_mode():
-                t = graph_time(lambda mod=mod, x=x: mod(x))
+                t = graph_time_per_call(lambda i, c=copies, x=x: c[i](x), n_copies, reps=3)
+            del copies
             linear_s += t * len(mods)
             flops = 2 * m * k * n
             for fmt in floors:

@@ -78,6 +78,18 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30, iters: int = 10)
     return 2 * n * 2 / t / 1  # elements * 2 bytes, read + write
 
 
+def wall_time_per_call(fn, iters: int) -> float:
+    """Seconds per call of `fn()` on CUDA, host work included: one warm-up call, then `iters`
+    calls between two synchronisations."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
 def graph_time_per_call(fn, copies: int, replays: int = 20, reps: int = 5) -> float:
     """Seconds per call of `fn(i)` for i in range(copies), all captured in one CUDA graph and
     replayed `replays` times (median of `reps` timings): back-to-back kernels as in a decode
