@@ -7,8 +7,8 @@ format measures, at each batch size B:
 - `step_s`: one decode step of B sequences with no host work (the engine's CUDA graph of the
   decoder replayed, then lm_head + argmax), at the context the last step of a short generation had;
 - `linear_s`: every linear layer of the decoder at B rows (the graph's row count), each module
-  timed as a CUDA graph of 20 calls (FP8's input quantization launch included), summed with its
-  multiplicity;
+  timed in a CUDA graph over copies of it that stream > 4x the L2 from HBM, as a decode step
+  does (FP8's input quantization launch included), summed with its multiplicity;
 - `other_s = step_s - linear_s`: the part the weight format does not touch;
 - per format, each linear's floor: the larger of its weight bytes over the copy bandwidth (FP8:
   e4m3 codes + a float32 scale a channel; W4A16: 4-bit codes + a bf16 scale a group of 128) and its
